@@ -1,0 +1,485 @@
+"""OpenAI API request/response models, as radixserve's HTTP server speaks them.
+
+Requests are parsed "strict-ish": unknown fields are ignored (OpenAI clients
+send many we don't use), but a wrong type is an error rather than silently
+coerced ("abc" or "5" for max_tokens, a string temperature). Numeric ranges
+that the engine owns (temperature, top_p, penalties, ...) are validated by
+`engine.SamplingParams`; here we only check what the HTTP layer itself needs.
+
+This module deliberately does not import `engine`: `to_sampling_kwargs`
+returns a plain dict of SamplingParams field names, and the caller builds
+`SamplingParams(**kwargs)` (turning its ValueError into a 400).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+
+Prompt = str | list[int]  # one prompt after batch normalisation
+FinishReason = Literal["stop", "length", "abort"]
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class _Request(BaseModel):
+    """Base of request models: wrong types fail, unknown fields are dropped."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --------------------------------------------------------------------------
+# Request pieces shared by both endpoints
+# --------------------------------------------------------------------------
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields with the same meaning on /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    # SGLang extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    regex: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    ebnf: str | None = None
+    skip_special_tokens: bool | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response should end with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+# Request field name -> SamplingParams field name, copied only when not None.
+_PASSTHROUGH = (
+    "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k",
+    "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "regex", "json_schema",
+    "ebnf", "skip_special_tokens",
+)
+
+
+def _common_sampling_kwargs(req: _SamplingFields) -> dict[str, Any]:
+    kwargs = {name: getattr(req, name) for name in _PASSTHROUGH if getattr(req, name) is not None}
+    if req.stop is not None:
+        kwargs["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    return kwargs
+
+
+# --------------------------------------------------------------------------
+# /v1/completions
+# --------------------------------------------------------------------------
+
+_PROMPT_TYPE_MSG = (
+    "prompt must be a string, a list of token ids, a list of strings, "
+    "or a list of token-id lists"
+)
+
+
+def _is_token_ids(value: object) -> bool:
+    # bool is an int subclass; `true` is not a token id.
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    )
+
+
+class CompletionRequest(_SamplingFields):
+    # Validated by `_check_prompt` (one clear message instead of an error per union branch).
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _check_prompt(cls, value: object) -> object:
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not value:
+            raise ValueError(_PROMPT_TYPE_MSG + " (and must not be empty)")
+        if _is_token_ids(value) or all(isinstance(p, str) for p in value):
+            return list(value)
+        if all(_is_token_ids(p) and p for p in value):
+            return [list(p) for p in value]
+        raise ValueError(_PROMPT_TYPE_MSG + "; token ids must be non-negative integers")
+
+    @field_validator("echo")
+    @classmethod
+    def _reject_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo=true is not supported by this server")
+        return value
+
+    def prompts(self) -> list[Prompt]:
+        """The batch of prompts; each gets its own `n` choices, in order."""
+        p = self.prompt
+        if isinstance(p, str) or _is_token_ids(p):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------
+# /v1/chat/completions
+# --------------------------------------------------------------------------
+
+Role = Literal["system", "user", "assistant", "tool", "developer"]
+
+
+class TextContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageParam(_Request):
+    """One input message. Only text content is supported."""
+
+    role: Role
+    # None is allowed for assistant turns that only carried tool calls.
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: object) -> object:
+        # Give one readable error for image/audio parts instead of pydantic's per-branch noise.
+        if isinstance(value, list):
+            for i, part in enumerate(value):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(
+                        f"content part {i} has type {kind!r}; only 'text' parts are supported"
+                    )
+        return value
+
+    def text(self) -> str:
+        """Content flattened to a string (text parts joined, as OpenAI does)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+    def as_template_dict(self) -> dict[str, str]:
+        """{role, content} as chat templates (HF apply_chat_template) expect."""
+        return {"role": self.role, "content": self.text()}
+
+
+class JsonSchemaFormat(_Request):
+    name: str = "schema"
+    description: str | None = None
+    # `schema` would shadow BaseModel.schema(), hence the alias.
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    # One flat model rather than a tagged union so errors have plain locations.
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_needed(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format.json_schema is required when type is 'json_schema'")
+        return self
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        wants_format = self.response_format is not None and self.response_format.type != "text"
+        constraints = [self.regex, self.json_schema, self.ebnf]
+        if wants_format and any(c is not None for c in constraints):
+            raise ValueError("response_format cannot be combined with regex, json_schema or ebnf")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens (the newer name) wins over max_tokens."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# --------------------------------------------------------------------------
+# Mapping to engine.SamplingParams
+# --------------------------------------------------------------------------
+
+
+def completion_sampling_kwargs(req: CompletionRequest) -> dict[str, Any]:
+    kwargs = _common_sampling_kwargs(req)
+    kwargs["max_tokens"] = req.max_tokens
+    if req.logprobs is not None:
+        # Completions API: logprobs=k means "sampled token + k alternatives"; 0 is just the sampled one.
+        kwargs["logprobs"] = True
+        kwargs["top_logprobs"] = req.logprobs
+    return kwargs
+
+
+def chat_sampling_kwargs(
+    req: ChatCompletionRequest, default_max_tokens: int | None = None
+) -> dict[str, Any]:
+    kwargs = _common_sampling_kwargs(req)
+    max_tokens = req.requested_max_tokens
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    if max_tokens is not None:  # else SamplingParams' own default applies
+        kwargs["max_tokens"] = max_tokens
+    if req.logprobs:
+        kwargs["logprobs"] = True
+        kwargs["top_logprobs"] = req.top_logprobs or 0
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        kwargs["json_object"] = True
+    elif fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
+        kwargs["json_schema"] = fmt.json_schema.schema_
+    return kwargs
+
+
+def to_sampling_kwargs(
+    req: CompletionRequest | ChatCompletionRequest, default_max_tokens: int | None = None
+) -> dict[str, Any]:
+    """Keyword arguments for `engine.SamplingParams(**kwargs)`.
+
+    Only fields the client actually set are included, so engine defaults apply
+    otherwise. `default_max_tokens` is used by chat requests that give neither
+    max_tokens nor max_completion_tokens (e.g. the context length left over);
+    completions always carry max_tokens (OpenAI's default is 16).
+    """
+    if isinstance(req, ChatCompletionRequest):
+        return chat_sampling_kwargs(req, default_max_tokens)
+    return completion_sampling_kwargs(req)
+
+
+# --------------------------------------------------------------------------
+# Responses: shared
+# --------------------------------------------------------------------------
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def build(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+
+def token_bytes(token: str) -> list[int]:
+    """UTF-8 bytes of a token string, as the chat logprobs `bytes` field wants."""
+    return list(token.encode("utf-8", errors="surrogatepass"))
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "radixserve"
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+# --------------------------------------------------------------------------
+# Responses: /v1/completions
+# --------------------------------------------------------------------------
+
+
+class CompletionLogprobs(_Response):
+    """Completions-API logprobs: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(_Response):
+    id: str = Field(default_factory=lambda: _new_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamChoice(_Response):
+    index: int
+    text: str = ""
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionStreamResponse(_Response):
+    """One SSE chunk; reuse the same id/created across a stream."""
+
+    id: str = Field(default_factory=lambda: _new_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionStreamChoice] = Field(default_factory=list)
+    usage: UsageInfo | None = None
+
+
+# --------------------------------------------------------------------------
+# Responses: /v1/chat/completions
+# --------------------------------------------------------------------------
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+    @classmethod
+    def build(
+        cls, token: str, logprob: float, top: list[tuple[str, float]] | None = None
+    ) -> ChatTokenLogprob:
+        alternatives = [TopLogprob(token=t, logprob=lp, bytes=token_bytes(t)) for t, lp in top or []]
+        return cls(token=token, logprob=logprob, bytes=token_bytes(token), top_logprobs=alternatives)
+
+
+class ChatChoiceLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(_Response):
+    index: int
+    message: ChatMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str = Field(default_factory=lambda: _new_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # OpenAI omits absent delta fields ({} on the final chunk) rather than sending nulls.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(_Response):
+    index: int
+    delta: DeltaMessage = Field(default_factory=DeltaMessage)
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionStreamResponse(_Response):
+    """One SSE chunk; reuse the same id/created across a stream."""
+
+    id: str = Field(default_factory=lambda: _new_id("chatcmpl"))
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionStreamChoice] = Field(default_factory=list)
+    usage: UsageInfo | None = None
+
+
+# --------------------------------------------------------------------------
+# Server-sent events
+# --------------------------------------------------------------------------
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_event(chunk: BaseModel | dict[str, Any]) -> str:
+    """Format one chunk as an SSE `data:` event."""
+    if isinstance(chunk, BaseModel):
+        payload = chunk.model_dump_json(by_alias=True)
+    else:
+        payload = json.dumps(chunk, separators=(",", ":"))
+    return f"data: {payload}\n\n"

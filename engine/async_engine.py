@@ -1,0 +1,193 @@
+"""AsyncEngine: the step loop on a background thread, streaming to asyncio callers.
+
+Callers (any event loop, any thread) submit commands; the engine thread owns all engine
+state and applies commands between steps, so the scheduler never needs a lock. Each
+request's deltas travel back through an asyncio.Queue of the caller's loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from engine.config import EngineConfig
+from engine.engine import Engine, QueueFullError, TokenUpdate, feed_detokenizer
+from engine.outputs import StreamDelta
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStepError(RuntimeError):
+    """A step failed; the requests in it were ended, the engine lives on."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, engine: Engine | None = None) -> None:
+        self.engine = engine or Engine(config)
+        self.config = self.engine.config
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # -- public API ---------------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[StreamDelta]:
+        """Stream deltas of one request; leaving the iteration early aborts it."""
+        prompt_ids = self.engine.tokenize_prompt(prompt)
+        self.engine.validate(prompt_ids, params)
+        limit = self.config.max_queued_requests
+        if limit and self.num_waiting >= limit:
+            raise QueueFullError(f"engine queue is full ({limit} waiting)")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._commands.put(lambda: self._add(request_id, prompt_ids, params))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(lambda: self.engine.abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request and wait until its KV slots are back in the pool."""
+        await self.call(lambda engine: self._abort(request_id))
+
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread between steps and return its result."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(self.engine)
+                loop.call_soon_threadsafe(_set_result, fut, result)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                loop.call_soon_threadsafe(_set_exception, fut, e)
+
+        self._commands.put(run)
+        return await fut
+
+    async def stats(self) -> dict:
+        return await self.call(lambda engine: engine.stats())
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting)
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._commands.put(lambda: None)
+        self._thread.join(timeout=10)
+
+    # -- engine thread ------------------------------------------------------------------
+
+    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if request_id not in self._streams:
+            return  # the caller left before we got here
+        try:
+            self.engine.add_request(request_id, prompt_ids, params)
+        except (ValueError, QueueFullError) as e:
+            self._push(request_id, e)
+
+    def _abort(self, request_id: str) -> None:
+        req = self.engine.abort(request_id)
+        if req is not None:
+            self._push(request_id, self._delta(req, [], True))
+
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            self._drain_commands(block=not self.engine.has_work)
+            if self._stopped.is_set() or not self.engine.has_work:
+                continue
+            try:
+                updates = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - a bad step must not kill the engine
+                logger.exception("engine step failed")
+                self._fail_running(e)
+                continue
+            for update in updates:
+                self._publish(update)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            try:
+                cmd()
+            except Exception:  # noqa: BLE001
+                logger.exception("engine command failed")
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _publish(self, update: TokenUpdate) -> None:
+        req = update.req
+        if update.finished:
+            self.engine.requests.pop(req.request_id, None)
+        if req.request_id in self._streams:
+            self._push(req.request_id, self._delta(req, update.new_tokens, update.finished))
+
+    def _delta(self, req: Request, new_tokens: list[int], finished: bool) -> StreamDelta:
+        feed_detokenizer(req)
+        n = len(new_tokens)
+        return StreamDelta(
+            request_id=req.request_id, token_ids=new_tokens,
+            text=req.detok.take_delta(final=finished), finished=finished,
+            finish_reason=req.finish_reason if finished else None,
+            prompt_tokens=req.num_prompt, cached_tokens=req.cached_tokens,
+            completion_tokens=req.num_output,
+            logprobs=req.output_logprobs[len(req.output_logprobs) - n:] if req.params.logprobs and n else None,
+            top_logprobs=(req.output_top_logprobs[len(req.output_top_logprobs) - n:]
+                          if req.params.top_logprobs and n else None))
+
+    def _fail_running(self, error: Exception) -> None:
+        for req in list(self.engine.scheduler.running):
+            self.engine.abort(req.request_id)
+            self._push(req.request_id, EngineStepError(f"engine step failed: {error}"))
+
+    def _push(self, request_id: str, item: StreamDelta | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, error: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(error)

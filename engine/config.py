@@ -1,0 +1,82 @@
+"""Engine configuration: one plain dataclass, validated once at construction."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    """Everything that shapes one engine instance.
+
+    The KV pool is sized by `max_total_tokens` when given, otherwise by
+    `mem_fraction_static` of the device memory left after loading weights.
+    """
+
+    model: str = ""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
+    device: str = "auto"  # "cpu", "cuda", "cuda:1", or "auto" (cuda when available)
+    load_format: Literal["safetensors", "dummy"] = "safetensors"
+    seed: int = 0
+    tokenizer: str | None = None  # defaults to `model`
+
+    # Scheduling
+    max_running_requests: int = 256
+    chunked_prefill_size: int = 2048  # max new prompt tokens per step; <= 0 disables chunking
+    max_prefill_tokens: int = 16384  # token budget of one step's prefill part
+    max_queued_requests: int = 0  # 0 = unbounded; above it `add_request` raises QueueFullError
+    enable_radix_cache: bool = True
+    schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
+
+    # Memory
+    max_total_tokens: int | None = None  # KV slots in the pool
+    mem_fraction_static: float = 0.85
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+
+    # Kernels
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    enable_cuda_graph: bool = True
+    cuda_graph_max_bs: int = 256
+    enable_overlap_schedule: bool = True
+
+    # Parallelism
+    tp_size: int = 1
+
+    # Structured output
+    grammar_backend: Literal["xgrammar", "llguidance", "none"] = "xgrammar"
+    enable_jump_forward: bool = True
+
+    # Router support: record radix-cache insert/evict events for a replica's cache digest.
+    enable_cache_events: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES + ("auto",):
+            raise ValueError(f"dtype must be one of {DTYPES + ('auto',)}, got {self.dtype!r}")
+        if self.load_format not in ("safetensors", "dummy"):
+            raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+        if self.max_total_tokens is not None and self.max_total_tokens < 2:
+            raise ValueError("max_total_tokens must be >= 2")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError("mem_fraction_static must be in (0, 1)")
+        if self.tp_size < 1:
+            raise ValueError("tp_size must be >= 1")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown engine setting(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"

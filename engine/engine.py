@@ -1,0 +1,221 @@
+"""The step loop (`Engine`), its asyncio front (`AsyncEngine`) and the offline facade (`LLM`)."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from engine.radix_cache import RadixCache
+from engine.request import Request, Status
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, StepPlan
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The engine's waiting queue is over `max_queued_requests`; retry later."""
+
+
+@dataclass
+class TokenUpdate:
+    """One request's progress in one step: the tokens it gained (0 or 1)."""
+
+    req: Request
+    new_tokens: list[int]
+    finished: bool
+
+
+class Engine:
+    """Single-threaded core: add requests, call `step()` until they finish."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = Tokenizer(config.tokenizer or config.model)
+        self.runner = ModelRunner(config)
+        self.max_context = self.runner.max_context
+        allocator = self.runner.kv_pool.allocator
+        self.cache = RadixCache(allocator, enabled=config.enable_radix_cache,
+                                record_events=config.enable_cache_events)
+        self.scheduler = Scheduler(config, allocator, self.cache)
+        self.sampler = Sampler(self.runner.device, config.seed)
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+
+    # -- requests -----------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request that can never run; touches no state."""
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.runner.vocab_size
+        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_context:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"= {total} exceeds the model's context length of {self.max_context}")
+        if total > self.runner.kv_pool.num_slots:
+            raise ValueError(f"prompt + max_tokens = {total} tokens exceeds the KV pool "
+                             f"({self.runner.kv_pool.num_slots} tokens)")
+        if params.has_constraint:
+            raise ValueError("regex / json_schema / ebnf / json_object are not supported yet")
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+        prompt_ids = self.tokenize_prompt(prompt)
+        self.validate(prompt_ids, params)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        limit = self.config.max_queued_requests
+        if limit and len(self.scheduler.waiting) >= limit:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting (limit {limit})")
+        req = Request(request_id, prompt_ids, params)
+        req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop,
+                                           params.skip_special_tokens)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.is_finished:
+            self.scheduler.abort(req)
+        return req
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def step(self) -> list[TokenUpdate]:
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return []
+        self.num_steps += 1
+        logits = self.runner.forward(plan)
+        return self._process(plan, logits)
+
+    def _process(self, plan: StepPlan, logits) -> list[TokenUpdate]:
+        sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
+        reqs = [plan.chunks[i].req for i in sampling]
+        out = self.sampler.sample(logits[sampling], reqs) if sampling else None
+        updates = []
+        for chunk in plan.chunks:
+            if chunk.num_tokens > 1:  # a prefill chunk: share its KV with later arrivals
+                self.scheduler.cache_prefix(chunk.req)
+        for j, req in enumerate(reqs):
+            if req.status is not Status.RUNNING:
+                continue
+            token = out.token_ids[j]
+            req.token_ids.append(token)
+            if out.logprobs is not None:
+                req.output_logprobs.append(out.logprobs[j])
+            if out.top_logprobs is not None:
+                req.output_top_logprobs.append(out.top_logprobs[j])
+            self.scheduler.stats.generated_tokens += 1
+            reason = self._finish_reason(req, token)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+            updates.append(TokenUpdate(req, [token], reason is not None))
+        return updates
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
+            return "stop"
+        if token in p.stop_token_ids:
+            return "stop"
+        if p.stop:
+            feed_detokenizer(req)
+            if req.detok.stopped:
+                return "stop"
+        if req.num_output >= p.max_tokens or len(req.token_ids) >= self.max_context:
+            return "length"
+        return None
+
+    # -- reporting ----------------------------------------------------------------------
+
+    def output_of(self, req: Request) -> RequestOutput:
+        feed_detokenizer(req)
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_ids, token_ids=req.output_ids,
+            text=req.detok.text, finish_reason=req.finish_reason, cached_tokens=req.cached_tokens,
+            logprobs=req.output_logprobs if req.params.logprobs else None,
+            top_logprobs=req.output_top_logprobs if req.params.top_logprobs else None)
+
+    def stats(self) -> dict:
+        s = self.scheduler.stats
+        pool = self.runner.kv_pool
+        return {
+            "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
+            "generated_tokens": s.generated_tokens, "preemptions": s.preemptions,
+            "cache_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+            "free_slots": pool.allocator.num_free, "total_slots": pool.num_slots,
+            "cached_slots": self.cache.total_size, "evictable_slots": self.cache.evictable_size,
+            "kv_usage": 1.0 - (pool.allocator.num_free + self.cache.evictable_size) / pool.num_slots,
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "finished_requests": s.finished_requests, "aborted_requests": s.aborted_requests,
+            "steps": self.num_steps,
+        }
+
+
+def feed_detokenizer(req: Request) -> None:
+    """Bring the request's detokenizer up to its tokens. Output text is decoded lazily,
+    off the step loop, except for requests with stop strings."""
+    detok = req.detok
+    outputs = req.output_ids
+    while detok.num_fed < len(outputs):
+        detok.add(outputs[detok.num_fed])
+
+
+class LLM:
+    """Offline batch generation: `LLM(model=...).generate(prompts, params)`."""
+
+    def __init__(self, model: str = "", **kwargs) -> None:
+        self.engine = Engine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self._next_id = 0
+
+    def generate(self, prompts: list[str] | list[list[int]] | str,
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        all_params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(all_params) != len(prompts):
+            raise ValueError("need one SamplingParams per prompt")
+        ids = [self._tokenize_and_check(p, sp) for p, sp in zip(prompts, all_params)]
+        reqs = []
+        for prompt_ids, sp in zip(ids, all_params):
+            self._next_id += 1
+            reqs.append(self.engine.add_request(f"offline-{self._next_id}", prompt_ids, sp))
+        while self.engine.has_work:
+            self.engine.step()
+        outputs = [self.engine.output_of(r) for r in reqs]
+        for r in reqs:
+            self.engine.requests.pop(r.request_id, None)
+        return outputs
+
+    def _tokenize_and_check(self, prompt, params: SamplingParams) -> list[int]:
+        # Validate the whole batch before queueing any of it.
+        ids = self.engine.tokenize_prompt(prompt)
+        self.engine.validate(ids, params)
+        return ids
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer

@@ -1,0 +1,12 @@
+"""Model building blocks, written once for tensor parallelism (dense at tp size 1)."""
+from engine.layers.activation import SiluAndMul
+from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                                  ReplicatedLinear, RowParallelLinear)
+from engine.layers.norm import RMSNorm
+from engine.layers.parallel import TPContext
+from engine.layers.rotary import RotaryEmbedding, get_rope
+
+__all__ = ["ColumnParallelLinear", "MergedColumnParallelLinear", "ParallelLMHead", "QKVParallelLinear",
+           "ReplicatedLinear", "RMSNorm", "RotaryEmbedding", "RowParallelLinear", "SiluAndMul",
+           "TPContext", "VocabParallelEmbedding", "get_rope"]

@@ -1,0 +1,164 @@
+"""Linear layers, plain or split across tensor-parallel ranks (Megatron style).
+
+Column parallel splits the output features (each rank computes a slice of the outputs);
+row parallel splits the input features (each rank computes a partial sum, all-reduced).
+Parameters are created with the ambient default dtype and device, and each parameter
+carries a `weight_loader` that copies this rank's shard out of a full checkpoint tensor.
+At tp size 1 every layer is one `F.linear` call.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.parallel import Loadable, TPContext, copy_into, divide, materialize, narrow
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class LinearBase(nn.Module):
+    """Holds a [out_local, in_local] weight and optional [out_local] bias."""
+
+    def __init__(self, in_local: int, out_local: int, bias: bool, tp: TPContext | None) -> None:
+        super().__init__()
+        self.tp = tp or TPContext()
+        self.weight = _param(out_local, in_local)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = _param(out_local)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loadable) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """The full layer on every rank."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp: TPContext | None = None) -> None:
+        super().__init__(input_size, output_size, bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loadable) -> None:
+        copy_into(param, materialize(loaded))
+
+
+class ColumnParallelLinear(LinearBase):
+    """Y = X W^T with W's rows (output features) split across ranks.
+
+    Each rank returns its slice of the outputs, unless `gather_output` concatenates them.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp: TPContext | None = None, gather_output: bool = False) -> None:
+        tp = tp or TPContext()
+        self.output_size_per_rank = divide(output_size, tp.size, "output size")
+        super().__init__(input_size, self.output_size_per_rank, bias, tp)
+        self.gather_output = gather_output
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loadable) -> None:
+        n = self.output_size_per_rank
+        copy_into(param, narrow(loaded, 0, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather_output and self.tp.size > 1:
+            y = self.tp.all_gather(y, dim=-1)
+        return y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel layers with the same input fused into one matmul (gate/up).
+
+    Each rank's weight is [shard_0 slice of this rank; shard_1 slice of this rank; ...], so
+    the outputs split into the per-shard pieces locally, without communication.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 tp: TPContext | None = None) -> None:
+        tp = tp or TPContext()
+        self.local_sizes = [divide(s, tp.size, "output size") for s in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loadable, shard_id: int) -> None:
+        n = self.local_sizes[shard_id]
+        offset = sum(self.local_sizes[:shard_id])
+        copy_into(param.narrow(0, offset, n), narrow(loaded, 0, self.tp.rank * n, n))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The q, k and v projections in one matmul, split by attention heads.
+
+    Query heads divide across ranks. KV heads divide too while there are at least as many as
+    ranks; with more ranks than KV heads each rank keeps one KV head, replicated on
+    `size // num_kv_heads` consecutive ranks (GQA groups stay on the rank of their queries).
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, tp: TPContext | None = None) -> None:
+        tp = tp or TPContext()
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp.size, "number of attention heads")
+        if tp.size >= num_kv_heads:
+            replicas = divide(tp.size, num_kv_heads, "(as KV-head count) tp size")
+            self.num_kv_heads = 1
+            self.kv_head_start = tp.rank // replicas
+        else:
+            self.num_kv_heads = divide(num_kv_heads, tp.size, "number of KV heads")
+            self.kv_head_start = tp.rank * self.num_kv_heads
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        total = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp.size
+        super().__init__(hidden_size, total, bias, tp)
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loadable, shard_id: str) -> None:
+        if shard_id == "q":
+            offset, size, start = 0, self.q_size, self.tp.rank * self.q_size
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size, start = self.kv_size, self.kv_head_start * self.head_dim
+        else:
+            raise ValueError(f"unknown qkv shard {shard_id!r}")
+        copy_into(param.narrow(0, offset, size), narrow(loaded, 0, start, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Y = X W^T with W's columns (input features) split: X comes in already split by
+    rank (the output of a column-parallel layer), partial sums are all-reduced, then the
+    bias (kept whole on every rank) is added once."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp: TPContext | None = None, reduce_results: bool = True) -> None:
+        tp = tp or TPContext()
+        self.input_size_per_rank = divide(input_size, tp.size, "input size")
+        super().__init__(self.input_size_per_rank, output_size, bias, tp)
+        self.reduce_results = reduce_results
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loadable) -> None:
+        if param is self.bias:
+            copy_into(param, materialize(loaded))
+            return
+        n = self.input_size_per_rank
+        copy_into(param, narrow(loaded, 1, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            y = self.tp.all_reduce(y)
+        # Unreduced partial sums get the bias on one rank only, so the later sum adds it once.
+        if self.bias is not None and (self.reduce_results or self.tp.rank == 0):
+            y = y + self.bias
+        return y

@@ -1,0 +1,87 @@
+"""Rotary position embedding (GPT-NeoX "rotate half" layout, as HF Llama/Qwen).
+
+cos/sin for every position up to `max_position` are precomputed once in float32; a step
+gathers the rows of its tokens' positions, so ragged batches need no per-request work.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters(hf_config: Any) -> dict:
+    """The config's RoPE settings as one dict with `rope_type` and `rope_theta`.
+
+    transformers 5 keeps them in `rope_parameters`; older configs in `rope_scaling` (None
+    for plain RoPE) plus a top-level `rope_theta`.
+    """
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if params["rope_type"] == "llama3":
+        params.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
+    return params
+
+
+def inverse_frequencies(rotary_dim: int, params: dict) -> torch.Tensor:
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    kind = params["rope_type"]
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(params["factor"])
+    if kind == "llama3":
+        return _llama3_scale(inv_freq, params)
+    raise NotImplementedError(f"rope_type {kind!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
+
+
+def _llama3_scale(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    """Llama 3.1 long-context scaling: long wavelengths are slowed by `factor`, short ones
+    kept, and the band in between interpolated smoothly."""
+    factor = float(params["factor"])
+    low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    old_len = float(params["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, params: dict,
+                 rotary_dim: int | None = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
+        inv_freq = inverse_frequencies(self.rotary_dim, params)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        # [max_position, rotary_dim]: cos in the first half, sin in the second.
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        self.register_buffer("cos_sin_cache", cache.to(device=torch.get_default_device()),
+                             persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] rotated by their tokens' positions [T]."""
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(-2).chunk(2, dim=-1)  # [T, 1, rd/2]
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
+        x1, x2 = rot.float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+
+
+def get_rope(hf_config: Any, head_dim: int) -> RotaryEmbedding:
+    params = rope_parameters(hf_config)
+    rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    return RotaryEmbedding(head_dim, hf_config.max_position_embeddings, params, rotary_dim)

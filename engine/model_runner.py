@@ -1,0 +1,134 @@
+"""Owns the model, the KV pool and the request-to-token table; turns a StepPlan into
+batch tensors and runs the forward."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.attention.base import ForwardBatch
+from engine.config import EngineConfig
+from engine.kv_pool import KVPool
+from engine.layers.parallel import TPContext
+from engine.models import load_hf_config, load_model, resolve_device, resolve_dtype
+from engine.models.llama import head_dim_of
+from engine.scheduler import StepPlan
+
+logger = logging.getLogger(__name__)
+
+_CPU_DEFAULT_SLOTS = 16384
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, tp: TPContext | None = None) -> None:
+        self.config = config
+        self.tp = tp or TPContext()
+        self.hf_config = load_hf_config(config.model)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
+        torch.manual_seed(config.seed)
+        self.model = load_model(config.model, dtype=self.dtype, device=self.device,
+                                load_format=config.load_format, seed=config.seed, tp=self.tp,
+                                hf_config=self.hf_config)
+        self.vocab_size = self.hf_config.vocab_size
+        self.max_context = config.max_model_len or self.hf_config.max_position_embeddings
+        self.kv_pool = self._make_kv_pool()
+        # Row r holds the slots of running request r's tokens; row 0 is for padding.
+        self.req_to_token = torch.zeros((config.max_running_requests + 1, self.max_context),
+                                        dtype=torch.int32, device=self.device)
+        self.attn_backend = self._make_attention_backend()
+        self.model.set_attention_backend(self.attn_backend)
+
+    # -- setup --------------------------------------------------------------------------
+
+    def _kv_shape(self) -> tuple[int, int, int]:
+        cfg = self.hf_config
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        local_kv_heads = max(1, kv_heads // self.tp.size)
+        return cfg.num_hidden_layers, local_kv_heads, head_dim_of(cfg)
+
+    def _make_kv_pool(self) -> KVPool:
+        layers, kv_heads, head_dim = self._kv_shape()
+        per_token = KVPool.bytes_per_token(layers, kv_heads, head_dim, self.dtype)
+        num_slots = self.config.max_total_tokens or self._slots_from_memory(per_token)
+        logger.info("KV pool: %d slots (%.1f MiB)", num_slots, num_slots * per_token / 2**20)
+        return KVPool(num_slots, layers, kv_heads, head_dim, self.dtype, self.device)
+
+    def _slots_from_memory(self, per_token: int) -> int:
+        if self.device.type != "cuda":
+            return _CPU_DEFAULT_SLOTS
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        budget = total * self.config.mem_fraction_static - used
+        if budget <= per_token * 1024:
+            raise ValueError(f"mem_fraction_static={self.config.mem_fraction_static} leaves no "
+                             f"room for the KV cache ({used / 2**30:.1f} GiB already in use)")
+        return int(budget // per_token)
+
+    def _make_attention_backend(self):
+        name = self.config.attention_backend
+        if name == "auto":
+            name = "triton" if self.device.type == "cuda" else "torch"
+        scale = head_dim_of(self.hf_config) ** -0.5
+        if name == "triton":
+            from engine.attention.triton_backend import TritonAttentionBackend
+
+            return TritonAttentionBackend(self.kv_pool, scale)
+        from engine.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend(self.kv_pool, scale)
+
+    # -- per step -----------------------------------------------------------------------
+
+    def build_batch(self, plan: StepPlan) -> ForwardBatch:
+        """Flatten the plan's chunks into one ragged batch; bring device rows up to date."""
+        ids, positions, out_slots = [], [], []
+        rows, seq_lens, extend_lens, logits_idx = [], [], [], []
+        sync_rows, sync_cols, sync_slots = [], [], []
+        t = 0
+        for chunk in plan.chunks:
+            req, start, n = chunk.req, chunk.start, chunk.num_tokens
+            end = start + n
+            ids += req.token_ids[start:end]
+            positions += range(start, end)
+            out_slots += req.slots[start:end]
+            if req.row_synced < end:
+                sync_rows += [req.row] * (end - req.row_synced)
+                sync_cols += range(req.row_synced, end)
+                sync_slots += req.slots[req.row_synced:end]
+                req.row_synced = end
+            rows.append(req.row)
+            seq_lens.append(end)
+            extend_lens.append(n)
+            t += n
+            logits_idx.append(t - 1)
+        dev = self.device
+        if sync_rows:
+            self.req_to_token[_tensor(sync_rows, torch.long, dev),
+                              _tensor(sync_cols, torch.long, dev)] = _tensor(sync_slots, torch.int32, dev)
+        qo_indptr = [0]
+        for n in extend_lens:
+            qo_indptr.append(qo_indptr[-1] + n)
+        return ForwardBatch(
+            input_ids=_tensor(ids, torch.long, dev), positions=_tensor(positions, torch.long, dev),
+            out_slots=_tensor(out_slots, torch.long, dev), req_rows=_tensor(rows, torch.long, dev),
+            seq_lens=_tensor(seq_lens, torch.int32, dev),
+            extend_lens=_tensor(extend_lens, torch.int32, dev),
+            qo_indptr=_tensor(qo_indptr, torch.int32, dev),
+            logits_indices=_tensor(logits_idx, torch.long, dev), req_to_token=self.req_to_token,
+            is_decode=plan.is_decode, seq_lens_cpu=seq_lens, extend_lens_cpu=extend_lens)
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """Logits [num_chunks, vocab] (float32) of each chunk's last new token."""
+        batch = self.build_batch(plan)
+        self.attn_backend.prepare(batch)
+        hidden = self.model(batch)
+        return self.model.compute_logits(hidden[batch.logits_indices])
+
+
+def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

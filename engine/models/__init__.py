@@ -1,0 +1,106 @@
+"""Model registry and loading: HF config -> our model class -> weights (or dummy init)."""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.layers.parallel import TPContext
+from engine.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float": torch.float32, "half": torch.float16}
+
+
+def get_model_class(hf_config: Any) -> type[nn.Module]:
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in MODEL_CLASSES:
+            return MODEL_CLASSES[arch]
+    raise ValueError(f"unsupported model architecture(s) {archs or '(none in config.json)'}; "
+                     f"supported: {', '.join(MODEL_CLASSES)}")
+
+
+def load_hf_config(model_dir: str) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: str | torch.device) -> torch.dtype:
+    """An explicit dtype is kept. "auto" is the checkpoint's dtype on GPUs, but float32 on the
+    CPU, where bfloat16/float16 matmuls are slow."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+        return _DTYPES[dtype]
+    if resolve_device(device).type == "cpu":
+        return torch.float32
+    config_dtype = getattr(hf_config, "dtype", None) or vars(hf_config).get("torch_dtype")
+    if isinstance(config_dtype, str):
+        config_dtype = _DTYPES.get(config_dtype)
+    return config_dtype or torch.bfloat16
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    # Layers allocate parameters with the ambient default dtype: set it for the build only.
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(model_dir: str, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
+               load_format: str = "safetensors", seed: int = 0, tp: TPContext | None = None,
+               hf_config: Any = None) -> nn.Module:
+    """Build the model for `model_dir`'s config.json directly on `device` in `dtype`, then
+    fill it from the safetensors shards (this rank's slices only) or with dummy weights."""
+    from engine.weights import dummy_init_, iterate_safetensors
+
+    tp = tp or TPContext()
+    hf_config = hf_config if hf_config is not None else load_hf_config(model_dir)
+    model_cls = get_model_class(hf_config)
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, hf_config, device)
+    with _default_dtype(torch_dtype), device:
+        model = model_cls(hf_config, None, tp)
+    if load_format == "dummy":
+        dummy_init_(model, seed)
+    elif load_format == "safetensors":
+        loaded = model.load_weights(iterate_safetensors(model_dir, lazy=tp.size > 1))
+        missing = model.missing_weights(loaded)
+        if missing:
+            raise ValueError(f"checkpoint in {model_dir} lacks weights: {', '.join(missing[:8])}"
+                             + (" ..." if len(missing) > 8 else ""))
+    else:
+        raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {load_format!r}")
+    logger.info("loaded %s (%s, %s) from %s", model_cls.__name__, torch_dtype, device, model_dir)
+    return model.eval()
+
+
+__all__ = ["LlamaForCausalLM", "MODEL_CLASSES", "get_model_class", "load_hf_config", "load_model",
+           "resolve_device", "resolve_dtype"]

@@ -1,0 +1,209 @@
+"""The Llama-family decoder: Llama 2/3, Mistral, Qwen2 and Qwen3 share one implementation.
+
+Differences between the families are a few switches read from the HF config:
+- Qwen2: bias on q/k/v (not on o_proj).
+- Qwen3: per-head RMSNorm on q and k before RoPE; head_dim given by the config.
+- Llama: optional `attention_bias` / `mlp_bias`; Llama 3.1 RoPE scaling (handled in rotary.py).
+Sliding-window attention (Mistral v0.1, some Qwen configs) is not implemented: attention is
+full causal, which is exact while sequences stay within the window.
+
+Module and parameter names follow HF's, except the fused `qkv_proj` and `gate_up_proj`, so
+`load_weights` maps checkpoint names with a small table.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.attention.base import AttentionBackend, ForwardBatch
+from engine.layers.activation import SiluAndMul
+from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.norm import RMSNorm
+from engine.layers.parallel import Loadable, TPContext, copy_into, materialize
+from engine.layers.rotary import get_rope
+
+# checkpoint name piece -> (our fused parameter piece, shard id)
+_STACKED = [
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+]
+
+
+def head_dim_of(hf_config: Any) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hf_config: Any, layer_id: int, tp: TPContext) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.head_dim = head_dim_of(hf_config)
+        model_type = getattr(hf_config, "model_type", "llama")
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        qkv_bias = True if model_type == "qwen2" else attention_bias
+        o_bias = False if model_type == "qwen2" else attention_bias
+        self.qkv_proj = QKVParallelLinear(hf_config.hidden_size, self.head_dim, hf_config.num_attention_heads,
+                                          hf_config.num_key_value_heads, qkv_bias, tp)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(hf_config.num_attention_heads * self.head_dim, hf_config.hidden_size,
+                                        o_bias, tp)
+        self.qk_norm = model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+        self.rotary_emb = get_rope(hf_config, self.head_dim)
+        self.attn_backend: AttentionBackend | None = None  # set by LlamaForCausalLM
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn_backend.forward(q, k, v, self.layer_id, batch)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hf_config: Any, tp: TPContext) -> None:
+        super().__init__()
+        if getattr(hf_config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r} (only silu)")
+        bias = bool(getattr(hf_config, "mlp_bias", False))
+        inter = hf_config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(hf_config.hidden_size, [inter, inter], bias, tp)
+        self.down_proj = RowParallelLinear(inter, hf_config.hidden_size, bias, tp)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, hf_config: Any, layer_id: int, tp: TPContext) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(hf_config, layer_id, tp)
+        self.mlp = LlamaMLP(hf_config, tp)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each add fuses into the next norm.
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, batch)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf_config: Any, tp: TPContext) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(hf_config, i, tp)
+                                    for i in range(hf_config.num_hidden_layers))
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, batch)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """`model(batch)` -> final hidden states [T, hidden]; `compute_logits` -> [B, vocab] float32.
+
+    The model runner calls `attn_backend.prepare(batch)` before each forward; the model
+    only calls `attn_backend.forward` once per layer.
+    """
+
+    def __init__(self, hf_config: Any, attn_backend: AttentionBackend | None = None,
+                 tp: TPContext | None = None) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.tp = tp or TPContext()
+        self.model = LlamaModel(hf_config, self.tp)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, self.tp)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        attn = self.model.layers[0].self_attn
+        self.head_dim, self.num_kv_heads = attn.head_dim, attn.num_kv_heads  # per rank: sizes the KV pool
+        self.num_layers = hf_config.num_hidden_layers
+        self.scale = self.head_dim ** -0.5
+        if attn_backend is not None:
+            self.set_attention_backend(attn_backend)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def set_attention_backend(self, attn_backend: AttentionBackend) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.attn_backend = attn_backend
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch.input_ids, batch.positions, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, Loadable]]) -> set[str]:
+        """Copy checkpoint tensors (or lazy safetensors slices) into this rank's shards.
+
+        Returns the names of our parameters that were loaded, so callers can check that
+        nothing is missing (see `missing_weights`).
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded_names: set[str] = set()
+        shards_seen: dict[str, set] = {}  # a fused parameter counts as loaded once all its shards are
+        for name, loaded in weights:
+            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name.startswith("lm_head.")):
+                continue  # recomputed here / the same tensor as the embedding
+            target, shard_id = name, None
+            for ckpt_piece, our_piece, sid in _STACKED:
+                if ckpt_piece in name:
+                    target, shard_id = name.replace(ckpt_piece, our_piece), sid
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint weight {name!r} has no place in {type(self).__name__}")
+            loader = getattr(param, "weight_loader", None)
+            if shard_id is not None:
+                loader(param, loaded, shard_id)
+                seen = shards_seen.setdefault(target, set())
+                seen.add(shard_id)
+                if len(seen) == (3 if ".qkv_proj." in target else 2):
+                    loaded_names.add(target)
+                continue
+            if loader is not None:
+                loader(param, loaded)
+            else:  # norms: replicated on every rank
+                copy_into(param, materialize(loaded), name)
+            loaded_names.add(target)
+        if self.tie_word_embeddings and "model.embed_tokens.weight" in loaded_names:
+            loaded_names.add("lm_head.weight")
+        return loaded_names
+
+    def missing_weights(self, loaded_names: set[str]) -> list[str]:
+        return sorted(set(dict(self.named_parameters(remove_duplicate=False))) - loaded_names)

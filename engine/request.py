@@ -1,0 +1,79 @@
+"""Per-request state as the scheduler sees it."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.radix_cache import TreeNode
+from engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """A request's tokens, its KV, and where it stands.
+
+    `token_ids` is prompt + generated. KV exists for the first `kv_len` tokens, whose slots
+    are `slots`; the first `locked_len` of them belong to the radix tree (under
+    `last_node`, which this request keeps locked) and the rest are owned by the request.
+    Every step computes KV for some of `token_ids[kv_len:]`; when that reaches the end, the
+    logits of the last token are sampled. Decoding is the case of one new token.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    locked_len: int = 0
+    last_node: TreeNode | None = None
+    row: int | None = None  # row of req_to_token while running
+    row_synced: int = 0  # slots[:row_synced] are already written to the device row
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    cached_tokens: int = 0  # prompt tokens served from the cache at first admission
+    admitted_once: bool = False
+    num_preemptions: int = 0
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    grammar: Any = None  # per-request grammar matcher (structured output)
+    detok: Any = None  # IncrementalDetokenizer, fed lazily
+    sampler_state: Any = None  # per-request RNG etc., owned by the sampler
+    stop_text_len: int | None = None  # where a matched stop string starts in the text
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def kv_len(self) -> int:
+        return len(self.slots)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def pending_len(self) -> int:
+        """Tokens still without KV before the next sample."""
+        return len(self.token_ids) - self.kv_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,119 @@
+"""Token selection on the model's device: penalties, temperature, top-k/top-p/min-p,
+per-request seeds, and log-probabilities of the chosen and the top tokens."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float] | None  # of each chosen token, when any request asked
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, reqs: list[Request],
+               masks: torch.Tensor | None = None) -> SampleOutput:
+        """logits: [B, V] float32, one row per request. `masks`: optional [B, V] bool of
+        allowed tokens (structured output)."""
+        params = [r.params for r in reqs]
+        want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        if any(p.has_penalties for p in params):
+            logits = self._apply_penalties(logits.clone(), reqs)
+        if masks is not None:
+            logits = logits.masked_fill(~masks, float("-inf"))
+        if all(p.is_greedy for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample_random(logits, reqs)
+        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return SampleOutput(token_list, None, None)
+        return SampleOutput(token_list, *self._gather_logprobs(raw_logprobs, tokens, params))
+
+    def _sample_random(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        params = [r.params for r in reqs]
+        greedy = torch.tensor([p.is_greedy for p in params], device=self.device)
+        argmax = logits.argmax(dim=-1)
+        temps = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params],
+                             device=self.device, dtype=logits.dtype)
+        probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
+        probs = _filter_top_k_top_p_min_p(probs, params, self.device)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=self.device,
+                                          dtype=probs.dtype).exponential_(generator=self.generator)
+        for i, req in enumerate(reqs):
+            if req.params.seed is not None:
+                noise[i].exponential_(generator=self._request_generator(req))
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws index i with probability p_i.
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, argmax, sampled)
+
+    def _request_generator(self, req: Request) -> torch.Generator:
+        if req.sampler_state is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(req.params.seed)
+            req.sampler_state = gen
+        return req.sampler_state
+
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        vocab = logits.shape[1]
+        for i, req in enumerate(reqs):
+            p = req.params
+            if not p.has_penalties:
+                continue
+            if p.repetition_penalty != 1.0:
+                # HF semantics: every token seen so far, prompt included.
+                seen = torch.tensor(sorted(set(req.token_ids)), device=self.device, dtype=torch.long)
+                row = logits[i, seen]
+                logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty,
+                                              row * p.repetition_penalty)
+            if p.frequency_penalty or p.presence_penalty:
+                # OpenAI semantics: generated tokens only.
+                out = torch.tensor(req.output_ids, device=self.device, dtype=torch.long)
+                counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        return logits
+
+    @staticmethod
+    def _gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params) -> tuple:
+        chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        k = max(p.top_logprobs for p in params)
+        if k == 0:
+            return chosen, None
+        values, indices = raw.topk(k, dim=-1)
+        values, indices = values.tolist(), indices.tolist()
+        top = [list(zip(indices[i][:p.top_logprobs], values[i][:p.top_logprobs]))
+               for i, p in enumerate(params)]
+        return chosen, top
+
+
+def _filter_top_k_top_p_min_p(probs: torch.Tensor, params, device) -> torch.Tensor:
+    """Zero the probabilities of tokens outside each row's top-k / top-p / min-p set."""
+    if all(p.top_k == -1 and p.top_p >= 1.0 and p.min_p == 0.0 for p in params):
+        return probs
+    vocab = probs.shape[1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=probs.dtype)
+    min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=device).unsqueeze(0)
+    cum_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
+    drop = (rank >= top_k.unsqueeze(1)) | (cum_before >= top_p.unsqueeze(1))
+    drop |= sorted_probs < min_p.unsqueeze(1) * sorted_probs[:, :1]
+    drop[:, 0] = False  # the most likely token always survives
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)

@@ -1,0 +1,115 @@
+"""Tokenizer wrapper, chat templates, and incremental detokenization with stop strings."""
+from __future__ import annotations
+
+import json
+import os
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+# Used when the model's tokenizer config carries no chat template.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+class Tokenizer:
+    def __init__(self, path: str) -> None:
+        self.hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.eos_token_ids = _eos_ids(path, self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_str(self, token_id: int) -> str:
+        return self.hf.decode([token_id])
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of the conversation, ending with the assistant's turn opening."""
+        flat = [{"role": m["role"], "content": _flatten_content(m.get("content"))} for m in messages]
+        template = None if self.hf.chat_template else DEFAULT_CHAT_TEMPLATE
+        text = self.hf.apply_chat_template(flat, chat_template=template, tokenize=False,
+                                           add_generation_prompt=True)
+        # The template writes any BOS itself; do not add it twice.
+        return self.hf.encode(text, add_special_tokens=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+
+def _flatten_content(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+
+
+def _eos_ids(path: str, hf: PreTrainedTokenizerBase) -> set[int]:
+    ids = {hf.eos_token_id} if hf.eos_token_id is not None else set()
+    gen_config = os.path.join(path, "generation_config.json")
+    if os.path.exists(gen_config):
+        with open(gen_config) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output tokens into text deltas.
+
+    Decodes a small window of recent tokens and emits only text that is complete (no
+    trailing U+FFFD from a cut multi-byte character). Text that could still become the
+    start of a stop string is held back until it cannot; a matched stop string ends the
+    text and is not part of it.
+    """
+
+    _CONTEXT = 5  # prompt tokens decoded along, so leading spaces come out right
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str],
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-self._CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.stop = stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.skip_special_tokens = skip_special_tokens
+        self.text = ""
+        self.emitted = 0
+        self.stopped = False
+        self.num_fed = 0  # output tokens added so far
+
+    def add(self, token_id: int) -> None:
+        """Append one token; sets `stopped` when a stop string appears."""
+        self.ids.append(token_id)
+        self.num_fed += 1
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+        full = decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return
+        before = len(self.text)
+        self.text += full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if self.stop:
+            self._find_stop(max(0, before - self.holdback))
+
+    def _find_stop(self, search_from: int) -> None:
+        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+
+    def take_delta(self, final: bool = False) -> str:
+        """Text not yet handed out that is safe to hand out now."""
+        end = len(self.text) if (final or self.stopped) else len(self.text) - self.holdback
+        if end <= self.emitted:
+            return ""
+        delta = self.text[self.emitted:end]
+        self.emitted = end
+        return delta

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# The test command: the whole CPU suite (GPU tests are selected with `-m gpu` on a GPU box).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
+exec ${PYTHON:-python3} -m pytest -q "$@"
