@@ -110,7 +110,9 @@ class Engine:
     def _process(self, plan: StepPlan, logits) -> list[TokenUpdate]:
         sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
         reqs = [plan.chunks[i].req for i in sampling]
-        out = self.sampler.sample(logits[sampling], reqs) if sampling else None
+        if len(sampling) < len(plan.chunks):
+            logits = logits[sampling]
+        out = self.sampler.sample(logits, reqs) if sampling else None
         updates = []
         for chunk in plan.chunks:
             if chunk.num_tokens > 1:  # a prefill chunk: share its KV with later arrivals

@@ -86,6 +86,8 @@ class ModelRunner:
         ids, positions, out_slots = [], [], []
         rows, seq_lens, extend_lens, logits_idx = [], [], [], []
         sync_rows, sync_cols, sync_slots = [], [], []
+        if plan.is_decode:
+            return self._build_decode_batch(plan)
         t = 0
         for chunk in plan.chunks:
             req, start, n = chunk.req, chunk.start, chunk.num_tokens
@@ -103,10 +105,31 @@ class ModelRunner:
             extend_lens.append(n)
             t += n
             logits_idx.append(t - 1)
+        self._sync_rows(sync_rows, sync_cols, sync_slots)
+        return self._make_batch(ids, positions, out_slots, rows, seq_lens, extend_lens,
+                                logits_idx, is_decode=False)
+
+    def _build_decode_batch(self, plan: StepPlan) -> ForwardBatch:
+        """The common case, kept lean: one new token per request."""
+        reqs = [c.req for c in plan.chunks]
+        seq_lens = [len(r.slots) for r in reqs]
+        out_slots = [r.slots[-1] for r in reqs]
+        stale = [r for r in reqs if r.row_synced < len(r.slots) - 1]
+        if stale:  # rows touched since their last step (e.g. a prefix swapped for the tree's)
+            self._sync_rows(*_row_updates(stale))
+        for r in reqs:
+            r.row_synced = len(r.slots)
+        n = len(reqs)
+        return self._make_batch(
+            [r.token_ids[-1] for r in reqs], [s - 1 for s in seq_lens], out_slots,
+            [r.row for r in reqs], seq_lens, [1] * n, list(range(n)), is_decode=True,
+            extra_sync=(([r.row for r in reqs], [s - 1 for s in seq_lens], out_slots)))
+
+    def _make_batch(self, ids, positions, out_slots, rows, seq_lens, extend_lens, logits_idx,
+                    is_decode: bool, extra_sync=None) -> ForwardBatch:
         dev = self.device
-        if sync_rows:
-            self.req_to_token[_tensor(sync_rows, torch.long, dev),
-                              _tensor(sync_cols, torch.long, dev)] = _tensor(sync_slots, torch.int32, dev)
+        if extra_sync is not None:
+            self._sync_rows(*extra_sync)
         qo_indptr = [0]
         for n in extend_lens:
             qo_indptr.append(qo_indptr[-1] + n)
@@ -117,7 +140,14 @@ class ModelRunner:
             extend_lens=_tensor(extend_lens, torch.int32, dev),
             qo_indptr=_tensor(qo_indptr, torch.int32, dev),
             logits_indices=_tensor(logits_idx, torch.long, dev), req_to_token=self.req_to_token,
-            is_decode=plan.is_decode, seq_lens_cpu=seq_lens, extend_lens_cpu=extend_lens)
+            is_decode=is_decode, seq_lens_cpu=seq_lens, extend_lens_cpu=extend_lens)
+
+    def _sync_rows(self, rows: list[int], cols: list[int], slots: list[int]) -> None:
+        """Write slot indices into req_to_token[rows, cols] in one scatter."""
+        if rows:
+            dev = self.device
+            self.req_to_token[_tensor(rows, torch.long, dev),
+                              _tensor(cols, torch.long, dev)] = _tensor(slots, torch.int32, dev)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
@@ -126,6 +156,17 @@ class ModelRunner:
         self.attn_backend.prepare(batch)
         hidden = self.model(batch)
         return self.model.compute_logits(hidden[batch.logits_indices])
+
+
+def _row_updates(reqs) -> tuple[list[int], list[int], list[int]]:
+    """(rows, cols, slots) bringing each request's row up to all but its newest slot."""
+    rows, cols, slots = [], [], []
+    for r in reqs:
+        end = len(r.slots) - 1
+        rows += [r.row] * (end - r.row_synced)
+        cols += range(r.row_synced, end)
+        slots += r.slots[r.row_synced:end]
+    return rows, cols, slots
 
 
 def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

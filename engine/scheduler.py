@@ -104,11 +104,11 @@ class Scheduler:
     # -- planning -----------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
-        decoders = [r for r in self.running if r.pending_len == 1]
+        decoders = [r for r in self.running if len(r.token_ids) - len(r.slots) == 1]
         decoders = self._make_room_for_decode(decoders)
-        chunks = [Chunk(r, r.kv_len, 1) for r in decoders]
-        for chunk in chunks:
-            chunk.req.slots.extend(self._alloc(1))
+        chunks = [Chunk(r, len(r.slots), 1) for r in decoders]
+        for req, slot in zip(decoders, self._alloc(len(decoders))):
+            req.slots.append(slot)
         chunks += self._schedule_prefill(reserve=len(chunks))
         return StepPlan(chunks) if chunks else None
 

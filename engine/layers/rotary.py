@@ -20,7 +20,8 @@ def rope_parameters(hf_config: Any) -> dict:
     transformers 5 keeps them in `rope_parameters`; older configs in `rope_scaling` (None
     for plain RoPE) plus a top-level `rope_theta`.
     """
-    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    params = dict(params or {})
     params.setdefault("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     if params["rope_type"] == "llama3":

@@ -12,6 +12,7 @@ Module and parameter names follow HF's, except the fused `qkv_proj` and `gate_up
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
@@ -36,6 +37,18 @@ _STACKED = [
 ]
 
 
+def _our_name(ckpt_name: str) -> tuple[str, str | int | None]:
+    """Checkpoint parameter name -> (our parameter name, shard id within a fused one)."""
+    for ckpt_piece, our_piece, shard_id in _STACKED:
+        if ckpt_piece in ckpt_name:
+            return ckpt_name.replace(ckpt_piece, our_piece), shard_id
+    return ckpt_name, None
+
+
+def _load_replicated(param: nn.Parameter, loaded: Loadable) -> None:
+    copy_into(param, materialize(loaded))  # norms: the same on every rank
+
+
 def head_dim_of(hf_config: Any) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
@@ -49,12 +62,13 @@ class LlamaAttention(nn.Module):
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         qkv_bias = True if model_type == "qwen2" else attention_bias
         o_bias = False if model_type == "qwen2" else attention_bias
-        self.qkv_proj = QKVParallelLinear(hf_config.hidden_size, self.head_dim, hf_config.num_attention_heads,
+        self.qkv_proj = QKVParallelLinear(hf_config.hidden_size, self.head_dim,
+                                          hf_config.num_attention_heads,
                                           hf_config.num_key_value_heads, qkv_bias, tp)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(hf_config.num_attention_heads * self.head_dim, hf_config.hidden_size,
-                                        o_bias, tp)
+        self.o_proj = RowParallelLinear(hf_config.num_attention_heads * self.head_dim,
+                                        hf_config.hidden_size, o_bias, tp)
         self.qk_norm = model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
@@ -118,7 +132,8 @@ class LlamaModel(nn.Module):
                                     for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, batch)
@@ -144,7 +159,8 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         attn = self.model.layers[0].self_attn
-        self.head_dim, self.num_kv_heads = attn.head_dim, attn.num_kv_heads  # per rank: sizes the KV pool
+        # Per-rank attention shape: what the KV pool is sized by.
+        self.head_dim, self.num_kv_heads = attn.head_dim, attn.num_kv_heads
         self.num_layers = hf_config.num_hidden_layers
         self.scale = self.head_dim ** -0.5
         if attn_backend is not None:
@@ -171,36 +187,29 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, Loadable]]) -> set[str]:
         """Copy checkpoint tensors (or lazy safetensors slices) into this rank's shards.
 
-        Returns the names of our parameters that were loaded, so callers can check that
-        nothing is missing (see `missing_weights`).
+        Returns the names of our parameters that were fully loaded, so callers can check
+        that nothing is missing (see `missing_weights`).
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded_names: set[str] = set()
-        shards_seen: dict[str, set] = {}  # a fused parameter counts as loaded once all its shards are
+        shards_seen: dict[str, set] = defaultdict(set)
         for name, loaded in weights:
-            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name.startswith("lm_head.")):
-                continue  # recomputed here / the same tensor as the embedding
-            target, shard_id = name, None
-            for ckpt_piece, our_piece, sid in _STACKED:
-                if ckpt_piece in name:
-                    target, shard_id = name.replace(ckpt_piece, our_piece), sid
-                    break
+            if "rotary_emb.inv_freq" in name:
+                continue  # recomputed here
+            if self.tie_word_embeddings and name.startswith("lm_head."):
+                continue  # the same tensor as the embedding
+            target, shard_id = _our_name(name)
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint weight {name!r} has no place in {type(self).__name__}")
-            loader = getattr(param, "weight_loader", None)
-            if shard_id is not None:
-                loader(param, loaded, shard_id)
-                seen = shards_seen.setdefault(target, set())
-                seen.add(shard_id)
-                if len(seen) == (3 if ".qkv_proj." in target else 2):
-                    loaded_names.add(target)
+            if shard_id is None:
+                getattr(param, "weight_loader", _load_replicated)(param, loaded)
+                loaded_names.add(target)
                 continue
-            if loader is not None:
-                loader(param, loaded)
-            else:  # norms: replicated on every rank
-                copy_into(param, materialize(loaded), name)
-            loaded_names.add(target)
+            param.weight_loader(param, loaded, shard_id)
+            shards_seen[target].add(shard_id)
+            if len(shards_seen[target]) == (3 if ".qkv_proj." in target else 2):
+                loaded_names.add(target)  # a fused parameter is loaded once all its shards are
         if self.tie_word_embeddings and "model.embed_tokens.weight" in loaded_names:
             loaded_names.add("lm_head.weight")
         return loaded_names

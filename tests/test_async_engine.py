@@ -1,0 +1,118 @@
+"""AsyncEngine: streaming, abort, early exit, concurrency, errors, no KV leaks."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from engine import LLM, AsyncEngine, EngineConfig, QueueFullError, SamplingParams
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    eng = AsyncEngine(EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=512,
+                                   chunked_prefill_size=32))
+    yield eng
+    eng.shutdown()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def collect(engine, prompt, params, rid):
+    deltas = [d async for d in engine.generate(prompt, params, request_id=rid)]
+    return deltas
+
+
+def assert_no_leak(stats):
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert stats["free_slots"] + stats["evictable_slots"] == stats["total_slots"]
+
+
+def test_stream_equals_offline(engine, tiny_llama):
+    prompt = "The quick brown fox jumps"
+    params = SamplingParams(max_tokens=20, **GREEDY)
+    deltas = run(collect(engine, prompt, params, "s1"))
+    offline = LLM(model=tiny_llama, dtype="float32", max_total_tokens=512).generate([prompt], params)[0]
+    assert "".join(d.text for d in deltas) == offline.text
+    assert [t for d in deltas for t in d.token_ids] == offline.token_ids
+    assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+    assert deltas[-1].completion_tokens == 20
+    assert not any(d.finished for d in deltas[:-1])
+
+
+def test_many_concurrent_requests(engine):
+    async def main():
+        r = random.Random(0)
+        prompts = [[r.randint(3, 400) for _ in range(r.randint(5, 60))] for _ in range(24)]
+        results = await asyncio.gather(*[
+            collect(engine, p, SamplingParams(max_tokens=r.randint(1, 30), **GREEDY), f"c{i}")
+            for i, p in enumerate(prompts)])
+        return results, await engine.stats()
+
+    results, stats = run(main())
+    assert all(res[-1].finished for res in results)
+    assert_no_leak(stats)
+
+
+def test_abort_mid_stream_frees_slots(engine):
+    async def main():
+        gen = engine.generate([5, 6, 7, 8], SamplingParams(max_tokens=400, **GREEDY), request_id="ab")
+        got = []
+        async for d in gen:
+            got.append(d)
+            if len(got) == 3:
+                await engine.abort("ab")
+        return got, await engine.stats()
+
+    got, stats = run(main())
+    assert got[-1].finished and got[-1].finish_reason == "abort"
+    assert len(got) < 50
+    assert_no_leak(stats)
+
+
+def test_consumer_leaving_early_aborts(engine):
+    async def main():
+        gen = engine.generate([9, 10, 11], SamplingParams(max_tokens=400, **GREEDY), request_id="early")
+        async for d in gen:
+            break
+        await gen.aclose()
+        await asyncio.sleep(0.05)
+        return await engine.stats()
+
+    stats = run(main())
+    assert stats["aborted_requests"] >= 1
+    assert_no_leak(stats)
+
+
+def test_invalid_request_raises_before_queueing(engine):
+    async def main():
+        with pytest.raises(ValueError, match="empty"):
+            await collect(engine, [], SamplingParams(), "bad1")
+        with pytest.raises(ValueError, match="context length"):
+            await collect(engine, [5], SamplingParams(max_tokens=100000), "bad2")
+        return await engine.stats()
+
+    assert_no_leak(run(main()))
+
+
+def test_queue_bound(tiny_llama):
+    eng = AsyncEngine(EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=256,
+                                   max_running_requests=1, max_queued_requests=1))
+    try:
+        async def main():
+            tasks = [asyncio.create_task(collect(eng, [5, 6], SamplingParams(max_tokens=200, **GREEDY),
+                                                 f"q{i}")) for i in range(4)]
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            return results, await eng.stats()
+
+        results, stats = run(main())
+        assert any(isinstance(r, QueueFullError) for r in results)
+        assert any(isinstance(r, list) for r in results)
+        assert_no_leak(stats)
+    finally:
+        eng.shutdown()

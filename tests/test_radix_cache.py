@@ -1,0 +1,143 @@
+"""RadixCache invariants under random operation sequences, and its unit behaviour."""
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.kv_pool import SlotAllocator
+from engine.radix_cache import RadixCache, TreeNode
+
+
+def make_cache(slots: int = 64, events: bool = False) -> RadixCache:
+    return RadixCache(SlotAllocator(slots), record_events=events)
+
+
+def cached_insert(cache: RadixCache, tokens: list[int]) -> None:
+    """What a finishing request does: match, allocate the rest, insert, free duplicates."""
+    matched, _ = cache.match_prefix(tokens)
+    need = len(tokens) - len(matched)
+    if cache.allocator.num_free < need:
+        cache.evict(need - cache.allocator.num_free)
+    new = cache.allocator.alloc(need)
+    assert new is not None
+    slots = matched + new
+    already = cache.insert(tokens, slots)
+    cache.allocator.free(slots[len(matched):already])
+
+
+def check_invariants(cache: RadixCache) -> None:
+    in_tree = cache.all_slots()
+    free = cache.allocator._free
+    assert len(set(in_tree)) == len(in_tree), "a slot is held twice by the tree"
+    assert not set(in_tree) & set(free), "a slot is both free and in the tree"
+    assert len(set(free)) == len(free), "a slot is free twice"
+    assert len(in_tree) == cache.total_size
+    _check_node(cache.root, cache)
+
+
+def _check_node(node: TreeNode, cache: RadixCache) -> int:
+    locks_below = 0
+    for first, child in node.children.items():
+        assert child.key and child.key[0] == first and child.parent is node
+        assert len(child.key) == len(child.value)
+        locks_below = max(locks_below, _check_node(child, cache))
+    if node is not cache.root:
+        assert node.lock_ref >= locks_below, "a locked node's ancestor is unlocked"
+    return node.lock_ref
+
+
+def test_match_insert_split():
+    cache = make_cache()
+    cached_insert(cache, [1, 2, 3, 4, 5])
+    slots, node = cache.match_prefix([1, 2, 3, 9])
+    assert len(slots) == 3 and node.key == [1, 2, 3]
+    cached_insert(cache, [1, 2, 3, 9, 9])
+    assert sorted(cache.root.children[1].children) == [4, 9]
+    full, _ = cache.match_prefix([1, 2, 3, 4, 5, 6])
+    assert len(full) == 5
+    check_invariants(cache)
+
+
+def test_locked_nodes_survive_eviction_and_lru_order():
+    cache = make_cache(slots=12)
+    cached_insert(cache, [1, 1, 1, 1])
+    cached_insert(cache, [2, 2, 2, 2])
+    cached_insert(cache, [3, 3, 3, 3])
+    _, node1 = cache.match_prefix([1, 1, 1, 1])
+    cache.lock(node1)
+    cache.match_prefix([3, 3])  # touch 3: 2 is now the least recently used
+    assert cache.evict(1) == 4
+    assert cache.match_prefix([2, 2])[0] == []
+    assert cache.evict(100) == 2 + 2  # the 3-prefix (split in two nodes); 1 is locked
+    assert len(cache.match_prefix([1, 1, 1, 1])[0]) == 4
+    cache.unlock(node1)
+    assert cache.evict(100) == 4 and cache.allocator.num_free == 12
+
+
+def test_events_describe_full_prefixes():
+    cache = make_cache(events=True)
+    cached_insert(cache, [1, 2, 3])
+    cached_insert(cache, [1, 2, 4, 5])
+    cache.evict(100)
+    kinds = [(e.kind, e.tokens, e.start) for e in cache.drain_events()]
+    assert kinds[:2] == [("insert", (1, 2, 3), 0), ("insert", (1, 2, 4, 5), 2)]
+    assert {k[1:] for k in kinds[2:]} == {((1, 2, 3), 2), ((1, 2, 4, 5), 2), ((1, 2), 0)}
+
+
+def test_disabled_cache_matches_nothing():
+    cache = RadixCache(SlotAllocator(8), enabled=False)
+    assert cache.insert([1, 2], [1, 2]) == 0
+    assert cache.match_prefix([1, 2]) == ([], cache.root)
+
+
+ops = st.lists(st.tuples(st.sampled_from(["insert", "lock", "unlock", "evict"]),
+                         st.lists(st.integers(0, 3), min_size=1, max_size=12),
+                         st.integers(0, 30)), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_random_operations_keep_invariants(operations):
+    cache = make_cache(slots=48)
+    locked: list[TreeNode] = []
+    for op, tokens, n in operations:
+        if op == "insert":
+            matched, _ = cache.match_prefix(tokens)
+            if len(tokens) - len(matched) <= cache.allocator.num_free + cache.evictable_size:
+                cached_insert(cache, tokens)
+        elif op == "lock":
+            _, node = cache.match_prefix(tokens)
+            cache.lock(node)
+            locked.append(node)
+        elif op == "unlock" and locked:
+            cache.unlock(locked.pop(n % len(locked)))
+        elif op == "evict":
+            protected = {id(x) for node in locked for x in _path(node)}
+            before = {id(x): x for x in _all_nodes(cache)}
+            cache.evict(n)
+            after = {id(x) for x in _all_nodes(cache)}
+            assert protected <= after, "a locked node was evicted"
+            assert set(before) >= after
+        check_invariants(cache)
+    for node in locked:
+        cache.unlock(node)
+    cache.evict(10**6)
+    assert cache.allocator.num_free == 48, "slots leaked"
+    assert cache.total_size == 0
+
+
+def _path(node: TreeNode) -> list[TreeNode]:
+    out = []
+    while node is not None and node.parent is not None:
+        out.append(node)
+        node = node.parent
+    return out
+
+
+def _all_nodes(cache: RadixCache) -> list[TreeNode]:
+    out, stack = [], [cache.root]
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node.children.values())
+    return out
