@@ -57,8 +57,10 @@ class APIError(Exception):
         type: str | None = None,
         param: str | None = None,
         code: str | int | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = headers
         self.message = message
         self.status = status
         self.type = type or default_error_type(status)
@@ -77,8 +79,9 @@ class APIError(Exception):
         return cls(message, 404, param=param, code="not_found")
 
     @classmethod
-    def unavailable(cls, message: str = "The server is overloaded or not ready yet.") -> APIError:
-        return cls(message, 503)
+    def unavailable(cls, message: str = "The server is overloaded or not ready yet.",
+                    retry_after_s: int = 1) -> APIError:
+        return cls(message, 503, headers={"Retry-After": str(retry_after_s)})
 
     @classmethod
     def internal(cls, message: str = INTERNAL_ERROR_MESSAGE) -> APIError:
@@ -88,7 +91,7 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
     def to_response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
     def sse_event(self) -> str:
         """The error as an SSE event, for failures after a stream has started (status is already 200)."""

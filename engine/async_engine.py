@@ -39,6 +39,7 @@ class AsyncEngine:
         self.config = self.engine.config
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        self._step_hooks: list[Callable[[Engine], None]] = []
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
@@ -99,6 +100,13 @@ class AsyncEngine:
     async def stats(self) -> dict:
         return await self.call(lambda engine: engine.stats())
 
+    def add_step_hook(self, hook: Callable[[Engine], None]) -> None:
+        """Call `hook(engine)` on the engine thread after every step and command batch."""
+        self._step_hooks.append(hook)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
     @property
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting)
@@ -124,18 +132,29 @@ class AsyncEngine:
             self._push(request_id, self._delta(req, [], True))
 
     def _loop(self) -> None:
+        self._run_hooks()
         while not self._stopped.is_set():
             self._drain_commands(block=not self.engine.has_work)
-            if self._stopped.is_set() or not self.engine.has_work:
-                continue
+            if self.engine.has_work and not self._stopped.is_set():
+                self._step()
+            self._run_hooks()
+
+    def _step(self) -> None:
+        try:
+            updates = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - a bad step must not kill the engine
+            logger.exception("engine step failed")
+            self._fail_running(e)
+            return
+        for update in updates:
+            self._publish(update)
+
+    def _run_hooks(self) -> None:
+        for hook in self._step_hooks:
             try:
-                updates = self.engine.step()
-            except Exception as e:  # noqa: BLE001 - a bad step must not kill the engine
-                logger.exception("engine step failed")
-                self._fail_running(e)
-                continue
-            for update in updates:
-                self._publish(update)
+                hook(self.engine)
+            except Exception:  # noqa: BLE001
+                logger.exception("step hook failed")
 
     def _drain_commands(self, block: bool) -> None:
         try:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-BUILD_VERSION = 1
+BUILD_VERSION = 1  # bump whenever a build's output changes: it names the cache directory
 MARKER = ".radixserve-demo.json"
 ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral")
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
@@ -90,8 +90,8 @@ def build_tiny_model(path: str | Path, arch: str = "llama", *, seed: int = 0,
     if arch not in ARCHS:
         raise ValueError(f"unknown demo arch {arch!r}; choose one of {ARCHS}")
     path = Path(path)
-    spec = {"version": BUILD_VERSION, "arch": arch, "seed": seed, "init_std": init_std,
-            "overrides": {k: overrides[k] for k in sorted(overrides)}}
+    spec = _as_json({"version": BUILD_VERSION, "arch": arch, "seed": seed, "init_std": init_std,
+                     "overrides": overrides})
     if _finished(path, spec):
         return str(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -110,13 +110,19 @@ def build_tiny_model(path: str | Path, arch: str = "llama", *, seed: int = 0,
     return str(path)
 
 
+def _as_json(value: dict) -> dict:
+    # The build spec as it reads back from the marker file (e.g. a torch.dtype becomes a str).
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
 def _finished(path: Path, spec: dict) -> bool:
     marker = path / MARKER
     if not marker.exists():
         return False
     found = json.loads(marker.read_text())
-    if found != json.loads(json.dumps(spec, sort_keys=True)):
-        raise ValueError(f"{path} holds a different demo build ({found}); wanted {spec}")
+    if found != spec:
+        raise ValueError(f"{path} holds a different demo build ({found}); wanted {spec}. "
+                         "Delete it or build elsewhere")
     return True
 
 

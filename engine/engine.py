@@ -9,7 +9,7 @@ from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.radix_cache import RadixCache
-from engine.request import Request, Status
+from engine.request import Request, Status, validate_request
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, StepPlan
@@ -56,21 +56,8 @@ class Engine:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a request that can never run; touches no state."""
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
-        vocab = self.runner.vocab_size
-        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_context:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                             f"= {total} exceeds the model's context length of {self.max_context}")
-        if total > self.runner.kv_pool.num_slots:
-            raise ValueError(f"prompt + max_tokens = {total} tokens exceeds the KV pool "
-                             f"({self.runner.kv_pool.num_slots} tokens)")
-        if params.has_constraint:
-            raise ValueError("regex / json_schema / ebnf / json_object are not supported yet")
+        validate_request(prompt_ids, params, self.runner.vocab_size, self.max_context,
+                         self.runner.kv_pool.num_slots)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
         prompt_ids = self.tokenize_prompt(prompt)

@@ -77,3 +77,22 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+
+def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int,
+                     max_context: int, pool_slots: int | None = None) -> None:
+    """Raise ValueError, with what is wrong, for a request that can never run."""
+    if not prompt_ids:
+        raise ValueError("prompt is empty")
+    bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+    total = len(prompt_ids) + params.max_tokens
+    if total > max_context:
+        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                         f"= {total} exceeds the model's context length of {max_context}")
+    if pool_slots is not None and total > pool_slots:
+        raise ValueError(f"prompt + max_tokens = {total} tokens exceeds the KV pool "
+                         f"({pool_slots} tokens)")
+    if params.has_constraint:
+        raise ValueError("regex / json_schema / ebnf / json_object are not supported yet")

@@ -25,7 +25,7 @@ from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import Loadable, TPContext, copy_into, materialize
-from engine.layers.rotary import get_rope
+from engine.layers.rotary import RotaryEmbedding, get_rope
 
 # checkpoint name piece -> (our fused parameter piece, shard id)
 _STACKED = [
@@ -50,11 +50,13 @@ def _load_replicated(param: nn.Parameter, loaded: Loadable) -> None:
 
 
 def head_dim_of(hf_config: Any) -> int:
-    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None)
+    return head_dim or hf_config.hidden_size // hf_config.num_attention_heads
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hf_config: Any, layer_id: int, tp: TPContext) -> None:
+    def __init__(self, hf_config: Any, layer_id: int, rotary_emb: RotaryEmbedding,
+                 tp: TPContext) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.head_dim = head_dim_of(hf_config)
@@ -73,7 +75,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
-        self.rotary_emb = get_rope(hf_config, self.head_dim)
+        self.rotary_emb = rotary_emb  # one cos/sin cache shared by all layers
         self.attn_backend: AttentionBackend | None = None  # set by LlamaForCausalLM
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -104,9 +106,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf_config: Any, layer_id: int, tp: TPContext) -> None:
+    def __init__(self, hf_config: Any, layer_id: int, rotary_emb: RotaryEmbedding,
+                 tp: TPContext) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(hf_config, layer_id, tp)
+        self.self_attn = LlamaAttention(hf_config, layer_id, rotary_emb, tp)
         self.mlp = LlamaMLP(hf_config, tp)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
@@ -128,7 +131,8 @@ class LlamaModel(nn.Module):
     def __init__(self, hf_config: Any, tp: TPContext) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(hf_config, i, tp)
+        rotary_emb = get_rope(hf_config, head_dim_of(hf_config))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(hf_config, i, rotary_emb, tp)
                                     for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 

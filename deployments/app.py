@@ -1,0 +1,46 @@
+"""`build_app(args)`: the Ray Serve application of serve_config.yaml's `import_path`."""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+from ray import serve
+from ray.serve import Application
+
+from deployments.config import AppArgs
+from deployments.engine_replica import EngineReplica
+from deployments.ingress import OpenAIIngress
+
+
+def engine_deployment(args: AppArgs):
+    options: dict[str, Any] = {
+        "name": "EngineReplica",
+        "max_ongoing_requests": args.max_ongoing_requests,
+        "ray_actor_options": args.ray_actor_options,
+        "graceful_shutdown_timeout_s": args.graceful_shutdown_timeout_s,
+        "health_check_period_s": 10.0,
+    }
+    if args.autoscaling_config is not None:
+        options["autoscaling_config"] = args.autoscaling_config
+        options["num_replicas"] = "auto"
+    else:
+        options["num_replicas"] = args.num_replicas
+    router = args.router.to_serve()
+    if router is not None:
+        options["request_router_config"] = router
+    block_size = args.router.request_router_kwargs.get("block_size", 16)
+    return serve.deployment(EngineReplica).options(**options).bind(args.model, args.engine, block_size)
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    try:
+        app_args = AppArgs.model_validate(args or {})
+    except ValidationError as e:
+        raise ValueError(f"invalid radixserve app args:\n{e}") from None
+    engine = engine_deployment(app_args)
+    ingress = serve.deployment(OpenAIIngress).options(
+        name="OpenAIIngress", num_replicas=app_args.ingress_replicas,
+        max_ongoing_requests=app_args.max_ongoing_requests,
+        ray_actor_options=app_args.ingress_ray_actor_options)
+    return ingress.bind(engine, app_args.model, app_args.model_name(),
+                        app_args.engine.get("max_model_len"))

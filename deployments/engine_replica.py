@@ -1,0 +1,87 @@
+"""The engine replica: one AsyncEngine per Serve replica, streaming token deltas back
+through the deployment handle, and publishing its load and cache digest to the router."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engine import AsyncEngine, EngineConfig, QueueFullError, SamplingParams
+from engine.demo_model import ensure_demo_model
+from router.cache_digest import CacheDigest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCall:
+    """What the ingress sends to a replica for one choice.
+
+    `prompt_token_ids` is what our router hashes; `prompt` (text) is what Ray's own
+    PrefixCacheAffinityRouter reads.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+    prompt: str = ""
+
+
+def resolve_model(model: str | None) -> str:
+    return model or ensure_demo_model()
+
+
+class EngineReplica:
+    """Serve deployment class (wrapped with `serve.deployment` in `app.py`)."""
+
+    def __init__(self, model: str | None, engine_kwargs: dict[str, Any],
+                 digest_block_size: int = 16) -> None:
+        config = EngineConfig(model=resolve_model(model), enable_cache_events=True, **engine_kwargs)
+        self.engine = AsyncEngine(config)
+        self.digest = CacheDigest(block_size=digest_block_size)
+        self._stats: dict[str, Any] = {}
+        self._stats_lock = threading.Lock()
+        self.engine.add_step_hook(self._after_step)
+        logger.info("engine replica ready: %s", config.model)
+
+    def _after_step(self, engine) -> None:
+        """Runs on the engine thread between steps: fold cache events into the digest and
+        snapshot the stats that routing and health checks read without a round trip."""
+        self.digest.apply_all(engine.cache.drain_events())
+        with self._stats_lock:
+            self._stats = engine.stats()
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[dict]:
+        """Stream dicts: deltas (StreamDelta fields) or one {"error": ..., "status": ...}."""
+        try:
+            params = SamplingParams(**call.sampling)
+            async for delta in self.engine.generate(call.prompt_token_ids, params, call.request_id):
+                yield dataclasses.asdict(delta)
+        except ValueError as e:
+            yield {"error": str(e), "status": 400}
+        except QueueFullError as e:
+            yield {"error": str(e), "status": 503}
+
+    async def stats(self) -> dict:
+        return await self.engine.stats()
+
+    async def flush_cache(self) -> None:
+        await self.engine.call(lambda engine: engine.cache.reset())
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        with self._stats_lock:
+            stats = dict(self._stats)
+        return {"cache_digest": self.digest.encode(), "num_running": stats.get("running", 0),
+                "num_waiting": stats.get("waiting", 0), "kv_usage": stats.get("kv_usage", 0.0)}
+
+    def check_health(self) -> None:
+        if not self.engine.is_alive():
+            raise RuntimeError("engine loop thread has died")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

@@ -1,0 +1,190 @@
+"""The OpenAI-compatible HTTP ingress (FastAPI under `@serve.ingress`).
+
+It validates and tokenizes (so the router can hash token prefixes), fans each request out
+into one engine call per (prompt, choice), and streams or gathers the results.
+"""
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+
+from deployments.engine_replica import EngineCall, resolve_model
+from deployments.errors import APIError, install_error_handlers
+from deployments.protocol import (
+    SSE_DONE, ChatCompletionRequest, ChatCompletionStreamResponse, CompletionRequest,
+    CompletionStreamResponse, ModelCard, ModelList, chat_sampling_kwargs,
+    completion_sampling_kwargs, sse_event,
+)
+from deployments.responses import (
+    TokenNamer, chat_chunk, chat_response, completion_chunk, completion_response, usage_of,
+)
+from deployments.streams import ChoiceState, error_of, merged_stream
+from engine import SamplingParams
+from engine.models import load_hf_config
+from engine.request import validate_request
+from engine.tokenizer import Tokenizer
+
+api = FastAPI(title="radixserve", description="OpenAI-compatible API over radixserve engines")
+install_error_handlers(api)
+
+
+# Module helpers come before the class: `serve.ingress` captures globals when applied.
+async def _prepend(first, stream) -> AsyncIterator:
+    if first is not None:
+        yield first
+    async for item in stream:
+        yield item
+
+
+async def _json_body(request: Request) -> Any:
+    body = await request.body()
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError.bad_request(f"Invalid JSON body: {e}", code="invalid_json") from None
+
+
+@serve.ingress(api)
+class OpenAIIngress:
+    def __init__(self, engine_handle, model: str | None, served_model_name: str,
+                 max_model_len: int | None = None) -> None:
+        path = resolve_model(model)
+        self.engine = engine_handle.options(stream=True)
+        self.control = engine_handle
+        self.model_name = served_model_name
+        self.tokenizer = Tokenizer(path)
+        hf_config = load_hf_config(path)
+        self.vocab_size = hf_config.vocab_size
+        self.max_context = max_model_len or hf_config.max_position_embeddings
+        self.name_token = TokenNamer(self.tokenizer)
+
+    # -- plain endpoints ----------------------------------------------------------------
+
+    @api.get("/health")
+    async def health(self) -> JSONResponse:
+        try:
+            await asyncio.wait_for(self.control.stats.remote(), timeout=10)
+        except Exception as e:  # noqa: BLE001
+            raise APIError.unavailable(f"engine not ready: {type(e).__name__}") from None
+        return JSONResponse({"status": "ok"})
+
+    @api.get("/v1/models")
+    async def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.max_context)])
+
+    @api.get("/v1/stats")
+    async def stats(self) -> JSONResponse:
+        """One engine replica's counters (the replica the handle picks)."""
+        return JSONResponse(await self.control.stats.remote())
+
+    @api.post("/flush_cache")
+    async def flush_cache(self) -> JSONResponse:
+        await self.control.flush_cache.remote()
+        return JSONResponse({"status": "ok"})
+
+    # -- generation ---------------------------------------------------------------------
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        req = CompletionRequest.model_validate(await _json_body(request))
+        self._check_model(req.model)
+        kwargs = completion_sampling_kwargs(req)
+        prompts = [self._token_ids(p) for p in req.prompts()]
+        calls = self._calls(prompts, kwargs, req.n, "cmpl")
+        want_lp = bool(req.logprobs)
+        if req.stream:
+            return await self._stream(calls, req.n, req.include_usage, chat=False, want_lp=want_lp)
+        choices = await self._gather(calls, req.n)
+        return completion_response(self.model_name, choices, want_lp, self.name_token)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        req = ChatCompletionRequest.model_validate(await _json_body(request))
+        self._check_model(req.model)
+        prompt = self.tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages])
+        kwargs = chat_sampling_kwargs(req, default_max_tokens=max(1, self.max_context - len(prompt)))
+        calls = self._calls([prompt], kwargs, req.n, "chatcmpl")
+        want_lp = bool(req.logprobs)
+        if req.stream:
+            return await self._stream(calls, req.n, req.include_usage, chat=True, want_lp=want_lp)
+        choices = await self._gather(calls, req.n)
+        return chat_response(self.model_name, choices, want_lp, self.name_token)
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError.not_found(f"The model '{model}' does not exist; this server serves "
+                                     f"'{self.model_name}'", param="model")
+
+    def _token_ids(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def _calls(self, prompts: list[list[int]], kwargs: dict[str, Any], n: int,
+               prefix: str) -> list[EngineCall]:
+        try:
+            params = SamplingParams(**kwargs)
+            for ids in prompts:
+                validate_request(ids, params, self.vocab_size, self.max_context)
+        except (ValueError, TypeError) as e:
+            raise APIError.bad_request(str(e)) from None
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        calls = []
+        for i, ids in enumerate(prompts):
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            for j in range(n):
+                sampling = dict(kwargs)
+                if params.seed is not None:
+                    sampling["seed"] = params.seed + j  # n seeded choices must differ
+                calls.append(EngineCall(f"{rid}-{i}-{j}", ids, sampling, prompt=text))
+        return calls
+
+    async def _gather(self, calls: list[EngineCall], n: int) -> list[ChoiceState]:
+        choices = [ChoiceState(index=i, prompt_index=i // n) for i in range(len(calls))]
+        async for i, item in merged_stream(self.engine, calls):
+            err = error_of(item)
+            if err is not None:
+                raise err
+            choices[i].add(item)
+        return choices
+
+    async def _stream(self, calls: list[EngineCall], n: int, include_usage: bool, chat: bool,
+                      want_lp: bool) -> StreamingResponse:
+        stream = merged_stream(self.engine, calls)
+        first = await anext(stream, None)  # errors before any token get a real HTTP status
+        if first is not None and (err := error_of(first[1])) is not None:
+            await stream.aclose()
+            raise err
+        events = self._sse(stream, first, calls, n, include_usage, chat, want_lp)
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    async def _sse(self, stream, first, calls, n, include_usage, chat, want_lp) -> AsyncIterator[str]:
+        kind = ChatCompletionStreamResponse if chat else CompletionStreamResponse
+        head = kind(model=self.model_name)
+        base = {"id": head.id, "created": head.created, "model": self.model_name}
+        choices = [ChoiceState(index=i, prompt_index=i // n) for i in range(len(calls))]
+        started = [False] * len(calls)
+        try:
+            items = _prepend(first, stream)
+            async for i, item in items:
+                if (err := error_of(item)) is not None:
+                    yield err.sse_event()
+                    break
+                choices[i].add(item)
+                if chat:
+                    chunk = chat_chunk(base, choices[i], item, want_lp, self.name_token, not started[i])
+                else:
+                    chunk = completion_chunk(base, choices[i], item, want_lp, self.name_token)
+                started[i] = True
+                yield sse_event(chunk)
+            if include_usage:
+                yield sse_event(kind(**base, choices=[], usage=usage_of(choices)))
+            yield SSE_DONE
+        finally:
+            await stream.aclose()

@@ -1,0 +1,281 @@
+"""Triton kernels for paged (page size 1) attention: KV store, split-KV decode, ragged extend.
+
+Conventions shared by all kernels:
+- The KV cache of one layer is [num_slots + 1, Hkv, D]; a request's token j lives at slot
+  req_to_token[row, j]. Slot indices are widened to int64 before any address arithmetic
+  (slot * row stride can pass 2**31 elements on large pools).
+- Softmax runs in base 2: logits are scaled by scale * log2(e) and the log-sum-exp written
+  by the decode partials is log2-based too.
+- BLOCK_D is the head dim rounded up to a power of two (at least 16); loads along D are
+  masked only when it differs from HEAD_DIM.
+- F32_DOT: run tl.dot on fp32 operands in IEEE precision (fp32 models, and the Triton CPU
+  interpreter, whose bf16 dot is wrong). Otherwise the dot takes the storage dtype
+  (bf16/fp16) with fp32 accumulation.
+
+This module imports triton at its top: import it only when the Triton backend is chosen.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, F32_DOT: tl.constexpr):
+    if F32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+# ----------------------------------------------------------------------------------------
+# KV store: cache[slot[t]] = new[t] for K and V in one launch.
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def store_kv_kernel(K, V, KC, VC, Slots,
+                    stride_kt, stride_kh, stride_vt, stride_vh,
+                    stride_kct, stride_kch, stride_vct, stride_vch,
+                    HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(Slots + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < HKV) & (d[None, :] < HEAD_DIM)
+    k = tl.load(K + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    tl.store(KC + slot * stride_kct + h[:, None] * stride_kch + d[None, :],
+             k.to(KC.dtype.element_ty), mask=mask)
+    v = tl.load(V + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    tl.store(VC + slot * stride_vct + h[:, None] * stride_vch + d[None, :],
+             v.to(VC.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------
+# Decode, stage 1: grid (Hkv, B, num_splits). One program = one request, one KV head, one
+# contiguous chunk of the request's tokens; it serves all GROUP query heads of that KV
+# head at once (q is a [BLOCK_H, D] tile, BLOCK_H >= 16 so tl.dot applies), so every K/V
+# row is loaded once per KV head.
+#
+# Chunking is computed on the device from seq_len, so the grid (and a captured CUDA graph)
+# only depends on num_splits: chunk = roundup(cdiv(seq_len, num_splits), BLOCK_N); splits
+# past the end do nothing. With DIRECT (num_splits == 1) the program writes the final
+# output; otherwise it writes a normalised partial output and its log2-sum-exp.
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def decode_partial_kernel(Q, KC, VC, ReqToToken, ReqRows, SeqLens, Out, MidO, MidLse,
+                          sm_scale_log2, num_splits,
+                          stride_qt, stride_qh,
+                          stride_kt, stride_kh, stride_vt, stride_vh,
+                          stride_rt,
+                          stride_ot, stride_oh,
+                          stride_mb, stride_mh, stride_ms,
+                          stride_lb, stride_lh,
+                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                          DIRECT: tl.constexpr, F32_DOT: tl.constexpr):
+    kvh = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    s = tl.program_id(2)
+
+    seq_len = tl.load(SeqLens + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = s * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    if start < end:
+        row = tl.load(ReqRows + b).to(tl.int64)
+        hi = tl.arange(0, BLOCK_H)
+        heads = kvh * GROUP + hi
+        hmask = hi < GROUP
+        d = tl.arange(0, BLOCK_D)
+        if BLOCK_D == HEAD_DIM:
+            dmask = d < BLOCK_D  # all true; folded by the compiler
+        else:
+            dmask = d < HEAD_DIM
+
+        q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=hmask[:, None] & dmask[None, :], other=0.0)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        tok = ReqToToken + row * stride_rt
+        k_base = KC + kvh * stride_kh
+        v_base = VC + kvh * stride_vh
+        for n in range(start, end, BLOCK_N):
+            offs = n + tl.arange(0, BLOCK_N)
+            nmask = offs < end
+            # Masked-off positions read slot 0 (the padding slot, always valid memory).
+            slots = tl.load(tok + offs, mask=nmask, other=0).to(tl.int64)
+            if BLOCK_D == HEAD_DIM:
+                k = tl.load(k_base + slots[:, None] * stride_kt + d[None, :])
+            else:
+                k = tl.load(k_base + slots[:, None] * stride_kt + d[None, :],
+                            mask=dmask[None, :], other=0.0)
+            qk = _dot(q, tl.trans(k), F32_DOT) * sm_scale_log2  # [BLOCK_H, BLOCK_N]
+            qk = tl.where(nmask[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.exp2(qk - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            # masked: slot 0 may hold garbage (even NaN) from padded batch entries, and
+            # p = 0 there must not meet it
+            v = tl.load(v_base + slots[:, None] * stride_vt + d[None, :],
+                        mask=nmask[:, None] & dmask[None, :], other=0.0)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
+            m_i = m_new
+
+        out = acc / l_i[:, None]
+        omask = hmask[:, None] & dmask[None, :]
+        if DIRECT:
+            tl.store(Out + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                     out.to(Out.dtype.element_ty), mask=omask)
+        else:
+            tl.store(MidO + b * stride_mb + heads[:, None] * stride_mh + s * stride_ms + d[None, :],
+                     out, mask=omask)
+            tl.store(MidLse + b * stride_lb + heads * stride_lh + s, m_i + tl.log2(l_i),
+                     mask=hmask)
+
+
+# ----------------------------------------------------------------------------------------
+# Decode, stage 2: grid (Hq, B). Merges the non-empty splits of one (request, head).
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def decode_reduce_kernel(MidO, MidLse, SeqLens, Out, num_splits,
+                         stride_mb, stride_mh, stride_ms,
+                         stride_lb, stride_lh,
+                         stride_ot, stride_oh,
+                         BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_S: tl.constexpr):
+    h = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    seq_len = tl.load(SeqLens + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    s = tl.arange(0, BLOCK_S)
+    valid = (s < num_splits) & (s * chunk < seq_len)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    lse = tl.load(MidLse + b * stride_lb + h * stride_lh + s, mask=valid, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - m)  # 0 for empty splits
+    o = tl.load(MidO + b * stride_mb + h * stride_mh + s[:, None] * stride_ms + d[None, :],
+                mask=valid[:, None] & dmask[None, :], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(Out + b * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2, mask, MASKED: tl.constexpr,
+                  F32_DOT: tl.constexpr):
+    """One online-softmax update of (m_i, l_i, acc) with a [BLOCK_N, D] block of K and V."""
+    qk = _dot(q, tl.trans(k), F32_DOT) * sm_scale_log2
+    if MASKED:
+        qk = tl.where(mask, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
+    return m_new, l_i, acc
+
+
+# ----------------------------------------------------------------------------------------
+# Extend / prefill: grid (Hq, B, num_m_blocks). One program = BLOCK_M new tokens of one
+# request for one query head. It first sweeps the cached prefix (slots through
+# req_to_token, no causal mask), then the request's new tokens read straight from the
+# k/v inputs (contiguous rows): blocks wholly before the tile's first query need no mask,
+# only the diagonal blocks are masked causally. Online softmax in fp32, base 2.
+# The m-block axis is walked from the last block down so the longest programs start first.
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def extend_kernel(Q, K, V, KC, VC, Out, ReqToToken, ReqRows, SeqLens, ExtendLens, QoIndptr,
+                  sm_scale_log2, num_m_blocks,
+                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                  stride_kct, stride_kch, stride_vct, stride_vch,
+                  stride_rt, stride_ot, stride_oh,
+                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr):
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    mblk = num_m_blocks - 1 - tl.program_id(2)
+    ext = tl.load(ExtendLens + b)
+    if mblk * BLOCK_M < ext:
+        seq_len = tl.load(SeqLens + b)
+        prefix = seq_len - ext
+        q0 = tl.load(QoIndptr + b).to(tl.int64)
+        row = tl.load(ReqRows + b).to(tl.int64)
+        kvh = h // GROUP
+
+        m_offs = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+        mmask = m_offs < ext
+        d = tl.arange(0, BLOCK_D)
+        nd = tl.arange(0, BLOCK_N)
+        if BLOCK_D == HEAD_DIM:
+            dmask = d < BLOCK_D
+        else:
+            dmask = d < HEAD_DIM
+
+        q = tl.load(Q + (q0 + m_offs)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                    mask=mmask[:, None] & dmask[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+        # 1) cached prefix, through req_to_token: full blocks, then the ragged last one
+        tok = ReqToToken + row * stride_rt
+        kc_base = KC + kvh * stride_kch
+        vc_base = VC + kvh * stride_vch
+        prefix_full = (prefix // BLOCK_N) * BLOCK_N
+        for n in range(0, prefix_full, BLOCK_N):
+            slots = tl.load(tok + n + nd).to(tl.int64)
+            kp = kc_base + slots[:, None] * stride_kct + d[None, :]
+            vp = vc_base + slots[:, None] * stride_vct + d[None, :]
+            if BLOCK_D == HEAD_DIM:
+                k = tl.load(kp)
+                v = tl.load(vp)
+            else:
+                k = tl.load(kp, mask=dmask[None, :], other=0.0)
+                v = tl.load(vp, mask=dmask[None, :], other=0.0)
+            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2, 0,
+                                          False, F32_DOT)
+        if prefix_full < prefix:
+            offs = prefix_full + nd
+            nmask = offs < prefix
+            slots = tl.load(tok + offs, mask=nmask, other=0).to(tl.int64)  # 0: padding slot
+            k = tl.load(kc_base + slots[:, None] * stride_kct + d[None, :],
+                        mask=dmask[None, :], other=0.0)
+            v = tl.load(vc_base + slots[:, None] * stride_vct + d[None, :],
+                        mask=nmask[:, None] & dmask[None, :], other=0.0)
+            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2,
+                                          nmask[None, :], True, F32_DOT)
+
+        # 2) the new tokens, causal: new token j sees new tokens 0..j
+        k_base = K + q0 * stride_kt + kvh * stride_kh
+        v_base = V + q0 * stride_vt + kvh * stride_vh
+        # keys below the tile's first query row are visible to every row (and < ext)
+        full_end = ((mblk * BLOCK_M) // BLOCK_N) * BLOCK_N
+        for n in range(0, full_end, BLOCK_N):
+            offs = n + nd
+            kp = k_base + offs[:, None] * stride_kt + d[None, :]
+            vp = v_base + offs[:, None] * stride_vt + d[None, :]
+            if BLOCK_D == HEAD_DIM:
+                k = tl.load(kp)
+                v = tl.load(vp)
+            else:
+                k = tl.load(kp, mask=dmask[None, :], other=0.0)
+                v = tl.load(vp, mask=dmask[None, :], other=0.0)
+            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2, 0,
+                                          False, F32_DOT)
+        end = tl.minimum(ext, (mblk + 1) * BLOCK_M)
+        for n in range(full_end, end, BLOCK_N):
+            offs = n + nd
+            nmask = offs < ext
+            k = tl.load(k_base + offs[:, None] * stride_kt + d[None, :],
+                        mask=nmask[:, None] & dmask[None, :], other=0.0)
+            v = tl.load(v_base + offs[:, None] * stride_vt + d[None, :],
+                        mask=nmask[:, None] & dmask[None, :], other=0.0)
+            causal = (offs[None, :] <= m_offs[:, None]) & nmask[None, :]
+            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2, causal,
+                                          True, F32_DOT)
+
+        out = acc / l_i[:, None]
+        tl.store(Out + (q0 + m_offs)[:, None] * stride_ot + h * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
