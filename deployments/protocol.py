@@ -135,10 +135,12 @@ class CompletionRequest(_SamplingFields):
     @classmethod
     def _check_prompt(cls, value: object) -> object:
         if isinstance(value, str):
+            if not value:
+                raise ValueError("prompt must not be empty")
             return value
         if not isinstance(value, list) or not value:
             raise ValueError(_PROMPT_TYPE_MSG + " (and must not be empty)")
-        if _is_token_ids(value) or all(isinstance(p, str) for p in value):
+        if _is_token_ids(value) or all(isinstance(p, str) and p for p in value):
             return list(value)
         if all(_is_token_ids(p) and p for p in value):
             return [list(p) for p in value]

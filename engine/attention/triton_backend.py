@@ -6,7 +6,6 @@ Imports triton at its top: the runner imports this module only when it is select
 """
 from __future__ import annotations
 
-import math
 import os
 
 import torch

@@ -1,0 +1,57 @@
+"""Starting a real local Ray cluster and the radixserve app for tests."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = "http://127.0.0.1:8000"
+
+
+def serve_config_args(**overrides) -> dict:
+    """The app args of serve_config.yaml, sized for a 2-core test machine."""
+    args = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
+    args["ray_actor_options"] = {"num_cpus": 0.2}
+    args.update(overrides)
+    return args
+
+
+def start_ray() -> None:
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=8, include_dashboard=False, ignore_reinit_error=True,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+
+
+def run_app(args: dict, name: str = "radixserve") -> None:
+    from ray import serve
+
+    from deployments.app import build_app
+
+    serve.run(build_app(args), name=name, route_prefix="/")
+
+
+def stop_ray() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+def stats() -> dict:
+    return httpx.get(f"{BASE}/v1/stats", timeout=30).json()

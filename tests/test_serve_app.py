@@ -1,0 +1,270 @@
+"""The Ray Serve app end to end: real Ray, real HTTP, the official openai client."""
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from engine import LLM, SamplingParams
+from engine.demo_model import ensure_demo_model
+from serve_helpers import BASE, ROOT, run_app, serve_config_args, start_ray, stats, stop_ray, wait_until
+
+MODEL = "radixserve-demo"
+
+
+@pytest.fixture(scope="module")
+def server():
+    start_ray()
+    run_app(serve_config_args(engine={"max_running_requests": 32, "chunked_prefill_size": 128,
+                                      "max_total_tokens": 4096, "max_queued_requests": 64}))
+    yield
+    stop_ray()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(model=ensure_demo_model(), dtype="float32", max_total_tokens=4096)
+
+
+def test_models_and_health(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{BASE}/health").status_code == 200
+
+
+def test_completion_greedy_equals_offline(client, offline):
+    prompt = "The old lighthouse keeper"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    ref = offline.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    assert r.choices[0].text == ref.text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == 16
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 16
+
+
+def test_token_id_prompts_and_batches(client, offline):
+    prompts = [[5, 6, 7, 8, 9], [100, 200, 300]]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    refs = offline.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [o.text for o in refs]
+    assert r.usage.prompt_tokens == 8 and r.usage.completion_tokens == 12
+
+
+def test_chat_uses_the_chat_template(client, offline):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    ids = offline.tokenizer.apply_chat_template(messages)
+    ref = offline.generate([ids], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(ids)
+
+
+def test_streaming_concatenates_to_the_full_text(client):
+    kw = dict(model=MODEL, prompt="A long time ago", max_tokens=24, temperature=0,
+              extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full
+    assert chunks[-1].usage.completion_tokens == 24 and not chunks[-1].choices
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_streaming(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=20,
+              temperature=0, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full
+
+
+def test_n_choices_and_seeds(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0, n=2, seed=42)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    texts = lambda r: [c.text for c in sorted(r.choices, key=lambda c: c.index)]  # noqa: E731
+    assert len(a.choices) == 2 and texts(a) == texts(b)
+    assert texts(a)[0] != texts(a)[1]
+    c = client.completions.create(**{**kw, "seed": 43})
+    assert texts(c) != texts(a)
+
+
+def test_stop_strings(client):
+    kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=30, temperature=0,
+              extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    stop = full[4:7]
+    cut = client.completions.create(stop=[stop], **kw).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[:full.index(stop)]
+    streamed = list(client.completions.create(stop=[stop], stream=True, **kw))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == cut.text
+
+
+def test_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 4 and all(len(t) <= 3 for t in lp.top_logprobs)
+    assert all(x <= 0 for x in lp.token_logprobs)
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+    assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob, abs=1e-5)
+
+
+def test_cached_tokens_in_usage(client):
+    prompt = list(range(10, 110))
+    kw = dict(model=MODEL, max_tokens=2, temperature=0)
+    client.completions.create(prompt=prompt + [1], **kw)
+    r = client.completions.create(prompt=prompt + [2], **kw)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 100
+
+
+def test_client_disconnect_aborts_and_frees_slots(server):
+    before = stats()["aborted_requests"]
+    body = {"model": MODEL, "prompt": "Never ending", "max_tokens": 480, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    with httpx.stream("POST", f"{BASE}/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+    # The stream is closed: the engine must abort the request and take back its KV.
+    after = wait_until(lambda: (s := stats())["aborted_requests"] > before and s["running"] == 0 and s,
+                       timeout=30)
+    assert after, "request was not aborted after the client left"
+    assert after["free_slots"] + after["evictable_slots"] == after["total_slots"]
+
+
+def test_concurrent_requests_are_batched(client):
+    results = {}
+
+    def one(i):
+        results[i] = client.completions.create(model=MODEL, prompt=f"Request number {i}", max_tokens=20,
+                                               temperature=0, extra_body={"ignore_eos": True})
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    steps_before = stats()["steps"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r.usage.completion_tokens == 20 for r in results.values())
+    # 16 requests x 20 tokens one after another would take >= 320 steps.
+    assert stats()["steps"] - steps_before < 200
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", b"{not json", 400),
+    ("/v1/completions", b"[1, 2, 3]", 400),
+    ("/v1/completions", b"\xff\xfe", 400),
+    ("/v1/completions", {"model": MODEL}, 400),  # no prompt
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": []}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10**7}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x" * 5000, "max_tokens": 8}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": [10**6]}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": [-5, 3]}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": -7}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 1000}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 99}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": [""]}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": -1}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 9}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400),
+    ("/v1/completions", {"model": "no-such-model", "prompt": "x"}, 404),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 3}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 0}, 400),
+    ("/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "x"}]}, 404),
+    ("/v1/nowhere", {}, 404),
+]
+
+
+@pytest.mark.parametrize("path, body, status", BAD_REQUESTS)
+def test_bad_requests_get_openai_errors(server, path, body, status):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{BASE}{path}", content=content, headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    assert set(err) >= {"message", "type", "param", "code"}
+
+
+def test_server_still_answers_after_bad_input(client, server):
+    for path, body, _ in BAD_REQUESTS:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        httpx.post(f"{BASE}{path}", content=content, timeout=30)
+    r = client.completions.create(model=MODEL, prompt="still alive", max_tokens=3)
+    assert r.usage.completion_tokens >= 1
+    s = stats()
+    assert s["running"] == 0 and s["free_slots"] + s["evictable_slots"] == s["total_slots"]
+
+
+def test_queue_bound_gives_503(server):
+    from ray import serve
+
+    from deployments.app import build_app
+
+    serve.run(build_app(serve_config_args(
+        engine={"max_running_requests": 1, "max_queued_requests": 1, "max_total_tokens": 2048})),
+        name="tiny-queue", route_prefix="/tiny")
+    try:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 200, "ignore_eos": True}
+        with httpx.Client(timeout=60) as c:
+            results = []
+            threads = [threading.Thread(target=lambda: results.append(
+                c.post(f"{BASE}/tiny/v1/completions", json=body))) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        codes = sorted(r.status_code for r in results)
+        assert 200 in codes and 503 in codes, codes
+        busy = next(r for r in results if r.status_code == 503)
+        assert busy.headers.get("retry-after") and busy.json()["error"]["type"]
+    finally:
+        serve.delete("tiny-queue")
+
+
+def test_serve_config_validates_with_rays_schema():
+    from ray.serve.schema import ServeDeploySchema
+
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    schema = ServeDeploySchema.model_validate(config)
+    assert schema.applications[0].import_path == "deployments.app:build_app"
+
+
+def test_bad_app_args_fail_clearly():
+    from deployments.app import build_app
+
+    with pytest.raises(ValueError, match="max_running_requests"):
+        build_app({"engine": {"max_running_requests": 0}})
+    with pytest.raises(ValueError, match="unknown engine setting"):
+        build_app({"engine": {"no_such_knob": 1}})
+    with pytest.raises(ValueError, match="num_replicas"):
+        build_app({"num_replicas": 0})

@@ -1,0 +1,321 @@
+"""TritonAttentionBackend vs the torch reference (GPU only).
+
+Every test is marked `gpu` and skipped without CUDA. For kernel development without a GPU,
+`TRITON_INTERPRET=1` runs the same tests on the CPU through Triton's interpreter (shapes
+shrunk; slow). The helpers here are shared with scripts/check_attention.py.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from engine.attention.base import ForwardBatch
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.kv_pool import KVPool
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def test_device() -> str | None:
+    if torch.cuda.is_available():
+        return "cuda"
+    if INTERPRET:
+        return "cpu"
+    return None
+
+
+test_device.__test__ = False  # a helper, not a test
+
+DEVICE = test_device()
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(DEVICE is None, reason="needs a CUDA GPU (or TRITON_INTERPRET=1)"),
+]
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class Case:
+    pool: KVPool
+    batch: ForwardBatch
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    layer: int
+    real: int  # leading requests that are real (the rest are graph padding)
+
+
+def make_case(reqs: list[tuple[int, int]], hq: int, hkv: int, d: int, dtype: torch.dtype,
+              device: str, *, num_layers: int = 2, pad_to: int = 0, num_slots: int | None = None,
+              max_ctx: int | None = None, fused_qkv: bool = True, seed: int = 0,
+              fill_pool: bool = True) -> Case:
+    """A random step. reqs = [(prefix_len, extend_len)]; all extend_len == 1 makes a decode.
+
+    Slots are a random permutation (never contiguous), rows are random, unused
+    req_to_token entries hold random valid slots (so out-of-range reads show up), the pool
+    holds random data. pad_to > len(reqs) appends CUDA-graph padding entries (seq_len 1,
+    row 0, slot 0, identical k/v so the shared slot 0 is deterministic).
+    """
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    n_real = len(reqs)
+    n_pad = max(0, pad_to - n_real)
+    seq_lens = [p + e for p, e in reqs] + [1] * n_pad
+    ext_lens = [e for _, e in reqs] + [1] * n_pad
+    total = sum(p + e for p, e in reqs)
+    if num_slots is None:
+        num_slots = total + 64
+    if max_ctx is None:
+        max_ctx = max(seq_lens) + 5
+    pool = KVPool(num_slots, num_layers, hkv, d, dtype, device)
+    if fill_pool:
+        for t in pool.k + pool.v:
+            t.copy_(torch.randn(t.shape, generator=g).to(dtype))
+            t[0] = float("nan")  # the padding slot may hold garbage: it must never leak in
+    n_rows = n_real + 3
+    r2t = torch.randint(0, num_slots + 1, (n_rows, max_ctx), generator=g, dtype=torch.int32)
+    r2t[0, 0] = 0
+    perm = (torch.randperm(num_slots, generator=g) + 1).tolist()
+    rows = rng.sample(range(1, n_rows), n_real) + [0] * n_pad
+    out_slots, pos = [], []
+    cursor = 0
+    for i, (p, e) in enumerate(reqs):
+        slots = perm[cursor:cursor + p + e]
+        cursor += p + e
+        r2t[rows[i], :p + e] = torch.tensor(slots, dtype=torch.int32)
+        out_slots += slots[p:]
+        pos += list(range(p, p + e))
+    out_slots += [0] * n_pad
+    pos += [0] * n_pad
+    T = len(out_slots)
+    qo = [0]
+    for e in ext_lens:
+        qo.append(qo[-1] + e)
+    if fused_qkv:  # q/k/v as views of one fused projection output (strided rows)
+        qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=g).to(dtype)
+        q = qkv[:, :hq * d].view(T, hq, d)
+        k = qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d)
+        v = qkv[:, (hq + hkv) * d:].view(T, hkv, d)
+    else:
+        q = torch.randn(T, hq, d, generator=g).to(dtype)
+        k = torch.randn(T, hkv, d, generator=g).to(dtype)
+        v = torch.randn(T, hkv, d, generator=g).to(dtype)
+    if n_pad:
+        k[T - n_pad:] = k[T - n_pad]
+        v[T - n_pad:] = v[T - n_pad]
+    dev = torch.device(device)
+    batch = ForwardBatch(
+        input_ids=torch.zeros(T, dtype=torch.int64, device=dev),
+        positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+        out_slots=torch.tensor(out_slots, dtype=torch.int64, device=dev),
+        req_rows=torch.tensor(rows, dtype=torch.int64, device=dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        extend_lens=torch.tensor(ext_lens, dtype=torch.int32, device=dev),
+        qo_indptr=torch.tensor(qo, dtype=torch.int32, device=dev),
+        logits_indices=torch.tensor([x - 1 for x in qo[1:]], dtype=torch.int64, device=dev),
+        req_to_token=r2t.to(dev),
+        is_decode=all(e == 1 for e in ext_lens),
+        seq_lens_cpu=seq_lens,
+        extend_lens_cpu=ext_lens,
+    )
+    return Case(pool, batch, q.to(dev), k.to(dev), v.to(dev), num_layers - 1, n_real)
+
+
+def reference(case: Case) -> tuple[torch.Tensor, KVPool]:
+    """fp32 torch reference on an fp32 copy of the pool (pool as it was before the step)."""
+    p = case.pool
+    ref_pool = KVPool.__new__(KVPool)
+    ref_pool.num_slots = p.num_slots
+    ref_pool.k = [t.float().clone() for t in p.k]
+    ref_pool.v = [t.float().clone() for t in p.v]
+    be = TorchAttentionBackend(ref_pool, 1.0 / math.sqrt(case.q.shape[-1]))
+    out = be.forward(case.q.float(), case.k.float(), case.v.float(), case.layer, case.batch)
+    return out, ref_pool
+
+
+def run_backend(case: Case, **kw) -> torch.Tensor:
+    from engine.attention.triton_backend import TritonAttentionBackend
+
+    be = TritonAttentionBackend(case.pool, 1.0 / math.sqrt(case.q.shape[-1]), **kw)
+    be.prepare(case.batch)
+    out = torch.full(case.q.shape, float("nan"), dtype=case.q.dtype, device=case.q.device)
+    be.forward(case.q, case.k, case.v, case.layer, case.batch, out=out)
+    return out
+
+
+def compare(case: Case, out: torch.Tensor, ref: torch.Tensor, ref_pool: KVPool) -> dict:
+    """Relative error over the real requests' rows, NaN (unwritten) check, pool check."""
+    n_tok = int(case.batch.qo_indptr[case.real].item())
+    o, r = out[:n_tok].float(), ref[:n_tok].float()
+    nan = bool(torch.isnan(o).any().item())
+    rel = float((o - r).norm() / r.norm().clamp_min(1e-30))
+    same = lambda a, b: torch.allclose(a.float(), b, rtol=0, atol=0, equal_nan=True)  # noqa: E731
+    pool_ok = all(same(a, b) for a, b in zip(case.pool.k + case.pool.v, ref_pool.k + ref_pool.v))
+    tol = TOL[case.q.dtype]
+    return dict(rel=rel, nan=nan, pool_ok=pool_ok, tol=tol,
+                ok=(not nan) and rel < tol and pool_ok)
+
+
+def check(reqs, hq, hkv, d, dtype, *, seed=0, pad_to=0, fused_qkv=True, **kw) -> dict:
+    case = make_case(reqs, hq, hkv, d, dtype, DEVICE, seed=seed, pad_to=pad_to,
+                     fused_qkv=fused_qkv)
+    ref, ref_pool = reference(case)
+    out = run_backend(case, **kw)
+    return compare(case, out, ref, ref_pool)
+
+
+# ------------------------------------------------------------------ case lists
+def _shrink(n: int) -> int:
+    """Under the CPU interpreter keep sizes small."""
+    return max(1, min(n, 150)) if DEVICE == "cpu" else n
+
+
+def decode_reqs(bsz: int, max_len: int, seed: int) -> list[tuple[int, int]]:
+    rng = random.Random(seed)
+    if DEVICE == "cpu":
+        bsz = min(bsz, 6)
+    lens = [rng.randint(1, _shrink(max_len)) for _ in range(bsz)]
+    if bsz > 1:
+        lens[0] = _shrink(max_len)  # one long one
+        lens[1] = 1
+    return [(n - 1, 1) for n in lens]
+
+
+# (name, bsz, max_len, hq, hkv, d, dtype, kwargs)
+DECODE_CASES = [
+    ("b1_len1", 1, 1, 8, 2, 64, "fp32", {}),
+    ("b1_len4999_g4", 1, 4999, 32, 8, 128, "bf16", {}),
+    ("b7_g8_d128", 7, 5000, 16, 2, 128, "bf16", {}),
+    ("b7_g1_d64_fp32", 7, 5000, 4, 4, 64, "fp32", {}),
+    ("b64_g4_d128", 64, 5000, 32, 8, 128, "bf16", {}),
+    ("b64_g8_d64_fp16", 64, 3000, 16, 2, 64, "fp16", {}),
+    ("b64_g8_d128_fp32", 64, 2000, 8, 1, 128, "fp32", {}),
+    ("b7_g4_d16_fp32", 7, 700, 8, 2, 16, "fp32", {}),
+    ("b7_g2_d80_bf16", 7, 700, 4, 2, 80, "bf16", {}),
+    ("b7_g4_d256_bf16", 7, 1500, 8, 2, 256, "bf16", {}),
+    ("b7_splits1", 7, 3000, 16, 4, 128, "bf16", {"force_num_splits": 1}),
+    ("b7_splits3", 7, 3000, 16, 4, 128, "bf16", {"force_num_splits": 3}),
+    ("b7_splits32", 7, 3000, 16, 4, 128, "bf16", {"force_num_splits": 32}),
+    ("b7_graphmode", 7, 3000, 16, 4, 64, "bf16", {"graph_mode": True}),
+]
+
+# (name, [(prefix, extend)], hq, hkv, d, dtype)
+EXTEND_CASES = [
+    ("one_prefill", [(0, 37)], 32, 8, 128, "bf16"),
+    ("ragged_fp32", [(0, 1), (0, 300), (0, 5)], 4, 4, 64, "fp32"),
+    ("prefix_mix", [(100, 50), (0, 129), (2000, 1), (17, 64)], 32, 4, 128, "bf16"),
+    ("mixed_decode", [(500, 1)] * 10 + [(0, 700), (1000, 200)], 16, 4, 64, "fp16"),
+    ("long_prefix", [(3000, 128)], 32, 8, 128, "bf16"),
+    ("d16_fp32", [(40, 33), (0, 17)], 8, 2, 16, "fp32"),
+    ("d80_bf16", [(70, 90), (3, 1)], 4, 2, 80, "bf16"),
+    ("d256_bf16", [(300, 70), (0, 65)], 8, 2, 256, "bf16"),
+    ("chunk_fp32_g8", [(256, 256), (1, 255)], 16, 2, 128, "fp32"),
+]
+
+
+def extend_reqs(reqs):
+    if DEVICE != "cpu":
+        return reqs
+    return [(min(p, 120), min(e, 70)) for p, e in reqs[:5]]
+
+
+def all_checks() -> list[tuple[str, dict]]:
+    """Every case above, plus graph-padding and CUDA-graph replay; for the check script."""
+    rows = []
+    for i, (name, bsz, max_len, hq, hkv, d, dt, kw) in enumerate(DECODE_CASES):
+        rows.append(("decode/" + name, check(decode_reqs(bsz, max_len, i), hq, hkv, d, DT[dt],
+                                             seed=i, **kw)))
+    for i, (name, reqs, hq, hkv, d, dt) in enumerate(EXTEND_CASES):
+        rows.append(("extend/" + name, check(extend_reqs(reqs), hq, hkv, d, DT[dt], seed=100 + i)))
+    rows.append(("decode/padded", check_padded()))
+    if DEVICE == "cuda":
+        rows.append(("decode/cuda_graph", check_cuda_graph()))
+    return rows
+
+
+def check_padded() -> dict:
+    return check(decode_reqs(5, 2000, 7), 16, 4, 128, torch.bfloat16, seed=7, pad_to=12)
+
+
+def check_cuda_graph() -> dict:
+    """Capture a padded decode once, then replay it on another step's data (other seq lens,
+    rows, slots, pool contents) copied into the captured tensors."""
+    from engine.attention.triton_backend import TritonAttentionBackend
+
+    hq, hkv, d, dt, pad = 32, 8, 128, torch.bfloat16, 16
+    kw = dict(num_slots=40000, max_ctx=4200, pad_to=pad)
+    a = make_case(decode_reqs(9, 300, 1), hq, hkv, d, dt, DEVICE, seed=1, **kw)
+    b = make_case(decode_reqs(9, 4000, 2), hq, hkv, d, dt, DEVICE, seed=2, **kw)
+    be = TritonAttentionBackend(a.pool, 1.0 / math.sqrt(d), graph_mode=True)
+    out = torch.full(a.q.shape, float("nan"), dtype=dt, device=DEVICE)
+    be.prepare(a.batch)
+    be.forward(a.q, a.k, a.v, a.layer, a.batch, out=out)  # compile + buffers, outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        be.forward(a.q, a.k, a.v, a.layer, a.batch, out=out)
+    ref, ref_pool = reference(b)
+    for x, y in zip(a.pool.k + a.pool.v, b.pool.k + b.pool.v):
+        x.copy_(y)
+    for name in ("out_slots", "req_rows", "seq_lens", "req_to_token", "positions"):
+        getattr(a.batch, name).copy_(getattr(b.batch, name))
+    a.q.copy_(b.q), a.k.copy_(b.k), a.v.copy_(b.v)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    b_view = Case(a.pool, b.batch, b.q, b.k, b.v, b.layer, b.real)
+    return compare(b_view, out, ref, ref_pool)
+
+
+# ------------------------------------------------------------------ tests
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[c[0] for c in DECODE_CASES])
+def test_decode(case):
+    name, bsz, max_len, hq, hkv, d, dt, kw = case
+    i = DECODE_CASES.index(case)
+    r = check(decode_reqs(bsz, max_len, i), hq, hkv, d, DT[dt], seed=i, **kw)
+    assert r["ok"], r
+
+
+@pytest.mark.parametrize("case", EXTEND_CASES, ids=[c[0] for c in EXTEND_CASES])
+def test_extend(case):
+    name, reqs, hq, hkv, d, dt = case
+    i = EXTEND_CASES.index(case)
+    r = check(extend_reqs(reqs), hq, hkv, d, DT[dt], seed=100 + i)
+    assert r["ok"], r
+
+
+def test_extend_contiguous_inputs():
+    r = check(extend_reqs([(33, 40), (0, 9)]), 8, 2, 64, torch.bfloat16, seed=5, fused_qkv=False)
+    assert r["ok"], r
+
+
+def test_decode_graph_padding():
+    r = check_padded()
+    assert r["ok"], r
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_decode_cuda_graph_replay():
+    r = check_cuda_graph()
+    assert r["ok"], r
+
+
+def test_no_triton_import_from_engine():
+    """Importing the engine's attention base, torch backend and pool never loads the Triton
+    backend modules (which import triton at their top). Whether triton itself ends up in
+    sys.modules is not checked: third-party imports (torch, transformers) may load it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import engine.attention.base, engine.attention.torch_backend, "
+            "engine.kv_pool; bad = [m for m in sys.modules "
+            "if m.startswith('engine.attention.triton')]; assert not bad, bad")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
