@@ -38,6 +38,15 @@ class ModelRunner:
                                         dtype=torch.int32, device=self.device)
         self.attn_backend = self._make_attention_backend()
         self.model.set_attention_backend(self.attn_backend)
+        self.graphs = self._capture_graphs()
+
+    def _capture_graphs(self):
+        if not (self.config.enable_cuda_graph and self.device.type == "cuda"):
+            return None
+        from engine.cuda_graph import DecodeGraphs
+
+        max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
+        return DecodeGraphs(self.model, self.attn_backend, self.req_to_token, max_bs)
 
     # -- setup --------------------------------------------------------------------------
 
@@ -74,7 +83,8 @@ class ModelRunner:
         if name == "triton":
             from engine.attention.triton_backend import TritonAttentionBackend
 
-            return TritonAttentionBackend(self.kv_pool, scale)
+            graphs = self.config.enable_cuda_graph and self.device.type == "cuda"
+            return TritonAttentionBackend(self.kv_pool, scale, graph_mode=graphs)
         from engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend(self.kv_pool, scale)
@@ -153,6 +163,8 @@ class ModelRunner:
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Logits [num_chunks, vocab] (float32) of each chunk's last new token."""
         batch = self.build_batch(plan)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
         self.attn_backend.prepare(batch)
         hidden = self.model(batch)
         return self.model.compute_logits(hidden[batch.logits_indices])

@@ -1,0 +1,95 @@
+"""CUDA graphs for decode steps: one graph per padded batch size, captured at start-up.
+
+A decode step launches a few hundred small kernels; replaying a captured graph removes
+their launch overhead. Each graph reads its inputs from static buffers; a step copies its
+real inputs in and pads the rest with a harmless dummy request (row 0, slot 0, length 1).
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from engine.attention.base import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_bs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))
+    return [s for s in sizes if s <= max_bs]
+
+
+class DecodeGraphs:
+    def __init__(self, model, attn_backend, req_to_token: torch.Tensor, max_bs: int) -> None:
+        self.model = model
+        self.attn_backend = attn_backend
+        self.req_to_token = req_to_token
+        self.sizes = capture_sizes(max_bs)
+        self.max_bs = self.sizes[-1]
+        dev = req_to_token.device
+        n = self.max_bs
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.out_slots = torch.zeros(n, dtype=torch.long, device=dev)
+        self.req_rows = torch.zeros(n, dtype=torch.long, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.extend_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.qo_indptr = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.logits_indices = torch.arange(n, dtype=torch.long, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self._capture_all()
+
+    def _batch(self, bs: int) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=self.input_ids[:bs], positions=self.positions[:bs],
+            out_slots=self.out_slots[:bs], req_rows=self.req_rows[:bs],
+            seq_lens=self.seq_lens[:bs], extend_lens=self.extend_lens[:bs],
+            qo_indptr=self.qo_indptr[:bs + 1], logits_indices=self.logits_indices[:bs],
+            req_to_token=self.req_to_token, is_decode=True, seq_lens_cpu=[1] * bs,
+            extend_lens_cpu=[1] * bs)
+
+    def _run(self, bs: int) -> torch.Tensor:
+        batch = self._batch(bs)
+        self.attn_backend.prepare(batch)
+        hidden = self.model(batch)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for bs in reversed(self.sizes):  # largest first: the others reuse its memory
+                for _ in range(2):  # warm up: Triton compiles, workspaces grow to size
+                    self._run(bs)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    self.outputs[bs] = self._run(bs)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[bs] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return batch.is_decode and batch.batch_size <= self.max_bs
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [bs, vocab] of a decode batch, by graph replay."""
+        bs = batch.batch_size
+        padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
+        for name in ("input_ids", "positions", "out_slots", "req_rows", "seq_lens"):
+            getattr(self, name)[:bs].copy_(getattr(batch, name), non_blocking=True)
+        if padded > bs:  # the dummy request: row 0, slot 0, one token
+            self.input_ids[bs:padded].zero_()
+            self.positions[bs:padded].zero_()
+            self.out_slots[bs:padded].zero_()
+            self.req_rows[bs:padded].zero_()
+            self.seq_lens[bs:padded].fill_(1)
+        self.graphs[padded].replay()
+        return self.outputs[padded][:bs]

@@ -1,0 +1,280 @@
+"""Offline benchmark on a GPU: W1 (throughput), W2 (shared prefix, cache on/off) and W3
+(batch-1 latency) from ../shared/BENCHMARKS.md, with the Llama-3-8B-shaped dummy model,
+against its physical floors and the Hugging Face transformers peer.
+
+    python scripts/bench_offline.py [--workloads W1,W2,W3] [--json PATH] [--no-hf]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+
+from engine import SamplingParams  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.demo_model import ensure_demo_model  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
+    "bos_token_id": 128000, "eos_token_id": 128001,
+}
+PARAMS_PER_PROMPT_TOKEN = 6.98e9  # matmul params a prompt token passes through (no LM head)
+PARAMS_PER_OUTPUT_TOKEN = 7.50e9  # ... and an output token (with the LM head)
+
+
+def w1():
+    r = random.Random(0)
+    out = []
+    for _ in range(1000):
+        n_in, n_out = r.randint(128, 1024), r.randint(32, 512)
+        out.append(([r.randint(100, 120000) for _ in range(n_in)], n_out))
+    return out
+
+
+def w2():
+    r = random.Random(1)
+    reqs = []
+    for _ in range(32):
+        system = [r.randint(100, 120000) for _ in range(2048)]
+        reqs += [(system + [r.randint(100, 120000) for _ in range(128)], 256) for _ in range(16)]
+    r.shuffle(reqs)
+    return reqs
+
+
+def w3():
+    r = random.Random(2)
+    return [([r.randint(100, 120000) for _ in range(512)], 256)]
+
+
+def check_kernels() -> None:
+    """Every Triton kernel against the torch reference on fresh inputs, before timing."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from test_triton_attention import all_checks
+
+    bad = [name for name, r in all_checks() if not r["ok"]]
+    if bad:
+        raise SystemExit(f"kernel check failed: {bad}")
+    print("kernel checks passed", flush=True)
+
+
+def model_dir() -> str:
+    path = os.path.join(tempfile.gettempdir(), "radixserve-llama3-8b-dummy")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(LLAMA3_8B, f)
+    return path
+
+
+def measure_ceilings() -> dict:
+    n = 2 * 1024**3  # 2 GiB each way
+    a = torch.empty(n // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    copy_ms = _time_ms(lambda: b.copy_(a))
+    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    y = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    mm_ms = _time_ms(lambda: x @ y)
+    del a, b, x, y
+    torch.cuda.empty_cache()
+    return {"copy_tb_s": 2 * n / copy_ms / 1e9, "matmul_tflop_s": 2 * 8192**3 / mm_ms / 1e9}
+
+
+def _time_ms(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def make_engine(path: str, **overrides) -> Engine:
+    kwargs = dict(model=path, tokenizer=ensure_demo_model(), dtype="bfloat16", device="cuda",
+                  load_format="dummy", max_running_requests=1024, chunked_prefill_size=8192,
+                  max_prefill_tokens=16384, cuda_graph_max_bs=512, mem_fraction_static=0.88)
+    kwargs.update(overrides)
+    return Engine(EngineConfig(**kwargs))
+
+
+def run_requests(engine: Engine, reqs, tag: str) -> dict:
+    """All requests at once; returns wall time, token counts and per-step timings."""
+    handles = []
+    for i, (ids, n_out) in enumerate(reqs):
+        params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
+        handles.append(engine.add_request(f"{tag}-{i}", ids, params))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    first_token_at = None
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+        if first_token_at is None and any(h.num_output for h in handles):
+            first_token_at = time.perf_counter()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    out_tokens = sum(h.num_output for h in handles)
+    for h in handles:
+        engine.requests.pop(h.request_id, None)
+    return {"wall_s": wall, "output_tokens": out_tokens, "steps": steps,
+            "prompt_tokens": sum(len(ids) for ids, _ in reqs),
+            "cached_tokens": sum(h.cached_tokens for h in handles),
+            "ttft_s": (first_token_at - t0) if first_token_at else None}
+
+
+def bench_w1(path: str, ceilings: dict) -> dict:
+    reqs = w1()
+    engine = make_engine(path)
+    run_requests(engine, w1()[:64], "warm")  # compile kernels for prefill shapes
+    engine.cache.reset()
+    res = run_requests(engine, reqs, "w1")
+    flops = (res["prompt_tokens"] * 2 * PARAMS_PER_PROMPT_TOKEN
+             + res["output_tokens"] * 2 * PARAMS_PER_OUTPUT_TOKEN)
+    floor_s = flops / (ceilings["matmul_tflop_s"] * 1e12)
+    del engine
+    torch.cuda.empty_cache()
+    return {"output_tok_s": res["output_tokens"] / res["wall_s"], "wall_s": res["wall_s"],
+            "floor_s": floor_s, "floor_output_tok_s": res["output_tokens"] / floor_s,
+            "steps": res["steps"], "output_tokens": res["output_tokens"]}
+
+
+def bench_w2(path: str) -> dict:
+    out = {}
+    for cache in (True, False):
+        engine = make_engine(path, enable_radix_cache=cache)
+        run_requests(engine, w1()[:16], "warm")
+        engine.cache.reset()
+        res = run_requests(engine, w2(), "w2")
+        key = "cache_on" if cache else "cache_off"
+        out[f"{key}_output_tok_s"] = res["output_tokens"] / res["wall_s"]
+        out[f"{key}_wall_s"] = res["wall_s"]
+        if cache:
+            out["hit_rate"] = res["cached_tokens"] / res["prompt_tokens"]
+            out["achievable_hit_rate"] = (32 * 15 * 2048) / res["prompt_tokens"]
+        del engine
+        torch.cuda.empty_cache()
+    return out
+
+
+def bench_w3(path: str, ceilings: dict) -> dict:
+    engine = make_engine(path, max_running_requests=8, cuda_graph_max_bs=8)
+    (ids, n_out), = w3()
+    run_requests(engine, [(ids[:100], 8)], "warm")
+    engine.cache.reset()
+    res = run_requests(engine, [(ids, n_out)], "w3")
+    decode_s = res["wall_s"] - res["ttft_s"]
+    weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    del engine
+    torch.cuda.empty_cache()
+    return {"step_ms": 1e3 * decode_s / (n_out - 1), "ttft_ms": 1e3 * res["ttft_s"],
+            "floor_ms": 1e3 * weights / (ceilings["copy_tb_s"] * 1e12), "weight_gb": weights / 1e9}
+
+
+def bench_hf(path: str) -> dict:
+    """HF transformers on the same dummy model: batch-1 decode and a static batch."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    r = random.Random(3)
+    ids = torch.tensor([[r.randint(100, 120000) for _ in range(128)]], device="cuda")
+    gen = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, **gen)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=129, min_new_tokens=129, **gen)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **gen)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        step_ms = 1e3 * ((t1 - t0) - (t2 - t1)) / 128
+        # A static batch of 64 W1-like requests padded to one length (HF's plain generate).
+        batch = torch.tensor([[r.randint(100, 120000) for _ in range(512)] for _ in range(64)],
+                             device="cuda")
+        t0 = time.perf_counter()
+        model.generate(batch, max_new_tokens=128, min_new_tokens=128, **gen)
+        torch.cuda.synchronize()
+        batch_tok_s = 64 * 128 / (time.perf_counter() - t0)
+    del model
+    torch.cuda.empty_cache()
+    return {"hf_step_ms": step_ms, "hf_output_tok_s": batch_tok_s}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--workloads", default="W1,W2,W3")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--skip-check", action="store_true", help="skip the kernel check")
+    args = ap.parse_args()
+    if not args.skip_check:
+        check_kernels()
+    path = model_dir()
+    ceilings = measure_ceilings()
+    results: dict = {"ceilings": ceilings}
+    work = args.workloads.split(",")
+    if "W3" in work:
+        results["W3"] = bench_w3(path, ceilings)
+        print("W3", results["W3"], flush=True)
+    if "W1" in work:
+        results["W1"] = bench_w1(path, ceilings)
+        print("W1", results["W1"], flush=True)
+    if "W2" in work:
+        results["W2"] = bench_w2(path)
+        print("W2", results["W2"], flush=True)
+    if not args.no_hf:
+        hf = bench_hf(path)
+        if "W1" in results:
+            results["W1"]["hf_output_tok_s"] = hf["hf_output_tok_s"]
+        if "W3" in results:
+            results["W3"]["hf_step_ms"] = hf["hf_step_ms"]
+        results["HF"] = hf
+    print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def print_table(r: dict) -> None:
+    c = r["ceilings"]
+    print(f"\nceilings: copy {c['copy_tb_s']:.2f} TB/s, bf16 matmul {c['matmul_tflop_s']:.0f} TFLOP/s")
+    print(f"{'figure':<34} {'ours':>10} {'floor':>10} {'ratio':>7} {'HF':>9}")
+    if "W1" in r:
+        w = r["W1"]
+        print(f"{'W1 output tok/s':<34} {w['output_tok_s']:>10.0f} {w['floor_output_tok_s']:>10.0f} "
+              f"{w['output_tok_s'] / w['floor_output_tok_s']:>7.2f} {w.get('hf_output_tok_s', 0):>9.0f}")
+    if "W2" in r:
+        w = r["W2"]
+        print(f"{'W2 output tok/s, cache on':<34} {w['cache_on_output_tok_s']:>10.0f}")
+        print(f"{'W2 output tok/s, cache off':<34} {w['cache_off_output_tok_s']:>10.0f}")
+        print(f"{'W2 on/off speed-up':<34} {w['cache_on_output_tok_s'] / w['cache_off_output_tok_s']:>10.2f}")
+        print(f"{'W2 hit rate (achievable)':<34} {w['hit_rate']:>10.3f} {w['achievable_hit_rate']:>10.3f}")
+    if "W3" in r:
+        w = r["W3"]
+        print(f"{'W3 decode step ms':<34} {w['step_ms']:>10.2f} {w['floor_ms']:>10.2f} "
+              f"{w['step_ms'] / w['floor_ms']:>7.2f} {w.get('hf_step_ms', 0):>9.1f}")
+        print(f"{'W3 TTFT ms (512 tokens)':<34} {w['ttft_ms']:>10.1f}")
+
+
+if __name__ == "__main__":
+    main()
