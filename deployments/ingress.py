@@ -18,7 +18,7 @@ from deployments.engine_replica import EngineCall, resolve_model
 from deployments.errors import APIError, install_error_handlers
 from deployments.protocol import (
     SSE_DONE, ChatCompletionRequest, ChatCompletionStreamResponse, CompletionRequest,
-    CompletionStreamResponse, ModelCard, ModelList, chat_sampling_kwargs,
+    CompletionStreamResponse, ModelCard, ModelList, TokenizeRequest, chat_sampling_kwargs,
     completion_sampling_kwargs, sse_event,
 )
 from deployments.responses import (
@@ -28,7 +28,7 @@ from deployments.streams import ChoiceState, error_of, merged_stream
 from engine import SamplingParams
 from engine.models import load_hf_config
 from engine.request import validate_request
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
 
 api = FastAPI(title="radixserve", description="OpenAI-compatible API over radixserve engines")
 install_error_handlers(api)
@@ -88,6 +88,24 @@ class OpenAIIngress:
         await self.control.flush_cache.remote()
         return JSONResponse({"status": "ok"})
 
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request) -> JSONResponse:
+        """Token ids of a prompt exactly as /v1/completions sees it. With `messages`, the chat
+        template is rendered and `prompt` is returned too: text that, sent to /v1/completions,
+        gives the tokens /v1/chat/completions uses (the frontend language builds chats on it)."""
+        req = TokenizeRequest.model_validate(await _json_body(request))
+        self._check_model(req.model)
+        if isinstance(req.prompt, str):
+            return JSONResponse({"tokens": self.tokenizer.encode(req.prompt),
+                                 "max_model_len": self.max_context})
+        if req.prompt is not None:  # a batch: one token list per text
+            return JSONResponse({"tokens": [self.tokenizer.encode(p) for p in req.prompt],
+                                 "max_model_len": self.max_context})
+        text = self._chat_text([m.as_template_dict() for m in req.messages], req.add_generation_prompt)
+        ids = self.tokenizer.encode(text)
+        return JSONResponse({"tokens": ids, "count": len(ids), "prompt": text,
+                             "max_model_len": self.max_context})
+
     # -- generation ---------------------------------------------------------------------
 
     @api.post("/v1/completions")
@@ -95,13 +113,19 @@ class OpenAIIngress:
         req = CompletionRequest.model_validate(await _json_body(request))
         self._check_model(req.model)
         kwargs = completion_sampling_kwargs(req)
-        prompts = [self._token_ids(p) for p in req.prompts()]
+        raw_prompts = req.prompts()
+        prompts = [self._token_ids(p) for p in raw_prompts]
         calls = self._calls(prompts, kwargs, req.n, "cmpl")
-        want_lp = bool(req.logprobs)
+        want_lp = req.logprobs is not None
+        echo = None
+        if req.echo:
+            texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in raw_prompts]
+            echo = [(prompts[i // req.n], texts[i // req.n]) for i in range(len(calls))]
         if req.stream:
-            return await self._stream(calls, req.n, req.include_usage, chat=False, want_lp=want_lp)
+            return await self._stream(calls, req.n, req.include_usage, chat=False, want_lp=want_lp,
+                                      echo=echo)
         choices = await self._gather(calls, req.n)
-        return completion_response(self.model_name, choices, want_lp, self.name_token)
+        return completion_response(self.model_name, choices, want_lp, self.name_token, echo)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
@@ -122,6 +146,19 @@ class OpenAIIngress:
         if model is not None and model != self.model_name:
             raise APIError.not_found(f"The model '{model}' does not exist; this server serves "
                                      f"'{self.model_name}'", param="model")
+
+    def _chat_text(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        hf = self.tokenizer.hf
+        template = None if hf.chat_template else DEFAULT_CHAT_TEMPLATE  # as Tokenizer does
+        try:
+            text = hf.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                          add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - the template is the model's code; its errors are the client's
+            raise APIError.bad_request(f"chat template error: {e}", param="messages") from None
+        bos = hf.bos_token
+        if bos and text.startswith(bos) and self.tokenizer.encode(text)[:2] == [hf.bos_token_id] * 2:
+            text = text[len(bos):]  # encoding text adds the BOS itself; the template's would double it
+        return text
 
     def _token_ids(self, prompt: str | list[int]) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -155,16 +192,17 @@ class OpenAIIngress:
         return choices
 
     async def _stream(self, calls: list[EngineCall], n: int, include_usage: bool, chat: bool,
-                      want_lp: bool) -> StreamingResponse:
+                      want_lp: bool, echo=None) -> StreamingResponse:
         stream = merged_stream(self.engine, calls)
         first = await anext(stream, None)  # errors before any token get a real HTTP status
         if first is not None and (err := error_of(first[1])) is not None:
             await stream.aclose()
             raise err
-        events = self._sse(stream, first, calls, n, include_usage, chat, want_lp)
+        events = self._sse(stream, first, calls, n, include_usage, chat, want_lp, echo)
         return StreamingResponse(events, media_type="text/event-stream")
 
-    async def _sse(self, stream, first, calls, n, include_usage, chat, want_lp) -> AsyncIterator[str]:
+    async def _sse(self, stream, first, calls, n, include_usage, chat, want_lp,
+                   echo=None) -> AsyncIterator[str]:
         kind = ChatCompletionStreamResponse if chat else CompletionStreamResponse
         head = kind(model=self.model_name)
         base = {"id": head.id, "created": head.created, "model": self.model_name}
@@ -180,6 +218,8 @@ class OpenAIIngress:
                 if chat:
                     chunk = chat_chunk(base, choices[i], item, want_lp, self.name_token, not started[i])
                 else:
+                    if echo is not None and not started[i]:  # the prompt text leads the stream
+                        item = {**item, "text": echo[i][1] + item["text"]}
                     chunk = completion_chunk(base, choices[i], item, want_lp, self.name_token)
                 started[i] = True
                 yield sse_event(chunk)

@@ -129,7 +129,9 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool = False  # the text starts with the prompt; with logprobs, prompt tokens are scored
+    # SGLang's logprob_start_len: score prompt tokens from this index (implies echo scoring).
+    prompt_logprobs_start: int | None = Field(default=None, ge=0)
 
     @field_validator("prompt", mode="plain")
     @classmethod
@@ -146,12 +148,6 @@ class CompletionRequest(_SamplingFields):
             return [list(p) for p in value]
         raise ValueError(_PROMPT_TYPE_MSG + "; token ids must be non-negative integers")
 
-    @field_validator("echo")
-    @classmethod
-    def _reject_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo=true is not supported by this server")
-        return value
 
     def prompts(self) -> list[Prompt]:
         """The batch of prompts; each gets its own `n` choices, in order."""
@@ -252,6 +248,21 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class TokenizeRequest(_Request):
+    """POST /tokenize: a text prompt (or a batch of them), or chat `messages` to render."""
+
+    model: str | None = None
+    prompt: str | list[str] | None = None
+    messages: list[ChatMessageParam] | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+        return self
+
+
 # --------------------------------------------------------------------------
 # Mapping to engine.SamplingParams
 # --------------------------------------------------------------------------
@@ -264,6 +275,10 @@ def completion_sampling_kwargs(req: CompletionRequest) -> dict[str, Any]:
         # Completions API: logprobs=k means "sampled token + k alternatives"; 0 is just the sampled one.
         kwargs["logprobs"] = True
         kwargs["top_logprobs"] = req.logprobs
+    if req.prompt_logprobs_start is not None:
+        kwargs["prompt_logprobs_start"] = req.prompt_logprobs_start
+    elif req.echo and req.logprobs is not None:
+        kwargs["prompt_logprobs_start"] = 0
     return kwargs
 
 

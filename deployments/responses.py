@@ -53,14 +53,34 @@ def chat_logprobs(token_ids: list[int], logprobs: list[float],
 
 
 def completion_response(model: str, choices: list[ChoiceState], want_logprobs: bool,
-                        name: TokenNamer) -> CompletionResponse:
+                        name: TokenNamer,
+                        echo: list[tuple[list[int], str]] | None = None) -> CompletionResponse:
+    """`echo`: per choice, the prompt's token ids and text to put before the completion
+    (OpenAI's legacy echo: the prompt tokens are scored too, the first with null)."""
     out = []
     for c in choices:
-        lp = (completion_logprobs(c.token_ids, c.logprobs, c.top_logprobs, name)
-              if want_logprobs else None)
-        out.append(CompletionChoice(index=c.index, text="".join(c.text), logprobs=lp,
+        text, lp = "".join(c.text), None
+        if want_logprobs:
+            lp = completion_logprobs(c.token_ids, c.logprobs, c.top_logprobs, name)
+        if echo is not None:
+            prompt_ids, prompt_text = echo[c.index]
+            text = prompt_text + text
+            if lp is not None:
+                lp = _with_prompt(lp, prompt_ids, c.prompt_logprobs, name)
+        out.append(CompletionChoice(index=c.index, text=text, logprobs=lp,
                                     finish_reason=c.finish_reason))
     return CompletionResponse(model=model, choices=out, usage=usage_of(choices))
+
+
+def _with_prompt(lp: CompletionLogprobs, prompt_ids: list[int], prompt_logprobs,
+                 name: TokenNamer) -> CompletionLogprobs:
+    head = completion_logprobs(prompt_ids, [], [], name)
+    scores = list(prompt_logprobs or [None] * len(prompt_ids))
+    shift = sum(len(t) for t in head.tokens)
+    return CompletionLogprobs(
+        tokens=head.tokens + lp.tokens, token_logprobs=scores + lp.token_logprobs,
+        top_logprobs=[None] * len(prompt_ids) + lp.top_logprobs,
+        text_offset=head.text_offset + [o + shift for o in lp.text_offset])
 
 
 def chat_response(model: str, choices: list[ChoiceState], want_logprobs: bool,

@@ -12,6 +12,7 @@ from ray.serve import context as serve_context
 
 from deployments.engine_replica import EngineCall
 from deployments.errors import APIError
+from deployments.metrics import record_finished_engine_call
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,7 @@ class ChoiceState:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[float | None] | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -36,6 +38,8 @@ class ChoiceState:
         self.token_ids += delta["token_ids"]
         self.logprobs += delta.get("logprobs") or []
         self.top_logprobs += delta.get("top_logprobs") or []
+        if delta.get("prompt_logprobs") is not None:
+            self.prompt_logprobs = delta["prompt_logprobs"]
         self.prompt_tokens = delta["prompt_tokens"]
         self.cached_tokens = delta["cached_tokens"]
         self.completion_tokens = delta["completion_tokens"]
@@ -77,6 +81,8 @@ async def merged_stream(handle, calls: list[EngineCall]) -> AsyncIterator[tuple[
     async def pump(i: int, response) -> None:
         try:
             async for item in response:
+                if item.get("finished"):
+                    record_finished_engine_call(item)
                 await queue.put((i, item))
         except asyncio.CancelledError:
             raise

@@ -91,7 +91,10 @@ class Engine:
         if plan is None:
             return []
         self.num_steps += 1
-        logits = self.runner.forward(plan)
+        logits, prompt_logprobs = self.runner.forward(plan)
+        for req, pos, value in prompt_logprobs:
+            req.prompt_logprobs[pos] = value
+            req.prompt_logprobs_next = pos + 1
         return self._process(plan, logits)
 
     def _process(self, plan: StepPlan, logits) -> list[TokenUpdate]:
@@ -142,6 +145,7 @@ class Engine:
             request_id=req.request_id, prompt_token_ids=req.prompt_ids, token_ids=req.output_ids,
             text=req.detok.text, finish_reason=req.finish_reason, cached_tokens=req.cached_tokens,
             logprobs=req.output_logprobs if req.params.logprobs else None,
+            prompt_logprobs=req.prompt_logprobs,
             top_logprobs=req.output_top_logprobs if req.params.top_logprobs else None)
 
     def stats(self) -> dict:

@@ -12,6 +12,7 @@ from engine.kv_pool import KVPool
 from engine.layers.parallel import TPContext
 from engine.models import load_hf_config, load_model, resolve_device, resolve_dtype
 from engine.models.llama import head_dim_of
+from engine.request import Request
 from engine.scheduler import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class ModelRunner:
                                         dtype=torch.int32, device=self.device)
         self.attn_backend = self._make_attention_backend()
         self.model.set_attention_backend(self.attn_backend)
+        self._staging = torch.empty(0, dtype=torch.long)
         self.graphs = self._capture_graphs()
 
     def _capture_graphs(self):
@@ -137,37 +139,73 @@ class ModelRunner:
 
     def _make_batch(self, ids, positions, out_slots, rows, seq_lens, extend_lens, logits_idx,
                     is_decode: bool, extra_sync=None) -> ForwardBatch:
-        dev = self.device
-        if extra_sync is not None:
-            self._sync_rows(*extra_sync)
         qo_indptr = [0]
         for n in extend_lens:
             qo_indptr.append(qo_indptr[-1] + n)
+        sync = extra_sync or ([], [], [])
+        (input_ids, positions_t, out_slots_t, rows_t, seq_lens_t, extend_lens_t, qo_indptr_t,
+         logits_t, sync_rows, sync_cols, sync_slots) = self._upload(
+            [ids, positions, out_slots, rows, seq_lens, extend_lens, qo_indptr, logits_idx, *sync])
+        if sync[0]:
+            self.req_to_token[sync_rows, sync_cols] = sync_slots.to(torch.int32)
         return ForwardBatch(
-            input_ids=_tensor(ids, torch.long, dev), positions=_tensor(positions, torch.long, dev),
-            out_slots=_tensor(out_slots, torch.long, dev), req_rows=_tensor(rows, torch.long, dev),
-            seq_lens=_tensor(seq_lens, torch.int32, dev),
-            extend_lens=_tensor(extend_lens, torch.int32, dev),
-            qo_indptr=_tensor(qo_indptr, torch.int32, dev),
-            logits_indices=_tensor(logits_idx, torch.long, dev), req_to_token=self.req_to_token,
-            is_decode=is_decode, seq_lens_cpu=seq_lens, extend_lens_cpu=extend_lens)
+            input_ids=input_ids, positions=positions_t, out_slots=out_slots_t, req_rows=rows_t,
+            seq_lens=seq_lens_t.to(torch.int32), extend_lens=extend_lens_t.to(torch.int32),
+            qo_indptr=qo_indptr_t.to(torch.int32), logits_indices=logits_t,
+            req_to_token=self.req_to_token, is_decode=is_decode, seq_lens_cpu=seq_lens,
+            extend_lens_cpu=extend_lens)
 
     def _sync_rows(self, rows: list[int], cols: list[int], slots: list[int]) -> None:
         """Write slot indices into req_to_token[rows, cols] in one scatter."""
         if rows:
-            dev = self.device
-            self.req_to_token[_tensor(rows, torch.long, dev),
-                              _tensor(cols, torch.long, dev)] = _tensor(slots, torch.int32, dev)
+            rows_t, cols_t, slots_t = self._upload([rows, cols, slots])
+            self.req_to_token[rows_t, cols_t] = slots_t.to(torch.int32)
+
+    def _upload(self, fields: list[list[int]]) -> list[torch.Tensor]:
+        """Int lists -> int64 tensors on the device, in one host-to-device copy through a
+        reused pinned buffer (many small pinned allocations and copies cost more than the
+        decode step itself). The previous step's copy is done: each step ends in a sync."""
+        lengths = [len(f) for f in fields]
+        flat = torch.tensor([v for f in fields for v in f], dtype=torch.long)
+        if self.device.type == "cuda":
+            if self._staging.numel() < flat.numel():
+                self._staging = torch.empty(2 * flat.numel(), dtype=torch.long, pin_memory=True)
+            staging = self._staging[:flat.numel()]
+            staging.copy_(flat)
+            flat = staging.to(self.device, non_blocking=True)
+        return list(flat.split(lengths))
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan) -> torch.Tensor:
-        """Logits [num_chunks, vocab] (float32) of each chunk's last new token."""
+    def forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[tuple[Request, int, float]]]:
+        """Logits [num_chunks, vocab] (float32) of each chunk's last new token, and the
+        prompt-token logprobs the step's requests asked for, as (request, position, value)."""
         batch = self.build_batch(plan)
         if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)
+            return self.graphs.run(batch), []
         self.attn_backend.prepare(batch)
         hidden = self.model(batch)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        return logits, self._prompt_logprobs(plan, hidden)
+
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> list[tuple[Request, int, float]]:
+        rows, targets, owners = [], [], []
+        t = 0
+        for chunk in plan.chunks:
+            req, first = chunk.req, chunk.req.prompt_logprobs_from
+            if first is not None:
+                # Logits at position p score the prompt token at p + 1.
+                for p in range(max(chunk.start, first - 1),
+                               min(chunk.start + chunk.num_tokens, req.num_prompt - 1)):
+                    rows.append(t + p - chunk.start)
+                    targets.append(req.token_ids[p + 1])
+                    owners.append((req, p + 1))
+            t += chunk.num_tokens
+        if not rows:
+            return []
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
+        index = torch.tensor(targets, device=logprobs.device).unsqueeze(1)
+        values = logprobs.gather(1, index).squeeze(1).tolist()
+        return [(req, pos, v) for (req, pos), v in zip(owners, values)]
 
 
 def _row_updates(reqs) -> tuple[list[int], list[int], list[int]]:
@@ -179,9 +217,3 @@ def _row_updates(reqs) -> tuple[list[int], list[int], list[int]]:
         cols += range(r.row_synced, end)
         slots += r.slots[r.row_synced:end]
     return rows, cols, slots
-
-
-def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        return torch.tensor(values, dtype=dtype)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

@@ -1,7 +1,7 @@
 """What the engine hands back: a finished request, or a streamed delta of one."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -14,6 +14,7 @@ class RequestOutput:
     cached_tokens: int
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float | None] | None = None  # per prompt token (params.prompt_logprobs_start)
 
 
 @dataclass
@@ -30,4 +31,4 @@ class StreamDelta:
     completion_tokens: int = 0
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    extra: dict = field(default_factory=dict)
+    prompt_logprobs: list[float | None] | None = None  # in the first delta only

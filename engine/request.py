@@ -42,6 +42,8 @@ class Request:
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     admitted_once: bool = False
     num_preemptions: int = 0
+    prompt_logprobs: list[float | None] | None = None  # when params.prompt_logprobs_start is set
+    prompt_logprobs_next: int = 0  # prompt_logprobs are filled in order up to here
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     grammar: Any = None  # per-request grammar matcher (structured output)
@@ -52,6 +54,16 @@ class Request:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
+        if self.params.prompt_logprobs_start is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_ids)
+            self.prompt_logprobs_next = max(self.params.prompt_logprobs_start, 1)
+
+    @property
+    def prompt_logprobs_from(self) -> int | None:
+        """First prompt position whose logprob is still missing (None: none wanted/left)."""
+        if self.prompt_logprobs is None or self.prompt_logprobs_next >= len(self.prompt_ids):
+            return None
+        return self.prompt_logprobs_next
 
     @property
     def kv_len(self) -> int:

@@ -24,6 +24,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: bool = False
     top_logprobs: int = 0
+    # Return the log-probability of every prompt token from this index on (the first
+    # token has none). Cached prefix tokens before it are reused; from it on, recomputed.
+    prompt_logprobs_start: int | None = None
     # Structured output (at most one of these)
     regex: str | None = None
     json_schema: dict | str | None = None
@@ -65,6 +68,9 @@ class SamplingParams:
              "stop_token_ids must be non-negative integers")
         need(isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= _MAX_TOP_LOGPROBS,
              f"top_logprobs must be in [0, {_MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        need(self.prompt_logprobs_start is None
+             or (isinstance(self.prompt_logprobs_start, int) and self.prompt_logprobs_start >= 0),
+             f"prompt_logprobs_start must be a non-negative integer, got {self.prompt_logprobs_start!r}")
         constraints = [c for c in (self.regex, self.json_schema, self.ebnf) if c is not None]
         need(len(constraints) + int(self.json_object) <= 1,
              "at most one of regex, json_schema, ebnf, json_object may be set")

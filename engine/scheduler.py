@@ -160,7 +160,10 @@ class Scheduler:
         return False
 
     def _admit(self, req: Request) -> None:
-        slots, node = self.cache.match_prefix(req.token_ids[:-1])
+        reusable = len(req.token_ids) - 1
+        if req.prompt_logprobs_from is not None:  # the logits before it must be computed
+            reusable = min(reusable, req.prompt_logprobs_from - 1)
+        slots, node = self.cache.match_prefix(req.token_ids[:reusable])
         self.cache.lock(node)
         req.slots, req.locked_len, req.last_node = list(slots), len(slots), node
         req.row, req.row_synced = self.free_rows.pop(), 0

@@ -26,7 +26,7 @@ def null_forward(runner, vocab: int, max_batch: int):
 
     def forward(plan):
         runner.build_batch(plan)  # batch building is scheduler-side work: keep it timed
-        return fixed[:len(plan.chunks)]
+        return fixed[:len(plan.chunks)], []
 
     return forward
 

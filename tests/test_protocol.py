@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient
 from deployments.errors import APIError, error_body, from_validation_error, install_error_handlers
 from deployments.protocol import (
     SSE_DONE,
+    completion_sampling_kwargs,
     ChatChoiceLogprobs,
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -125,7 +126,8 @@ def test_unknown_fields_ignored_and_stream_options() -> None:
     ({"seed": 1.5}, "seed"),
     ({"stop_token_ids": ["a"]}, "stop_token_ids.0"),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
-    ({"echo": True}, "echo"),
+    ({"echo": "yes"}, "echo"),
+    ({"prompt_logprobs_start": -1}, "prompt_logprobs_start"),
 ])
 def test_completion_wrong_values(fields: dict[str, Any], param: str) -> None:
     err = validation_error(CompletionRequest, {"prompt": "x", **fields})
@@ -133,9 +135,11 @@ def test_completion_wrong_values(fields: dict[str, Any], param: str) -> None:
     assert param in err.message
 
 
-def test_echo_message_is_clear() -> None:
-    err = validation_error(CompletionRequest, {"prompt": "x", "echo": True})
-    assert "echo=true is not supported" in err.message
+def test_echo_with_logprobs_scores_the_prompt() -> None:
+    req = CompletionRequest.model_validate({"prompt": "x", "echo": True, "logprobs": 0})
+    assert completion_sampling_kwargs(req)["prompt_logprobs_start"] == 0
+    plain = CompletionRequest.model_validate({"prompt": "x", "echo": True})
+    assert "prompt_logprobs_start" not in completion_sampling_kwargs(plain)
 
 
 def test_float_fields_accept_ints() -> None:
@@ -364,7 +368,7 @@ def test_http_bad_json_is_400(client: TestClient, path: str) -> None:
     ({"prompt": "x", "max_tokens": "abc"}, "max_tokens"),
     ({"prompt": "x", "max_tokens": -5}, "max_tokens"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "echo": 3}, "echo"),
     ({"max_tokens": 5}, "prompt"),
 ])
 def test_http_validation_is_400(client: TestClient, body: dict[str, Any], param: str) -> None:

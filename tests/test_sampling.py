@@ -79,3 +79,16 @@ def test_logprobs_match_hf(llm, tiny_llama):
             top = o.top_logprobs[i]
             assert [t for t, _ in top] == ref.topk(4).indices.tolist()
             assert top[0][0] == tok  # greedy picks the most likely token
+
+
+def test_prompt_logprobs_match_hf_even_after_a_cache_hit(llm, tiny_llama):
+    prompt = [5, 17, 33, 60, 2, 9, 41, 77, 12, 3]
+    llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))  # cache it
+    for start in (1, 4):
+        out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0,
+                                                    prompt_logprobs_start=start))[0]
+        assert out.prompt_logprobs[:start] == [None] * start
+        for pos in range(start, len(prompt)):
+            ref = hf_next_logprobs(tiny_llama, prompt[:pos])[prompt[pos]].item()
+            assert math.isclose(out.prompt_logprobs[pos], ref, abs_tol=1e-4)
+        assert out.cached_tokens == start - 1

@@ -125,6 +125,18 @@ def test_logprobs(client):
     assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob, abs=1e-5)
 
 
+def test_echo_scores_the_prompt_like_offline(client, offline):
+    prompt = [5, 17, 33, 60, 2, 9, 41]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                  echo=True, logprobs=0)
+    lp = r.choices[0].logprobs
+    ref = offline.generate([prompt], SamplingParams(max_tokens=1, temperature=0,
+                                                    prompt_logprobs_start=0, logprobs=True))[0]
+    assert len(lp.tokens) == len(prompt) + 1 and lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:len(prompt)] == pytest.approx(ref.prompt_logprobs[1:], abs=1e-4)
+    assert r.choices[0].text.startswith(offline.tokenizer.decode(prompt))
+
+
 def test_cached_tokens_in_usage(client):
     prompt = list(range(10, 110))
     kw = dict(model=MODEL, max_tokens=2, temperature=0)
@@ -190,7 +202,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": [""]}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": -1}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 9}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": "loud"}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "prompt_logprobs_start": -2}, 400),
     ("/v1/completions", {"model": "no-such-model", "prompt": "x"}, 404),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400),

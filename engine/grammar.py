@@ -1,0 +1,425 @@
+"""Structured output: regex, JSON schema and EBNF constraints as per-token masks.
+
+A constraint (`SamplingParams.regex / json_schema / ebnf / json_object`) is compiled once
+against the model's vocabulary into a grammar; each constrained request gets its own
+matcher of that grammar, which lives on the `Request` and advances only when a token is
+appended (so a retracted request resumes with the right state). Each step, the matchers of
+the batch fill a packed bitmask (1 bit per token), which becomes a bool mask on the logits'
+device before sampling.
+
+Backends: xgrammar by default; llguidance for JSON schemas and regexes that xgrammar
+rejects (or as the only backend). Compiles run on a small thread pool and are cached by
+constraint, so the same schema compiles once and a slow compile never runs on the step loop.
+
+Jump-forward (SGLang's compressed FSM): when the grammar forces the next characters (the
+`"name": "` between two JSON values), the engine appends their tokens at once instead of
+decoding them one by one; the next step computes their KV in one chunk.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("xgrammar", "llguidance", "none")
+_CACHE_SIZE = 512  # compiled grammars (and compile errors) kept, least recently used out
+# JSON comes out compact: models need not (and a random model would never stop to) choose
+# whitespace, and more of the text is forced, which jump-forward skips.
+_ITEM_SEPARATOR, _KEY_SEPARATOR = ", ", ": "
+# The name each constraint has in the API, for error messages.
+_FIELD = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "ebnf": "ebnf"}
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint in canonical form: the cache key of its compiled grammar."""
+
+    kind: str  # "json" | "json_object" | "regex" | "ebnf"
+    text: str  # the schema as sorted-key JSON, or the regex / EBNF source
+
+    @staticmethod
+    def of(params: SamplingParams) -> GrammarSpec | None:
+        if params.json_schema is not None:
+            return GrammarSpec("json", json.dumps(params.json_schema, sort_keys=True))
+        if params.json_object:
+            return GrammarSpec("json_object", "")
+        if params.regex is not None:
+            return GrammarSpec("regex", params.regex)
+        if params.ebnf is not None:
+            return GrammarSpec("ebnf", params.ebnf)
+        return None
+
+
+# -- backend interface ------------------------------------------------------------------
+
+
+class Matcher(ABC):
+    """One request's position in its grammar."""
+
+    @abstractmethod
+    def accept(self, token: int) -> bool:
+        """Advance by one token; False (state unchanged) when the grammar forbids it."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens."""
+
+    @abstractmethod
+    def jump_forward_tokens(self) -> list[int]:
+        """Tokens spelling the text the grammar forces next (not yet accepted). The last
+        token is left out when a longer token could start with it."""
+
+    @property
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """The grammar ended with a stop token: nothing more may follow."""
+
+    @classmethod
+    @abstractmethod
+    def fill_bitmask(cls, matchers: list[Matcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Write each matcher's allowed next tokens into its row of the packed CPU bitmask."""
+
+
+class CompiledGrammar(ABC):
+    @abstractmethod
+    def new_matcher(self) -> Matcher: ...
+
+
+class GrammarBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Compile against the model's vocabulary; ValueError with the compiler's message."""
+
+
+def _clean_message(error: Exception) -> str:
+    # xgrammar prefixes C++ errors with "[time] file.cc:line: ".
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(error)).strip()
+
+
+# -- xgrammar -------------------------------------------------------------------------
+
+
+class XGrammarMatcher(Matcher):
+    def __init__(self, matcher: Any) -> None:
+        self.m = matcher
+
+    def accept(self, token: int) -> bool:
+        return self.m.accept_token(token)
+
+    def rollback(self, num_tokens: int) -> None:
+        self.m.rollback(num_tokens)
+
+    def jump_forward_tokens(self) -> list[int]:
+        return self.m.find_jump_forward_tokens()
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.m.is_terminated()
+
+    _batch: Any = None  # one shared xgrammar BatchGrammarMatcher (its own thread pool)
+
+    @classmethod
+    def fill_bitmask(cls, matchers: list[Matcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        import xgrammar as xgr
+
+        handles = [m.m for m in matchers]  # type: ignore[attr-defined]
+        if len(handles) == 1:
+            handles[0].fill_next_token_bitmask(bitmask, rows[0])
+            return
+        if cls._batch is None:
+            cls._batch = xgr.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
+        cls._batch.batch_fill_next_token_bitmask(handles, bitmask, rows)
+
+
+class _XGrammarCompiled(CompiledGrammar):
+    def __init__(self, compiled: Any) -> None:
+        self.compiled = compiled
+
+    def new_matcher(self) -> Matcher:
+        import xgrammar as xgr
+
+        return XGrammarMatcher(xgr.GrammarMatcher(self.compiled))
+
+
+class XGrammarBackend(GrammarBackend):
+    name = "xgrammar"
+
+    def __init__(self, info: Any) -> None:
+        import xgrammar as xgr
+
+        self.compiler = xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1),
+                                            cache_enabled=False)  # we cache ourselves
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        c = self.compiler
+        try:
+            if spec.kind == "json":
+                out = c.compile_json_schema(spec.text, any_whitespace=False,
+                                            separators=(_ITEM_SEPARATOR, _KEY_SEPARATOR))
+            elif spec.kind == "json_object":
+                out = c.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                            separators=(_ITEM_SEPARATOR, _KEY_SEPARATOR))
+            elif spec.kind == "regex":
+                out = c.compile_regex(spec.text)
+            else:
+                out = c.compile_grammar(spec.text)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(_clean_message(e)) from None
+        return _XGrammarCompiled(out)
+
+
+def _xgrammar_tokenizer_info(hf_tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> Any:
+    """xgrammar's view of the vocabulary, padded to the logits' width.
+
+    xgrammar takes added special tokens such as `<s>` or `<pad>` for the literal text
+    "<s>" and would let them into a JSON string, yet the detokenizer drops them. Giving
+    them empty text makes xgrammar treat them as special, i.e. never allowed.
+    """
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
+                                              stop_token_ids=stop_ids)
+    special = set(hf_tokenizer.all_special_ids)
+    special |= {i for i, t in hf_tokenizer.added_tokens_decoder.items() if t.special}
+    vocab = [b"" if i in special and i not in stop_ids else text
+             for i, text in enumerate(info.decoded_vocab)]
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
+                             stop_token_ids=stop_ids, add_prefix_space=info.add_prefix_space)
+
+
+# -- llguidance -----------------------------------------------------------------------
+
+
+class LLGuidanceMatcher(Matcher):
+    def __init__(self, matcher: Any, stop_ids: frozenset[int]) -> None:
+        self.m = matcher
+        self.stop_ids = stop_ids
+        self.terminated = False
+
+    def accept(self, token: int) -> bool:
+        if self.m.validate_tokens([token]) != 1:
+            return False  # consume_token would leave the matcher in its error state
+        self.m.consume_token(token)
+        # llguidance reports "stopped" before and after the stop token; track it here.
+        self.terminated = token in self.stop_ids
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        self.m.rollback(num_tokens)
+        self.terminated = False
+
+    def jump_forward_tokens(self) -> list[int]:
+        return self.m.compute_ff_tokens()
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.terminated
+
+    @classmethod
+    def fill_bitmask(cls, matchers: list[Matcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        from llguidance.torch import fill_next_token_bitmask
+
+        for m, row in zip(matchers, rows):
+            fill_next_token_bitmask(m.m, bitmask, row)  # type: ignore[attr-defined]
+
+
+class _LLGuidanceCompiled(CompiledGrammar):
+    def __init__(self, template: Any, stop_ids: frozenset[int]) -> None:
+        self.template = template  # a matcher at the start; copying it is cheaper than building
+        self.stop_ids = stop_ids
+
+    def new_matcher(self) -> Matcher:
+        return LLGuidanceMatcher(self.template.deep_copy(), self.stop_ids)
+
+
+class LLGuidanceBackend(GrammarBackend):
+    name = "llguidance"
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> None:
+        import llguidance.hf
+
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
+                                                      eos_token=stop_ids)
+        self.stop_ids = frozenset(stop_ids)
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        from llguidance import LLMatcher
+
+        try:
+            grammar = self._grammar(spec)
+        except (ValueError, TypeError) as e:
+            raise ValueError(str(e)) from None
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error().strip())
+        return _LLGuidanceCompiled(matcher, self.stop_ids)
+
+    @staticmethod
+    def _grammar(spec: GrammarSpec) -> str:
+        from llguidance import LLMatcher
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        options = {"whitespace_flexible": False, "item_separator": _ITEM_SEPARATOR,
+                   "key_separator": _KEY_SEPARATOR}
+        if spec.kind == "json":
+            return LLMatcher.grammar_from_json_schema(spec.text, overrides=options)
+        if spec.kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=options)
+        if spec.kind == "regex":
+            return LLMatcher.grammar_from_regex(spec.text)
+        return LLMatcher.grammar_from_lark(any_to_lark(spec.text))  # EBNF (GBNF) or Lark
+
+
+# -- the engine's entry point -----------------------------------------------------------
+
+
+class Grammars:
+    """Compiles constraints (pooled, cached), builds batch masks, finds jump-forward tokens.
+
+    Backends are built on first use, so engines without constrained requests pay nothing.
+    """
+
+    def __init__(self, backend: str, hf_tokenizer: Any, vocab_size: int, stop_ids: set[int],
+                 device: torch.device, workers: int = 2) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"grammar_backend must be one of {BACKENDS}, got {backend!r}")
+        self.backend_name = backend
+        self.hf = hf_tokenizer
+        self.vocab_size = vocab_size
+        self.stop_ids = sorted(stop_ids)
+        self.device = device
+        self._backends: dict[str, GrammarBackend] = {}
+        self._backend_lock = threading.Lock()
+        self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
+        self._cache_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar")
+        self._shifts = torch.arange(32, dtype=torch.int32, device=device)
+        self.num_compiles = 0
+
+    # -- compiling ------------------------------------------------------------------------
+
+    def submit(self, params: SamplingParams) -> Future:
+        """Future of the request's CompiledGrammar; compiles at most once per constraint."""
+        spec = GrammarSpec.of(params)
+        assert spec is not None, "submit() needs a constrained request"
+        with self._cache_lock:
+            future = self._cache.get(spec)
+            if future is not None:
+                self._cache.move_to_end(spec)
+                return future
+            future = self._pool.submit(self._compile, spec)
+            self._cache[spec] = future
+            if len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return future
+
+    def check(self, params: SamplingParams) -> None:
+        """Compile now (or wait for the running compile); ValueError if it fails."""
+        if params.has_constraint:
+            self.submit(params).result()
+
+    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        if self.backend_name == "none":
+            raise ValueError("structured output (regex, json_schema, ebnf, response_format) is "
+                             "disabled on this server (grammar_backend='none')")
+        self.num_compiles += 1
+        primary = self._backend(self.backend_name)
+        try:
+            return primary.compile(spec)
+        except ValueError as e:
+            error = f"invalid {_FIELD[spec.kind]}: {e}"
+        if primary.name == "xgrammar" and spec.kind in ("json", "regex"):
+            try:
+                compiled = self._backend("llguidance").compile(spec)
+                logger.info("xgrammar rejected a %s (%s); compiled with llguidance", spec.kind, error)
+                return compiled
+            except ValueError as e:
+                error += f" (llguidance: {e})"
+        raise ValueError(error)
+
+    def _backend(self, name: str) -> GrammarBackend:
+        with self._backend_lock:
+            if name not in self._backends:
+                cls = XGrammarBackend if name == "xgrammar" else LLGuidanceBackend
+                self._backends[name] = cls(self.hf, self.vocab_size, self.stop_ids)
+            return self._backends[name]
+
+    @staticmethod
+    def matcher_of(req: Request) -> Matcher | None:
+        """The request's matcher, waiting for its compile the first time it is needed
+        (until then `req.grammar` holds the compile's future). ValueError if it failed."""
+        if isinstance(req.grammar, Future):
+            req.grammar = req.grammar.result().new_matcher()
+        return req.grammar
+
+    # -- per step -------------------------------------------------------------------------
+
+    def token_masks(self, reqs: list[Request]) -> tuple[torch.Tensor | None, list[Request]]:
+        """Bool [len(reqs), vocab] of allowed tokens on the device (None when no request is
+        constrained), and the requests whose grammar failed to compile."""
+        by_type: dict[type, tuple[list[Matcher], list[int]]] = {}
+        failed = []
+        for row, req in enumerate(reqs):
+            if req.grammar is None:
+                continue
+            try:
+                matcher = self.matcher_of(req)
+            except ValueError:
+                failed.append(req)
+                continue
+            group = by_type.setdefault(type(matcher), ([], []))
+            group[0].append(matcher)
+            group[1].append(row)
+        if not by_type:
+            return None, failed
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.full((len(reqs), words), -1, dtype=torch.int32)  # -1: all allowed
+        for cls, (matchers, rows) in by_type.items():
+            cls.fill_bitmask(matchers, bitmask, rows)
+        return self.unpack(bitmask.to(self.device)), failed
+
+    def unpack(self, bitmask: torch.Tensor) -> torch.Tensor:
+        """Packed int32 [B, ceil(V/32)] (bit j of word w = token 32w + j) -> bool [B, V]."""
+        bits = (bitmask.unsqueeze(-1) >> self._shifts) & 1
+        return bits.view(bitmask.shape[0], -1)[:, :self.vocab_size].bool()
+
+    def jump_forward(self, req: Request, last_token: int, limit: int,
+                     stop_token_ids: list[int]) -> list[int]:
+        """Accept and return the tokens the grammar forces after `last_token` (at most
+        `limit`, cut after a stop token id), or [] when there are none or the boundary is
+        not clean."""
+        matcher = self.matcher_of(req)
+        forced = matcher.jump_forward_tokens()[:limit] if matcher and limit > 0 else []
+        if not forced or not self._clean_boundary(last_token, forced):
+            return []
+        cut = next((i + 1 for i, t in enumerate(forced) if t in stop_token_ids), len(forced))
+        accepted = []
+        for token in forced[:cut]:
+            if not matcher.accept(token):
+                break  # cannot happen for forced text; stop at a valid prefix if it does
+            accepted.append(token)
+        return accepted
+
+    def _clean_boundary(self, last_token: int, forced: list[int]) -> bool:
+        """True when the tokenizer, given the last sampled token's text followed by the
+        forced text, keeps that token as is. Otherwise the two would merge into a longer
+        token: we skip the jump this step and let the model pick that token (it is still
+        constrained), so the text stays close to how the tokenizer would write it."""
+        text = self.hf.decode([last_token] + forced, skip_special_tokens=False)
+        return self.hf.encode(text, add_special_tokens=False)[:1] == [last_token]
