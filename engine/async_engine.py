@@ -7,6 +7,7 @@ request's deltas travel back through an asyncio.Queue of the caller's loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -54,7 +55,10 @@ class AsyncEngine:
                        request_id: str) -> AsyncIterator[StreamDelta]:
         """Stream deltas of one request; leaving the iteration early aborts it."""
         prompt_ids = self.engine.tokenize_prompt(prompt)
-        self.engine.validate(prompt_ids, params)
+        if params.has_constraint:  # compile on the grammar pool, not on this event loop
+            with contextlib.suppress(ValueError):  # validate() raises it again, below
+                await asyncio.wrap_future(self.engine.grammars.submit(params))
+        self.engine.validate(prompt_ids, params)  # a bad constraint raises here (cached compile)
         limit = self.config.max_queued_requests
         if limit and self.num_waiting >= limit:
             raise QueueFullError(f"engine queue is full ({limit} waiting)")
@@ -186,8 +190,8 @@ class AsyncEngine:
             text=req.detok.take_delta(final=finished), finished=finished,
             finish_reason=req.finish_reason if finished else None,
             prompt_tokens=req.num_prompt, cached_tokens=req.cached_tokens,
-            completion_tokens=req.num_output,
-            prompt_logprobs=req.prompt_logprobs if req.num_output == n else None,
+            completion_tokens=req.num_known_output,
+            prompt_logprobs=req.prompt_logprobs if req.num_known_output == n else None,
             logprobs=req.output_logprobs[len(req.output_logprobs) - n:] if req.params.logprobs and n else None,
             top_logprobs=(req.output_top_logprobs[len(req.output_top_logprobs) - n:]
                           if req.params.top_logprobs and n else None))

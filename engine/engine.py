@@ -6,8 +6,10 @@ import time
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.grammar import Grammars
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
+from engine.overlap import OverlapStepper
 from engine.radix_cache import RadixCache
 from engine.request import Request, Status, validate_request
 from engine.sampler import Sampler
@@ -44,8 +46,15 @@ class Engine:
                                 record_events=config.enable_cache_events)
         self.scheduler = Scheduler(config, allocator, self.cache)
         self.sampler = Sampler(self.runner.device, config.seed)
+        self.grammars = Grammars(config.grammar_backend, self.tokenizer.hf, self.runner.vocab_size,
+                                 self.tokenizer.eos_token_ids, self.runner.device,
+                                 jump_forward=config.enable_jump_forward)
+        self.num_jump_forward_tokens = 0  # output tokens appended by jump-forward, not decoded
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
+        self.overlap = None
+        if config.enable_overlap_schedule and self.runner.device.type == "cuda":
+            self.overlap = OverlapStepper(self, config.max_running_requests)
 
     # -- requests -----------------------------------------------------------------------
 
@@ -54,20 +63,32 @@ class Engine:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError for a request that can never run; touches no state."""
+    def validate(self, prompt_ids: list[int], params: SamplingParams,
+                 compile_grammar: bool = True) -> None:
+        """Raise ValueError for a request that can never run; touches no engine state.
+        A constraint is compiled here (in the caller's thread, or waiting for the pool's
+        compile), so a bad regex or schema fails before anything is queued; the compiled
+        grammar is cached for `add_request`."""
         validate_request(prompt_ids, params, self.runner.vocab_size, self.max_context,
                          self.runner.kv_pool.num_slots)
+        if compile_grammar:
+            self.grammars.check(params)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
         prompt_ids = self.tokenize_prompt(prompt)
-        self.validate(prompt_ids, params)
+        self.validate(prompt_ids, params, compile_grammar=False)
+        # Not waited for here (the step loop may be calling): the engine waits only when the
+        # request first samples, after its prefill. Callers that validate() first (LLM,
+        # AsyncEngine) find it compiled already.
+        grammar = self.grammars.submit(params) if params.has_constraint else None
+        if grammar is not None and grammar.done() and grammar.exception() is not None:
+            raise grammar.exception()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         limit = self.config.max_queued_requests
         if limit and len(self.scheduler.waiting) >= limit:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting (limit {limit})")
-        req = Request(request_id, prompt_ids, params)
+        req = Request(request_id, prompt_ids, params, grammar=grammar)
         req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop,
                                            params.skip_special_tokens)
         self.requests[request_id] = req
@@ -78,15 +99,22 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is not None and not req.is_finished:
             self.scheduler.abort(req)
+            while req.token_ids[-1] < 0:  # a token still in flight is dropped
+                req.token_ids.pop()
         return req
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or (self.overlap is not None and self.overlap.busy)
 
     # -- the loop -----------------------------------------------------------------------
 
     def step(self) -> list[TokenUpdate]:
+        if self.overlap is not None:
+            return self.overlap.step()
+        return self._step_sync()
+
+    def _step_sync(self) -> list[TokenUpdate]:
         plan = self.scheduler.schedule()
         if plan is None:
             return []
@@ -102,11 +130,17 @@ class Engine:
         reqs = [plan.chunks[i].req for i in sampling]
         if len(sampling) < len(plan.chunks):
             logits = logits[sampling]
-        out = self.sampler.sample(logits, reqs) if sampling else None
+        # Constrained rows: tokens their grammar allows next (matchers are up to date: they
+        # advance as tokens are appended, below).
+        masks, failed = self.grammars.token_masks(reqs) if sampling else (None, [])
+        out = self.sampler.sample(logits, reqs, masks) if sampling else None
         updates = []
         for chunk in plan.chunks:
             if chunk.num_tokens > 1:  # a prefill chunk: share its KV with later arrivals
                 self.scheduler.cache_prefix(chunk.req)
+        for req in failed:  # added without validate() and its constraint did not compile
+            self.scheduler.finish(req, "abort")
+            updates.append(TokenUpdate(req, [], True))
         for j, req in enumerate(reqs):
             if req.status is not Status.RUNNING:
                 continue
@@ -117,10 +151,26 @@ class Engine:
             if out.top_logprobs is not None:
                 req.output_top_logprobs.append(out.top_logprobs[j])
             self.scheduler.stats.generated_tokens += 1
-            reason = self._finish_reason(req, token)
+            if req.grammar is not None and not self.grammars.accept(req, token):
+                reason = "abort"  # the mask allowed what the grammar refuses: a bug (logged)
+            else:
+                reason = self._finish_reason(req, token)
+            new_tokens = [token]
+            if reason is None and req.grammar is not None:
+                # Append the text the grammar forces without decoding it; the next step
+                # computes its KV as one chunk and samples after it.
+                room = min(req.params.max_tokens - req.num_output,
+                           self.max_context - len(req.token_ids))
+                jumped = self.grammars.jump_forward(req, token, room)
+                if jumped:
+                    req.token_ids += jumped
+                    new_tokens += jumped
+                    self.num_jump_forward_tokens += len(jumped)
+                    self.scheduler.stats.generated_tokens += len(jumped)
+                    reason = self._finish_reason(req, jumped[-1])
             if reason is not None:
                 self.scheduler.finish(req, reason)
-            updates.append(TokenUpdate(req, [token], reason is not None))
+            updates.append(TokenUpdate(req, new_tokens, reason is not None))
         return updates
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
@@ -128,6 +178,8 @@ class Engine:
         if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
             return "stop"
         if token in p.stop_token_ids:
+            return "stop"
+        if req.grammar is not None and self.grammars.is_terminated(req):
             return "stop"
         if p.stop:
             feed_detokenizer(req)
@@ -169,7 +221,8 @@ def feed_detokenizer(req: Request) -> None:
     off the step loop, except for requests with stop strings."""
     detok = req.detok
     outputs = req.output_ids
-    while detok.num_fed < len(outputs):
+    # Stop at a placeholder: the in-flight step's token is not known yet.
+    while detok.num_fed < len(outputs) and outputs[detok.num_fed] >= 0:
         detok.add(outputs[detok.num_fed])
 
 

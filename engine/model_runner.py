@@ -39,7 +39,11 @@ class ModelRunner:
                                         dtype=torch.int32, device=self.device)
         self.attn_backend = self._make_attention_backend()
         self.model.set_attention_backend(self.attn_backend)
-        self._staging = torch.empty(0, dtype=torch.long)
+        # A ring of pinned staging buffers, each reused only after its copy completed.
+        self._staging = [torch.empty(0, dtype=torch.long) for _ in range(4)]
+        self._staging_done: list = [None] * 4
+        self._uploads = 0
+        self.placeholder_tokens: torch.Tensor | None = None  # set by the overlap scheduler
         self.graphs = self._capture_graphs()
 
     def _capture_graphs(self):
@@ -148,6 +152,10 @@ class ModelRunner:
             [ids, positions, out_slots, rows, seq_lens, extend_lens, qo_indptr, logits_idx, *sync])
         if sync[0]:
             self.req_to_token[sync_rows, sync_cols] = sync_slots.to(torch.int32)
+        if self.placeholder_tokens is not None and self.placeholder_tokens.numel():
+            # Overlap scheduling: -(k+1) stands for row k of the in-flight step's tokens.
+            index = (-input_ids - 1).clamp(0, self.placeholder_tokens.numel() - 1)
+            input_ids = torch.where(input_ids < 0, self.placeholder_tokens[index], input_ids)
         return ForwardBatch(
             input_ids=input_ids, positions=positions_t, out_slots=out_slots_t, req_rows=rows_t,
             seq_lens=seq_lens_t.to(torch.int32), extend_lens=extend_lens_t.to(torch.int32),
@@ -164,15 +172,21 @@ class ModelRunner:
     def _upload(self, fields: list[list[int]]) -> list[torch.Tensor]:
         """Int lists -> int64 tensors on the device, in one host-to-device copy through a
         reused pinned buffer (many small pinned allocations and copies cost more than the
-        decode step itself). The previous step's copy is done: each step ends in a sync."""
+        decode step itself)."""
         lengths = [len(f) for f in fields]
         flat = torch.tensor([v for f in fields for v in f], dtype=torch.long)
         if self.device.type == "cuda":
-            if self._staging.numel() < flat.numel():
-                self._staging = torch.empty(2 * flat.numel(), dtype=torch.long, pin_memory=True)
-            staging = self._staging[:flat.numel()]
+            slot = self._uploads % len(self._staging)
+            self._uploads += 1
+            if self._staging_done[slot] is not None:
+                self._staging_done[slot].synchronize()
+            if self._staging[slot].numel() < flat.numel():
+                self._staging[slot] = torch.empty(2 * flat.numel(), dtype=torch.long, pin_memory=True)
+            staging = self._staging[slot][:flat.numel()]
             staging.copy_(flat)
             flat = staging.to(self.device, non_blocking=True)
+            self._staging_done[slot] = torch.cuda.Event()
+            self._staging_done[slot].record()
         return list(flat.split(lengths))
 
     @torch.inference_mode()

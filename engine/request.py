@@ -46,7 +46,7 @@ class Request:
     prompt_logprobs_next: int = 0  # prompt_logprobs are filled in order up to here
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    grammar: Any = None  # per-request grammar matcher (structured output)
+    grammar: Any = None  # structured output: grammar.Matcher (a Future while compiling)
     detok: Any = None  # IncrementalDetokenizer, fed lazily
     sampler_state: Any = None  # per-request RNG etc., owned by the sampler
     stop_text_len: int | None = None  # where a matched stop string starts in the text
@@ -82,6 +82,11 @@ class Request:
         return len(self.token_ids) - len(self.prompt_ids)
 
     @property
+    def num_known_output(self) -> int:
+        """Generated tokens, without one still in flight (overlap scheduling)."""
+        return self.num_output - (1 if self.token_ids[-1] < 0 else 0)
+
+    @property
     def pending_len(self) -> int:
         """Tokens still without KV before the next sample."""
         return len(self.token_ids) - self.kv_len
@@ -106,5 +111,3 @@ def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: 
     if pool_slots is not None and total > pool_slots:
         raise ValueError(f"prompt + max_tokens = {total} tokens exceeds the KV pool "
                          f"({pool_slots} tokens)")
-    if params.has_constraint:
-        raise ValueError("regex / json_schema / ebnf / json_object are not supported yet")

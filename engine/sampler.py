@@ -29,18 +29,23 @@ class Sampler:
         params = [r.params for r in reqs]
         want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        tokens = self.sample_tokens(logits, reqs, masks)
+        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return SampleOutput(token_list, None, None)
+        return SampleOutput(token_list, *self._gather_logprobs(raw_logprobs, tokens, params))
+
+    def sample_tokens(self, logits: torch.Tensor, reqs: list[Request],
+                      masks: torch.Tensor | None = None) -> torch.Tensor:
+        """The chosen token ids [B], left on the device (no host sync)."""
+        params = [r.params for r in reqs]
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits.clone(), reqs)
         if masks is not None:
             logits = logits.masked_fill(~masks, float("-inf"))
         if all(p.is_greedy for p in params):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample_random(logits, reqs)
-        token_list = tokens.tolist()
-        if raw_logprobs is None:
-            return SampleOutput(token_list, None, None)
-        return SampleOutput(token_list, *self._gather_logprobs(raw_logprobs, tokens, params))
+            return logits.argmax(dim=-1)
+        return self._sample_random(logits, reqs)
 
     def _sample_random(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         params = [r.params for r in reqs]

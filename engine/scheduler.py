@@ -132,6 +132,8 @@ class Scheduler:
             if budget <= 0:
                 break
             newly_admitted = req.status is Status.WAITING
+            if newly_admitted and req.token_ids[-1] < 0:
+                continue  # its last token is still in flight (overlap scheduling)
             if newly_admitted:
                 if len(self.running) >= self.config.max_running_requests:
                     break
@@ -214,8 +216,11 @@ class Scheduler:
         req.slots, req.locked_len, req.last_node = list(slots), len(slots), node
 
     def finish(self, req: Request, reason: str) -> None:
-        self.running.remove(req)
-        self._release_kv(req, keep=True)
+        if req.status is Status.WAITING:  # retracted while its last token was in flight
+            self.waiting.remove(req)
+        else:
+            self.running.remove(req)
+            self._release_kv(req, keep=True)
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.stats.finished_requests += 1

@@ -35,7 +35,7 @@ def test_gpu_cache_on_off_and_preemption(tiny_llama):
     base = prompts(1, 80, 80, seed=2)[0]
     ps = [base + p for p in prompts(10, 1, 30, seed=3)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    on = LLM(model=tiny_llama, dtype="float32", device="cuda", max_total_tokens=400,
+    on = LLM(model=tiny_llama, dtype="float32", device="cuda", max_total_tokens=160,
              cuda_graph_max_bs=16)
     off = LLM(model=tiny_llama, dtype="float32", device="cuda", max_total_tokens=4096,
               enable_radix_cache=False, cuda_graph_max_bs=16)
@@ -43,3 +43,45 @@ def test_gpu_cache_on_off_and_preemption(tiny_llama):
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert on.stats()["cached_tokens"] > 0
     assert on.stats()["preemptions"] > 0
+
+
+def test_overlap_on_off_identical_with_mixed_requests(tiny_llama):
+    ps = prompts(20, 3, 100, seed=4)
+    params = [SamplingParams(max_tokens=1 + (i * 7) % 30, temperature=0.0, ignore_eos=True,
+                             logprobs=(i % 5 == 0), stop_token_ids=[(i * 13) % 700])
+              for i in range(len(ps))]
+    outs = {}
+    for overlap in (True, False):
+        llm = LLM(model=tiny_llama, dtype="float32", device="cuda", max_total_tokens=600,
+                  enable_overlap_schedule=overlap, cuda_graph_max_bs=16, chunked_prefill_size=48)
+        outs[overlap] = llm.generate(ps, params)
+        s = llm.stats()
+        assert s["free_slots"] + s["evictable_slots"] == s["total_slots"]
+    for a, b in zip(outs[True], outs[False]):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert all(t >= 0 for t in a.token_ids)
+
+
+def test_overlap_abort_mid_flight(tiny_llama):
+    import asyncio
+
+    from engine import AsyncEngine, EngineConfig
+
+    eng = AsyncEngine(EngineConfig(model=tiny_llama, dtype="float32", device="cuda",
+                                   max_total_tokens=2048, cuda_graph_max_bs=8))
+
+    async def main():
+        got = []
+        async for d in eng.generate([5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True,
+                                                              temperature=0.0), request_id="x"):
+            got.append(d)
+            if len(got) == 5:
+                await eng.abort("x")
+        return got, await eng.stats()
+
+    try:
+        got, stats = asyncio.run(main())
+    finally:
+        eng.shutdown()
+    assert got[-1].finish_reason == "abort" and all(t >= 0 for d in got for t in d.token_ids)
+    assert stats["running"] == 0 and stats["free_slots"] + stats["evictable_slots"] == stats["total_slots"]
