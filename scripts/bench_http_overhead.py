@@ -1,0 +1,108 @@
+"""What Ray Serve's ingress + deployment handle add per request: the same workload sent
+to an AsyncEngine in-process and through HTTP to the Serve app (same engine settings).
+
+    python scripts/bench_http_overhead.py [--num-prompts 64] [--concurrency 8] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(__file__))
+
+from bench_serving import make_args, run_benchmark  # noqa: E402
+from engine import AsyncEngine, EngineConfig, SamplingParams  # noqa: E402
+from engine.demo_model import ensure_demo_model  # noqa: E402
+
+ENGINE = {"max_running_requests": 64, "chunked_prefill_size": 512, "max_total_tokens": 16384}
+PORT = 8123
+
+
+def workload(n: int, input_len: int, seed: int = 0) -> list[list[int]]:
+    r = random.Random(seed)
+    return [[r.randint(3, 700) for _ in range(input_len)] for _ in range(n)]
+
+
+async def direct(prompts, output_len: int, concurrency: int) -> dict:
+    engine = AsyncEngine(EngineConfig(model=ensure_demo_model(), **ENGINE))
+    sem = asyncio.Semaphore(concurrency)
+    latencies, ttfts = [], []
+
+    async def one(i, ids):
+        async with sem:
+            t0 = time.perf_counter()
+            first = None
+            params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+            async for d in engine.generate(ids, params, request_id=f"d{i}"):
+                if first is None and d.token_ids:
+                    first = time.perf_counter() - t0
+            latencies.append(time.perf_counter() - t0)
+            ttfts.append(first)
+
+    await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts[:4])])  # warm-up
+    latencies.clear(), ttfts.clear()
+    t0 = time.perf_counter()
+    await asyncio.gather(*[one(i + 100, p) for i, p in enumerate(prompts)])
+    wall = time.perf_counter() - t0
+    engine.shutdown()
+    return {"output_tok_s": len(prompts) * output_len / wall, "mean_e2e_ms": 1e3 * _mean(latencies),
+            "mean_ttft_ms": 1e3 * _mean(ttfts)}
+
+
+def through_http(n: int, input_len: int, output_len: int, concurrency: int) -> dict:
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    serve.start(http_options={"port": PORT})
+    serve.run(build_app({"engine": ENGINE, "ray_actor_options": {"num_cpus": 1}}),
+              name="bench", route_prefix="/")
+    args = make_args(base_url=f"http://127.0.0.1:{PORT}", num_prompts=n, input_len=input_len,
+                     output_len=output_len, max_concurrency=concurrency, token_id_low=3,
+                     token_id_high=700, quiet=True, warmup_requests=4)
+    result = asyncio.run(run_benchmark(args))
+    serve.shutdown()
+    ray.shutdown()
+    return result
+
+
+def _mean(xs) -> float:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    prompts = workload(a.num_prompts, a.input_len)
+    d = asyncio.run(direct(prompts, a.output_len, a.concurrency))
+    h = through_http(a.num_prompts, a.input_len, a.output_len, a.concurrency)
+    rows = [("engine in-process", d["output_tok_s"], d["mean_e2e_ms"], d["mean_ttft_ms"]),
+            ("HTTP -> Serve ingress -> replica", h.get("output_throughput"),
+             h["e2e_ms_mean"], h["ttft_ms_mean"])]
+    print(f"\n{'path':<34} {'out tok/s':>10} {'mean e2e ms':>12} {'mean TTFT ms':>13}")
+    for name, tps, e2e, ttft in rows:
+        print(f"{name:<34} {tps:>10.1f} {e2e:>12.1f} {ttft:>13.1f}")
+    print(f"overhead per request: {rows[1][2] - rows[0][2]:.1f} ms e2e, "
+          f"{rows[1][3] - rows[0][3]:.1f} ms TTFT")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"direct": d, "http": h}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
