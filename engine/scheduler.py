@@ -78,15 +78,6 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def find(self, request_id: str) -> Request | None:
-        for req in self.running:
-            if req.request_id == request_id:
-                return req
-        for req in self.waiting:
-            if req.request_id == request_id:
-                return req
-        return None
-
     def abort(self, req: Request) -> None:
         if req.status is Status.RUNNING:
             self.running.remove(req)
