@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from deployments.metrics import EngineMetrics
 from engine import AsyncEngine, EngineConfig, QueueFullError, SamplingParams
 from engine.demo_model import ensure_demo_model
 from router.cache_digest import CacheDigest
@@ -44,6 +45,8 @@ class EngineReplica:
         self.digest = CacheDigest(block_size=digest_block_size)
         self._stats: dict[str, Any] = {}
         self._stats_lock = threading.Lock()
+        self.metrics = EngineMetrics()  # here, not at import: metrics belong to the replica
+        self.replica_id = _replica_id()
         self.engine.add_step_hook(self._after_step)
         logger.info("engine replica ready: %s", config.model)
 
@@ -51,22 +54,34 @@ class EngineReplica:
         """Runs on the engine thread between steps: fold cache events into the digest and
         snapshot the stats that routing and health checks read without a round trip."""
         self.digest.apply_all(engine.cache.drain_events())
+        stats = engine.stats()
         with self._stats_lock:
-            self._stats = engine.stats()
+            self._stats = stats
+        self.metrics.on_step(stats)
 
     async def generate(self, call: EngineCall) -> AsyncIterator[dict]:
         """Stream dicts: deltas (StreamDelta fields) or one {"error": ..., "status": ...}."""
+        timer = self.metrics.track_request()
         try:
             params = SamplingParams(**call.sampling)
             async for delta in self.engine.generate(call.prompt_token_ids, params, call.request_id):
+                timer.on_delta(len(delta.token_ids), delta.finished, delta.finish_reason)
                 yield dataclasses.asdict(delta)
         except ValueError as e:
+            timer.close("invalid")
             yield {"error": str(e), "status": 400}
         except QueueFullError as e:
+            timer.close("rejected")
             yield {"error": str(e), "status": 503}
+        finally:
+            timer.close()  # no-op unless the caller left early
 
     async def stats(self) -> dict:
         return await self.engine.stats()
+
+    async def replica_stats(self) -> dict:
+        """This replica's id and engine stats (the ingress broadcasts it for /v1/stats)."""
+        return {"replica": self.replica_id, "stats": await self.engine.stats()}
 
     async def flush_cache(self) -> None:
         await self.engine.call(lambda engine: engine.cache.reset())
@@ -85,3 +100,13 @@ class EngineReplica:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def _replica_id() -> str:
+    """Serve's id of this replica (a placeholder outside Serve, e.g. in unit tests)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001
+        return "local"

@@ -16,6 +16,8 @@ from ray import serve
 
 from deployments.engine_replica import EngineCall, resolve_model
 from deployments.errors import APIError, install_error_handlers
+from deployments.metrics import install_http_metrics
+from deployments.stats import summary
 from deployments.protocol import (
     SSE_DONE, ChatCompletionRequest, ChatCompletionStreamResponse, CompletionRequest,
     CompletionStreamResponse, ModelCard, ModelList, TokenizeRequest, chat_sampling_kwargs,
@@ -32,6 +34,7 @@ from engine.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
 
 api = FastAPI(title="radixserve", description="OpenAI-compatible API over radixserve engines")
 install_error_handlers(api)
+install_http_metrics(api)
 
 
 # Module helpers come before the class: `serve.ingress` captures globals when applied.
@@ -80,8 +83,8 @@ class OpenAIIngress:
 
     @api.get("/v1/stats")
     async def stats(self) -> JSONResponse:
-        """One engine replica's counters (the replica the handle picks)."""
-        return JSONResponse(await self.control.stats.remote())
+        """Engine counters summed over all replicas, per replica, and the router's."""
+        return JSONResponse(await summary(self.control))
 
     @api.post("/flush_cache")
     async def flush_cache(self) -> JSONResponse:

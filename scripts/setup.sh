@@ -9,3 +9,14 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q torch==2.13.0 || "$PY" -m pip install -q "torch>=2.8"
 fi
 "$PY" -m pip install -q -e ".[test]"
+
+# Prometheus (Debian package) for tests/test_monitoring.py's scrape test, which skips
+# without it. Only where apt-get can install as root; elsewhere say so and go on.
+if command -v prometheus >/dev/null 2>&1; then
+  :
+elif command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null) \
+    || echo "setup.sh: could not install prometheus with apt-get; the Prometheus test will skip" >&2
+else
+  echo "setup.sh: apt-get (as root) unavailable: not installing prometheus; the Prometheus test will skip" >&2
+fi

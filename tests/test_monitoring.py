@@ -1,0 +1,479 @@
+"""Monitoring: the metric catalogue, engine/HTTP recording, the /v1/stats summary, the
+Grafana dashboard (generated, in sync, pushable), and a real Prometheus scraping Ray's
+metrics export of a running app (slow)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import grafana_dashboard as gd  # noqa: E402
+from deployments import metrics as m  # noqa: E402
+from deployments.stats import aggregate, summary  # noqa: E402
+from serve_helpers import ROOT, serve_config_args, wait_until  # noqa: E402
+
+# -- The catalogue ----------------------------------------------------------------------
+
+
+def test_catalogue_names_are_unique_prometheus_names():
+    names = [spec.name for spec in m.METRICS]
+    assert len(names) == len(set(names))
+    for spec in m.METRICS:
+        assert re.fullmatch(r"radixserve_[a-z0-9_]+", spec.name), spec.name
+        assert spec.kind in ("counter", "gauge", "histogram")
+        assert spec.description
+        if spec.kind == "histogram":
+            assert list(spec.boundaries) == sorted(spec.boundaries) and spec.boundaries[0] > 0
+
+
+def test_router_metric_names_match_the_router():
+    from router import request_router
+
+    routers = {spec.name for spec in m.METRICS if spec.name.startswith(request_router.METRIC_PREFIX)}
+    assert routers == {request_router.METRIC_PREFIX + n for n in request_router._Counters.NAMES}
+
+
+def test_series_names_follow_rays_export():
+    assert m.BY_NAME[m.HTTP_REQUESTS].series() == ("ray_radixserve_http_requests_total",)
+    assert m.BY_NAME[m.NUM_RUNNING].series() == ("ray_radixserve_num_running_requests",)
+    assert m.BY_NAME[m.BATCH_SIZE].series() == (
+        "ray_radixserve_batch_size_bucket", "ray_radixserve_batch_size_sum",
+        "ray_radixserve_batch_size_count")
+
+
+# -- Recording (fake metric objects) ----------------------------------------------------
+
+
+class FakeMetric:
+    def __init__(self, spec: m.MetricSpec, log: list) -> None:
+        self.name, self.log = spec.name, log
+
+    def inc(self, value, tags=None):
+        self.log.append((self.name, "inc", value, tags))
+
+    def set(self, value, tags=None):
+        self.log.append((self.name, "set", value, tags))
+
+    def observe(self, value, tags=None):
+        self.log.append((self.name, "observe", value, tags))
+
+
+def fake_factory(log: list):
+    return lambda spec: FakeMetric(spec, log)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def stats_of(**kw) -> dict[str, Any]:
+    base = dict(prompt_tokens=0, cached_tokens=0, generated_tokens=0, preemptions=0, steps=0,
+                running=0, waiting=0, kv_usage=0.0, cached_slots=0, finished_requests=0)
+    return {**base, **kw}
+
+
+def test_engine_metrics_fold_stats_into_counters_gauges_and_batch_sizes():
+    log: list = []
+    em = m.EngineMetrics(fake_factory(log), flush_interval_s=0.0)
+    em.on_step(stats_of(prompt_tokens=100, cached_tokens=40, steps=1, running=3, waiting=2, kv_usage=0.5))
+    em.on_step(stats_of(prompt_tokens=120, cached_tokens=40, steps=2, running=2, finished_requests=1))
+    em.on_step(stats_of(prompt_tokens=110, cached_tokens=40, steps=2, running=2, finished_requests=1))
+    em.on_step(stats_of(prompt_tokens=130, cached_tokens=50, steps=2, running=2, finished_requests=1))
+
+    incs = [(n, v) for n, op, v, _ in log if op == "inc"]
+    assert incs == [(m.ENGINE_PROMPT_TOKENS, 100), (m.ENGINE_CACHED_TOKENS, 40), (m.ENGINE_STEPS, 1),
+                    (m.ENGINE_PROMPT_TOKENS, 20), (m.ENGINE_STEPS, 1),
+                    # 110 < 120 already counted (an admission taken back): only 130 - 120
+                    (m.ENGINE_PROMPT_TOKENS, 10), (m.ENGINE_CACHED_TOKENS, 10)]
+    batches = [v for n, op, v, _ in log if n == m.BATCH_SIZE]
+    assert batches == [3, 3]  # step 2: two still running + one that finished in it
+    gauges = [(n, v) for n, op, v, _ in log if op == "set"][:4]
+    assert gauges == [(m.NUM_RUNNING, 3), (m.NUM_WAITING, 2), (m.KV_CACHE_USAGE, 0.5),
+                      (m.RADIX_CACHE_TOKENS, 0)]
+
+
+def test_engine_metrics_flush_at_most_once_per_interval():
+    log: list = []
+    clock = Clock()
+    em = m.EngineMetrics(fake_factory(log), flush_interval_s=1.0, clock=clock)
+    em.on_step(stats_of(prompt_tokens=10, steps=1, running=1))
+    clock.now += 0.1
+    em.on_step(stats_of(prompt_tokens=20, steps=2, running=1))
+    assert [v for n, op, v, _ in log if n == m.ENGINE_PROMPT_TOKENS] == [10]
+    assert [v for n, op, v, _ in log if n == m.BATCH_SIZE] == [1, 1]  # every step
+    clock.now += 1.0
+    em.on_step(stats_of(prompt_tokens=20, steps=2, running=0))
+    assert [v for n, op, v, _ in log if n == m.ENGINE_PROMPT_TOKENS] == [10, 10]
+
+
+def test_request_timer_records_ttft_itl_e2e_and_one_outcome():
+    log: list = []
+    clock = Clock()
+    em = m.EngineMetrics(fake_factory(log), clock=clock)
+    timer = em.track_request()
+    clock.now += 0.5
+    timer.on_delta(1, False, None)
+    clock.now += 0.2
+    timer.on_delta(2, False, None)
+    clock.now += 0.1
+    timer.on_delta(1, True, "length")
+    timer.close()
+    got = [(n, round(v, 6), t) for n, op, v, t in log]
+    assert got == [(m.TIME_TO_FIRST_TOKEN, 0.5, None), (m.INTER_TOKEN_LATENCY, 0.1, None),
+                   (m.INTER_TOKEN_LATENCY, 0.1, None), (m.E2E_REQUEST_LATENCY, 0.8, None),
+                   (m.ENGINE_REQUESTS, 1, {"finish_reason": "length"})]
+    log.clear()
+    left = em.track_request()
+    left.close()
+    left.close()
+    assert log == [(m.ENGINE_REQUESTS, "inc", 1, {"finish_reason": "cancelled"})]
+
+
+def test_metrics_never_break_the_caller():
+    def broken_factory(spec):
+        if spec.kind == "gauge":
+            raise RuntimeError("no Ray here")
+        return object()  # has no inc/observe: recording fails
+
+    em = m.EngineMetrics(broken_factory)
+    em.on_step(stats_of(prompt_tokens=5, steps=1, running=1))
+    em.track_request().on_delta(1, True, "stop")
+
+
+def http_app():
+    from fastapi import FastAPI, HTTPException
+    from fastapi.responses import StreamingResponse
+
+    api = FastAPI()
+
+    @api.get("/ok")
+    async def ok():
+        return {"ok": True}
+
+    @api.get("/bad")
+    async def bad():
+        raise HTTPException(400, "no")
+
+    @api.get("/stream")
+    async def stream():
+        async def chunks():
+            for i in range(3):
+                yield f"data: {i}\n\n"
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    return api
+
+
+def test_http_middleware_counts_by_endpoint_and_status():
+    log: list = []
+    api = http_app()
+    api.add_middleware(m.HTTPMetricsMiddleware, factory=fake_factory(log))
+
+    async def run() -> None:
+        transport = httpx.ASGITransport(app=api)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            assert (await client.get("/ok")).status_code == 200
+            assert (await client.get("/bad")).status_code == 400
+            assert (await client.get("/stream")).text.count("data:") == 3
+            assert (await client.get("/missing")).status_code == 404
+
+    asyncio.run(run())
+    counted = [t for n, op, v, t in log if n == m.HTTP_REQUESTS]
+    assert counted == [{"endpoint": "/ok", "status": "200"}, {"endpoint": "/bad", "status": "400"},
+                       {"endpoint": "/stream", "status": "200"}, {"endpoint": "other", "status": "404"}]
+    assert len([1 for n, *_ in log if n == m.HTTP_REQUEST_DURATION]) == 4
+
+
+def test_http_middleware_counts_a_client_that_left_as_499():
+    log: list = []
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"x", "more_body": True})
+        raise asyncio.CancelledError  # what Serve does when the client disconnects
+
+    async def noop(message):
+        pass
+
+    middleware = m.HTTPMetricsMiddleware(app, factory=fake_factory(log))
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(middleware({"type": "http", "path": "/x"}, None, noop))
+    assert log[0] == (m.HTTP_REQUESTS, "inc", 1, {"endpoint": "other", "status": m.CLIENT_CLOSED})
+
+
+# -- /v1/stats summary ------------------------------------------------------------------
+
+
+def replica(prompt, cached, free, evictable, total, running) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "cached_tokens": cached, "free_slots": free,
+            "evictable_slots": evictable, "total_slots": total, "running": running,
+            "cache_hit_rate": cached / prompt, "kv_usage": 0.123}
+
+
+def test_aggregate_sums_counts_and_recomputes_ratios():
+    total = aggregate({"a": replica(100, 50, 10, 10, 100, 2), "b": replica(300, 50, 50, 30, 100, 1)})
+    assert total["prompt_tokens"] == 400 and total["running"] == 3 and total["total_slots"] == 200
+    assert total["cache_hit_rate"] == pytest.approx(100 / 400)
+    assert total["kv_usage"] == pytest.approx(1 - 100 / 200)
+    assert aggregate({})["cache_hit_rate"] == 0.0
+
+
+class FakeBroadcast:
+    def __init__(self, results) -> None:
+        self.results = results
+
+    async def results_async(self, timeout_s=None, return_exceptions=False):
+        return self.results
+
+
+class FakeRouter:
+    def router_stats(self):
+        return {"routed_with_match": 3}
+
+
+class FakeHandle:
+    def __init__(self, results) -> None:
+        self.results = results
+        self._router = type("R", (), {"_asyncio_router": type("A", (), {"request_router": FakeRouter()})()})()
+
+    def broadcast(self, method):
+        assert method == "replica_stats"
+        return FakeBroadcast(self.results)
+
+
+def test_summary_merges_replicas_and_router_counters():
+    results = [{"replica": "a", "stats": replica(100, 50, 10, 10, 100, 2)},
+               {"replica": "b", "stats": replica(100, 0, 10, 10, 100, 0)}, TimeoutError()]
+    out = asyncio.run(summary(FakeHandle(results)))
+    assert out["num_replicas"] == 2 and out["replicas_not_answering"] == 1
+    assert set(out["replicas"]) == {"a", "b"} and out["running"] == 2
+    assert out["router"] == {"routed_with_match": 3}
+
+
+# -- Grafana dashboard ------------------------------------------------------------------
+
+
+def dashboard_exprs(dashboard: dict) -> list[str]:
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def test_committed_dashboard_is_what_the_script_generates():
+    assert gd.DASHBOARD_PATH.read_text() == gd.render(gd.build_dashboard()), \
+        "run: python scripts/grafana_dashboard.py"
+
+
+def test_every_query_names_an_exported_metric_and_every_metric_is_shown():
+    dashboard = json.loads(gd.DASHBOARD_PATH.read_text())
+    exported = m.exported_series()
+    used: set[str] = set()
+    queries = dashboard_exprs(dashboard) + [
+        v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    for expr in queries:
+        names = set(re.findall(r"\bray_[a-zA-Z0-9_]+", expr))
+        assert names and names <= exported, (expr, names - exported)
+        used |= names
+    shown = {spec.name for spec in m.METRICS if used & set(spec.series())}
+    assert shown == set(m.BY_NAME), set(m.BY_NAME) - shown
+
+
+def test_dashboard_layout_is_loadable():
+    dashboard = json.loads(gd.DASHBOARD_PATH.read_text())
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids)) and dashboard["uid"] and dashboard["title"]
+    for panel in dashboard["panels"]:
+        pos = panel["gridPos"]
+        assert pos["x"] + pos["w"] <= 24
+        if panel["type"] != "row":
+            assert panel["targets"] and panel["datasource"]["uid"] == "${datasource}"
+
+
+def test_provisioning_files_match_the_dashboard():
+    prov = yaml.safe_load((ROOT / "dashboards/provisioning/dashboards.yaml").read_text())
+    assert prov["apiVersion"] == 1 and prov["providers"][0]["type"] == "file"
+    assert prov["providers"][0]["options"]["path"].startswith("/")
+    sources = yaml.safe_load((ROOT / "dashboards/provisioning/datasources.yaml").read_text())
+    assert sources["datasources"][0]["type"] == "prometheus"
+    prom = yaml.safe_load((ROOT / "dashboards/prometheus.yml").read_text())
+    files = prom["scrape_configs"][0]["file_sd_configs"][0]["files"]
+    assert files == ["/tmp/ray/prom_metrics_service_discovery.json"]
+
+
+def test_docs_list_every_metric():
+    assert gd.metrics_table() in (ROOT / "docs/monitoring.md").read_text(), \
+        "paste `python scripts/grafana_dashboard.py --metrics-table` into docs/monitoring.md"
+
+
+class GrafanaStub(BaseHTTPRequestHandler):
+    received: list = []
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        GrafanaStub.received.append((self.path, self.headers.get("Authorization"), body))
+        reply = json.dumps({"status": "success", "uid": body["dashboard"]["uid"], "url": "/d/x"}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_push_to_grafana_with_grafana_client(tmp_path):
+    server = HTTPServer(("127.0.0.1", 0), GrafanaStub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert gd.main(["--output", str(tmp_path / "d.json"), "--grafana-url", url,
+                        "--grafana-token", "secret"]) == 0
+    finally:
+        server.shutdown()
+    path, auth, body = GrafanaStub.received[-1]
+    assert path == "/api/dashboards/db" and auth == "Bearer secret"
+    assert body["overwrite"] is True and body["dashboard"]["uid"] == gd.UID
+    assert body["dashboard"]["id"] is None
+    assert (tmp_path / "d.json").read_text() == gd.render(gd.build_dashboard())
+
+
+# -- A real Prometheus scraping a running app ---------------------------------------------
+
+PROMETHEUS = shutil.which("prometheus")
+CACHE_HIT_RATE = (f"sum({m.BY_NAME[m.ENGINE_CACHED_TOKENS].series()[0]}) / "
+                  f"sum({m.BY_NAME[m.ENGINE_PROMPT_TOKENS].series()[0]})")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_prometheus(tmp: Path, metrics_port: int) -> tuple[subprocess.Popen, str]:
+    """Prometheus with the committed config, its file_sd pointed at this test's Ray node (the
+    shared /tmp/ray file may name another cluster running on this machine)."""
+    targets = tmp / "targets.json"
+    targets.write_text(json.dumps([{"labels": {"job": "ray"}, "targets": [f"127.0.0.1:{metrics_port}"]}]))
+    config = yaml.safe_load((ROOT / "dashboards/prometheus.yml").read_text())
+    config["global"]["scrape_interval"] = config["global"]["evaluation_interval"] = "1s"
+    config["scrape_configs"][0]["file_sd_configs"][0]["files"] = [str(targets)]
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    proc = subprocess.Popen(
+        [PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=(tmp / "prometheus.log").open("w"))
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def promql(base: str, query: str) -> list[dict]:
+    try:
+        reply = httpx.get(f"{base}/api/v1/query", params={"query": query}, timeout=5).json()
+    except httpx.HTTPError:
+        return []
+    return reply.get("data", {}).get("result", []) if reply.get("status") == "success" else []
+
+
+@pytest.fixture(scope="module")
+def monitored_app(tmp_path_factory):
+    if PROMETHEUS is None:
+        pytest.skip("prometheus binary not found: `apt-get install -y prometheus` "
+                    "(scripts/setup.sh does it where apt-get is available)")
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    # Workers push metrics to the node's agent every 10 s by default: 1 s keeps this short.
+    saved = {k: os.environ.get(k) for k in ("RAY_metrics_report_interval_ms", "RAY_USAGE_STATS_ENABLED")}
+    os.environ.update(RAY_metrics_report_interval_ms="1000", RAY_USAGE_STATS_ENABLED="0")
+    metrics_port, http_port = free_port(), free_port()
+    ray.init(num_cpus=8, include_dashboard=False, _metrics_export_port=metrics_port,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    prometheus = None
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        args = serve_config_args(num_replicas=2, ray_actor_options={"num_cpus": 0.1})
+        args["router"]["request_routing_stats_period_s"] = 0.5
+        serve.run(build_app(args), name="radixserve", route_prefix="/")
+        prometheus, prom_url = start_prometheus(tmp_path_factory.mktemp("prometheus"), metrics_port)
+        yield f"http://127.0.0.1:{http_port}", prom_url
+    finally:
+        if prometheus is not None:
+            prometheus.terminate()
+            prometheus.wait(timeout=30)
+        serve.shutdown()
+        ray.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def shared_prefix_traffic(base: str) -> None:
+    """Requests sharing a long system prompt: all but the first find it cached."""
+    system = "You are a helpful assistant for the radixserve monitoring test. " * 6
+    with httpx.Client(base_url=base, timeout=60) as client:
+        for i in range(6):
+            r = client.post("/v1/completions", json={
+                "prompt": f"{system} Question {i}: what is {i} plus {i}?",
+                "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
+        assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": -1}).status_code == 400
+
+
+@pytest.mark.slow
+def test_prometheus_scrapes_ray_metrics_and_computes_cache_hit_rate(monitored_app):
+    base, prom = monitored_app
+    shared_prefix_traffic(base)
+    stats = httpx.get(f"{base}/v1/stats", timeout=30).json()
+    assert stats["num_replicas"] == 2 and len(stats["replicas"]) == 2
+    for key in ("prompt_tokens", "cached_tokens", "total_slots", "steps"):
+        assert stats[key] == sum(r[key] for r in stats["replicas"].values())
+    assert stats["router"]["routed_with_match"] >= 1
+    assert stats["cache_hit_rate"] > 0.3
+
+    # Wait until Prometheus holds every admitted token, then compare its hit rate with ours.
+    prompt_series = m.BY_NAME[m.ENGINE_PROMPT_TOKENS].series()[0]
+    synced = wait_until(lambda: (r := promql(prom, f"sum({prompt_series})"))
+                        and float(r[0]["value"][1]) == stats["prompt_tokens"], timeout=60, interval=1)
+    assert synced, promql(prom, f"sum({prompt_series})")
+    rate = float(promql(prom, CACHE_HIT_RATE)[0]["value"][1])
+    assert rate == pytest.approx(stats["cache_hit_rate"], rel=1e-6)
+
+    exported = promql(prom, 'group by (__name__) ({__name__=~"ray_radixserve_.*"})')
+    names = {r["metric"]["__name__"] for r in exported}
+    assert names <= m.exported_series(), names - m.exported_series()
+    must_have = {m.TIME_TO_FIRST_TOKEN, m.INTER_TOKEN_LATENCY, m.E2E_REQUEST_LATENCY, m.BATCH_SIZE,
+                 m.NUM_RUNNING, m.KV_CACHE_USAGE, m.HTTP_REQUESTS, m.ENGINE_REQUESTS,
+                 m.ROUTER_ROUTED_WITH_MATCH, m.ACTUAL_CACHED_TOKENS}
+    missing = {n for n in must_have if not set(m.BY_NAME[n].series()) <= names}
+    assert not missing
+    http = m.BY_NAME[m.HTTP_REQUESTS].series()[0]
+    by_status = promql(prom, f'sum by (status) ({http}{{endpoint="/v1/completions"}})')
+    assert {r["metric"]["status"] for r in by_status} >= {"200", "400"}
+    batch = m.BY_NAME[m.BATCH_SIZE].series()
+    mean_batch = promql(prom, f"sum({batch[1]}) / sum({batch[2]})")  # sequential traffic: 1
+    assert float(mean_batch[0]["value"][1]) == 1.0
+    replicas = promql(prom, "count by (replica) (ray_radixserve_num_running_requests)")
+    assert len(replicas) == 2
