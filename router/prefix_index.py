@@ -158,6 +158,21 @@ class PrefixIndex:
         if hashes:
             blocks.touch(hashes, self._clock() if now is None else now)
 
+    def forget_routed(self, replica_id: ReplicaKey, hashes: Sequence[int], routed_at: float) -> int:
+        """Withdraw `record_routed(replica_id, hashes, routed_at)` (the request went elsewhere):
+        drop the entries still stamped `routed_at`. Anything touched since (a later request,
+        or a digest) stays; later touches of a chain cover a prefix of it, so what goes is a
+        suffix and the believed set stays prefix-closed. Returns how many were dropped."""
+        blocks = self._replicas.get(replica_id)
+        if blocks is None:
+            return 0
+        dropped = 0
+        for h in hashes:
+            if blocks.entries.get(h) == routed_at:
+                del blocks.entries[h]
+                dropped += 1
+        return dropped
+
     def apply_digest(
         self, replica_id: ReplicaKey, digest: Digest, grace_s: float = 0.0
     ) -> bool:

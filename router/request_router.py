@@ -30,9 +30,17 @@ Design notes:
 - No FIFOMixin: with it Serve may hand the replica chosen for one request to a different
   pending request, which would defeat prefix affinity. The base class matches each
   replica to the exact request it was chosen for.
+- The first rank is always one replica, picked by this router (ties: least loaded, then
+  the smallest believed cache, so new prefixes spread over the replicas), and the request
+  is recorded there at once, before Serve has even sent it: requests with the same prefix
+  that arrive while the first is in transit (a burst) follow it instead of scattering.
+  If Serve sends it elsewhere after all (the pick was full), `on_request_routed` moves the
+  record to the real replica (withdrawing the entries nothing else has touched since).
+  A request chosen for but not yet sent to a replica counts towards that replica's load
+  for `_TENTATIVE_TTL_S` (Serve's own queue-length cache only learns of it on sending).
 - `on_request_routed` is only called by Serve when replicas may reject requests (strict
-  max_ongoing_requests, the default outside Ray Client); without it nothing is recorded
-  and routing relies on the replicas' digests alone.
+  max_ongoing_requests, the default outside Ray Client); without it, routing relies on the
+  tentative records and the replicas' digests.
 """
 from __future__ import annotations
 
@@ -68,6 +76,8 @@ STAT_KV_USAGE = "kv_usage"
 # Requests between choose_replicas and on_request_routed (cancelled ones never reach the
 # latter, so the map is bounded).
 _MAX_PENDING_ROUTINGS = 4096
+# How long a request chosen for a replica (not yet confirmed sent) counts as its load.
+_TENTATIVE_TTL_S = 2.0
 METRIC_PREFIX = "radixserve_router_"
 
 
@@ -103,6 +113,11 @@ class _Routing:
 
     hashes: list[int] | None  # None: the request carried no token ids
     decision: Decision | None = None
+    # Believed matched blocks per replica when first chosen (before the tentative record
+    # of this very request): the prediction, and stable across retries.
+    matches: dict[ReplicaID, int] | None = None
+    tentative: ReplicaID | None = None  # the replica picked last, until routed
+    tentative_at: float = 0.0  # when its blocks were recorded there
 
 
 class _Counters:
@@ -164,6 +179,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._routings: OrderedDict[str, _Routing] = OrderedDict()
         self._in_flight: defaultdict[ReplicaID, int] = defaultdict(int)
         self._in_flight_requests: dict[str, ReplicaID] = {}
+        # request id -> (picked replica, when): chosen but not yet confirmed routed.
+        self._tentative: OrderedDict[str, tuple[ReplicaID, float]] = OrderedDict()
 
     # -- routing ------------------------------------------------------------------------
 
@@ -180,26 +197,40 @@ class PrefixAwareRequestRouter(RequestRouter):
             return []
         routing = self._routing_for(pending_request)
         hashes = routing.hashes or []
-        matches = self._index.match(hashes, [r.replica_id for r in candidate_replicas])
+        ids = [r.replica_id for r in candidate_replicas]
+        if routing.matches is None or any(rid not in routing.matches for rid in ids):
+            routing.matches = self._index.match(hashes, ids)
+        loads = {r.replica_id: self._load(r) for r in candidate_replicas}
         candidates = [
-            Candidate(r.replica_id, matches[r.replica_id], self._load(r), self._kv_usage(r))
+            Candidate(r.replica_id, routing.matches[r.replica_id], loads[r.replica_id],
+                      self._kv_usage(r))
             for r in candidate_replicas
         ]
         choice = policy.choose(len(hashes), candidates, self._policy)
         routing.decision = choice.decision
         by_id = {r.replica_id: r for r in candidate_replicas}
-        return [[by_id[rid] for rid in rank] for rank in choice.ranks]
+        first = choice.ranks[0]
+        pick = min(first, key=lambda rid: (loads[rid], self._index.num_blocks(rid)))
+        ranks = [[pick], [rid for rid in first if rid != pick], *choice.ranks[1:]]
+        if pending_request is not None:
+            self._record_tentative(pending_request, routing, pick)
+        return [[by_id[rid] for rid in rank] for rank in ranks if rank]
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         request_id = pending_request.metadata.internal_request_id
         routing = self._routings.pop(request_id, None) or self._new_routing(pending_request)
+        self._tentative.pop(request_id, None)
+        self._withdraw_tentative(routing, keep=replica_id)
         self._in_flight[replica_id] += 1
         self._in_flight_requests[request_id] = replica_id
         if routing.hashes is None:
             return
-        matched = self._index.match(routing.hashes, [replica_id])[replica_id]
+        if routing.matches is not None and replica_id in routing.matches:
+            matched = routing.matches[replica_id]
+        else:
+            matched = self._index.match(routing.hashes, [replica_id])[replica_id]
         self._index.record_routed(replica_id, routing.hashes)
         self._count_routed(matched, routing.decision)
 
@@ -240,8 +271,37 @@ class PrefixAwareRequestRouter(RequestRouter):
         if routing is None:
             routing = self._routings[request_id] = self._new_routing(pending_request)
             while len(self._routings) > _MAX_PENDING_ROUTINGS:
-                self._routings.popitem(last=False)
+                old_id, _ = self._routings.popitem(last=False)
+                self._tentative.pop(old_id, None)
         return routing
+
+    def _record_tentative(self, pending_request: PendingRequest, routing: _Routing,
+                          replica_id: ReplicaID) -> None:
+        """The request will most likely run on `replica_id`: believe so now."""
+        request_id = pending_request.metadata.internal_request_id
+        now = self._get_curr_time_s()
+        self._tentative.pop(request_id, None)
+        self._tentative[request_id] = (replica_id, now)
+        while self._tentative:  # oldest first: drop the expired (cancelled, never routed)
+            _, (_, t) = next(iter(self._tentative.items()))
+            if t >= now - _TENTATIVE_TTL_S and len(self._tentative) <= _MAX_PENDING_ROUTINGS:
+                break
+            self._tentative.popitem(last=False)
+        if routing.tentative != replica_id:
+            self._withdraw_tentative(routing, keep=replica_id)
+            if routing.hashes:
+                self._index.record_routed(replica_id, routing.hashes, now)
+            routing.tentative, routing.tentative_at = replica_id, now
+
+    def _withdraw_tentative(self, routing: _Routing, keep: ReplicaID) -> None:
+        """Undo the tentative record of `routing` unless it was for `keep`."""
+        if routing.tentative is not None and routing.tentative != keep and routing.hashes:
+            self._index.forget_routed(routing.tentative, routing.hashes, routing.tentative_at)
+        routing.tentative = None
+
+    def _tentative_load(self, replica_id: ReplicaID) -> int:
+        cutoff = self._get_curr_time_s() - _TENTATIVE_TTL_S
+        return sum(1 for rid, t in self._tentative.values() if rid == replica_id and t >= cutoff)
 
     def _new_routing(self, pending_request: PendingRequest) -> _Routing:
         token_ids = extract_token_ids(pending_request.args, pending_request.kwargs)
@@ -277,7 +337,8 @@ class PrefixAwareRequestRouter(RequestRouter):
             stats = replica.routing_stats or {}
             if STAT_NUM_RUNNING in stats or STAT_NUM_WAITING in stats:
                 known = _number(stats.get(STAT_NUM_RUNNING)) + _number(stats.get(STAT_NUM_WAITING))
-        return max(known or 0.0, float(self._in_flight.get(replica.replica_id, 0)))
+        own = self._in_flight.get(replica.replica_id, 0) + self._tentative_load(replica.replica_id)
+        return max(known or 0.0, float(own))
 
     def _kv_usage(self, replica: RunningReplica) -> float:
         return _number((replica.routing_stats or {}).get(STAT_KV_USAGE))
@@ -302,6 +363,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._in_flight.pop(replica_id, None)
         for request_id in [k for k, v in self._in_flight_requests.items() if v == replica_id]:
             del self._in_flight_requests[request_id]
+        for request_id in [k for k, (v, _) in self._tentative.items() if v == replica_id]:
+            del self._tentative[request_id]
 
 
 def _number(value: Any) -> float:

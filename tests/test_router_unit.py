@@ -114,6 +114,17 @@ def test_index_remove_replica():
     assert idx.replicas() == ["r2"] and idx.match(h) == {"r2": 0}
 
 
+def test_index_forget_routed_drops_only_untouched_entries():
+    idx = PrefixIndex(block_size=4)
+    h = idx.hashes(toks(1, 2, 3, 4))
+    idx.record_routed("r", h, now=1.0)  # a tentative record...
+    idx.record_routed("r", h[:2], now=2.0)  # ...then another request shares its head
+    assert idx.forget_routed("r", h, routed_at=1.0) == 2
+    assert idx.match(h)["r"] == 2  # still prefix-closed: the shared head stays
+    assert idx.forget_routed("r", h, routed_at=1.0) == 0
+    assert idx.forget_routed("unknown", h, routed_at=1.0) == 0
+
+
 def test_index_digest_forgets_evicted_keeps_just_routed():
     t = [100.0]
     idx = PrefixIndex(block_size=4, clock=lambda: t[0])
@@ -513,8 +524,9 @@ def test_router_affinity_after_routing():
         pr = pending(Req(prompt))
         ranks = await router.choose_replicas([a, b], pr)
         assert pr.routing_context.should_backoff  # no busy retry loop
-        # Nobody holds it: least loaded (a tie) in one rank.
-        assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["a", "b"]]
+        # Nobody holds it: least loaded (a tie, broken by the smaller cache, then order);
+        # the first rank is always the one replica the router picked.
+        assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["a"], ["b"]]
         router.on_request_routed(pr, b.replica_id, None)
         # The same prefix now goes to b, even with a different tail and a bit more load.
         router.on_request_routed(pending(Req(toks(9))), b.replica_id, None)
@@ -614,7 +626,7 @@ def test_router_merges_digests_and_forgets_evicted_prefixes():
         b.routing_stats = {"cache_digest": truth.encode()}
         router.update_replicas([a, b])
         ranks, _ = await route(router, [a, b], pending(Req(prompt)))
-        assert ranks == [["a", "b"]] and router.router_stats()["digests_applied"] == 2
+        assert ranks == [["a"], ["b"]] and router.router_stats()["digests_applied"] == 2
         # A broken digest is ignored, not fatal.
         a.routing_stats = {"cache_digest": b"junk"}
         router.update_replicas([a, b])
@@ -652,4 +664,52 @@ def test_router_kv_high_water_and_requests_without_tokens():
         assert ranks[0] == ["b"]
         assert router.router_stats()["requests_without_tokens"] == 1
         assert await router.choose_replicas([], pending(Req([1]))) == []
+    asyncio.run(scenario())
+
+
+def test_router_burst_follows_the_first_pick_before_it_is_routed():
+    async def scenario():
+        router = make_router()
+        a, b, c = FakeReplica("a"), FakeReplica("b"), FakeReplica("c")
+        router.update_replicas([a, b, c])
+        prefix = toks(1, 2, 3, 4, 5, 6)
+        burst = [pending(Req(prefix + toks(10 + i))) for i in range(3)]
+        firsts = [(await router.choose_replicas([a, b, c], pr))[0] for pr in burst]
+        # Serve has not confirmed any of them yet: they still all go where the first went.
+        assert len({rank[0].replica_id for rank in firsts}) == 1 and len(firsts[0]) == 1
+        home = firsts[0][0]
+        assert router._load(home) == 3  # chosen, not yet sent: counted as load
+        # An unrelated request goes to a replica without those requests.
+        ranks = await router.choose_replicas([a, b, c], pending(Req(toks(7, 8, 9))))
+        assert ranks[0][0].replica_id != home.replica_id
+        for pr in burst:
+            router.on_request_routed(pr, home.replica_id, None)
+        assert router._load(home) == 3  # now in flight instead
+        stats = router.router_stats()
+        # The prediction is what was believed before the request itself was recorded.
+        assert stats["routed_without_match"] == 1 and stats["routed_with_match"] == 2
+        assert stats["predicted_matched_tokens"] == 2 * 6 * 4
+    asyncio.run(scenario())
+
+
+def test_router_withdraws_a_pick_serve_did_not_take():
+    async def scenario():
+        clock = [1000.0]
+        router = make_router(clock)
+        a, b = FakeReplica("a"), FakeReplica("b")
+        router.update_replicas([a, b])
+        prompt = toks(1, 2, 3)
+        pr = pending(Req(prompt))
+        ranks = await router.choose_replicas([a, b], pr)
+        picked, other = ranks[0][0], ranks[1][0]
+        router.on_request_routed(pr, other.replica_id, None)  # e.g. the pick was full
+        h = router._index.hashes(prompt)
+        assert router._index.match(h) == {picked.replica_id: 0, other.replica_id: 3}
+        assert router._load(picked) == 0 and router._load(other) == 1
+        # A chosen request that never gets routed (cancelled) stops counting as load.
+        lost = pending(Req(toks(5)))
+        ranks = await router.choose_replicas([a, b], lost)
+        assert router._load(ranks[0][0]) == 1
+        clock[0] += 10
+        assert router._load(ranks[0][0]) == 0
     asyncio.run(scenario())

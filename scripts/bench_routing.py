@@ -1,0 +1,308 @@
+#!/usr/bin/env python
+"""Request routers compared on a shared-prefix workload, end to end on a local Ray cluster.
+
+Each run starts the radixserve app afresh (empty radix caches), sends the same W2-style
+workload through the HTTP API (`scripts/bench_serving.py`: `num_groups` system prompts of
+`system_len` tokens, `per_group` distinct questions each, interleaved, bounded
+concurrency, fixed output lengths with ignore_eos), and reads every engine replica's own
+counters before and after (`router.replicas`), so the hit rate is what the radix caches
+really served.
+
+Runs:
+    single_replica  one replica serving everything (the hit-rate ceiling)
+    pow2            Serve's default power-of-two-choices router
+    ray_prefix      Ray's PrefixCacheAffinityRouter (ray.serve.llm.request_router)
+    ours            router.request_router:PrefixAwareRequestRouter
+
+    python scripts/bench_routing.py                       # 4 replicas, 16 x 8 requests
+    python scripts/bench_routing.py --model demo --runs pow2,ours --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_serving import make_args, run_benchmark  # noqa: E402
+
+APP, DEPLOYMENT = "radixserve", "EngineReplica"
+RUNS = ("single_replica", "pow2", "ray_prefix", "ours")
+RAY_PREFIX_PUBLIC = "ray.serve.llm.request_router:PrefixCacheAffinityRouter"
+# The same class; `ray.serve.llm` imports pyarrow at package import, the internal module
+# does not, so the internal path works where pyarrow is not installed.
+RAY_PREFIX_INTERNAL = ("ray.llm._internal.serve.routing_policies.prefix_aware."
+                       "prefix_aware_router:PrefixCacheAffinityRouter")
+# A tiny Llama big enough that prefill (what a cache hit saves) costs real time on a CPU.
+BENCH_MODEL = dict(hidden_size=768, intermediate_size=2304, num_hidden_layers=6,
+                   num_attention_heads=12, num_key_value_heads=4)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {RUNS}")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--model", default="bench",
+                   help="'bench' (a 6-layer, 768-wide random Llama, ~60M parameters), 'demo', or a HF model directory")
+    p.add_argument("--groups", type=int, default=16)
+    p.add_argument("--per-group", type=int, default=8)
+    p.add_argument("--system-len", type=int, default=256)
+    p.add_argument("--question-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--max-total-tokens", type=int, default=8192, help="KV slots per replica")
+    p.add_argument("--single-kv", choices=["aggregate", "same"], default="aggregate",
+                   help="single replica's KV slots: all replicas' together (same total memory) "
+                        "or one replica's")
+    p.add_argument("--max-running-requests", type=int, default=32)
+    p.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="logical CPUs per replica (Ray sets its OMP threads from it); the "
+                        "single replica gets replicas x this, capped at the machine's cores")
+    p.add_argument("--router-kwargs", type=json.loads, default={},
+                   help="JSON request_router_kwargs for ours")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run every configuration this many times (rotating the order) and "
+                        "report medians: on a shared machine, throughput is noisy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", dest="json_path", default=None)
+    return p
+
+
+def resolve_model(name: str) -> str:
+    from engine.demo_model import build_tiny_model, default_cache_root, ensure_demo_model
+
+    if name == "demo":
+        return ensure_demo_model()
+    if name == "bench":
+        return build_tiny_model(default_cache_root() / "bench-routing-h768l6", "llama", **BENCH_MODEL)
+    return name
+
+
+def ray_prefix_router_class() -> str:
+    try:
+        import ray.serve.llm.request_router  # noqa: F401
+        return RAY_PREFIX_PUBLIC
+    except ImportError:
+        import importlib
+
+        module, _, name = RAY_PREFIX_INTERNAL.partition(":")
+        getattr(importlib.import_module(module), name)
+        return RAY_PREFIX_INTERNAL
+
+
+def app_args(run: str, opts: argparse.Namespace, model: str) -> dict[str, Any]:
+    cpus = opts.replica_cpus
+    replicas = opts.replicas
+    kv = opts.max_total_tokens
+    if run == "single_replica":
+        replicas, cpus = 1, min(opts.replica_cpus * opts.replicas, float(os.cpu_count() or 1))
+        if opts.single_kv == "aggregate":
+            kv *= opts.replicas
+    router: dict[str, Any] = {"request_routing_stats_period_s": 0.5}
+    if run in ("single_replica", "pow2"):
+        router["request_router_class"] = "default"
+    elif run == "ray_prefix":
+        router["request_router_class"] = ray_prefix_router_class()
+    else:
+        router["request_router_class"] = "prefix"
+        router["request_router_kwargs"] = dict(opts.router_kwargs)
+    return {
+        "model": model,
+        "num_replicas": replicas,
+        "ray_actor_options": {"num_cpus": cpus},
+        "engine": {"max_total_tokens": kv,
+                   "max_running_requests": opts.max_running_requests,
+                   "chunked_prefill_size": 512},
+        "router": router,
+        "graceful_shutdown_timeout_s": 5.0,
+    }
+
+
+def replica_counters() -> dict[str, dict]:
+    """Each engine replica's own counters, plus the CPU seconds its process has used
+    (the work the routing caused, which other load on a shared machine does not inflate)."""
+    from router.replicas import call_each, list_replicas, replica_pids
+
+    replicas = list_replicas(APP, DEPLOYMENT)
+    out = call_each(replicas, "stats", timeout=120)
+    for rid, pid in replica_pids(replicas).items():
+        out[rid]["cpu_s"] = process_cpu_seconds(pid)
+    return out
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a local process (all its threads), from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_run(run: str, opts: argparse.Namespace, model: str, base_url: str) -> dict[str, Any]:
+    import httpx
+    from ray import serve
+
+    from deployments.app import build_app
+
+    t0 = time.perf_counter()
+    serve.run(build_app(app_args(run, opts, model)), name=APP, route_prefix="/")
+    startup_s = time.perf_counter() - t0
+    # Warm every code path once, outside the measurement (a prompt no group shares).
+    r = httpx.post(f"{base_url}/v1/completions", timeout=120,
+                   json={"prompt": [7] * 8, "max_tokens": 2, "ignore_eos": True})
+    r.raise_for_status()
+    before = replica_counters()
+    bench = make_args(
+        base_url=base_url, dataset="shared-prefix", num_groups=opts.groups,
+        prompts_per_group=opts.per_group, system_len=opts.system_len,
+        question_len=opts.question_len, output_len=opts.output_len,
+        max_concurrency=opts.concurrency, token_id_low=10, token_id_high=760,
+        warmup_requests=0, seed=opts.seed, quiet=True)
+    metrics = asyncio.run(run_benchmark(bench))
+    after = replica_counters()
+    serve.delete(APP)
+    if run == "ray_prefix":
+        _drop_ray_prefix_tree()
+
+    per_replica = []
+    for rid in sorted(after):
+        a, b = after[rid], before.get(rid, {})
+        per_replica.append({
+            "replica": rid,
+            "requests": a["finished_requests"] - b.get("finished_requests", 0),
+            "prompt_tokens": a["prompt_tokens"] - b.get("prompt_tokens", 0),
+            "cached_tokens": a["cached_tokens"] - b.get("cached_tokens", 0),
+            "cpu_s": a["cpu_s"] - b.get("cpu_s", 0.0),
+        })
+    prompt = sum(p["prompt_tokens"] for p in per_replica)
+    cached = sum(p["cached_tokens"] for p in per_replica)
+    return {
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "client_hit_rate": metrics["cache_hit_rate"],  # from usage.cached_tokens; should agree
+        "output_tok_s": metrics["output_throughput"],
+        "req_s": metrics["request_throughput"],
+        "p50_ms": metrics["e2e_ms_p50"],
+        "p99_ms": metrics["e2e_ms_p99"],
+        "ttft_p50_ms": metrics["ttft_ms_p50"],
+        "ttft_p99_ms": metrics["ttft_ms_p99"],
+        "duration_s": metrics["duration_s"],
+        "completed": metrics["completed"],
+        "failed": metrics["failed"],
+        "first_errors": metrics["first_errors"],
+        "requests_per_replica": [p["requests"] for p in per_replica],
+        "engine_cpu_s": sum(p["cpu_s"] for p in per_replica),
+        "per_replica": per_replica,
+        "startup_s": startup_s,
+        "router_class": app_args(run, opts, model)["router"]["request_router_class"],
+    }
+
+
+def summarize(repeats: list[dict]) -> dict[str, Any]:
+    """Medians of the numbers over repeats (the first repeat's lists), plus every repeat."""
+    out = dict(repeats[0])
+    for key, value in repeats[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = statistics.median(r[key] for r in repeats)
+    out["failed"] = sum(r["failed"] for r in repeats)
+    if len(repeats) > 1:
+        out["repeats"] = repeats
+    return out
+
+
+def _drop_ray_prefix_tree() -> None:
+    """Ray's router keeps its prefix tree in a detached actor that only serve.shutdown()
+    removes; a later run of the same app would inherit the old replicas' entries."""
+    import ray
+
+    try:
+        ray.kill(ray.get_actor("LlmPrefixTreeActor", namespace=f"serve::{APP}::{DEPLOYMENT}"))
+    except ValueError:
+        pass
+
+
+def format_table(results: dict[str, dict], opts: argparse.Namespace) -> str:
+    head = (f"{'run':<15}{'hit rate':>9}{'client':>8}{'out tok/s':>11}{'req/s':>7}{'p50 ms':>9}"
+            f"{'p99 ms':>9}{'ttft p50':>10}{'cpu s':>7}{'fail':>6}  requests per replica")
+    lines = [head, "-" * len(head)]
+    for run, r in results.items():
+        lines.append(
+            f"{run:<15}{r['hit_rate']:>9.1%}{r['client_hit_rate']:>8.1%}{r['output_tok_s']:>11.1f}"
+            f"{r['req_s']:>7.2f}{r['p50_ms']:>9.0f}{r['p99_ms']:>9.0f}{r['ttft_p50_ms']:>10.0f}"
+            f"{r['engine_cpu_s']:>7.1f}{r['failed']:>6}  "
+            + " / ".join(str(x["requests_per_replica"]) for x in r.get("repeats", [r])))
+    if "ours" in results and "single_replica" in results and results["single_replica"]["hit_rate"]:
+        ratio = results["ours"]["hit_rate"] / results["single_replica"]["hit_rate"]
+        lines.append(f"ours / single_replica hit rate: {ratio:.1%}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = build_parser().parse_args(argv)
+    runs = [r.strip() for r in opts.runs.split(",") if r.strip()]
+    unknown = sorted(set(runs) - set(RUNS))
+    if unknown:
+        raise SystemExit(f"unknown run(s) {unknown}; choose from {RUNS}")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import ray
+    from ray import serve
+
+    model = resolve_model(opts.model)
+    ray.init(num_cpus=max(8, int(opts.replicas * opts.replica_cpus) + 2), include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, log_to_driver=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    base_url = f"http://127.0.0.1:{port}"
+    repeats: dict[str, list[dict]] = {run: [] for run in runs}
+    try:
+        for i in range(opts.repeat):
+            for run in runs[i % len(runs):] + runs[:i % len(runs)]:
+                print(f"[{run}] starting", file=sys.stderr, flush=True)
+                r = one_run(run, opts, model, base_url)
+                repeats[run].append(r)
+                print(f"[{run}] hit {r['hit_rate']:.1%}, {r['output_tok_s']:.1f} out tok/s, "
+                      f"engine cpu {r['engine_cpu_s']:.1f}s, per replica {r['requests_per_replica']} "
+                      f"(startup {r['startup_s']:.0f}s, run {r['duration_s']:.1f}s)",
+                      file=sys.stderr, flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    results = {run: summarize(rs) for run, rs in repeats.items()}
+    repeat = f", median of {opts.repeat} runs each" if opts.repeat > 1 else ""
+    workload = (f"{opts.groups} groups x {opts.per_group} requests, {opts.system_len}-token shared "
+                f"prefix + {opts.question_len}-token question, {opts.output_len} output tokens "
+                f"(ignore_eos), concurrency {opts.concurrency}, {opts.replicas} replicas, "
+                f"model {opts.model}, {opts.max_total_tokens} KV slots per replica (single replica: "
+                f"{opts.max_total_tokens * (opts.replicas if opts.single_kv == 'aggregate' else 1)})"
+                f"{repeat}")
+    print(f"# {datetime.datetime.now().isoformat(timespec='seconds')}  {workload}")
+    print(format_table(results, opts))
+    if opts.json_path:
+        out = dict(results)
+        out["config"] = {**vars(opts), "workload": workload}
+        with open(opts.json_path, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0 if all(r["failed"] == 0 for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
