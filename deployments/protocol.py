@@ -61,6 +61,26 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: str = "schema"
+    description: str | None = None
+    # `schema` would shadow BaseModel.schema(), hence the alias.
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    # One flat model rather than a tagged union so errors have plain locations.
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_needed(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format.json_schema is required when type is 'json_schema'")
+        return self
+
+
 class _SamplingFields(_Request):
     """Fields with the same meaning on /v1/completions and /v1/chat/completions."""
 
@@ -85,6 +105,16 @@ class _SamplingFields(_Request):
     json_schema: str | dict[str, Any] | None = None
     ebnf: str | None = None
     skip_special_tokens: bool | None = None
+    # OpenAI's structured output (chat; accepted on completions too, as vLLM/SGLang do)
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> _SamplingFields:
+        wants_format = self.response_format is not None and self.response_format.type != "text"
+        constraints = [self.regex, self.json_schema, self.ebnf]
+        if wants_format and any(c is not None for c in constraints):
+            raise ValueError("response_format cannot be combined with regex, json_schema or ebnf")
+        return self
 
     @property
     def include_usage(self) -> bool:
@@ -104,6 +134,11 @@ def _common_sampling_kwargs(req: _SamplingFields) -> dict[str, Any]:
     kwargs = {name: getattr(req, name) for name in _PASSTHROUGH if getattr(req, name) is not None}
     if req.stop is not None:
         kwargs["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        kwargs["json_object"] = True
+    elif fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
+        kwargs["json_schema"] = fmt.json_schema.schema_
     return kwargs
 
 
@@ -204,42 +239,17 @@ class ChatMessageParam(_Request):
         return {"role": self.role, "content": self.text()}
 
 
-class JsonSchemaFormat(_Request):
-    name: str = "schema"
-    description: str | None = None
-    # `schema` would shadow BaseModel.schema(), hence the alias.
-    schema_: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Request):
-    # One flat model rather than a tagged union so errors have plain locations.
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_needed(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format.json_schema is required when type is 'json_schema'")
-        return self
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessageParam] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _check_combinations(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
-        wants_format = self.response_format is not None and self.response_format.type != "text"
-        constraints = [self.regex, self.json_schema, self.ebnf]
-        if wants_format and any(c is not None for c in constraints):
-            raise ValueError("response_format cannot be combined with regex, json_schema or ebnf")
         return self
 
     @property
@@ -294,11 +304,6 @@ def chat_sampling_kwargs(
     if req.logprobs:
         kwargs["logprobs"] = True
         kwargs["top_logprobs"] = req.top_logprobs or 0
-    fmt = req.response_format
-    if fmt is not None and fmt.type == "json_object":
-        kwargs["json_object"] = True
-    elif fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
-        kwargs["json_schema"] = fmt.json_schema.schema_
     return kwargs
 
 

@@ -17,6 +17,7 @@ decoding them one by one; the next step computes their KV in one chunk.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.request import Request
@@ -49,12 +51,12 @@ class GrammarSpec:
     """A constraint in canonical form: the cache key of its compiled grammar."""
 
     kind: str  # "json" | "json_object" | "regex" | "ebnf"
-    text: str  # the schema as sorted-key JSON, or the regex / EBNF source
+    text: str  # the schema as JSON (key order kept: it is the output's), or the source
 
     @staticmethod
     def of(params: SamplingParams) -> GrammarSpec | None:
         if params.json_schema is not None:
-            return GrammarSpec("json", json.dumps(params.json_schema, sort_keys=True))
+            return GrammarSpec("json", json.dumps(params.json_schema, separators=(",", ":")))
         if params.json_object:
             return GrammarSpec("json_object", "")
         if params.regex is not None:
@@ -116,8 +118,9 @@ def _clean_message(error: Exception) -> str:
 
 
 class XGrammarMatcher(Matcher):
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, and_mask: torch.Tensor | None) -> None:
         self.m = matcher
+        self.and_mask = and_mask  # packed tokens always forbidden on top of the grammar
 
     def accept(self, token: int) -> bool:
         return self.m.accept_token(token)
@@ -141,20 +144,24 @@ class XGrammarMatcher(Matcher):
         handles = [m.m for m in matchers]  # type: ignore[attr-defined]
         if len(handles) == 1:
             handles[0].fill_next_token_bitmask(bitmask, rows[0])
-            return
-        if cls._batch is None:
-            cls._batch = xgr.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
-        cls._batch.batch_fill_next_token_bitmask(handles, bitmask, rows)
+        else:
+            if cls._batch is None:
+                cls._batch = xgr.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
+            cls._batch.batch_fill_next_token_bitmask(handles, bitmask, rows)
+        for m, row in zip(matchers, rows):
+            if m.and_mask is not None:  # type: ignore[attr-defined]
+                bitmask[row] &= m.and_mask  # type: ignore[attr-defined]
 
 
 class _XGrammarCompiled(CompiledGrammar):
-    def __init__(self, compiled: Any) -> None:
+    def __init__(self, compiled: Any, and_mask: torch.Tensor | None) -> None:
         self.compiled = compiled
+        self.and_mask = and_mask
 
     def new_matcher(self) -> Matcher:
         import xgrammar as xgr
 
-        return XGrammarMatcher(xgr.GrammarMatcher(self.compiled))
+        return XGrammarMatcher(xgr.GrammarMatcher(self.compiled), self.and_mask)
 
 
 class XGrammarBackend(GrammarBackend):
@@ -165,6 +172,11 @@ class XGrammarBackend(GrammarBackend):
 
         self.compiler = xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1),
                                             cache_enabled=False)  # we cache ourselves
+        # xgrammar 0.2.9 lets raw control characters into JSON strings that have a
+        # maxLength (invalid JSON). Compact JSON never contains a raw byte < 0x20, so for
+        # JSON grammars we also forbid every token holding one.
+        clean = [not any(b < 0x20 for b in t) for t in info.decoded_vocab]
+        self.no_control = _pack(clean)
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         c = self.compiler
@@ -181,7 +193,14 @@ class XGrammarBackend(GrammarBackend):
                 out = c.compile_grammar(spec.text)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(_clean_message(e)) from None
-        return _XGrammarCompiled(out)
+        return _XGrammarCompiled(out, self.no_control if spec.kind.startswith("json") else None)
+
+
+def _pack(allowed: list[bool]) -> torch.Tensor:
+    """Bools -> packed int32 words in xgrammar's layout (bit j of word w = token 32w + j)."""
+    padded = np.zeros(-(-len(allowed) // 32) * 32, dtype=bool)
+    padded[:len(allowed)] = allowed
+    return torch.from_numpy(np.packbits(padded, bitorder="little").view("<i4").copy())
 
 
 def _xgrammar_tokenizer_info(hf_tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> Any:
@@ -194,13 +213,14 @@ def _xgrammar_tokenizer_info(hf_tokenizer: Any, vocab_size: int, stop_ids: list[
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
-                                              stop_token_ids=stop_ids)
+                                              stop_token_ids=stop_ids or None)
     special = set(hf_tokenizer.all_special_ids)
     special |= {i for i, t in hf_tokenizer.added_tokens_decoder.items() if t.special}
     vocab = [b"" if i in special and i not in stop_ids else text
              for i, text in enumerate(info.decoded_vocab)]
     return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
-                             stop_token_ids=stop_ids, add_prefix_space=info.add_prefix_space)
+                             stop_token_ids=info.stop_token_ids,
+                             add_prefix_space=info.add_prefix_space)
 
 
 # -- llguidance -----------------------------------------------------------------------
@@ -213,8 +233,12 @@ class LLGuidanceMatcher(Matcher):
         self.terminated = False
 
     def accept(self, token: int) -> bool:
-        if self.m.validate_tokens([token]) != 1:
-            return False  # consume_token would leave the matcher in its error state
+        # Check first: a refused consume_token would leave the matcher in its error state.
+        if token in self.stop_ids:
+            if not self.m.is_accepting():
+                return False
+        elif self.m.validate_tokens([token]) != 1:
+            return False
         self.m.consume_token(token)
         # llguidance reports "stopped" before and after the stop token; track it here.
         self.terminated = token in self.stop_ids
@@ -278,12 +302,41 @@ class LLGuidanceBackend(GrammarBackend):
         options = {"whitespace_flexible": False, "item_separator": _ITEM_SEPARATOR,
                    "key_separator": _KEY_SEPARATOR}
         if spec.kind == "json":
-            return LLMatcher.grammar_from_json_schema(spec.text, overrides=options)
+            schema = _closed_objects(json.loads(spec.text))
+            return LLMatcher.grammar_from_json_schema(schema, overrides=options)
         if spec.kind == "json_object":
             return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=options)
         if spec.kind == "regex":
             return LLMatcher.grammar_from_regex(spec.text)
         return LLMatcher.grammar_from_lark(any_to_lark(spec.text))  # EBNF (GBNF) or Lark
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SCHEMA_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else")
+
+
+def _closed_objects(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` wherever an object lists its
+    properties and says nothing about others: xgrammar's default (and OpenAI's strict
+    mode), so both backends generate the same kind of objects rather than llguidance
+    inventing extra keys. Outputs stay valid under the original schema."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed_objects(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed_objects(sub) for sub in out[key]]
+    for key in _SCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = _closed_objects(out[key])
+    open_keys = ("additionalProperties", "unevaluatedProperties", "patternProperties")
+    if "properties" in out and not any(k in out for k in open_keys):
+        out["additionalProperties"] = False
+    return out
 
 
 # -- the engine's entry point -----------------------------------------------------------
@@ -296,7 +349,7 @@ class Grammars:
     """
 
     def __init__(self, backend: str, hf_tokenizer: Any, vocab_size: int, stop_ids: set[int],
-                 device: torch.device, workers: int = 2) -> None:
+                 device: torch.device, jump_forward: bool = True, workers: int = 2) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"grammar_backend must be one of {BACKENDS}, got {backend!r}")
         self.backend_name = backend
@@ -304,8 +357,12 @@ class Grammars:
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
         self.device = device
+        self.enable_jump_forward = jump_forward
         self._backends: dict[str, GrammarBackend] = {}
         self._backend_lock = threading.Lock()
+        self._info: Any = None  # xgrammar TokenizerInfo, built on first need
+        self._token_bytes: list[bytes] | None = None
+        self._sorted_tokens: list[bytes] = []
         self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar")
@@ -347,18 +404,26 @@ class Grammars:
         if primary.name == "xgrammar" and spec.kind in ("json", "regex"):
             try:
                 compiled = self._backend("llguidance").compile(spec)
-                logger.info("xgrammar rejected a %s (%s); compiled with llguidance", spec.kind, error)
-                return compiled
-            except ValueError as e:
-                error += f" (llguidance: {e})"
+            except ValueError:
+                raise ValueError(error) from None  # the primary compiler's message
+            logger.info("xgrammar rejected a %s (%s); compiled with llguidance", spec.kind, error)
+            return compiled
         raise ValueError(error)
 
     def _backend(self, name: str) -> GrammarBackend:
         with self._backend_lock:
             if name not in self._backends:
-                cls = XGrammarBackend if name == "xgrammar" else LLGuidanceBackend
-                self._backends[name] = cls(self.hf, self.vocab_size, self.stop_ids)
+                if name == "xgrammar":
+                    self._backends[name] = XGrammarBackend(self._vocab_info())
+                else:
+                    self._backends[name] = LLGuidanceBackend(self.hf, self.vocab_size, self.stop_ids)
             return self._backends[name]
+
+    def _vocab_info(self) -> Any:
+        """xgrammar's TokenizerInfo (also the source of token bytes for any backend)."""
+        if self._info is None:
+            self._info = _xgrammar_tokenizer_info(self.hf, self.vocab_size, self.stop_ids)
+        return self._info
 
     @staticmethod
     def matcher_of(req: Request) -> Matcher | None:
@@ -367,6 +432,18 @@ class Grammars:
         if isinstance(req.grammar, Future):
             req.grammar = req.grammar.result().new_matcher()
         return req.grammar
+
+    def accept(self, req: Request, token: int) -> bool:
+        """Advance the request's matcher by its newly appended token."""
+        if self.matcher_of(req).accept(token):
+            return True
+        logger.error("request %s: sampled token %d is not allowed by its grammar",
+                     req.request_id, token)
+        return False
+
+    @staticmethod
+    def is_terminated(req: Request) -> bool:
+        return not isinstance(req.grammar, Future) and req.grammar.is_terminated
 
     # -- per step -------------------------------------------------------------------------
 
@@ -399,16 +476,18 @@ class Grammars:
         bits = (bitmask.unsqueeze(-1) >> self._shifts) & 1
         return bits.view(bitmask.shape[0], -1)[:, :self.vocab_size].bool()
 
-    def jump_forward(self, req: Request, last_token: int, limit: int,
-                     stop_token_ids: list[int]) -> list[int]:
+    def jump_forward(self, req: Request, last_token: int, limit: int) -> list[int]:
         """Accept and return the tokens the grammar forces after `last_token` (at most
         `limit`, cut after a stop token id), or [] when there are none or the boundary is
-        not clean."""
+        not clean. Requests asking for logprobs never jump: skipped tokens have none."""
+        p = req.params
+        if not self.enable_jump_forward or p.logprobs or p.top_logprobs or limit <= 0:
+            return []
         matcher = self.matcher_of(req)
-        forced = matcher.jump_forward_tokens()[:limit] if matcher and limit > 0 else []
+        forced = matcher.jump_forward_tokens()[:limit]
         if not forced or not self._clean_boundary(last_token, forced):
             return []
-        cut = next((i + 1 for i, t in enumerate(forced) if t in stop_token_ids), len(forced))
+        cut = next((i + 1 for i, t in enumerate(forced) if t in p.stop_token_ids), len(forced))
         accepted = []
         for token in forced[:cut]:
             if not matcher.accept(token):
@@ -417,9 +496,22 @@ class Grammars:
         return accepted
 
     def _clean_boundary(self, last_token: int, forced: list[int]) -> bool:
-        """True when the tokenizer, given the last sampled token's text followed by the
-        forced text, keeps that token as is. Otherwise the two would merge into a longer
-        token: we skip the jump this step and let the model pick that token (it is still
-        constrained), so the text stays close to how the tokenizer would write it."""
-        text = self.hf.decode([last_token] + forced, skip_special_tokens=False)
-        return self.hf.encode(text, add_special_tokens=False)[:1] == [last_token]
+        """True when no vocabulary token starts with the last sampled token's bytes plus the
+        first forced byte. Otherwise a tokenizer would have merged them into a longer token:
+        we skip the jump this step and let the model pick that token (still constrained), so
+        the text keeps a tokenization the model knows. (xgrammar leaves out the last forced
+        token by the same rule, which keeps the other end of the jump clean.)"""
+        token_bytes = self._vocab_bytes()
+        head = b"".join(token_bytes[t] for t in forced)[:1]
+        prefix = token_bytes[last_token] + head
+        i = bisect.bisect_left(self._sorted_tokens, prefix)
+        return i == len(self._sorted_tokens) or not self._sorted_tokens[i].startswith(prefix)
+
+    def _vocab_bytes(self) -> list[bytes]:
+        if self._token_bytes is None:
+            with self._backend_lock:
+                vocab = list(self._vocab_info().decoded_vocab)
+            self._sorted_tokens = sorted(t for i, t in enumerate(vocab)
+                                         if t and i not in self.stop_ids)
+            self._token_bytes = vocab
+        return self._token_bytes

@@ -101,6 +101,11 @@ class Scheduler:
         for req, slot in zip(decoders, self._alloc(len(decoders))):
             req.slots.append(slot)
         chunks += self._schedule_prefill(reserve=len(chunks))
+        if not chunks and self.running:
+            # Every running request needs KV for several tokens (a prompt chunk, or text
+            # appended by jump-forward) and none fits: retract the newest, as decode does.
+            self._retract(max(self.running, key=lambda r: r.arrival))
+            return self.schedule()
         return StepPlan(chunks) if chunks else None
 
     def _make_room_for_decode(self, decoders: list[Request]) -> list[Request]:
