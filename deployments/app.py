@@ -10,6 +10,7 @@ from ray.serve import Application
 from deployments.config import AppArgs
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import OpenAIIngress
+from deployments.tp_workers import placement_options
 
 
 def engine_deployment(args: AppArgs):
@@ -25,6 +26,9 @@ def engine_deployment(args: AppArgs):
         options["num_replicas"] = "auto"
     else:
         options["num_replicas"] = args.num_replicas
+    if args.tp_size > 1:  # one bundle per rank; the replica is rank 0 (deployments/tp_workers.py)
+        options.update(placement_options(args.ray_actor_options, args.tp_size, args.tp_bundle,
+                                         args.placement_group_strategy))
     router = args.router.to_serve()
     if router is not None:
         options["request_router_config"] = router

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -44,6 +44,11 @@ class AppArgs(BaseModel):
     ingress_ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.1})
     router: RouterArgs = Field(default_factory=RouterArgs)
     graceful_shutdown_timeout_s: float = 30.0
+    # Tensor parallelism (engine.tp_size > 1): one placement group bundle per rank, each
+    # `tp_bundle` (plus `ray_actor_options` for rank 0, the replica). STRICT_PACK keeps the
+    # ranks on one node; PACK or SPREAD lets them cross nodes.
+    placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    tp_bundle: dict[str, float] = Field(default_factory=lambda: {"GPU": 1})
 
     @field_validator("engine")
     @classmethod
@@ -55,12 +60,23 @@ class AppArgs(BaseModel):
         EngineConfig(**value)  # raises ValueError with the engine's own message
         return value
 
+    @field_validator("tp_bundle")
+    @classmethod
+    def _check_bundle(cls, value: dict[str, float]) -> dict[str, float]:
+        if not value or any(v < 0 for v in value.values()) or not any(value.values()):
+            raise ValueError("tp_bundle needs at least one positive resource, e.g. {'GPU': 1}")
+        return value
+
     @field_validator("num_replicas", "ingress_replicas")
     @classmethod
     def _positive(cls, value: int | None) -> int | None:
         if value is not None and value < 1:
             raise ValueError("must be >= 1")
         return value
+
+    @property
+    def tp_size(self) -> int:
+        return int(self.engine.get("tp_size", 1))
 
     def model_name(self) -> str:
         if self.served_model_name:

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from deployments.metrics import EngineMetrics
+from deployments.tp_workers import TPWorkers
 from engine import AsyncEngine, EngineConfig, QueueFullError, SamplingParams
 from engine.demo_model import ensure_demo_model
+from engine.engine import Engine
 from router.cache_digest import CacheDigest
 
 logger = logging.getLogger(__name__)
@@ -41,7 +43,11 @@ class EngineReplica:
     def __init__(self, model: str | None, engine_kwargs: dict[str, Any],
                  digest_block_size: int = 16) -> None:
         config = EngineConfig(model=resolve_model(model), enable_cache_events=True, **engine_kwargs)
-        self.engine = AsyncEngine(config)
+        # At tp_size > 1 this replica is rank 0; the other ranks are Ray actors in its
+        # placement group (deployments/tp_workers.py).
+        self.tp_workers = TPWorkers(config) if config.tp_size > 1 else None
+        tp = self.tp_workers.tp if self.tp_workers else None
+        self.engine = AsyncEngine(config, Engine(config, tp=tp))
         self.digest = CacheDigest(block_size=digest_block_size)
         self._stats: dict[str, Any] = {}
         self._stats_lock = threading.Lock()
@@ -95,11 +101,16 @@ class EngineReplica:
     def check_health(self) -> None:
         if not self.engine.is_alive():
             raise RuntimeError("engine loop thread has died")
+        if self.tp_workers is not None:
+            self.tp_workers.check_health()  # a dead rank fails it: Serve restarts the replica
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+        tp_workers = getattr(self, "tp_workers", None)
+        if tp_workers is not None:
+            tp_workers.close(graceful=engine is None or not engine.is_alive())
 
 
 def _replica_id() -> str:

@@ -41,9 +41,14 @@ class EngineConfig:
     enable_cuda_graph: bool = True
     cuda_graph_max_bs: int = 256
     enable_overlap_schedule: bool = True
+    # Decode attention reads a cached prefix shared by several running requests once for
+    # all of them (Triton backend; engine/prefix_groups.py), when it is at least this long.
+    enable_prefix_grouped_decode: bool = True
+    prefix_group_min_tokens: int = 256
 
     # Parallelism
-    tp_size: int = 1
+    tp_size: int = 1  # tensor-parallel ranks (rank 0 schedules and samples; see engine/distributed.py)
+    dist_timeout_s: float = 300.0  # a collective or rank start-up taking longer fails (dead/hung rank)
 
     # Structured output
     grammar_backend: Literal["xgrammar", "llguidance", "none"] = "xgrammar"
@@ -63,8 +68,12 @@ class EngineConfig:
             raise ValueError("max_total_tokens must be >= 2")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("mem_fraction_static must be in (0, 1)")
+        if self.prefix_group_min_tokens < 1:
+            raise ValueError("prefix_group_min_tokens must be >= 1")
         if self.tp_size < 1:
             raise ValueError("tp_size must be >= 1")
+        if self.dist_timeout_s <= 0:
+            raise ValueError("dist_timeout_s must be > 0")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -3,6 +3,12 @@
 A decode step launches a few hundred small kernels; replaying a captured graph removes
 their launch overhead. Each graph reads its inputs from static buffers; a step copies its
 real inputs in and pads the rest with a harmless dummy request (row 0, slot 0, length 1).
+
+With radix-grouped decode (`grouped=True`), the graphs of batch sizes >= `grouped_min_bs`
+are captured with the grouped attention kernels and read the step's group metadata
+(engine/prefix_groups.py, laid out for the padded size) from one more static buffer; a
+step without groups runs them with zero tiles (the plain decode plus an empty launch per
+layer). Smaller sizes keep the plain kernels.
 """
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import logging
 import torch
 
 from engine.attention.base import ForwardBatch
+from engine.prefix_groups import PrefixGroupBatch, packed_len
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +29,8 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, attn_backend, req_to_token: torch.Tensor, max_bs: int) -> None:
+    def __init__(self, model, attn_backend, req_to_token: torch.Tensor, max_bs: int,
+                 grouped: bool = False, grouped_min_bs: int = 16) -> None:
         self.model = model
         self.attn_backend = attn_backend
         self.req_to_token = req_to_token
@@ -38,6 +46,12 @@ class DecodeGraphs:
         self.extend_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.qo_indptr = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.logits_indices = torch.arange(n, dtype=torch.long, device=dev)
+        self.grouped_sizes = {s for s in self.sizes if grouped and s >= grouped_min_bs}
+        self.pfx_packed = torch.zeros(packed_len(n), dtype=torch.long, device=dev)
+        self._pfx_empty = torch.zeros(packed_len(n), dtype=torch.long, device=dev)
+        self._pfx_empty[1] = 1  # no tiles, one split
+        self.pfx_packed.copy_(self._pfx_empty)
+        self._pfx_dirty = False
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -50,7 +64,20 @@ class DecodeGraphs:
             seq_lens=self.seq_lens[:bs], extend_lens=self.extend_lens[:bs],
             qo_indptr=self.qo_indptr[:bs + 1], logits_indices=self.logits_indices[:bs],
             req_to_token=self.req_to_token, is_decode=True, seq_lens_cpu=[1] * bs,
-            extend_lens_cpu=[1] * bs)
+            extend_lens_cpu=[1] * bs, prefix_groups=self._groups(bs))
+
+    def _groups(self, bs: int) -> PrefixGroupBatch | None:
+        if bs not in self.grouped_sizes:
+            return None
+        return PrefixGroupBatch(packed=self.pfx_packed[:packed_len(bs)], cap=bs, num_tiles=0,
+                                num_splits=1, max_suffix=1)
+
+    def grouped_capacity(self, bs: int) -> int | None:
+        """The padded size whose graph runs grouped decode for a batch of bs, or None."""
+        if bs > self.max_bs:
+            return None
+        padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
+        return padded if padded in self.grouped_sizes else None
 
     def _run(self, bs: int) -> torch.Tensor:
         batch = self._batch(bs)
@@ -91,5 +118,13 @@ class DecodeGraphs:
             self.out_slots[bs:padded].zero_()
             self.req_rows[bs:padded].zero_()
             self.seq_lens[bs:padded].fill_(1)
+        pg = batch.prefix_groups
+        if pg is not None:
+            assert pg.cap == padded, "group metadata laid out for another capacity"
+            self.pfx_packed[:pg.packed.numel()].copy_(pg.packed, non_blocking=True)
+            self._pfx_dirty = True
+        elif self._pfx_dirty and padded in self.grouped_sizes:
+            self.pfx_packed.copy_(self._pfx_empty, non_blocking=True)
+            self._pfx_dirty = False
         self.graphs[padded].replay()
         return self.outputs[padded][:bs]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.grammar import Grammars
+from engine.layers.parallel import TPContext
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.overlap import OverlapStepper
@@ -36,10 +37,12 @@ class TokenUpdate:
 class Engine:
     """Single-threaded core: add requests, call `step()` until they finish."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TPContext | None = None) -> None:
+        """At tp_size > 1 this is rank 0: `tp` is its context, already joined with the other
+        ranks (engine/tp_worker.py starts them locally, deployments/tp_workers.py on Ray)."""
         self.config = config
         self.tokenizer = Tokenizer(config.tokenizer or config.model)
-        self.runner = ModelRunner(config)
+        self.runner = ModelRunner(config, tp=tp)
         self.max_context = self.runner.max_context
         allocator = self.runner.kv_pool.allocator
         self.cache = RadixCache(allocator, enabled=config.enable_radix_cache,
@@ -53,8 +56,15 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.overlap = None
-        if config.enable_overlap_schedule and self.runner.device.type == "cuda":
+        # Overlap resolves the next step's placeholder tokens from the device tensor rank 0
+        # sampled; the other ranks never see it, so overlap stays off at tp > 1.
+        if (config.enable_overlap_schedule and self.runner.device.type == "cuda"
+                and self.runner.tp.size == 1):
             self.overlap = OverlapStepper(self, config.max_running_requests)
+
+    def close(self) -> None:
+        """At tp > 1: stop the other ranks (call once the step loop has stopped)."""
+        self.runner.close()
 
     # -- requests -----------------------------------------------------------------------
 
@@ -230,8 +240,28 @@ class LLM:
     """Offline batch generation: `LLM(model=...).generate(prompts, params)`."""
 
     def __init__(self, model: str = "", **kwargs) -> None:
-        self.engine = Engine(EngineConfig.from_kwargs(model=model, **kwargs))
+        config = EngineConfig.from_kwargs(model=model, **kwargs)
+        self._workers = None
+        if config.tp_size > 1:  # ranks 1..tp-1 as local processes; this process is rank 0
+            from engine.tp_worker import LocalWorkers, rank_config
+
+            self._workers = LocalWorkers(config)
+            config = rank_config(config, 0)
+        try:
+            self.engine = Engine(config, tp=self._workers.tp if self._workers else None)
+        except BaseException:
+            self.close()
+            raise
         self._next_id = 0
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (also at exit and on garbage collection)."""
+        workers, self._workers = getattr(self, "_workers", None), None
+        if workers is not None:
+            workers.close()
+
+    def __del__(self) -> None:
+        self.close()
 
     def generate(self, prompts: list[str] | list[list[int]] | str,
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -3,11 +3,13 @@ batch tensors and runs the forward."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from engine.attention.base import ForwardBatch
 from engine.config import EngineConfig
+from engine.distributed import CMD_FORWARD
 from engine.kv_pool import KVPool
 from engine.layers.parallel import TPContext
 from engine.models import load_hf_config, load_model, resolve_device, resolve_dtype
@@ -19,11 +21,46 @@ logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_SLOTS = 16384
 
+# The fields of one step's packed int64 tensor, in order (what rank 0 broadcasts at tp > 1).
+FIELDS = ("input_ids", "positions", "out_slots", "req_rows", "seq_lens", "extend_lens",
+          "qo_indptr", "logits_indices", "sync_rows", "sync_cols", "sync_slots", "prompt_rows",
+          "prefix_groups")
+_SEQ_LENS, _EXTEND_LENS, _SYNC_ROWS, _PROMPT_ROWS, _PREFIX_GROUPS = (FIELDS.index(f) for f in (
+    "seq_lens", "extend_lens", "sync_rows", "prompt_rows", "prefix_groups"))
+
+
+@dataclass
+class StepInput:
+    """One step's batch: the FIELDS int lists back to back in one int64 host tensor. It is
+    everything a rank needs to run the step's forward, so at tp > 1 rank 0 sends exactly
+    this to the other ranks."""
+
+    flat: torch.Tensor
+    lengths: list[int]
+    is_decode: bool
+    seq_lens: list[int]  # host copies, read by the attention backend
+    extend_lens: list[int]
+
+    @classmethod
+    def pack(cls, fields: list[list[int]], is_decode: bool) -> "StepInput":
+        flat = torch.tensor([v for f in fields for v in f], dtype=torch.long)
+        return cls(flat, [len(f) for f in fields], is_decode, fields[_SEQ_LENS],
+                   fields[_EXTEND_LENS])
+
+    @classmethod
+    def unpack(cls, flat: torch.Tensor, lengths: list[int], is_decode: bool) -> "StepInput":
+        parts = flat.split(lengths)
+        return cls(flat, lengths, is_decode, parts[_SEQ_LENS].tolist(),
+                   parts[_EXTEND_LENS].tolist())
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPContext | None = None) -> None:
         self.config = config
         self.tp = tp or TPContext()
+        if self.tp.size != config.tp_size:
+            raise ValueError(f"tp_size={config.tp_size} needs its ranks started and joined first "
+                             "(LLM starts local processes; the Serve app, Ray actors)")
         self.hf_config = load_hf_config(config.model)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
@@ -44,6 +81,7 @@ class ModelRunner:
         self._staging_done: list = [None] * 4
         self._uploads = 0
         self.placeholder_tokens: torch.Tensor | None = None  # set by the overlap scheduler
+        self.prefix_grouper = self._make_prefix_grouper()
         self.graphs = self._capture_graphs()
 
     def _capture_graphs(self):
@@ -52,7 +90,21 @@ class ModelRunner:
         from engine.cuda_graph import DecodeGraphs
 
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
-        return DecodeGraphs(self.model, self.attn_backend, self.req_to_token, max_bs)
+        return DecodeGraphs(self.model, self.attn_backend, self.req_to_token, max_bs,
+                            grouped=self.prefix_grouper is not None)
+
+    def _make_prefix_grouper(self):
+        """Radix-grouped decode (engine/prefix_groups.py), when the backend runs it."""
+        cfg = self.config
+        if not (cfg.enable_prefix_grouped_decode and cfg.enable_radix_cache
+                and getattr(self.attn_backend, "supports_prefix_groups", False)):
+            return None
+        from engine.prefix_groups import PrefixGrouper
+
+        q_heads = max(1, self.hf_config.num_attention_heads // self.tp.size)
+        group = max(1, q_heads // self._kv_shape()[1])
+        return PrefixGrouper(cfg.prefix_group_min_tokens,
+                             self.attn_backend.prefix_members_per_tile(group))
 
     # -- setup --------------------------------------------------------------------------
 
@@ -65,7 +117,10 @@ class ModelRunner:
     def _make_kv_pool(self) -> KVPool:
         layers, kv_heads, head_dim = self._kv_shape()
         per_token = KVPool.bytes_per_token(layers, kv_heads, head_dim, self.dtype)
-        num_slots = self.config.max_total_tokens or self._slots_from_memory(per_token)
+        num_slots = self.config.max_total_tokens
+        if num_slots is None:
+            # Ranks' free memory differs; all must hold the same slots, so take the least.
+            num_slots = self.tp.min_over_ranks(self._slots_from_memory(per_token))
         logger.info("KV pool: %d slots (%.1f MiB)", num_slots, num_slots * per_token / 2**20)
         return KVPool(num_slots, layers, kv_heads, head_dim, self.dtype, self.device)
 
@@ -98,12 +153,17 @@ class ModelRunner:
     # -- per step -----------------------------------------------------------------------
 
     def build_batch(self, plan: StepPlan) -> ForwardBatch:
-        """Flatten the plan's chunks into one ragged batch; bring device rows up to date."""
+        """The plan as a ragged device batch (brings device rows up to date)."""
+        return self._make_batch(self._step_input(plan, []))[0]
+
+    def _step_input(self, plan: StepPlan, prompt_rows: list[int]) -> StepInput:
+        """Flatten the plan's chunks into one ragged batch, with the req_to_token updates
+        it needs; marks the requests' rows as synced."""
+        if plan.is_decode:
+            return self._decode_input(plan, prompt_rows)
         ids, positions, out_slots = [], [], []
         rows, seq_lens, extend_lens, logits_idx = [], [], [], []
         sync_rows, sync_cols, sync_slots = [], [], []
-        if plan.is_decode:
-            return self._build_decode_batch(plan)
         t = 0
         for chunk in plan.chunks:
             req, start, n = chunk.req, chunk.start, chunk.num_tokens
@@ -121,105 +181,153 @@ class ModelRunner:
             extend_lens.append(n)
             t += n
             logits_idx.append(t - 1)
-        self._sync_rows(sync_rows, sync_cols, sync_slots)
-        return self._make_batch(ids, positions, out_slots, rows, seq_lens, extend_lens,
-                                logits_idx, is_decode=False)
+        return StepInput.pack([ids, positions, out_slots, rows, seq_lens, extend_lens,
+                               _indptr(extend_lens), logits_idx, sync_rows, sync_cols, sync_slots,
+                               prompt_rows, []], is_decode=False)
 
-    def _build_decode_batch(self, plan: StepPlan) -> ForwardBatch:
+    def _decode_input(self, plan: StepPlan, prompt_rows: list[int]) -> StepInput:
         """The common case, kept lean: one new token per request."""
         reqs = [c.req for c in plan.chunks]
         seq_lens = [len(r.slots) for r in reqs]
         out_slots = [r.slots[-1] for r in reqs]
+        positions = [s - 1 for s in seq_lens]
+        rows = [r.row for r in reqs]
+        sync_rows, sync_cols, sync_slots = rows, positions, out_slots  # each one newest slot
         stale = [r for r in reqs if r.row_synced < len(r.slots) - 1]
         if stale:  # rows touched since their last step (e.g. a prefix swapped for the tree's)
-            self._sync_rows(*_row_updates(stale))
+            old_rows, old_cols, old_slots = _row_updates(stale)
+            sync_rows, sync_cols, sync_slots = (old_rows + rows, old_cols + positions,
+                                                old_slots + out_slots)
         for r in reqs:
             r.row_synced = len(r.slots)
         n = len(reqs)
-        return self._make_batch(
-            [r.token_ids[-1] for r in reqs], [s - 1 for s in seq_lens], out_slots,
-            [r.row for r in reqs], seq_lens, [1] * n, list(range(n)), is_decode=True,
-            extra_sync=(([r.row for r in reqs], [s - 1 for s in seq_lens], out_slots)))
+        return StepInput.pack([[r.token_ids[-1] for r in reqs], positions, out_slots, rows,
+                               seq_lens, [1] * n, list(range(n + 1)), list(range(n)),
+                               sync_rows, sync_cols, sync_slots, prompt_rows,
+                               self._prefix_groups(reqs, seq_lens)], is_decode=True)
 
-    def _make_batch(self, ids, positions, out_slots, rows, seq_lens, extend_lens, logits_idx,
-                    is_decode: bool, extra_sync=None) -> ForwardBatch:
-        qo_indptr = [0]
-        for n in extend_lens:
-            qo_indptr.append(qo_indptr[-1] + n)
-        sync = extra_sync or ([], [], [])
-        (input_ids, positions_t, out_slots_t, rows_t, seq_lens_t, extend_lens_t, qo_indptr_t,
-         logits_t, sync_rows, sync_cols, sync_slots) = self._upload(
-            [ids, positions, out_slots, rows, seq_lens, extend_lens, qo_indptr, logits_idx, *sync])
-        if sync[0]:
+    def _prefix_groups(self, reqs, seq_lens: list[int]) -> list[int]:
+        """The step's radix-grouped decode metadata (engine/prefix_groups.py), packed for
+        the padded size of the graph that runs it; [] for plain decode."""
+        if self.prefix_grouper is None:
+            return []
+        n = len(reqs)
+        cap = n
+        if self.graphs is not None and n <= self.graphs.max_bs:
+            cap = self.graphs.grouped_capacity(n)  # None: a plain graph runs this size
+        if cap is None:
+            self.prefix_grouper.note_plain(seq_lens)
+            return []
+        plan = self.prefix_grouper.plan(reqs, seq_lens, cap, self.attn_backend.prefix_num_splits)
+        return plan.packed() if plan is not None else []
+
+    def _make_batch(self, step: StepInput) -> tuple[ForwardBatch, torch.Tensor]:
+        """Upload the step, apply its req_to_token updates; the batch and the prompt rows."""
+        (input_ids, positions, out_slots, rows, seq_lens, extend_lens, qo_indptr, logits_idx,
+         sync_rows, sync_cols, sync_slots, prompt_rows,
+         groups) = self._upload(step.flat).split(step.lengths)
+        if step.lengths[_SYNC_ROWS]:
             self.req_to_token[sync_rows, sync_cols] = sync_slots.to(torch.int32)
         if self.placeholder_tokens is not None and self.placeholder_tokens.numel():
             # Overlap scheduling: -(k+1) stands for row k of the in-flight step's tokens.
             index = (-input_ids - 1).clamp(0, self.placeholder_tokens.numel() - 1)
             input_ids = torch.where(input_ids < 0, self.placeholder_tokens[index], input_ids)
-        return ForwardBatch(
-            input_ids=input_ids, positions=positions_t, out_slots=out_slots_t, req_rows=rows_t,
-            seq_lens=seq_lens_t.to(torch.int32), extend_lens=extend_lens_t.to(torch.int32),
-            qo_indptr=qo_indptr_t.to(torch.int32), logits_indices=logits_t,
-            req_to_token=self.req_to_token, is_decode=is_decode, seq_lens_cpu=seq_lens,
-            extend_lens_cpu=extend_lens)
+        batch = ForwardBatch(
+            input_ids=input_ids, positions=positions, out_slots=out_slots, req_rows=rows,
+            seq_lens=seq_lens.to(torch.int32), extend_lens=extend_lens.to(torch.int32),
+            qo_indptr=qo_indptr.to(torch.int32), logits_indices=logits_idx,
+            req_to_token=self.req_to_token, is_decode=step.is_decode, seq_lens_cpu=step.seq_lens,
+            extend_lens_cpu=step.extend_lens)
+        if step.lengths[_PREFIX_GROUPS]:
+            from engine.prefix_groups import PrefixGroupBatch
 
-    def _sync_rows(self, rows: list[int], cols: list[int], slots: list[int]) -> None:
-        """Write slot indices into req_to_token[rows, cols] in one scatter."""
-        if rows:
-            rows_t, cols_t, slots_t = self._upload([rows, cols, slots])
-            self.req_to_token[rows_t, cols_t] = slots_t.to(torch.int32)
+            start = sum(step.lengths[:_PREFIX_GROUPS])
+            host = step.flat[start:start + step.lengths[_PREFIX_GROUPS]]
+            batch.prefix_groups = PrefixGroupBatch.from_packed(groups, host, step.seq_lens)
+        return batch, prompt_rows
 
-    def _upload(self, fields: list[list[int]]) -> list[torch.Tensor]:
-        """Int lists -> int64 tensors on the device, in one host-to-device copy through a
-        reused pinned buffer (many small pinned allocations and copies cost more than the
-        decode step itself)."""
-        lengths = [len(f) for f in fields]
-        flat = torch.tensor([v for f in fields for v in f], dtype=torch.long)
-        if self.device.type == "cuda":
-            slot = self._uploads % len(self._staging)
-            self._uploads += 1
-            if self._staging_done[slot] is not None:
-                self._staging_done[slot].synchronize()
-            if self._staging[slot].numel() < flat.numel():
-                self._staging[slot] = torch.empty(2 * flat.numel(), dtype=torch.long, pin_memory=True)
-            staging = self._staging[slot][:flat.numel()]
-            staging.copy_(flat)
-            flat = staging.to(self.device, non_blocking=True)
-            self._staging_done[slot] = torch.cuda.Event()
-            self._staging_done[slot].record()
-        return list(flat.split(lengths))
+    def _upload(self, flat: torch.Tensor) -> torch.Tensor:
+        """A host int64 tensor on the device, in one host-to-device copy through a reused
+        pinned buffer (many small pinned allocations and copies cost more than the decode
+        step itself)."""
+        if self.device.type != "cuda":
+            return flat
+        slot = self._uploads % len(self._staging)
+        self._uploads += 1
+        if self._staging_done[slot] is not None:
+            self._staging_done[slot].synchronize()
+        if self._staging[slot].numel() < flat.numel():
+            self._staging[slot] = torch.empty(2 * flat.numel(), dtype=torch.long, pin_memory=True)
+        staging = self._staging[slot][:flat.numel()]
+        staging.copy_(flat)
+        flat = staging.to(self.device, non_blocking=True)
+        self._staging_done[slot] = torch.cuda.Event()
+        self._staging_done[slot].record()
+        return flat
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[tuple[Request, int, float]]]:
         """Logits [num_chunks, vocab] (float32) of each chunk's last new token, and the
-        prompt-token logprobs the step's requests asked for, as (request, position, value)."""
-        batch = self.build_batch(plan)
-        if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch), []
+        prompt-token logprobs the step's requests asked for, as (request, position, value).
+        At tp > 1 (this is rank 0) the other ranks get the step first and run it alongside."""
+        rows, targets, owners = _prompt_logprob_targets(plan)
+        step = self._step_input(plan, rows)
+        if self.tp.size > 1:
+            self.tp.send_step(CMD_FORWARD, step.is_decode, step.lengths, step.flat)
+        logits, prompt_logits = self.execute(step)
+        if prompt_logits is None:
+            return logits, []
+        logprobs = torch.log_softmax(prompt_logits, dim=-1)
+        index = torch.tensor(targets, device=logprobs.device).unsqueeze(1)
+        values = logprobs.gather(1, index).squeeze(1).tolist()
+        return logits, [(req, pos, v) for (req, pos), v in zip(owners, values)]
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's forward, the same on every rank: logits of each chunk's last token,
+        and of the prompt rows (None without them)."""
+        batch, prompt_rows = self._make_batch(step)
+        has_prompt_rows = step.lengths[_PROMPT_ROWS] > 0  # (graphs compute no prompt rows)
+        if self.graphs is not None and not has_prompt_rows and self.graphs.can_run(batch):
+            return self.graphs.run(batch), None
         self.attn_backend.prepare(batch)
         hidden = self.model(batch)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        return logits, self._prompt_logprobs(plan, hidden)
+        if not has_prompt_rows:
+            return logits, None
+        return logits, self.model.compute_logits(hidden[prompt_rows])
 
-    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> list[tuple[Request, int, float]]:
-        rows, targets, owners = [], [], []
-        t = 0
-        for chunk in plan.chunks:
-            req, first = chunk.req, chunk.req.prompt_logprobs_from
-            if first is not None:
-                # Logits at position p score the prompt token at p + 1.
-                for p in range(max(chunk.start, first - 1),
-                               min(chunk.start + chunk.num_tokens, req.num_prompt - 1)):
-                    rows.append(t + p - chunk.start)
-                    targets.append(req.token_ids[p + 1])
-                    owners.append((req, p + 1))
-            t += chunk.num_tokens
-        if not rows:
-            return []
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
-        index = torch.tensor(targets, device=logprobs.device).unsqueeze(1)
-        values = logprobs.gather(1, index).squeeze(1).tolist()
-        return [(req, pos, v) for (req, pos), v in zip(owners, values)]
+    def close(self) -> None:
+        """At tp > 1: stop the other ranks and leave the process groups."""
+        if self.tp.size > 1:
+            self.tp.shutdown()
+
+
+def _indptr(lengths: list[int]) -> list[int]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+def _prompt_logprob_targets(plan: StepPlan) -> tuple[list[int], list[int], list[tuple[Request, int]]]:
+    """Rows of the step's hidden states whose logits score a prompt token: (rows, target
+    token ids, (request, position) of each)."""
+    rows, targets, owners = [], [], []
+    t = 0
+    for chunk in plan.chunks:
+        req = chunk.req
+        # (The attribute test first: this runs every step, over every decoding request.)
+        first = req.prompt_logprobs_from if req.prompt_logprobs is not None else None
+        if first is not None:
+            # Logits at position p score the prompt token at p + 1.
+            for p in range(max(chunk.start, first - 1),
+                           min(chunk.start + chunk.num_tokens, req.num_prompt - 1)):
+                rows.append(t + p - chunk.start)
+                targets.append(req.token_ids[p + 1])
+                owners.append((req, p + 1))
+        t += chunk.num_tokens
+    return rows, targets, owners
 
 
 def _row_updates(reqs) -> tuple[list[int], list[int], list[int]]:

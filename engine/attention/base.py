@@ -9,7 +9,7 @@ into one ragged batch of T tokens; `qo_indptr` cuts it per request.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -34,6 +34,9 @@ class ForwardBatch:
     # Host-side copies, so backends can size grids / loop without a device sync.
     seq_lens_cpu: list[int]
     extend_lens_cpu: list[int]
+    # Radix-grouped decode (engine/prefix_groups.PrefixGroupBatch): requests sharing a
+    # cached prefix attend over it once. None = plain decode; backends may ignore it.
+    prefix_groups: Any = None
 
     @property
     def batch_size(self) -> int:

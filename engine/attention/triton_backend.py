@@ -13,10 +13,12 @@ import triton
 
 from engine.attention.base import ForwardBatch
 from engine.attention.triton_kernels import (decode_partial_kernel, decode_reduce_kernel,
-                                             extend_kernel, store_kv_kernel)
+                                             extend_kernel, prefix_attn_kernel, store_kv_kernel)
 from engine.kv_pool import KVPool
 
 _LOG2E = 1.4426950408889634
+PREFIX_MAX_SPLITS = 4  # PMAX: prefix partials kept per (request, head)
+PREFIX_SPLIT_MIN_TOKENS = 256
 
 
 def _interpreting() -> bool:
@@ -85,6 +87,14 @@ class TritonAttentionBackend:
         self._mid_o: torch.Tensor | None = None
         self._mid_lse: torch.Tensor | None = None
         self._retired: list[torch.Tensor] = []
+        # Radix-grouped decode (engine/prefix_groups.py): the prefix kernel's partials.
+        self.prefix_cfg: dict | None = None
+        self._grouped = None  # the step's PrefixGroupBatch when it runs grouped
+        self._pfx_o: torch.Tensor | None = None
+        self._pfx_lse: torch.Tensor | None = None
+
+    # The runner builds per-step group metadata only for backends that run it.
+    supports_prefix_groups = True
 
     # ------------------------------------------------------------------ configuration
     @staticmethod
@@ -136,6 +146,41 @@ class TritonAttentionBackend:
                 return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=st)
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
 
+    def pick_prefix_cfg(self, group: int) -> dict:
+        """Prefix-kernel config: BLOCK_M query rows (members x GROUP heads) per tile.
+        64 x 64 tiles, 4 warps, 3 stages: the extend kernel's best shape on the H200, and two
+        CTAs fit per SM; the persistent grid uses two programs per SM."""
+        if self.prefix_cfg is not None:
+            cfg = dict(self.prefix_cfg)
+        elif self.cache_dtype == torch.float32 or self.block_d > 128:
+            cfg = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
+        else:
+            elt = self.cache_dtype.itemsize
+            q_bytes = 64 * self.block_d * elt
+            cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)
+            for st in (3, 2):
+                if self._fits(64, st, elt, q_bytes):
+                    cfg["num_stages"] = st
+                    break
+        cfg["BLOCK_M"] = max(cfg["BLOCK_M"], triton.next_power_of_2(max(1, group)))
+        return cfg
+
+    def prefix_members_per_tile(self, group: int) -> int:
+        """Requests one prefix tile serves (GROUP query heads each)."""
+        return max(1, self.pick_prefix_cfg(group)["BLOCK_M"] // max(1, group))
+
+    def prefix_programs(self) -> int:
+        return 2 * self.num_sms
+
+    def prefix_num_splits(self, num_tiles: int, max_prefix: int) -> int:
+        """Prefix split count P (host side, written into the step's metadata): enough work
+        items (tiles x KV heads x P) for the persistent grid, splits of at least
+        PREFIX_SPLIT_MIN_TOKENS tokens, at most PREFIX_MAX_SPLITS."""
+        items = max(1, num_tiles * self.kv_heads)
+        p = max(1, self.prefix_programs() // items)
+        p = min(p, triton.cdiv(max(1, max_prefix), PREFIX_SPLIT_MIN_TOKENS), PREFIX_MAX_SPLITS)
+        return max(1, p)
+
     def choose_num_splits(self, batch_size: int, max_seq_len: int) -> int:
         """Decode split count from host-side sizes only (no device reads)."""
         if self.force_num_splits is not None:
@@ -150,8 +195,14 @@ class TritonAttentionBackend:
     # ------------------------------------------------------------------ per step
     def prepare(self, batch: ForwardBatch) -> None:
         self._prepared = batch
+        self._grouped = None
         if batch.is_decode:
             bound = batch.req_to_token.shape[1] if self.graph_mode else batch.max_seq_len
+            pg = getattr(batch, "prefix_groups", None)
+            if pg is not None:
+                self._grouped = pg
+                if not self.graph_mode:
+                    bound = pg.max_suffix  # the suffixes are what the decode kernel reads
             self._num_splits = self.choose_num_splits(batch.batch_size, bound)
         else:
             self._max_extend = max(batch.extend_lens_cpu) if batch.extend_lens_cpu else 0
@@ -167,6 +218,18 @@ class TritonAttentionBackend:
         mid_o = self._mid_o[:need * self.block_d].view(bsz, hq, splits, self.block_d)
         mid_lse = self._mid_lse[:need].view(bsz, hq, splits)
         return mid_o, mid_lse
+
+    def _pfx_buffers(self, bsz: int, hq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        need = bsz * hq * PREFIX_MAX_SPLITS
+        if self._pfx_lse is None or self._pfx_lse.numel() < need:
+            if self._pfx_lse is not None:
+                self._retired += [self._pfx_o, self._pfx_lse]
+            cap = max(need, 2 * (self._pfx_lse.numel() if self._pfx_lse is not None else 0))
+            self._pfx_o = torch.empty(cap * self.block_d, dtype=torch.float32, device=self.device)
+            self._pfx_lse = torch.empty(cap, dtype=torch.float32, device=self.device)
+        pfx_o = self._pfx_o[:need * self.block_d].view(bsz, hq, PREFIX_MAX_SPLITS, self.block_d)
+        pfx_lse = self._pfx_lse[:need].view(bsz, hq, PREFIX_MAX_SPLITS)
+        return pfx_o, pfx_lse
 
     # ------------------------------------------------------------------ forward
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
@@ -218,24 +281,67 @@ class TritonAttentionBackend:
             mid_o, mid_lse = self._mid_buffers(bsz, hq, splits)
             smb, smh, sms = mid_o.stride(0), mid_o.stride(1), mid_o.stride(2)
             slb, slh = mid_lse.stride(0), mid_lse.stride(1)
+        pg = self._grouped
+        if pg is not None:
+            # 1) each group's shared prefix, once per tile, into per-member partials;
+            # 2) below, each request's own suffix, merged with them (log-sum-exp)
+            pfx_o, pfx_lse = self._pfx_buffers(bsz, hq)
+            pcfg = self.prefix_attention(q, k_cache, v_cache, batch, pg, pfx_o, pfx_lse)
+            pfx_args = (pg.pfx_len, pfx_o, pfx_lse, pg.ctrl)
+            pstrides = (pfx_o.stride(0), pfx_o.stride(1), pfx_o.stride(2),
+                        pfx_lse.stride(0), pfx_lse.stride(1))
+            pkw = dict(HAS_PREFIX=True, PFX_BLOCK_N=pcfg["BLOCK_N"], PMAX=PREFIX_MAX_SPLITS)
+        else:
+            pfx_args = (batch.seq_lens, out, out, batch.seq_lens)  # unused
+            pstrides = (0, 0, 0, 0, 0)
+            pkw = {}
         decode_partial_kernel[(hkv, bsz, splits)](
             q, k_cache, v_cache, batch.req_to_token, batch.req_rows, batch.seq_lens, out,
-            mid_o, mid_lse, sm_scale_log2, splits,
+            mid_o, mid_lse, *pfx_args, sm_scale_log2, splits,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             batch.req_to_token.stride(0),
             out.stride(0), out.stride(1),
-            smb, smh, sms, slb, slh,
+            smb, smh, sms, slb, slh, *pstrides,
             GROUP=group, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=d,
-            BLOCK_D=self.block_d, DIRECT=direct, F32_DOT=self.f32_dot,
+            BLOCK_D=self.block_d, DIRECT=direct, F32_DOT=self.f32_dot, **pkw,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         if not direct:
             decode_reduce_kernel[(hq, bsz)](
                 mid_o, mid_lse, batch.seq_lens, out, splits,
                 smb, smh, sms, slb, slh,
                 out.stride(0), out.stride(1),
+                *pfx_args, *pstrides,
                 BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=d, BLOCK_D=self.block_d,
-                BLOCK_S=triton.next_power_of_2(splits), num_warps=1 if self.block_d <= 64 else 2)
+                BLOCK_S=triton.next_power_of_2(splits), **pkw,
+                num_warps=1 if self.block_d <= 64 else 2)
+
+    def prefix_attention(self, q, k_cache, v_cache, batch: ForwardBatch, pg, pfx_o,
+                         pfx_lse) -> dict:
+        """Launch the shared-prefix kernel (persistent grid): in graph mode the grid is
+        sized by capacity (the live tile and split counts are read on the device)."""
+        hq, d = q.shape[1], q.shape[2]
+        hkv = k_cache.shape[1]
+        group = hq // hkv
+        cfg = self.pick_prefix_cfg(group)
+        if self.graph_mode:
+            items = pg.cap * hkv * PREFIX_MAX_SPLITS
+        else:
+            items = pg.num_tiles * hkv * pg.num_splits
+        nprog = max(1, min(items, self.prefix_programs()))
+        prefix_attn_kernel[(nprog,)](
+            q, k_cache, v_cache, batch.req_to_token, pg.ctrl, pg.tile_row, pg.tile_len,
+            pg.tile_mstart, pg.tile_mcount, pg.members, pfx_o, pfx_lse,
+            self.scale * _LOG2E,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            batch.req_to_token.stride(0),
+            pfx_o.stride(0), pfx_o.stride(1), pfx_o.stride(2),
+            pfx_lse.stride(0), pfx_lse.stride(1),
+            HKV=hkv, GROUP=group, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=d,
+            BLOCK_D=self.block_d, F32_DOT=self.f32_dot,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return cfg
 
     def extend(self, q, k, v, k_cache, v_cache, out, batch: ForwardBatch) -> None:
         t, hq, d = q.shape

@@ -1,8 +1,8 @@
 """Tensor-parallel context: which rank this process is, and its collectives.
 
 At size 1 the collectives are the identity, and the layers do not even call them, so a
-single-GPU model is a plain dense model. The TP issue will back `all_reduce` and
-`all_gather` with torch.distributed (a process group in `group`).
+single-GPU model is a plain dense model. Across processes, `engine.distributed.DistributedTP`
+backs them with torch.distributed (a process group in `group`).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ Loadable = Union[torch.Tensor, Any]
 class TPContext:
     rank: int = 0
     size: int = 1
-    group: Any = None  # torch.distributed process group, once TP exists
+    group: Any = None  # torch.distributed process group (see engine/distributed.py)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -30,13 +30,19 @@ class TPContext:
         """Sum of x over all ranks (in place where possible)."""
         if self.size == 1:
             return x
-        raise NotImplementedError("tensor parallelism (size > 1) needs the distributed TPContext")
+        raise NotImplementedError("tensor parallelism (size > 1) needs engine.distributed.DistributedTP")
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """The ranks' x concatenated along `dim`, in rank order."""
         if self.size == 1:
             return x
-        raise NotImplementedError("tensor parallelism (size > 1) needs the distributed TPContext")
+        raise NotImplementedError("tensor parallelism (size > 1) needs engine.distributed.DistributedTP")
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of the ranks' values (e.g. KV slots: every rank must hold as many)."""
+        if self.size == 1:
+            return value
+        raise NotImplementedError("tensor parallelism (size > 1) needs engine.distributed.DistributedTP")
 
 
 def divide(n: int, d: int, what: str = "size") -> int:

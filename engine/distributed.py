@@ -1,0 +1,187 @@
+"""Tensor parallelism across processes: the process groups behind TPContext's collectives,
+and the step messages with which rank 0 drives the other ranks.
+
+Each rank has two groups:
+- `group` (NCCL on GPUs, gloo on CPUs) carries the model's all-reduce and all-gather. It has
+  a timeout (`EngineConfig.dist_timeout_s`): a dead or hung rank fails the step instead of
+  hanging it.
+- `control` (gloo, host memory) carries rank 0's step messages: a fixed-size header, then
+  the step's packed int64 batch tensor. Between steps a worker waits on it for as long as
+  rank 0 is idle, so its timeout is practically infinite; a dead rank 0 closes its sockets,
+  which ends the wait with an error. Sending the batch through host memory also gives the
+  workers the host-side lengths the attention backend reads, without a device sync.
+
+At tp=1 none of this is imported or called.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from engine.layers.parallel import TPContext
+
+CMD_FORWARD = 1
+CMD_SHUTDOWN = 2
+
+# Header: [command, is_decode, number of fields, length of each field...], zero padded.
+MAX_FIELDS = 13
+HEADER_LEN = 3 + MAX_FIELDS
+
+# The control group's "no timeout": waiting for rank 0's next step may take any time.
+_IDLE_WAIT = timedelta(days=365)
+
+# torch 2.13 renamed all_gather_into_tensor; older versions (the GPU machine's) lack the new name.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass
+class Rendezvous:
+    """Rank 0's end of the rendezvous: a TCP store on a free port, opened before the other
+    ranks start so they can be told where to connect (binding port 0 leaves no race for
+    the port)."""
+
+    store: dist.TCPStore
+    host: str
+
+    @property
+    def init_method(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{self.store.port}"
+
+
+def open_rendezvous(host: str, size: int, timeout_s: float) -> Rendezvous:
+    store = dist.TCPStore(host, 0, size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    return Rendezvous(store, host)
+
+
+@dataclass
+class StepMessage:
+    """What a worker receives per step."""
+
+    command: int
+    is_decode: bool
+    lengths: list[int]
+    flat: torch.Tensor  # int64, host memory
+
+
+def _record_failure(fn: F) -> F:
+    """The first failed collective leaves the group unusable: remember it for health checks."""
+
+    @functools.wraps(fn)
+    def wrapper(self: "DistributedTP", *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        except BaseException as e:
+            if self.failure is None:
+                self.failure = e
+            raise
+
+    return wrapper  # type: ignore[return-value]
+
+
+@dataclass
+class DistributedTP(TPContext):
+    """A TPContext whose collectives run over torch.distributed process groups."""
+
+    control: Any = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    failure: BaseException | None = None
+    closed: bool = False
+
+    # -- the model's collectives ------------------------------------------------------------
+
+    @_record_failure
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    @_record_failure
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        x = x.contiguous()
+        # Gathered along a new leading dim (what NCCL and gloo both do in one call), then
+        # that dim is moved next to `dim` and merged into it, keeping rank order.
+        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+        _all_gather_flat(out, x, group=self.group)
+        d = dim % x.dim()
+        return out.view(self.size, *x.shape).movedim(0, d).flatten(d, d + 1)
+
+    @_record_failure
+    def min_over_ranks(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.long, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+    # -- step messages (rank 0 -> the others) -----------------------------------------------
+
+    @_record_failure
+    def send_step(self, command: int, is_decode: bool = False, lengths: list[int] | None = None,
+                  flat: torch.Tensor | None = None) -> None:
+        lengths = lengths or []
+        if len(lengths) > MAX_FIELDS:
+            raise ValueError(f"a step message has at most {MAX_FIELDS} fields")
+        header = torch.zeros(HEADER_LEN, dtype=torch.long)
+        header[:3] = torch.tensor([command, int(is_decode), len(lengths)])
+        header[3:3 + len(lengths)] = torch.tensor(lengths, dtype=torch.long)
+        dist.broadcast(header, 0, group=self.control)
+        if flat is not None and flat.numel():
+            dist.broadcast(flat, 0, group=self.control)
+
+    def recv_step(self) -> StepMessage:
+        header = torch.empty(HEADER_LEN, dtype=torch.long)
+        dist.broadcast(header, 0, group=self.control)
+        command, is_decode, n, *rest = header.tolist()
+        lengths = rest[:n]
+        flat = torch.empty(sum(lengths), dtype=torch.long)
+        if flat.numel():
+            dist.broadcast(flat, 0, group=self.control)
+        return StepMessage(command, bool(is_decode), lengths, flat)
+
+    # -- teardown ---------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Rank 0 tells the others to stop; every rank then leaves its groups. Idempotent,
+        and quiet when a peer is already gone."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.rank == 0 and self.failure is None:
+            try:
+                self.send_step(CMD_SHUTDOWN)
+            except Exception:  # noqa: BLE001 - a dead peer needs no goodbye
+                pass
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def init_tp(rank: int, size: int, where: str | Rendezvous, device: torch.device,
+            timeout_s: float) -> DistributedTP:
+    """Join the ranks' process groups: rank 0 through its open Rendezvous, the others
+    through its address ("tcp://host:port"). Blocks until all `size` ranks joined, at most
+    `timeout_s`."""
+    if dist.is_initialized():
+        raise RuntimeError("this process already has a torch.distributed group: "
+                           "one tensor-parallel engine per process")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=timeout_s)
+    if isinstance(where, Rendezvous):
+        # init_process_group prefixes its keys like this when it makes the store itself.
+        store = dist.PrefixStore("default_pg", where.store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=where, rank=rank, world_size=size,
+                                timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=_IDLE_WAIT)
+    return DistributedTP(rank=rank, size=size, group=dist.group.WORLD, control=control,
+                         device=device)
