@@ -39,6 +39,8 @@ class EngineConfig:
     # Kernels
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     enable_cuda_graph: bool = True
+    # RMSNorm (+ residual add), RoPE and SiLU-and-mul as one Triton kernel each (GPU only).
+    enable_fused_kernels: bool = True
     cuda_graph_max_bs: int = 256
     enable_overlap_schedule: bool = True
     # Decode attention reads a cached prefix shared by several running requests once for

@@ -11,6 +11,7 @@ from engine.attention.base import ForwardBatch
 from engine.config import EngineConfig
 from engine.distributed import CMD_FORWARD
 from engine.kv_pool import KVPool
+from engine.layers import set_fused_kernels
 from engine.layers.parallel import TPContext
 from engine.models import load_hf_config, load_model, resolve_device, resolve_dtype
 from engine.models.llama import head_dim_of
@@ -68,6 +69,7 @@ class ModelRunner:
         self.model = load_model(config.model, dtype=self.dtype, device=self.device,
                                 load_format=config.load_format, seed=config.seed, tp=self.tp,
                                 hf_config=self.hf_config)
+        set_fused_kernels(self.model, config.enable_fused_kernels and self.device.type == "cuda")
         self.vocab_size = self.hf_config.vocab_size
         self.max_context = config.max_model_len or self.hf_config.max_position_embeddings
         self.kv_pool = self._make_kv_pool()

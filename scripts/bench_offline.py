@@ -63,12 +63,15 @@ def w3():
 def check_kernels() -> None:
     """Every Triton kernel against the torch reference on fresh inputs, before timing."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from test_fused_kernels import all_fused_checks
+    from test_prefix_groups import all_grouped_checks
     from test_triton_attention import all_checks
 
-    bad = [name for name, r in all_checks() if not r["ok"]]
+    rows = all_checks() + all_grouped_checks() + all_fused_checks()
+    bad = [(name, r) for name, r in rows if not r["ok"]]
     if bad:
         raise SystemExit(f"kernel check failed: {bad}")
-    print("kernel checks passed", flush=True)
+    print(f"kernel checks passed ({len(rows)} cases: attention, grouped decode, fused)", flush=True)
 
 
 def model_dir() -> str:
@@ -164,21 +167,40 @@ def bench_w1(path: str, ceilings: dict) -> dict:
 
 
 def bench_w2(path: str) -> dict:
+    """Radix cache on with grouped decode (engine/prefix_groups.py), on with the plain
+    decode kernel, and off. KV bytes per decode step are counted by the grouper."""
     out = {}
-    for cache in (True, False):
-        engine = make_engine(path, enable_radix_cache=cache)
+    for key, cache, grouped in (("cache_on", True, True), ("plain_decode", True, False),
+                                ("cache_off", False, False)):
+        engine = make_engine(path, enable_radix_cache=cache, enable_prefix_grouped_decode=grouped)
         run_requests(engine, w1()[:16], "warm")
         engine.cache.reset()
+        grouper = engine.runner.prefix_grouper
+        if grouper is not None:
+            grouper.reset_stats()
         res = run_requests(engine, w2(), "w2")
-        key = "cache_on" if cache else "cache_off"
         out[f"{key}_output_tok_s"] = res["output_tokens"] / res["wall_s"]
         out[f"{key}_wall_s"] = res["wall_s"]
-        if cache:
+        if key == "cache_on":
             out["hit_rate"] = res["cached_tokens"] / res["prompt_tokens"]
             out["achievable_hit_rate"] = (32 * 15 * 2048) / res["prompt_tokens"]
+            out.update(kv_read_per_step(engine))
+        print("W2", key, {k: v for k, v in out.items() if k.startswith(key)}, flush=True)
         del engine
         release_memory()
     return out
+
+
+def kv_read_per_step(engine: Engine) -> dict:
+    """Mean KV bytes one decode step reads (all layers), grouped and as plain decode would."""
+    g = engine.runner.prefix_grouper
+    if g is None or not g.steps:
+        return {}
+    k = engine.runner.kv_pool.k
+    per_token = 2 * len(k) * k[0][0].numel() * k[0].element_size()
+    return {"decode_steps": g.steps, "grouped_steps": g.grouped_steps,
+            "kv_gb_per_step_plain": g.kv_tokens_plain / g.steps * per_token / 1e9,
+            "kv_gb_per_step_grouped": g.kv_tokens_read / g.steps * per_token / 1e9}
 
 
 def bench_w3(path: str, ceilings: dict) -> dict:
@@ -201,10 +223,24 @@ def bench_w3(path: str, ceilings: dict) -> dict:
             weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
             out["floor_ms"] = 1e3 * weights / (ceilings["copy_tb_s"] * 1e12)
             out["weight_gb"] = weights / 1e9
+            out["unfused_forward_ms"] = unfused_forward_ms(engine)
         del engine
         release_memory()
     out["host_overhead_ms"] = out["sync_step_ms"] - out["forward_ms"]
     return out
+
+
+def unfused_forward_ms(engine: Engine) -> float:
+    """The batch-1 decode graph re-captured with the torch RMSNorm / RoPE / SiLU-mul path."""
+    from engine.cuda_graph import DecodeGraphs
+    from engine.layers import set_fused_kernels
+
+    runner = engine.runner
+    set_fused_kernels(runner.model, False)
+    graphs = DecodeGraphs(runner.model, runner.attn_backend, runner.req_to_token, 1)
+    ms = _time_ms(graphs.graphs[1].replay, reps=50)
+    set_fused_kernels(runner.model, True)
+    return ms
 
 
 def bench_hf(path: str) -> dict:
@@ -253,15 +289,12 @@ def main() -> None:
     ceilings = measure_ceilings()
     results: dict = {"ceilings": ceilings}
     work = args.workloads.split(",")
-    if "W3" in work:
-        results["W3"] = bench_w3(path, ceilings)
-        print("W3", results["W3"], flush=True)
-    if "W1" in work:
-        results["W1"] = bench_w1(path, ceilings)
-        print("W1", results["W1"], flush=True)
-    if "W2" in work:
-        results["W2"] = bench_w2(path)
-        print("W2", results["W2"], flush=True)
+    for name, bench in (("W3", lambda: bench_w3(path, ceilings)), ("W2", lambda: bench_w2(path)),
+                        ("W1", lambda: bench_w1(path, ceilings))):
+        if name in work:
+            results[name] = bench()
+            print(name, results[name], flush=True)
+            save(results, args.json)
     if not args.no_hf:
         hf = bench_hf(path)
         if "W1" in results:
@@ -269,9 +302,14 @@ def main() -> None:
         if "W3" in results:
             results["W3"]["hf_step_ms"] = hf["hf_step_ms"]
         results["HF"] = hf
+    save(results, args.json)
     print_table(results)
-    if args.json:
-        with open(args.json, "w") as f:
+
+
+def save(results: dict, path: str | None) -> None:
+    """After every workload, so a run cut short keeps what it measured."""
+    if path:
+        with open(path, "w") as f:
             json.dump(results, f, indent=1)
 
 
@@ -286,7 +324,12 @@ def print_table(r: dict) -> None:
     if "W2" in r:
         w = r["W2"]
         print(f"{'W2 output tok/s, cache on':<34} {w['cache_on_output_tok_s']:>10.0f}")
+        print(f"{'W2 output tok/s, plain decode':<34} {w['plain_decode_output_tok_s']:>10.0f}")
         print(f"{'W2 output tok/s, cache off':<34} {w['cache_off_output_tok_s']:>10.0f}")
+        print(f"{'W2 grouped / plain decode':<34} {w['cache_on_output_tok_s'] / w['plain_decode_output_tok_s']:>10.2f}")
+        if "kv_gb_per_step_plain" in w:
+            print(f"{'W2 KV GB/step grouped (plain)':<34} {w['kv_gb_per_step_grouped']:>10.1f} "
+                  f"{w['kv_gb_per_step_plain']:>10.1f}")
         print(f"{'W2 on/off speed-up':<34} {w['cache_on_output_tok_s'] / w['cache_off_output_tok_s']:>10.2f}")
         print(f"{'W2 hit rate (achievable)':<34} {w['hit_rate']:>10.3f} {w['achievable_hit_rate']:>10.3f}")
     if "W3" in r:
@@ -296,6 +339,8 @@ def print_table(r: dict) -> None:
         print(f"{'W3 step ms, overlap off':<34} {w['sync_step_ms']:>10.2f}")
         print(f"{'W3 forward only (graph replay) ms':<34} {w['forward_ms']:>10.2f} {w['floor_ms']:>10.2f} "
               f"{w['forward_ms'] / w['floor_ms']:>7.2f}")
+        print(f"{'W3 forward ms, fused kernels off':<34} {w['unfused_forward_ms']:>10.2f} {w['floor_ms']:>10.2f} "
+              f"{w['unfused_forward_ms'] / w['floor_ms']:>7.2f}")
         print(f"{'W3 host overhead ms (sync)':<34} {w['host_overhead_ms']:>10.2f}")
         print(f"{'W3 TTFT ms (512 tokens)':<34} {w['ttft_ms']:>10.1f}")
 

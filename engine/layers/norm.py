@@ -10,6 +10,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.fused = False  # one Triton kernel on GPUs (engine/layers/fused_kernels.py)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Statistics in float32 for stability; the scale multiplies in the model dtype (as HF).
@@ -21,6 +22,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with a residual: (norm(x + residual), x + residual)."""
+        if self.fused and x.is_cuda:
+            from engine.layers.fused_kernels import rmsnorm
+
+            return rmsnorm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -68,10 +68,15 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
         self.register_buffer("cos_sin_cache", cache.to(device=torch.get_default_device()),
                              persistent=False)
+        self.fused = False  # one Triton kernel on GPUs (engine/layers/fused_kernels.py)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hkv, D] rotated by their tokens' positions [T]."""
+        if self.fused and q.is_cuda and self.rotary_dim == self.head_dim:
+            from engine.layers.fused_kernels import rope
+
+            return rope(positions, q, k, self.cos_sin_cache)
         cos, sin = self.cos_sin_cache[positions].unsqueeze(-2).chunk(2, dim=-1)  # [T, 1, rd/2]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 

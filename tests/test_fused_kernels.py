@@ -1,0 +1,126 @@
+"""Fused Triton kernels (RMSNorm + residual, RoPE, SiLU-and-mul) vs the layers' torch path
+(GPU only; `TRITON_INTERPRET=1` runs them on the CPU through Triton's interpreter).
+
+The kernels round where the torch path rounds, so they agree to about one unit in the last
+place of the model dtype; the tolerance is two ulps of each tensor's largest value.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.layers.activation import SiluAndMul
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from test_triton_attention import DEVICE, DT
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(DEVICE is None, reason="needs a CUDA GPU (or TRITON_INTERPRET=1)"),
+]
+
+ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-22}
+# (rows, hidden) for the norms and (rows, d) for SiLU-and-mul: decode-sized and prefill-sized
+ROWS = [(1, 4096), (7, 96), (300, 5120)]
+# (tokens, q heads, kv heads, head dim)
+ROPE = [(1, 32, 8, 128), (9, 4, 2, 64), (130, 16, 16, 80)]
+
+
+def _compare(ref: torch.Tensor, got: torch.Tensor, dtype: torch.dtype) -> dict:
+    ref, got = ref.float(), got.float()
+    err = (ref - got).abs().max().item()
+    tol = 2 * ULP[dtype] * max(ref.abs().max().item(), 1e-6)
+    return {"err": err, "tol": tol, "ok": bool(torch.isfinite(got).all()) and err <= tol}
+
+
+def _small(n: int) -> int:
+    return min(n, 40) if DEVICE == "cpu" else n
+
+
+def check_rmsnorm(rows: int, hidden: int, dtype: torch.dtype, seed: int) -> dict:
+    torch.manual_seed(seed)
+    rows = _small(rows)
+    norm = RMSNorm(hidden, 1e-5).to(device=DEVICE)
+    norm.weight.data = torch.randn(hidden, device=DEVICE)
+    norm.to(dtype)
+    x = torch.randn(rows, hidden, dtype=dtype, device=DEVICE)
+    r = torch.randn(rows, hidden, dtype=dtype, device=DEVICE)
+    ref, (ref2, ref_res) = norm(x), norm(x, r)
+    norm.fused = True
+    got, (got2, got_res) = _fused(norm, x), _fused(norm, x, r)
+    parts = [_compare(ref, got, dtype), _compare(ref2, got2, dtype),
+             _compare(ref_res, got_res, dtype)]
+    return {"err": max(p["err"] for p in parts), "ok": all(p["ok"] for p in parts)}
+
+
+def _fused(norm: RMSNorm, x: torch.Tensor, r: torch.Tensor | None = None):
+    from engine.layers.fused_kernels import rmsnorm
+
+    return rmsnorm(x, norm.weight, norm.eps, r)
+
+
+def check_silu_and_mul(rows: int, d: int, dtype: torch.dtype, seed: int) -> dict:
+    from engine.layers.fused_kernels import silu_and_mul
+
+    torch.manual_seed(seed)
+    x = torch.randn(_small(rows), 2 * d, dtype=dtype, device=DEVICE) * 3
+    return _compare(SiluAndMul()(x), silu_and_mul(x), dtype)
+
+
+def check_rope(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int) -> dict:
+    """q and k as the attention layer has them: strided views into one fused QKV output."""
+    from engine.layers.fused_kernels import rope
+
+    torch.manual_seed(seed)
+    t = _small(t)
+    with torch.device(DEVICE):
+        emb = RotaryEmbedding(d, 4096, {"rope_theta": 500000.0, "rope_type": "default"})
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, dtype=dtype, device=DEVICE)
+    q = qkv[:, :hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    pos = torch.randint(0, 4096, (t,), device=DEVICE)
+    ref_q, ref_k = emb(pos, q, k)
+    got_q, got_k = rope(pos, q, k, emb.cos_sin_cache)
+    a, b = _compare(ref_q, got_q, dtype), _compare(ref_k, got_k, dtype)
+    return {"err": max(a["err"], b["err"]), "ok": a["ok"] and b["ok"]}
+
+
+def all_fused_checks() -> list[tuple[str, dict]]:
+    rows = []
+    for dt in ("bf16", "fp16", "fp32"):
+        for i, (n, h) in enumerate(ROWS):
+            rows.append((f"fused/rmsnorm_{n}x{h}_{dt}", check_rmsnorm(n, h, DT[dt], i)))
+            rows.append((f"fused/silu_mul_{n}x{h}_{dt}", check_silu_and_mul(n, h, DT[dt], i)))
+        for i, shape in enumerate(ROPE):
+            rows.append((f"fused/rope_{'x'.join(map(str, shape))}_{dt}",
+                         check_rope(*shape, DT[dt], i)))
+    return rows
+
+
+@pytest.mark.parametrize("dt", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("shape", ROWS)
+def test_rmsnorm(shape, dt):
+    r = check_rmsnorm(*shape, DT[dt], 0)
+    assert r["ok"], r
+
+
+@pytest.mark.parametrize("dt", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("shape", ROWS)
+def test_silu_and_mul(shape, dt):
+    r = check_silu_and_mul(*shape, DT[dt], 1)
+    assert r["ok"], r
+
+
+@pytest.mark.parametrize("dt", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("shape", ROPE)
+def test_rope(shape, dt):
+    r = check_rope(*shape, DT[dt], 2)
+    assert r["ok"], r
+
+
+def test_layers_dispatch_only_on_gpu_tensors():
+    """The switch never sends CPU tensors to Triton (CPU engines keep the torch path)."""
+    norm = RMSNorm(8)
+    norm.fused = True
+    x = torch.randn(2, 8)
+    assert torch.equal(norm(x), RMSNorm(8)(x))
