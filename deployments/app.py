@@ -19,7 +19,8 @@ def engine_deployment(args: AppArgs):
         "max_ongoing_requests": args.max_ongoing_requests,
         "ray_actor_options": args.ray_actor_options,
         "graceful_shutdown_timeout_s": args.graceful_shutdown_timeout_s,
-        "health_check_period_s": 10.0,
+        "health_check_period_s": args.health_check_period_s,
+        "health_check_timeout_s": args.health_check_timeout_s,
     }
     if args.autoscaling_config is not None:
         options["autoscaling_config"] = args.autoscaling_config

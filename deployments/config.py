@@ -44,6 +44,10 @@ class AppArgs(BaseModel):
     ingress_ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.1})
     router: RouterArgs = Field(default_factory=RouterArgs)
     graceful_shutdown_timeout_s: float = 30.0
+    # Serve health-checks each engine replica (`EngineReplica.check_health`: the engine loop
+    # and, at tp_size > 1, every rank); after 3 failures in a row it restarts the replica.
+    health_check_period_s: float = 10.0
+    health_check_timeout_s: float = 30.0
     # Tensor parallelism (engine.tp_size > 1): one placement group bundle per rank, each
     # `tp_bundle` (plus `ray_actor_options` for rank 0, the replica). STRICT_PACK keeps the
     # ranks on one node; PACK or SPREAD lets them cross nodes.
@@ -65,6 +69,13 @@ class AppArgs(BaseModel):
     def _check_bundle(cls, value: dict[str, float]) -> dict[str, float]:
         if not value or any(v < 0 for v in value.values()) or not any(value.values()):
             raise ValueError("tp_bundle needs at least one positive resource, e.g. {'GPU': 1}")
+        return value
+
+    @field_validator("health_check_period_s", "health_check_timeout_s", "graceful_shutdown_timeout_s")
+    @classmethod
+    def _positive_seconds(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError("must be > 0")
         return value
 
     @field_validator("num_replicas", "ingress_replicas")

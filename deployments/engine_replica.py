@@ -47,7 +47,12 @@ class EngineReplica:
         # placement group (deployments/tp_workers.py).
         self.tp_workers = TPWorkers(config) if config.tp_size > 1 else None
         tp = self.tp_workers.tp if self.tp_workers else None
-        self.engine = AsyncEngine(config, Engine(config, tp=tp))
+        try:
+            self.engine = AsyncEngine(config, Engine(config, tp=tp))
+        except BaseException:
+            if self.tp_workers is not None:  # the ranks may be inside a collective: no goodbye
+                self.tp_workers.close(graceful=False)
+            raise
         self.digest = CacheDigest(block_size=digest_block_size)
         self._stats: dict[str, Any] = {}
         self._stats_lock = threading.Lock()
@@ -88,6 +93,17 @@ class EngineReplica:
     async def replica_stats(self) -> dict:
         """This replica's id and engine stats (the ingress broadcasts it for /v1/stats)."""
         return {"replica": self.replica_id, "stats": await self.engine.stats()}
+
+    def tp_info(self) -> dict[str, Any]:
+        """Where this replica's tensor-parallel ranks run: {"replica", "node_ids" (rank
+        order, rank 0 = this replica), "workers" (the actor handles of ranks 1..tp-1)}."""
+        import ray
+
+        if self.tp_workers is None:
+            return {"replica": self.replica_id, "workers": [],
+                    "node_ids": [ray.get_runtime_context().get_node_id()]}
+        return {"replica": self.replica_id, "node_ids": list(self.tp_workers.node_ids),
+                "workers": list(self.tp_workers.actors)}
 
     async def flush_cache(self) -> None:
         await self.engine.call(lambda engine: engine.cache.reset())

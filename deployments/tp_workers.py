@@ -88,6 +88,9 @@ class TPWorker:
             logger.exception("tensor-parallel rank %d failed", rank)
             self._error = f"{type(e).__name__}: {e}"
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def ping(self) -> bool:
         if self._error is not None:
             raise RuntimeError(f"tensor-parallel rank failed: {self._error}")
@@ -130,11 +133,15 @@ class TPWorkers:
         """Raise if a rank died or a collective failed: the process group is unusable then,
         so Serve should restart the replica (which starts fresh ranks)."""
         if self.tp.failure is not None:
-            raise RuntimeError(f"tensor-parallel step failed: {self.tp.failure}")
+            raise RuntimeError(f"tensor-parallel group failed: {self.tp.failure}")
         try:
             ray.get([a.ping.remote() for a in self.actors], timeout=timeout_s)
         except Exception as e:  # noqa: BLE001 - RayActorError, GetTimeoutError, ping's own
-            raise RuntimeError(f"a tensor-parallel rank is down: {e}") from e
+            error = RuntimeError(f"a tensor-parallel rank is down: {e}")
+            # Requests until Serve replaces this replica fail at once instead of starting a
+            # step the dead rank never joins; close() then sends it no shutdown message.
+            self.tp.mark_failed(error)
+            raise error from e
 
     def close(self, graceful: bool = True) -> None:
         """Tell the ranks to stop, then end their actors. Not graceful when the engine loop

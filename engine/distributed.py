@@ -73,10 +73,15 @@ class StepMessage:
 
 
 def _record_failure(fn: F) -> F:
-    """The first failed collective leaves the group unusable: remember it for health checks."""
+    """The first failed collective leaves the group unusable: remember it for health checks,
+    and fail every later collective at once (a peer that stopped listening would otherwise
+    block the next step message for good: the control group never times out)."""
 
     @functools.wraps(fn)
     def wrapper(self: "DistributedTP", *args, **kwargs):
+        if self.failure is not None:
+            raise RuntimeError(f"tensor-parallel group is unusable after an earlier failure: "
+                               f"{self.failure}")
         try:
             return fn(self, *args, **kwargs)
         except BaseException as e:
@@ -144,6 +149,11 @@ class DistributedTP(TPContext):
             dist.broadcast(flat, 0, group=self.control)
         return StepMessage(command, bool(is_decode), lengths, flat)
 
+    def mark_failed(self, error: BaseException) -> None:
+        """A rank is known to be gone (e.g. its actor died): no collective may start."""
+        if self.failure is None:
+            self.failure = error
+
     # -- teardown ---------------------------------------------------------------------------
 
     def shutdown(self) -> None:
@@ -173,6 +183,8 @@ def init_tp(rank: int, size: int, where: str | Rendezvous, device: torch.device,
                            "one tensor-parallel engine per process")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
+        if device.index is None:  # "cuda" (a Ray actor's one visible GPU): set_device needs an index
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
     if isinstance(where, Rendezvous):

@@ -30,7 +30,6 @@ DECLARED_OVERRIDES: dict[str, set[str]] = {
 }
 # App args written ahead of the issue that adds them (tensor parallelism): validated once
 # AppArgs knows them, stripped before validation until then.
-PENDING_APP_ARGS = ("placement_group_strategy", "placement_group_bundles")
 RAYSERVICES = sorted(DECLARED_OVERRIDES)
 
 
@@ -128,9 +127,7 @@ def test_app_args_build_a_serve_app(name):
     from deployments.config import AppArgs
 
     args = copy.deepcopy(serve_config(name)["applications"][0]["args"])
-    for field in PENDING_APP_ARGS:
-        if field not in AppArgs.model_fields:
-            args.pop(field, None)
+    assert set(args) <= set(AppArgs.model_fields), "every manifest arg is an AppArgs field"
     app = build_app(args)  # validates args and Serve's deployment options (autoscaling)
     assert app is not None
     from ray.serve.config import AutoscalingConfig

@@ -1,0 +1,173 @@
+"""Tensor parallelism through Ray placement groups, across nodes: a real two-node Ray cluster
+on this machine (`ray.cluster_utils.Cluster`, each node with one `fake_gpu`, the resource
+that stands for a GPU), the Serve app at tp_size=2 with a SPREAD placement group, so rank 0
+(the replica) and rank 1 (its worker actor) run on different nodes. Greedy text over HTTP
+equals tp=1 offline; killing the worker fails the replica's health check, Serve restarts
+the replica (fresh ranks) and requests succeed again."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine import LLM, SamplingParams
+from serve_helpers import ROOT, serve_config_args
+
+GPU = "fake_gpu"
+MODEL = "radixserve-demo"  # serve_config.yaml's served_model_name
+PROMPTS = ["The old lighthouse keeper", "Once upon a time, in a small village"]
+MAX_TOKENS = 8
+DIST_TIMEOUT_S = 20.0  # rank start-up and every model collective; a dead rank fails fast
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ray_address_file() -> Path:
+    import ray._private.utils
+
+    return Path(ray._private.utils.get_ray_address_file(None))
+
+
+@pytest.fixture(scope="module")
+def cluster(request, tiny_llama):
+    """Head (2 CPUs) + worker node (1 CPU), one fake GPU each; the app deployed on it.
+    Yields the HTTP base URL."""
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from deployments.app import build_app
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Cluster records its head as "the latest cluster" (/tmp/ray/ray_current_cluster), which
+    # a plain ray.init() elsewhere on this machine would then join: put the old one back.
+    address_file = ray_address_file()
+    previous = address_file.read_text() if address_file.exists() else None
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {GPU: 1}, "include_dashboard": False})
+
+    def restore_address_file() -> None:
+        if previous is None:
+            address_file.unlink(missing_ok=True)
+        else:
+            address_file.write_text(previous)
+
+    restore_address_file()
+
+    def finish() -> None:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+            restore_address_file()
+
+    request.addfinalizer(finish)
+    cluster.add_node(num_cpus=1, resources={GPU: 1})
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    port = free_port()  # not 8000: other test runs on this machine may hold it
+    # One proxy: every node of this cluster shares the machine's ports.
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    args = serve_config_args(
+        model=tiny_llama,
+        engine={"tp_size": 2, "dist_timeout_s": DIST_TIMEOUT_S, "max_total_tokens": 1024,
+                "max_running_requests": 8, "chunked_prefill_size": 64},
+        placement_group_strategy="SPREAD", tp_bundle={GPU: 1},
+        health_check_period_s=1.0, health_check_timeout_s=10.0, graceful_shutdown_timeout_s=3.0)
+    serve.run(build_app(args), name="radixserve", route_prefix="/")
+    cluster.node_ids = {cluster.head_node.node_id} | {n.node_id for n in cluster.worker_nodes}
+    cluster.base = f"http://127.0.0.1:{port}"
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama) -> list[str]:
+    llm = LLM(model=tiny_llama, dtype="float32", max_total_tokens=1024)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return [o.text for o in llm.generate(PROMPTS, params)]
+
+
+def tp_info() -> dict:
+    from ray import serve
+
+    handle = serve.get_deployment_handle("EngineReplica", app_name="radixserve")
+    return handle.tp_info.remote().result(timeout_s=30)
+
+
+def complete(base: str, timeout: float = 60.0) -> httpx.Response:
+    return httpx.post(f"{base}/v1/completions", timeout=timeout, json={
+        "model": MODEL, "prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "ignore_eos": True})
+
+
+def texts(r: httpx.Response) -> list[str]:
+    assert r.status_code == 200, r.text
+    return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+
+def test_ranks_run_on_different_nodes(cluster):
+    import ray
+
+    info = tp_info()
+    assert len(info["node_ids"]) == 2 and len(info["workers"]) == 1
+    assert set(info["node_ids"]) == cluster.node_ids  # one rank on each node
+    # The worker says so itself, and the GCS agrees.
+    worker = info["workers"][0]
+    assert ray.get(worker.node_id.remote(), timeout=30) == info["node_ids"][1]
+    actor = ray._private.state.actors(worker._actor_id.hex())
+    assert actor["Address"]["NodeID"] == info["node_ids"][1]
+
+
+def test_greedy_over_http_equals_offline_tp1(cluster, reference):
+    r = complete(cluster.base)
+    assert texts(r) == reference
+    assert r.json()["usage"]["completion_tokens"] == MAX_TOKENS * len(PROMPTS)
+
+
+def test_a_dead_rank_restarts_the_replica(cluster, reference):
+    import ray
+
+    before = tp_info()
+    worker = before["workers"][0]
+    ray.kill(worker, no_restart=True)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(worker.ping.remote(), timeout=30)
+
+    # A request now meets the dead rank (or, if Serve was quick, the new replica): either
+    # way it must end, within the collective timeout, not hang.
+    start = time.monotonic()
+    try:
+        r = complete(cluster.base, timeout=DIST_TIMEOUT_S + 30)
+        if r.status_code == 200:
+            assert texts(r) == reference
+        else:
+            assert r.status_code >= 500, r.text
+    except httpx.ReadTimeout:
+        pytest.fail("a request to the replica with a dead rank hung")
+    assert time.monotonic() - start < DIST_TIMEOUT_S + 30
+
+    deadline = time.monotonic() + 60
+    outcome = None
+    while time.monotonic() < deadline:
+        try:
+            r = complete(cluster.base, timeout=15)
+            outcome = r.status_code, r.text[:200]
+            if r.status_code == 200 and tp_info()["replica"] != before["replica"]:
+                break
+        except httpx.HTTPError as e:
+            outcome = repr(e)
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"no new replica served requests within 60 s; last: {outcome}")
+    assert texts(r) == reference
+    after = tp_info()
+    assert set(after["node_ids"]) == cluster.node_ids
+    assert after["workers"][0]._actor_id != worker._actor_id
