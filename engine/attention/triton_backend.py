@@ -29,6 +29,28 @@ def _pow2_at_least(x: int, lo: int) -> int:
     return max(lo, triton.next_power_of_2(int(x)))
 
 
+class _Partials:
+    """Grow-only float32 scratch for partial attention outputs [..., block_d] and their
+    log-sum-exps. Outgrown buffers go to `retired`, never freed: a captured CUDA graph may
+    still read them."""
+
+    def __init__(self, block_d: int, device: torch.device, retired: list[torch.Tensor]) -> None:
+        self.block_d, self.device, self.retired = block_d, device, retired
+        self.o: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
+
+    def get(self, bsz: int, hq: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        need = bsz * hq * splits
+        if self.lse is None or self.lse.numel() < need:
+            if self.lse is not None:
+                self.retired += [self.o, self.lse]
+            cap = max(need, 2 * (self.lse.numel() if self.lse is not None else 0))
+            self.o = torch.empty(cap * self.block_d, dtype=torch.float32, device=self.device)
+            self.lse = torch.empty(cap, dtype=torch.float32, device=self.device)
+        o = self.o[:need * self.block_d].view(bsz, hq, splits, self.block_d)
+        return o, self.lse[:need].view(bsz, hq, splits)
+
+
 class TritonAttentionBackend:
     """Attention over the KV pool with Triton kernels.
 
@@ -84,14 +106,12 @@ class TritonAttentionBackend:
         self._max_extend = 0
         # Decode partials: flat fp32 buffers, grown geometrically and never freed while
         # the backend lives (a captured CUDA graph may still point at an older one).
-        self._mid_o: torch.Tensor | None = None
-        self._mid_lse: torch.Tensor | None = None
         self._retired: list[torch.Tensor] = []
+        self._mid = _Partials(self.block_d, self.device, self._retired)  # split-KV decode
         # Radix-grouped decode (engine/prefix_groups.py): the prefix kernel's partials.
         self.prefix_cfg: dict | None = None
         self._grouped = None  # the step's PrefixGroupBatch when it runs grouped
-        self._pfx_o: torch.Tensor | None = None
-        self._pfx_lse: torch.Tensor | None = None
+        self._pfx = _Partials(self.block_d, self.device, self._retired)
 
     # The runner builds per-step group metadata only for backends that run it.
     supports_prefix_groups = True
@@ -208,28 +228,10 @@ class TritonAttentionBackend:
             self._max_extend = max(batch.extend_lens_cpu) if batch.extend_lens_cpu else 0
 
     def _mid_buffers(self, bsz: int, hq: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-        need = bsz * hq * splits
-        if self._mid_lse is None or self._mid_lse.numel() < need:
-            if self._mid_lse is not None:
-                self._retired += [self._mid_o, self._mid_lse]
-            cap = max(need, 2 * (self._mid_lse.numel() if self._mid_lse is not None else 0))
-            self._mid_o = torch.empty(cap * self.block_d, dtype=torch.float32, device=self.device)
-            self._mid_lse = torch.empty(cap, dtype=torch.float32, device=self.device)
-        mid_o = self._mid_o[:need * self.block_d].view(bsz, hq, splits, self.block_d)
-        mid_lse = self._mid_lse[:need].view(bsz, hq, splits)
-        return mid_o, mid_lse
+        return self._mid.get(bsz, hq, splits)
 
     def _pfx_buffers(self, bsz: int, hq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        need = bsz * hq * PREFIX_MAX_SPLITS
-        if self._pfx_lse is None or self._pfx_lse.numel() < need:
-            if self._pfx_lse is not None:
-                self._retired += [self._pfx_o, self._pfx_lse]
-            cap = max(need, 2 * (self._pfx_lse.numel() if self._pfx_lse is not None else 0))
-            self._pfx_o = torch.empty(cap * self.block_d, dtype=torch.float32, device=self.device)
-            self._pfx_lse = torch.empty(cap, dtype=torch.float32, device=self.device)
-        pfx_o = self._pfx_o[:need * self.block_d].view(bsz, hq, PREFIX_MAX_SPLITS, self.block_d)
-        pfx_lse = self._pfx_lse[:need].view(bsz, hq, PREFIX_MAX_SPLITS)
-        return pfx_o, pfx_lse
+        return self._pfx.get(bsz, hq, PREFIX_MAX_SPLITS)
 
     # ------------------------------------------------------------------ forward
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
