@@ -187,9 +187,6 @@ def test_regex_gen_matches(backend):
                                                                  max_tokens=8, temperature=0.7)
 
     state = year.run()
-    err = state.error()
-    if isinstance(err, sgl.ServerError) and err.status == 400 and "not supported" in err.message:
-        pytest.xfail(f"server has no regex-constrained decoding yet: {err.message}")
     assert re.fullmatch(r"1[89][0-9]{2}", state["year"]), state["year"]
 
 
