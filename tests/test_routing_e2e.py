@@ -169,6 +169,27 @@ def test_shared_prefix_lands_on_one_replica_and_hits_its_cache(client):
     assert len(holders(prefix)) == 1
 
 
+ROUTER_COUNTERS = ("routed_with_match", "routed_without_match", "load_fallbacks",
+                   "predicted_matched_tokens")
+
+
+def test_router_counters_and_predicted_vs_actual_cached_tokens(client):
+    """The router's counters (in /v1/stats) move with each routed call, and what it predicts
+    is cached (whole blocks) matches what the replica actually found (each response's
+    cached_tokens, and the replicas' own counters) up to the partial last block."""
+    rng = random.Random(15)
+    prefix = tokens(rng, 10 * BLOCK)
+    before = client.get("/v1/stats").json()
+    usages = [complete(client, prefix + tokens(rng, 8)) for _ in range(4)]
+    after = client.get("/v1/stats").json()
+    moved = {k: after["router"][k] - before["router"][k] for k in ROUTER_COUNTERS}
+    assert moved == {"routed_with_match": 3, "routed_without_match": 1, "load_fallbacks": 0,
+                     "predicted_matched_tokens": 3 * len(prefix)}
+    actual = [cached(u) for u in usages]
+    assert actual[0] < BLOCK and all(len(prefix) <= a < len(prefix) + 8 for a in actual[1:]), actual
+    assert after["cached_tokens"] - before["cached_tokens"] == sum(actual)
+
+
 def test_router_stops_preferring_a_replica_that_evicted_the_prefix(client, pool, anchors):
     rng = random.Random(20)
     prefix = tokens(rng, 200)
