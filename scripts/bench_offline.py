@@ -150,28 +150,39 @@ def run_requests(engine: Engine, reqs, tag: str) -> dict:
             "ttft_s": (first_token_at - t0) if first_token_at else None}
 
 
-def bench_w1(path: str, ceilings: dict) -> dict:
-    reqs = w1()
-    engine = make_engine(path)
-    run_requests(engine, w1()[:64], "warm")  # compile kernels for prefill shapes
-    engine.cache.reset()
-    res = run_requests(engine, reqs, "w1")
-    flops = (res["prompt_tokens"] * 2 * PARAMS_PER_PROMPT_TOKEN
-             + res["output_tokens"] * 2 * PARAMS_PER_OUTPUT_TOKEN)
-    floor_s = flops / (ceilings["matmul_tflop_s"] * 1e12)
-    del engine
-    release_memory()
-    return {"output_tok_s": res["output_tokens"] / res["wall_s"], "wall_s": res["wall_s"],
-            "floor_s": floor_s, "floor_output_tok_s": res["output_tokens"] / floor_s,
-            "steps": res["steps"], "output_tokens": res["output_tokens"]}
+def bench_w1(path: str, ceilings: dict, plain_too: bool = False) -> dict:
+    """W1 with grouped decode on (the default engine) and, with `plain_too`, off: W1 shares
+    no prefixes, so the two should agree within noise."""
+    out = {}
+    for grouped in (True, False) if plain_too else (True,):
+        engine = make_engine(path, enable_prefix_grouped_decode=grouped)
+        run_requests(engine, w1()[:64], "warm")  # compile kernels for prefill shapes
+        engine.cache.reset()
+        res = run_requests(engine, w1(), "w1")
+        del engine
+        release_memory()
+        if not grouped:
+            out["plain_decode_output_tok_s"] = res["output_tokens"] / res["wall_s"]
+            continue
+        flops = (res["prompt_tokens"] * 2 * PARAMS_PER_PROMPT_TOKEN
+                 + res["output_tokens"] * 2 * PARAMS_PER_OUTPUT_TOKEN)
+        floor_s = flops / (ceilings["matmul_tflop_s"] * 1e12)
+        out.update({"output_tok_s": res["output_tokens"] / res["wall_s"], "wall_s": res["wall_s"],
+                    "floor_s": floor_s, "floor_output_tok_s": res["output_tokens"] / floor_s,
+                    "steps": res["steps"], "output_tokens": res["output_tokens"]})
+        print("W1", out, flush=True)
+    return out
 
 
-def bench_w2(path: str) -> dict:
+W2_MODES = {"cache_on": (True, True), "plain_decode": (True, False), "cache_off": (False, False)}
+
+
+def bench_w2(path: str, modes: list[str]) -> dict:
     """Radix cache on with grouped decode (engine/prefix_groups.py), on with the plain
     decode kernel, and off. KV bytes per decode step are counted by the grouper."""
     out = {}
-    for key, cache, grouped in (("cache_on", True, True), ("plain_decode", True, False),
-                                ("cache_off", False, False)):
+    for key in modes:
+        cache, grouped = W2_MODES[key]
         engine = make_engine(path, enable_radix_cache=cache, enable_prefix_grouped_decode=grouped)
         run_requests(engine, w1()[:16], "warm")
         engine.cache.reset()
@@ -284,6 +295,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--skip-check", action="store_true", help="skip the kernel check")
+    ap.add_argument("--w2-modes", default=",".join(W2_MODES), help="subset of " + ",".join(W2_MODES))
+    ap.add_argument("--w1-plain", action="store_true", help="also run W1 without grouped decode")
     args = ap.parse_args()
     if not args.skip_check:
         check_kernels()
@@ -291,8 +304,9 @@ def main() -> None:
     ceilings = measure_ceilings()
     results: dict = {"ceilings": ceilings}
     work = args.workloads.split(",")
-    for name, bench in (("W3", lambda: bench_w3(path, ceilings)), ("W2", lambda: bench_w2(path)),
-                        ("W1", lambda: bench_w1(path, ceilings))):
+    for name, bench in (("W3", lambda: bench_w3(path, ceilings)),
+                        ("W2", lambda: bench_w2(path, args.w2_modes.split(","))),
+                        ("W1", lambda: bench_w1(path, ceilings, args.w1_plain))):
         if name in work:
             results[name] = bench()
             print(name, results[name], flush=True)
@@ -323,17 +337,24 @@ def print_table(r: dict) -> None:
         w = r["W1"]
         print(f"{'W1 output tok/s':<34} {w['output_tok_s']:>10.0f} {w['floor_output_tok_s']:>10.0f} "
               f"{w['output_tok_s'] / w['floor_output_tok_s']:>7.2f} {w.get('hf_output_tok_s', 0):>9.0f}")
+        if "plain_decode_output_tok_s" in w:
+            print(f"{'W1 output tok/s, plain decode':<34} {w['plain_decode_output_tok_s']:>10.0f}")
     if "W2" in r:
         w = r["W2"]
-        print(f"{'W2 output tok/s, cache on':<34} {w['cache_on_output_tok_s']:>10.0f}")
-        print(f"{'W2 output tok/s, plain decode':<34} {w['plain_decode_output_tok_s']:>10.0f}")
-        print(f"{'W2 output tok/s, cache off':<34} {w['cache_off_output_tok_s']:>10.0f}")
-        print(f"{'W2 grouped / plain decode':<34} {w['cache_on_output_tok_s'] / w['plain_decode_output_tok_s']:>10.2f}")
+        for key, label in (("cache_on", "cache on"), ("plain_decode", "plain decode"),
+                           ("cache_off", "cache off")):
+            if f"{key}_output_tok_s" in w:
+                print(f"{'W2 output tok/s, ' + label:<34} {w[key + '_output_tok_s']:>10.0f}")
+        on, plain, off = (w.get(f"{k}_output_tok_s") for k in W2_MODES)
+        if on and plain:
+            print(f"{'W2 grouped / plain decode':<34} {on / plain:>10.2f}")
         if "kv_gb_per_step_plain" in w:
             print(f"{'W2 KV GB/step grouped (plain)':<34} {w['kv_gb_per_step_grouped']:>10.1f} "
                   f"{w['kv_gb_per_step_plain']:>10.1f}")
-        print(f"{'W2 on/off speed-up':<34} {w['cache_on_output_tok_s'] / w['cache_off_output_tok_s']:>10.2f}")
-        print(f"{'W2 hit rate (achievable)':<34} {w['hit_rate']:>10.3f} {w['achievable_hit_rate']:>10.3f}")
+        if on and off:
+            print(f"{'W2 on/off speed-up':<34} {on / off:>10.2f}")
+        if "hit_rate" in w:
+            print(f"{'W2 hit rate (achievable)':<34} {w['hit_rate']:>10.3f} {w['achievable_hit_rate']:>10.3f}")
     if "W3" in r:
         w = r["W3"]
         print(f"{'W3 decode step ms':<34} {w['step_ms']:>10.2f} {w['floor_ms']:>10.2f} "
