@@ -20,9 +20,8 @@ from engine.request import Request, Status
 
 logger = logging.getLogger(__name__)
 
-# A waiting request whose first this-many tokens equal those of a prompt still being
-# prefilled (admitted this step, or a long prompt mid-way through its chunks) waits until
-# that prefill is done, then reuses its KV instead of computing the same prefix twice.
+# Waiting requests that share this many leading tokens with one admitted in the same step
+# wait one step, so they reuse its KV instead of computing the same prefix twice.
 _IN_STEP_PREFIX = 64
 
 
@@ -135,10 +134,8 @@ class Scheduler:
                 if len(self.running) >= self.config.max_running_requests:
                     break
                 if self._shares_prefix_in_step(req, step_prefixes):
-                    continue  # once that prefill is done it hits the KV the prefill computes
+                    continue  # next step it hits the KV this step computes
                 self._admit(req)
-            elif req.kv_len < req.num_prompt:
-                self._shares_prefix_in_step(req, step_prefixes)  # a prompt mid-way: note it
             n = min(req.pending_len, budget) if chunking else req.pending_len
             too_big = not chunking and chunks and n > budget  # a lone prompt may exceed it
             if too_big or self._available() - reserve < n:
@@ -151,8 +148,7 @@ class Scheduler:
         return chunks
 
     def _shares_prefix_in_step(self, req: Request, step_prefixes: set) -> bool:
-        """True when a prompt being prefilled this step starts with the same long prefix
-        (and notes `req`'s prefix otherwise)."""
+        """True when a request admitted this step starts with the same long prefix."""
         if not self.cache.enabled or len(req.token_ids) <= _IN_STEP_PREFIX:
             return False
         key = tuple(req.token_ids[:_IN_STEP_PREFIX])

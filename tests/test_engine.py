@@ -177,18 +177,6 @@ def test_same_step_arrivals_with_a_long_shared_prefix_compute_it_once(tiny_llama
     assert_matches_hf(tiny_llama, outs, 4)
 
 
-def test_arrivals_wait_for_a_chunked_prefill_of_their_prefix(tiny_llama):
-    """A long prompt prefilled in chunks over several steps: same-prefix requests admitted
-    meanwhile would match only the chunks done so far and recompute the rest; they wait
-    for the whole prompt, then reuse all of the shared prefix."""
-    llm = LLM(model=tiny_llama, dtype="float32", max_total_tokens=4096, chunked_prefill_size=32)
-    shared = random_prompts(1, 150, 150, seed=8)[0]
-    prompts = [shared + [i + 3] * 4 for i in range(4)] + random_prompts(2, 20, 30, seed=9)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=4, **GREEDY))
-    assert [o.cached_tokens for o in outs] == [0, 150, 150, 150, 0, 0]
-    assert_matches_hf(tiny_llama, outs, 4)
-
-
 def test_random_adds_steps_and_aborts_never_leak(tiny_llama):
     from engine.config import EngineConfig
     from engine.engine import Engine
