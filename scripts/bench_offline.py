@@ -23,6 +23,7 @@ from engine import SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.demo_model import ensure_demo_model  # noqa: E402
 from engine.engine import Engine  # noqa: E402
+from engine.kv_pool import KVPool  # noqa: E402
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -208,7 +209,7 @@ def kv_read_per_step(engine: Engine) -> dict:
     if g is None or not g.steps:
         return {}
     k = engine.runner.kv_pool.k
-    per_token = 2 * len(k) * k[0][0].numel() * k[0].element_size()
+    per_token = KVPool.bytes_per_token(len(k), k[0].shape[1], k[0].shape[2], k[0].dtype)
     return {"decode_steps": g.steps, "grouped_steps": g.grouped_steps,
             "kv_gb_per_step_plain": g.kv_tokens_plain / g.steps * per_token / 1e9,
             "kv_gb_per_step_grouped": g.kv_tokens_read / g.steps * per_token / 1e9}
