@@ -28,6 +28,38 @@ def _dot(a, b, F32_DOT: tl.constexpr):
         return tl.dot(a, b)
 
 
+@triton.jit
+def _attend_slots(q, m_i, l_i, acc, tok, k_base, v_base, start, end, stride_kt, stride_vt,
+                  d, dmask, sm_scale_log2, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr):
+    """Online softmax of the query rows q ([rows, BLOCK_D]) over the tokens [start, end) of
+    one req_to_token row (`tok`), one KV head (`k_base`, `v_base`); returns the updated
+    unnormalised state (m_i, l_i, acc). Shared by the decode and the prefix kernels."""
+    for n in range(start, end, BLOCK_N):
+        offs = n + tl.arange(0, BLOCK_N)
+        nmask = offs < end
+        # Masked-off positions read slot 0 (the padding slot, always valid memory).
+        slots = tl.load(tok + offs, mask=nmask, other=0).to(tl.int64)
+        if BLOCK_D == HEAD_DIM:
+            k = tl.load(k_base + slots[:, None] * stride_kt + d[None, :])
+        else:
+            k = tl.load(k_base + slots[:, None] * stride_kt + d[None, :],
+                        mask=dmask[None, :], other=0.0)
+        qk = _dot(q, tl.trans(k), F32_DOT) * sm_scale_log2  # [rows, BLOCK_N]
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # masked: slot 0 may hold garbage (even NaN) from padded batch entries, and
+        # p = 0 there must not meet it
+        v = tl.load(v_base + slots[:, None] * stride_vt + d[None, :],
+                    mask=nmask[:, None] & dmask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
 # ----------------------------------------------------------------------------------------
 # KV store: cache[slot[t]] = new[t] for K and V in one launch.
 # ----------------------------------------------------------------------------------------
@@ -108,31 +140,10 @@ def decode_partial_kernel(Q, KC, VC, ReqToToken, ReqRows, SeqLens, Out, MidO, Mi
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        tok = ReqToToken + row * stride_rt
-        k_base = KC + kvh * stride_kh
-        v_base = VC + kvh * stride_vh
-        for n in range(start, end, BLOCK_N):
-            offs = n + tl.arange(0, BLOCK_N)
-            nmask = offs < end
-            # Masked-off positions read slot 0 (the padding slot, always valid memory).
-            slots = tl.load(tok + offs, mask=nmask, other=0).to(tl.int64)
-            if BLOCK_D == HEAD_DIM:
-                k = tl.load(k_base + slots[:, None] * stride_kt + d[None, :])
-            else:
-                k = tl.load(k_base + slots[:, None] * stride_kt + d[None, :],
-                            mask=dmask[None, :], other=0.0)
-            qk = _dot(q, tl.trans(k), F32_DOT) * sm_scale_log2  # [BLOCK_H, BLOCK_N]
-            qk = tl.where(nmask[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp2(qk - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            # masked: slot 0 may hold garbage (even NaN) from padded batch entries, and
-            # p = 0 there must not meet it
-            v = tl.load(v_base + slots[:, None] * stride_vt + d[None, :],
-                        mask=nmask[:, None] & dmask[None, :], other=0.0)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
-            m_i = m_new
+        m_i, l_i, acc = _attend_slots(
+            q, m_i, l_i, acc, ReqToToken + row * stride_rt, KC + kvh * stride_kh,
+            VC + kvh * stride_vh, start, end, stride_kt, stride_vt, d, dmask, sm_scale_log2,
+            BLOCK_N, HEAD_DIM, BLOCK_D, F32_DOT)
 
         if HAS_PREFIX and DIRECT:
             m_i, l_i, acc = _merge_prefix_partials(
@@ -262,7 +273,6 @@ def prefix_attn_kernel(Q, KC, VC, ReqToToken, Ctrl, TileRow, TileLen, TileMStart
         dmask = d < BLOCK_D
     else:
         dmask = d < HEAD_DIM
-    nd = tl.arange(0, BLOCK_N)
     for w in range(pid, total, nprog):
         kvh = w % HKV
         tp = w // HKV
@@ -284,28 +294,10 @@ def prefix_attn_kernel(Q, KC, VC, ReqToToken, Ctrl, TileRow, TileLen, TileMStart
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            tok = ReqToToken + row * stride_rt
-            k_base = KC + kvh * stride_kh
-            v_base = VC + kvh * stride_vh
-            for n in range(start, end, BLOCK_N):
-                offs = n + nd
-                nmask = offs < end
-                slots = tl.load(tok + offs, mask=nmask, other=0).to(tl.int64)
-                if BLOCK_D == HEAD_DIM:
-                    k = tl.load(k_base + slots[:, None] * stride_kt + d[None, :])
-                else:
-                    k = tl.load(k_base + slots[:, None] * stride_kt + d[None, :],
-                                mask=dmask[None, :], other=0.0)
-                qk = _dot(q, tl.trans(k), F32_DOT) * sm_scale_log2  # [BLOCK_M, BLOCK_N]
-                qk = tl.where(nmask[None, :], qk, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                pr = tl.exp2(qk - m_new[:, None])
-                alpha = tl.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(pr, 1)
-                v = tl.load(v_base + slots[:, None] * stride_vt + d[None, :],
-                            mask=nmask[:, None] & dmask[None, :], other=0.0)
-                acc = acc * alpha[:, None] + _dot(pr.to(v.dtype), v, F32_DOT)
-                m_i = m_new
+            m_i, l_i, acc = _attend_slots(
+                q, m_i, l_i, acc, ReqToToken + row * stride_rt, KC + kvh * stride_kh,
+                VC + kvh * stride_vh, start, end, stride_kt, stride_vt, d, dmask,
+                sm_scale_log2, BLOCK_N, HEAD_DIM, BLOCK_D, F32_DOT)
             out = acc / l_i[:, None]
             tl.store(PfxO + b[:, None] * stride_pb + heads[:, None] * stride_ph + p * stride_pp
                      + d[None, :], out, mask=rmask[:, None] & dmask[None, :])
