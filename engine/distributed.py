@@ -16,6 +16,9 @@ At tp=1 none of this is imported or called.
 from __future__ import annotations
 
 import functools
+import os
+import socket
+import struct
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, TypeVar
@@ -187,6 +190,7 @@ def init_tp(rank: int, size: int, where: str | Rendezvous, device: torch.device,
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
+    _pick_gloo_interface(where.host if isinstance(where, Rendezvous) else _host_of(where))
     if isinstance(where, Rendezvous):
         # init_process_group prefixes its keys like this when it makes the store itself.
         store = dist.PrefixStore("default_pg", where.store)
@@ -197,3 +201,49 @@ def init_tp(rank: int, size: int, where: str | Rendezvous, device: torch.device,
     control = dist.new_group(backend="gloo", timeout=_IDLE_WAIT)
     return DistributedTP(rank=rank, size=size, group=dist.group.WORLD, control=control,
                          device=device)
+
+
+def _host_of(init_method: str) -> str:
+    hostport = init_method.split("://", 1)[-1]
+    return hostport.rsplit(":", 1)[0].strip("[]")
+
+
+def _pick_gloo_interface(rank0_host: str) -> None:
+    """Gloo binds to the address its hostname resolves to, which in many containers is
+    127.0.1.1 or an interface the other nodes cannot reach: then ranks on different nodes
+    never connect. Unless GLOO_SOCKET_IFNAME is set, use the interface this node reaches
+    rank 0 through (on rank 0, the one carrying the rendezvous address)."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    name = interface_towards(rank0_host)
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+
+
+def interface_towards(host: str) -> str | None:
+    """The name of the local network interface that traffic to `host` leaves through
+    (IPv4, Linux); None where that cannot be told."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # UDP: picks the route, sends nothing
+            local_ip = s.getsockname()[0]
+    except OSError:
+        return None
+    return interface_with_address(local_ip)
+
+
+def interface_with_address(ip: str) -> str | None:
+    try:
+        import fcntl
+    except ImportError:  # not on Linux
+        return None
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode()))
+            except OSError:  # no IPv4 address
+                continue
+            if socket.inet_ntoa(packed[20:24]) == ip:
+                return name
+    return None

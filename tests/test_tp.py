@@ -4,6 +4,7 @@ LLM that started them."""
 from __future__ import annotations
 
 import gc
+import os
 import random
 import signal
 import subprocess
@@ -142,3 +143,19 @@ def test_tp_needs_started_ranks(tiny_llama):
     with pytest.raises(ValueError, match="dist_timeout_s"):
         EngineConfig(dist_timeout_s=0)
 
+
+
+def test_gloo_interface_is_the_route_to_rank0(monkeypatch):
+    import socket
+
+    from engine.distributed import _pick_gloo_interface, interface_towards
+
+    loopback = interface_towards("127.0.0.1")
+    assert loopback in [name for _, name in socket.if_nameindex()]
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    _pick_gloo_interface("127.0.0.1")
+    assert os.environ["GLOO_SOCKET_IFNAME"] == loopback
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "chosen-by-the-user")
+    _pick_gloo_interface("127.0.0.1")
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "chosen-by-the-user"
+    assert interface_towards("::1") is None  # IPv6: left to gloo's own choice
