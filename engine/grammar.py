@@ -485,10 +485,14 @@ class Grammars:
         if not by_type:
             return None, failed
         words = (self.vocab_size + 31) // 32
-        bitmask = torch.full((len(reqs), words), -1, dtype=torch.int32)  # -1: all allowed
+        # Pinned, so the upload does not block the host until the step's forward is done:
+        # the unpack and the sampling kernels queue behind it meanwhile.
+        pinned = self.device.type == "cuda"
+        bitmask = torch.full((len(reqs), words), -1, dtype=torch.int32,  # -1: all allowed
+                             pin_memory=pinned)
         for cls, (matchers, rows) in by_type.items():
             cls.fill_bitmask(matchers, bitmask, rows)
-        return self.unpack(bitmask.to(self.device)), failed
+        return self.unpack(bitmask.to(self.device, non_blocking=pinned)), failed
 
     def unpack(self, bitmask: torch.Tensor) -> torch.Tensor:
         """Packed int32 [B, ceil(V/32)] (bit j of word w = token 32w + j) -> bool [B, V]."""
