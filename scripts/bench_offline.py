@@ -3,6 +3,10 @@
 against its physical floors and the Hugging Face transformers peer.
 
     python scripts/bench_offline.py [--workloads W1,W2,W3] [--json PATH] [--no-hf]
+                                    [--w2-modes cache_on,...] [--profile-w2 A:B]
+
+W1 and W2 also report where their time goes: GPU time of decode steps vs steps with
+prefill chunks (CUDA events), and the rest (host work the GPU waited for).
 """
 from __future__ import annotations
 
@@ -125,30 +129,88 @@ def make_engine(path: str, **overrides) -> Engine:
     return Engine(EngineConfig(**kwargs))
 
 
-def run_requests(engine: Engine, reqs, tag: str) -> dict:
-    """All requests at once; returns wall time, token counts and per-step timings."""
+class StepPhases:
+    """GPU time of every step's forward pass (CUDA events around runner.forward, so they
+    also hold under the overlap scheduler), split into pure decode steps and steps with
+    prefill chunks. Wall time minus their sum is host work and sampling the GPU waited on."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event, bool, int, int]] = []
+        self.runner = runner = engine.runner
+        self._forward = forward = runner.forward
+
+        def timed(plan):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = forward(plan)
+            end.record()
+            self.events.append((start, end, plan.is_decode, len(plan.chunks), plan.num_tokens))
+            return out
+
+        runner.forward = timed
+
+    def close(self) -> None:
+        self.runner.forward = self._forward
+
+    def summary(self, wall_s: float) -> dict:
+        torch.cuda.synchronize()
+        out: dict = {}
+        for kind, decode in (("decode", True), ("prefill_or_mixed", False)):
+            rows = [(s.elapsed_time(e), b, n) for s, e, d, b, n in self.events if d == decode]
+            total = sum(ms for ms, _, _ in rows)
+            out[kind] = {"steps": len(rows), "gpu_s": total / 1e3,
+                         "mean_ms": total / len(rows) if rows else 0.0,
+                         "mean_batch": sum(b for _, b, _ in rows) / len(rows) if rows else 0.0,
+                         "tokens": sum(n for _, _, n in rows)}
+        out["other_s"] = wall_s - out["decode"]["gpu_s"] - out["prefill_or_mixed"]["gpu_s"]
+        return out
+
+
+def run_requests(engine: Engine, reqs, tag: str, phases: bool = False,
+                 profile_steps: tuple[int, int] | None = None) -> dict:
+    """All requests at once; returns wall time, token counts and per-step timings. With
+    `phases`, the GPU time of decode vs prefill steps; with `profile_steps` (a, b), a
+    torch.profiler table of the kernels of steps a..b-1."""
     handles = []
     for i, (ids, n_out) in enumerate(reqs):
         params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
         handles.append(engine.add_request(f"{tag}-{i}", ids, params))
+    timer = StepPhases(engine) if phases else None
+    profiler = None
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     first_token_at = None
     steps = 0
     while engine.has_work:
+        if profile_steps and steps == profile_steps[0]:
+            gpu = torch.cuda.is_available()
+            activity = torch.profiler.ProfilerActivity.CUDA if gpu else torch.profiler.ProfilerActivity.CPU
+            profiler = torch.profiler.profile(activities=[activity])
+            profiler.__enter__()
         engine.step()
         steps += 1
+        if profiler is not None and steps == profile_steps[1]:
+            torch.cuda.synchronize()
+            profiler.__exit__(None, None, None)
+            print(f"{tag}: kernels of steps {profile_steps[0]}..{steps - 1}", flush=True)
+            sort = "device_time_total" if gpu else "cpu_time_total"
+            print(profiler.key_averages().table(sort_by=sort, row_limit=20),
+                  flush=True)
+            profiler = None
         if first_token_at is None and any(h.num_output for h in handles):
             first_token_at = time.perf_counter()
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    if timer is not None:
+        timer.close()
     out_tokens = sum(h.num_output for h in handles)
     for h in handles:
         engine.requests.pop(h.request_id, None)
     return {"wall_s": wall, "output_tokens": out_tokens, "steps": steps,
             "prompt_tokens": sum(len(ids) for ids, _ in reqs),
             "cached_tokens": sum(h.cached_tokens for h in handles),
-            "ttft_s": (first_token_at - t0) if first_token_at else None}
+            "ttft_s": (first_token_at - t0) if first_token_at else None,
+            "phases": timer.summary(wall) if timer else None}
 
 
 def bench_w1(path: str, ceilings: dict, plain_too: bool = False) -> dict:
@@ -159,7 +221,7 @@ def bench_w1(path: str, ceilings: dict, plain_too: bool = False) -> dict:
         engine = make_engine(path, enable_prefix_grouped_decode=grouped)
         run_requests(engine, w1()[:64], "warm")  # compile kernels for prefill shapes
         engine.cache.reset()
-        res = run_requests(engine, w1(), "w1")
+        res = run_requests(engine, w1(), "w1", phases=grouped)
         del engine
         release_memory()
         if not grouped:
@@ -170,7 +232,8 @@ def bench_w1(path: str, ceilings: dict, plain_too: bool = False) -> dict:
         floor_s = flops / (ceilings["matmul_tflop_s"] * 1e12)
         out.update({"output_tok_s": res["output_tokens"] / res["wall_s"], "wall_s": res["wall_s"],
                     "floor_s": floor_s, "floor_output_tok_s": res["output_tokens"] / floor_s,
-                    "steps": res["steps"], "output_tokens": res["output_tokens"]})
+                    "steps": res["steps"], "output_tokens": res["output_tokens"],
+                    "phases": res["phases"]})
         print("W1", out, flush=True)
     return out
 
@@ -178,7 +241,7 @@ def bench_w1(path: str, ceilings: dict, plain_too: bool = False) -> dict:
 W2_MODES = {"cache_on": (True, True), "plain_decode": (True, False), "cache_off": (False, False)}
 
 
-def bench_w2(path: str, modes: list[str]) -> dict:
+def bench_w2(path: str, modes: list[str], profile_steps: tuple[int, int] | None = None) -> dict:
     """Radix cache on with grouped decode (engine/prefix_groups.py), on with the plain
     decode kernel, and off. KV bytes per decode step are counted by the grouper."""
     out = {}
@@ -190,8 +253,10 @@ def bench_w2(path: str, modes: list[str]) -> dict:
         grouper = engine.runner.prefix_grouper
         if grouper is not None:
             grouper.reset_stats()
-        res = run_requests(engine, w2(), "w2")
+        res = run_requests(engine, w2(), "w2", phases=True,
+                           profile_steps=profile_steps if key == "cache_on" else None)
         out[f"{key}_output_tok_s"] = res["output_tokens"] / res["wall_s"]
+        out[f"{key}_phases"] = res["phases"]
         out[f"{key}_wall_s"] = res["wall_s"]
         if key == "cache_on":
             out["hit_rate"] = res["cached_tokens"] / res["prompt_tokens"]
@@ -298,7 +363,10 @@ def main() -> None:
     ap.add_argument("--skip-check", action="store_true", help="skip the kernel check")
     ap.add_argument("--w2-modes", default=",".join(W2_MODES), help="subset of " + ",".join(W2_MODES))
     ap.add_argument("--w1-plain", action="store_true", help="also run W1 without grouped decode")
+    ap.add_argument("--profile-w2", default=None, metavar="A:B",
+                    help="print torch.profiler's kernel table for steps A..B-1 of W2 cache-on")
     args = ap.parse_args()
+    profile = tuple(int(x) for x in args.profile_w2.split(":")) if args.profile_w2 else None
     if not args.skip_check:
         check_kernels()
     path = model_dir()
@@ -306,7 +374,7 @@ def main() -> None:
     results: dict = {"ceilings": ceilings}
     work = args.workloads.split(",")
     for name, bench in (("W3", lambda: bench_w3(path, ceilings)),
-                        ("W2", lambda: bench_w2(path, args.w2_modes.split(","))),
+                        ("W2", lambda: bench_w2(path, args.w2_modes.split(","), profile)),
                         ("W1", lambda: bench_w1(path, ceilings, args.w1_plain))):
         if name in work:
             results[name] = bench()
@@ -356,6 +424,16 @@ def print_table(r: dict) -> None:
             print(f"{'W2 on/off speed-up':<34} {on / off:>10.2f}")
         if "hit_rate" in w:
             print(f"{'W2 hit rate (achievable)':<34} {w['hit_rate']:>10.3f} {w['achievable_hit_rate']:>10.3f}")
+    phases = [(f"W2 {k}", r["W2"][f"{k}_phases"]) for k in W2_MODES if r.get("W2", {}).get(f"{k}_phases")]
+    if r.get("W1", {}).get("phases"):
+        phases.insert(0, ("W1", r["W1"]["phases"]))
+    if phases:
+        print(f"\n{'where the time goes':<20} {'decode steps':>12} {'GPU s':>7} {'ms/step':>8} {'batch':>6}"
+              f" {'prefill steps':>13} {'GPU s':>7} {'ms/step':>8} {'tokens':>8} {'other s':>8}")
+        for name, p in phases:
+            d, f = p["decode"], p["prefill_or_mixed"]
+            print(f"{name:<20} {d['steps']:>12} {d['gpu_s']:>7.2f} {d['mean_ms']:>8.2f} {d['mean_batch']:>6.0f}"
+                  f" {f['steps']:>13} {f['gpu_s']:>7.2f} {f['mean_ms']:>8.2f} {f['tokens']:>8} {p['other_s']:>8.2f}")
     if "W3" in r:
         w = r["W3"]
         print(f"{'W3 decode step ms':<34} {w['step_ms']:>10.2f} {w['floor_ms']:>10.2f} "
