@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from engine.config import EngineConfig
-from engine.engine import Engine, QueueFullError, TokenUpdate, feed_detokenizer
+from engine.engine import Engine, QueueFullError, feed_detokenizer
 from engine.outputs import StreamDelta
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -71,6 +71,13 @@ class AsyncEngine:
         try:
             while True:
                 item = await stream.queue.get()
+                while not stream.queue.empty() and isinstance(item, StreamDelta) \
+                        and not item.finished:
+                    later = stream.queue.get_nowait()
+                    if isinstance(later, BaseException):  # deliver what came before it first
+                        stream.queue.put_nowait(later)
+                        break
+                    item = item.then(later)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -150,8 +157,19 @@ class AsyncEngine:
             logger.exception("engine step failed")
             self._fail_running(e)
             return
+        # One wake-up per event loop per step, not one per request: each wake-up is a
+        # syscall under the GIL, and a step can finish hundreds of tokens.
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for update in updates:
-            self._publish(update)
+            req = update.req
+            if update.finished:
+                self.engine.requests.pop(req.request_id, None)
+            stream = self._streams.get(req.request_id)
+            if stream is not None:
+                delta = self._delta(req, update.new_tokens, update.finished)
+                by_loop.setdefault(stream.loop, []).append((stream.queue, delta))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, items)
 
     def _run_hooks(self) -> None:
         for hook in self._step_hooks:
@@ -174,13 +192,6 @@ class AsyncEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-
-    def _publish(self, update: TokenUpdate) -> None:
-        req = update.req
-        if update.finished:
-            self.engine.requests.pop(req.request_id, None)
-        if req.request_id in self._streams:
-            self._push(req.request_id, self._delta(req, update.new_tokens, update.finished))
 
     def _delta(self, req: Request, new_tokens: list[int], finished: bool) -> StreamDelta:
         feed_detokenizer(req)
@@ -205,6 +216,11 @@ class AsyncEngine:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, StreamDelta]]) -> None:
+    for q, delta in items:
+        q.put_nowait(delta)
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

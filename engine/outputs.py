@@ -32,3 +32,22 @@ class StreamDelta:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[float | None] | None = None  # in the first delta only
+
+    def then(self, later: "StreamDelta") -> "StreamDelta":
+        """This delta followed by `later`, as one (a consumer that fell behind sends fewer,
+        larger deltas: one per wake-up, not one per token)."""
+        return StreamDelta(
+            request_id=self.request_id, token_ids=self.token_ids + later.token_ids,
+            text=self.text + later.text, finished=later.finished,
+            finish_reason=later.finish_reason, prompt_tokens=later.prompt_tokens,
+            cached_tokens=later.cached_tokens, completion_tokens=later.completion_tokens,
+            logprobs=_joined(self.logprobs, later.logprobs),
+            top_logprobs=_joined(self.top_logprobs, later.top_logprobs),
+            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None
+            else later.prompt_logprobs)
+
+
+def _joined(a: list | None, b: list | None) -> list | None:
+    if a is None or b is None:
+        return a if b is None else b
+    return a + b

@@ -116,3 +116,30 @@ def test_queue_bound(tiny_llama):
         assert_no_leak(stats)
     finally:
         eng.shutdown()
+
+
+def test_a_slow_consumer_gets_merged_deltas(engine, tiny_llama):
+    """A consumer that falls behind receives the deltas queued meanwhile as one: fewer,
+    larger deltas that add up to exactly the offline output, logprobs and all."""
+    prompt = "Once upon a time"
+    params = SamplingParams(max_tokens=24, logprobs=True, **GREEDY)
+
+    async def slow():
+        deltas = []
+        async for d in engine.generate(prompt, params, request_id="slow"):
+            deltas.append(d)
+            await asyncio.sleep(0.05)  # several engine steps pass meanwhile
+        return deltas
+
+    deltas = run(slow())
+    offline = LLM(model=tiny_llama, dtype="float32", max_total_tokens=512).generate(
+        [prompt], SamplingParams(max_tokens=24, logprobs=True, **GREEDY))[0]
+    assert len(deltas) < 24, "nothing was merged"
+    assert [t for d in deltas for t in d.token_ids] == offline.token_ids
+    assert "".join(d.text for d in deltas) == offline.text
+    logprobs = [x for d in deltas for x in (d.logprobs or [])]
+    assert logprobs == pytest.approx(offline.logprobs, abs=1e-4)
+    assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+    assert not any(d.finished for d in deltas[:-1])
+    assert deltas[-1].completion_tokens == 24
+    assert_no_leak(run(engine.stats()))
