@@ -160,28 +160,34 @@ class Engine:
                 req.output_logprobs.append(out.logprobs[j])
             if out.top_logprobs is not None:
                 req.output_top_logprobs.append(out.top_logprobs[j])
-            self.scheduler.stats.generated_tokens += 1
-            if req.grammar is not None and not self.grammars.accept(req, token):
-                reason = "abort"  # the mask allowed what the grammar refuses: a bug (logged)
-            else:
-                reason = self._finish_reason(req, token)
-            new_tokens = [token]
-            if reason is None and req.grammar is not None:
-                # Append the text the grammar forces without decoding it; the next step
-                # computes its KV as one chunk and samples after it.
-                room = min(req.params.max_tokens - req.num_output,
-                           self.max_context - len(req.token_ids))
-                jumped = self.grammars.jump_forward(req, token, room)
-                if jumped:
-                    req.token_ids += jumped
-                    new_tokens += jumped
-                    self.num_jump_forward_tokens += len(jumped)
-                    self.scheduler.stats.generated_tokens += len(jumped)
-                    reason = self._finish_reason(req, jumped[-1])
-            if reason is not None:
-                self.scheduler.finish(req, reason)
-            updates.append(TokenUpdate(req, new_tokens, reason is not None))
+            updates.append(self._advance(req, token))
         return updates
+
+    def _advance(self, req: Request, token: int, may_jump: bool = True) -> TokenUpdate:
+        """Take in `token`, just appended as the request's last: advance its grammar,
+        append what the grammar forces next (jump-forward, unless `may_jump` is False),
+        and finish the request if it is done."""
+        self.scheduler.stats.generated_tokens += 1
+        if req.grammar is not None and not self.grammars.accept(req, token):
+            reason = "abort"  # the mask allowed what the grammar refuses: a bug (logged)
+        else:
+            reason = self._finish_reason(req, token)
+        new_tokens = [token]
+        if reason is None and req.grammar is not None and may_jump:
+            # Append the text the grammar forces without decoding it; the next step
+            # computes its KV as one chunk and samples after it.
+            room = min(req.params.max_tokens - req.num_output,
+                       self.max_context - len(req.token_ids))
+            jumped = self.grammars.jump_forward(req, token, room)
+            if jumped:
+                req.token_ids += jumped
+                new_tokens += jumped
+                self.num_jump_forward_tokens += len(jumped)
+                self.scheduler.stats.generated_tokens += len(jumped)
+                reason = self._finish_reason(req, jumped[-1])
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+        return TokenUpdate(req, new_tokens, reason is not None)
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params

@@ -63,26 +63,13 @@ def test_overlap_on_off_identical_with_mixed_requests(tiny_llama):
 
 
 def test_overlap_abort_mid_flight(tiny_llama):
-    import asyncio
-
     from engine import AsyncEngine, EngineConfig
+    from test_overlap import abort_mid_stream
 
     eng = AsyncEngine(EngineConfig(model=tiny_llama, dtype="float32", device="cuda",
                                    max_total_tokens=2048, cuda_graph_max_bs=8))
-
-    async def main():
-        got = []
-        async for d in eng.generate([5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True,
-                                                              temperature=0.0), request_id="x"):
-            got.append(d)
-            if len(got) == 5:
-                await eng.abort("x")
-        return got, await eng.stats()
-
-    try:
-        got, stats = asyncio.run(main())
-    finally:
-        eng.shutdown()
+    got, stats = abort_mid_stream(eng, [5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True,
+                                                                  temperature=0.0))
     assert got[-1].finish_reason == "abort" and all(t >= 0 for d in got for t in d.token_ids)
     assert stats["running"] == 0 and stats["free_slots"] + stats["evictable_slots"] == stats["total_slots"]
 
@@ -129,4 +116,20 @@ def test_gpu_structured_output_validates_and_matches_cpu(tiny_llama):
     n = len(SCHEMAS)
     assert check_json(gpu[:n], SCHEMAS) + check_regex(gpu[n:], REGEXES) >= 0.9 * len(cases)
     for a, b in zip(gpu, outs["cpu"]):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+
+
+def test_gpu_overlap_with_structured_output(tiny_llama):
+    """Constrained requests stay overlapped (jump-forward off): outputs equal sync stepping."""
+    pytest.importorskip("xgrammar", reason="carry the xgrammar wheel to the GPU machine")
+    from test_overlap import mixed_batch
+
+    prompts, params = mixed_batch(seed=1)
+    outs = {}
+    for overlap in (True, False):
+        llm = LLM(model=tiny_llama, dtype="float32", device="cuda", max_total_tokens=8192,
+                  enable_overlap_schedule=overlap, enable_jump_forward=False,
+                  cuda_graph_max_bs=32, chunked_prefill_size=64)
+        outs[overlap] = llm.generate(prompts, params)
+    for a, b in zip(outs[True], outs[False]):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason

@@ -1,0 +1,151 @@
+"""The overlap scheduler's bookkeeping on CPU: placeholders, requests finishing in flight,
+structured output (masks after the previous step's tokens, jump-forward in between) and
+aborts. The engine turns overlap on for CUDA only; these tests attach the stepper to a CPU
+engine, where it overlaps nothing but runs the same code. Outputs must equal sync stepping."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from engine.overlap import OverlapStepper
+from test_structured import REGEXES, SCHEMAS, check_json, check_regex
+
+
+def overlapped(llm_or_engine):
+    engine = getattr(llm_or_engine, "engine", llm_or_engine)
+    engine.overlap = OverlapStepper(engine, engine.config.max_running_requests)
+    sync_steps = []
+    step_sync = engine._step_sync
+
+    def counted():
+        sync_steps.append(1)
+        return step_sync()
+
+    engine._step_sync = counted
+    return sync_steps
+
+
+def assert_no_leak(stats):
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert stats["free_slots"] + stats["evictable_slots"] == stats["total_slots"]
+
+
+def assert_same_work(llm, reference):
+    """No request was retracted to recover a lost token, and no step was wasted (a step
+    launched for requests that finished meanwhile is at most one more)."""
+    a, b = llm.stats(), reference.stats()
+    assert_no_leak(a)
+    assert a["preemptions"] == b["preemptions"] == 0
+    assert b["steps"] <= a["steps"] <= b["steps"] + 1, (a["steps"], b["steps"])
+
+
+def mixed_batch(seed: int):
+    """Unconstrained requests of many lengths and stop tokens, JSON schemas and regexes,
+    greedy and seeded sampling."""
+    r = random.Random(seed)
+    prompts, params = [], []
+    for i in range(12):
+        prompts.append([r.randint(3, 700) for _ in range(r.randint(3, 60))])
+        params.append(SamplingParams(max_tokens=1 + (i * 7) % 30, temperature=0.0, ignore_eos=True,
+                                     stop_token_ids=[(i * 13) % 700]))
+    for i, schema in enumerate(SCHEMAS[:8]):
+        prompts.append("The old lighthouse" if i % 2 else "Numbers are everywhere")
+        sampler = dict(temperature=0.0) if i % 2 else dict(temperature=1.0, seed=i)
+        params.append(SamplingParams(max_tokens=120, json_schema=schema, **sampler))
+    for i, regex in enumerate(REGEXES[:5]):
+        prompts.append("She opened the letter")
+        params.append(SamplingParams(max_tokens=60, regex=regex, temperature=0.0))
+    return prompts, params
+
+
+def test_overlap_equals_sync_unconstrained(tiny_llama):
+    """Placeholders resolved on the device, requests finishing while their next step runs."""
+    prompts, params = mixed_batch(seed=3)
+    prompts, params = prompts[:12], params[:12]
+    kw = dict(model=tiny_llama, dtype="float32", max_total_tokens=600, chunked_prefill_size=48)
+    reference = LLM(**kw)
+    sync = reference.generate(prompts, params)
+    llm = LLM(**kw)
+    sync_steps = overlapped(llm)
+    over = llm.generate(prompts, params)
+    assert not sync_steps
+    for a, b in zip(over, sync):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+    assert_same_work(llm, reference)
+
+
+@pytest.mark.parametrize("jump_forward", [True, False])
+def test_overlap_equals_sync_with_structured_output(tiny_llama, jump_forward):
+    prompts, params = mixed_batch(seed=1)
+    kw = dict(model=tiny_llama, dtype="float32", max_total_tokens=8192, chunked_prefill_size=64,
+              enable_jump_forward=jump_forward)
+    reference = LLM(**kw)
+    sync = reference.generate(prompts, params)
+    llm = LLM(**kw)
+    sync_steps = overlapped(llm)
+    over = llm.generate(prompts, params)
+    assert_same_work(llm, reference)
+    if jump_forward:  # a jump would cost its request a step when overlapped: sync
+        assert sync_steps
+    else:
+        assert not sync_steps, "constrained requests made the engine step in sync"
+    for a, b in zip(over, sync):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert a.text == b.text
+    n = 12 + 8
+    assert check_json(over[12:n], SCHEMAS[:8]) > 0
+    check_regex(over[n:], REGEXES[:5])
+    if jump_forward:
+        assert llm.engine.num_jump_forward_tokens > 0
+
+
+def test_overlap_under_memory_pressure(tiny_llama):
+    """Retractions while tokens are in flight: outputs still equal sync stepping."""
+    prompts, params = mixed_batch(seed=2)
+    kw = dict(model=tiny_llama, dtype="float32", max_total_tokens=200, chunked_prefill_size=32)
+    sync = LLM(**kw).generate(prompts, params)
+    llm = LLM(**kw)
+    overlapped(llm)
+    over = llm.generate(prompts, params)
+    assert [o.token_ids for o in over] == [o.token_ids for o in sync]
+    assert llm.stats()["preemptions"] > 0
+    assert_no_leak(llm.stats())
+
+
+def test_overlap_falls_back_to_sync_for_logprobs(tiny_llama):
+    llm = LLM(model=tiny_llama, dtype="float32", max_total_tokens=2048)
+    sync_steps = overlapped(llm)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, logprobs=True, temperature=0.0))
+    assert sync_steps and len(out[0].logprobs) == 5
+
+
+def abort_mid_stream(eng: AsyncEngine, prompt, params: SamplingParams, after: int = 5):
+    """Stream a request, abort it after `after` deltas; returns (deltas, engine stats)."""
+    async def main():
+        got = []
+        async for d in eng.generate(prompt, params, request_id="x"):
+            got.append(d)
+            if len(got) == after:
+                await eng.abort("x")
+        return got, await eng.stats()
+
+    try:
+        return asyncio.run(main())
+    finally:
+        eng.shutdown()
+
+
+def test_overlap_abort_of_a_constrained_request_mid_flight(tiny_llama):
+    eng = AsyncEngine(EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=2048,
+                                   enable_jump_forward=False))
+    sync_steps = overlapped(eng.engine)
+    schema = {"type": "array", "items": {"type": "integer"}, "minItems": 200}
+    params = SamplingParams(max_tokens=400, json_schema=schema, temperature=0.0)
+    got, stats = abort_mid_stream(eng, "Numbers are everywhere", params)
+    assert not sync_steps
+    assert got[-1].finish_reason == "abort"
+    assert all(t >= 0 for d in got for t in d.token_ids)
+    assert_no_leak(stats)
