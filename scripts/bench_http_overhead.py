@@ -2,6 +2,13 @@
 to an AsyncEngine in-process and through HTTP to the Serve app (same engine settings).
 
     python scripts/bench_http_overhead.py [--num-prompts 64] [--concurrency 8] [--json PATH]
+    python scripts/bench_http_overhead.py --hops [--json PATH]
+
+`--hops` splits the overhead by hop on an otherwise idle server: the same 16-token request
+(1 and 32 output tokens) in-process, through a Serve deployment handle straight to the
+engine replica, and over HTTP (proxy -> ingress -> replica); `GET /v1/models` for the
+proxy + ingress alone; and a burst of 64 one-token requests through the handle and HTTP.
+Medians of 30 sequential requests after 5 warm-ups.
 """
 from __future__ import annotations
 
@@ -10,8 +17,10 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import sys
 import time
+import uuid
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 sys.path.insert(0, ROOT)
@@ -75,6 +84,91 @@ def through_http(n: int, input_len: int, output_len: int, concurrency: int) -> d
     return result
 
 
+def hops() -> dict:
+    """Per-hop latency and a burst (see the module docstring)."""
+    import httpx
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.engine_replica import EngineCall
+
+    r = random.Random(0)
+    ids = lambda: [r.randint(3, 700) for _ in range(16)]  # noqa: E731
+    out: dict = {}
+
+    engine = AsyncEngine(EngineConfig(model=ensure_demo_model(), **ENGINE))
+    for n in (1, 32):
+        async def local(n=n):
+            params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+            async for _ in engine.generate(ids(), params, request_id=uuid.uuid4().hex):
+                pass
+        out[f"in_process_{n}"] = asyncio.run(_median_async(local))
+    engine.shutdown()
+
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    serve.start(http_options={"port": PORT})
+    serve.run(build_app({"engine": ENGINE, "ray_actor_options": {"num_cpus": 1}}),
+              name="bench", route_prefix="/")
+    handle = serve.get_deployment_handle("EngineReplica", app_name="bench").options(stream=True)
+    base = f"http://127.0.0.1:{PORT}"
+
+    async def via_handle(n=1):
+        call = EngineCall(uuid.uuid4().hex, ids(), {"max_tokens": n, "ignore_eos": True})
+        async for _ in handle.generate.remote(call):
+            pass
+
+    async def via_http(client, n=1):
+        body = {"model": "radixserve-demo", "prompt": ids(), "max_tokens": n, "ignore_eos": True}
+        (await client.post(f"{base}/v1/completions", json=body)).raise_for_status()
+
+    async def burst(fn, size=64):
+        await asyncio.gather(*[fn() for _ in range(8)])
+        walls = []
+        for _ in range(3):
+            t = time.perf_counter()
+            await asyncio.gather(*[fn() for _ in range(size)])
+            walls.append(1e3 * (time.perf_counter() - t))
+        return min(walls)
+
+    async def serve_side():
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=128)) as c:
+            res = {}
+            for n in (1, 32):
+                res[f"handle_{n}"] = await _median_async(lambda: via_handle(n))
+                res[f"http_{n}"] = await _median_async(lambda: via_http(c, n))
+            res["http_models"] = await _median_async(lambda: c.get(f"{base}/v1/models"))
+            res["burst64_handle"] = await burst(via_handle)
+            res["burst64_http"] = await burst(lambda: via_http(c))
+            return res
+
+    out.update(asyncio.run(serve_side()))
+    serve.shutdown()
+    ray.shutdown()
+    return out
+
+
+async def _median_async(fn, n: int = 30) -> float:
+    for _ in range(5):
+        await fn()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        await fn()
+        times.append(1e3 * (time.perf_counter() - t))
+    return statistics.median(times)
+
+
+def print_hops(h: dict) -> None:
+    print(f"\n{'request (16 prompt tokens)':<34} {'in-process':>11} {'handle':>8} {'HTTP':>8}")
+    for n in (1, 32):
+        print(f"{f'{n} output token(s), median ms':<34} {h[f'in_process_{n}']:>11.1f} "
+              f"{h[f'handle_{n}']:>8.1f} {h[f'http_{n}']:>8.1f}")
+    print(f"{'GET /v1/models, median ms':<34} {'':>11} {'':>8} {h['http_models']:>8.1f}")
+    print(f"{'burst of 64 x 1 token, wall ms':<34} {'':>11} {h['burst64_handle']:>8.0f} "
+          f"{h['burst64_http']:>8.0f}")
+
+
 def _mean(xs) -> float:
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else float("nan")
@@ -87,7 +181,15 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--hops", action="store_true", help="per-hop latency on an idle server")
     a = ap.parse_args()
+    if a.hops:
+        h = hops()
+        print_hops(h)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(h, f, indent=1)
+        return
     prompts = workload(a.num_prompts, a.input_len)
     d = asyncio.run(direct(prompts, a.output_len, a.concurrency))
     h = through_http(a.num_prompts, a.input_len, a.output_len, a.concurrency)
