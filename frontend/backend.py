@@ -6,6 +6,7 @@ server's radix cache finds the part it has seen before, so the client keeps no K
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -108,7 +109,8 @@ class RuntimeEndpoint:
         Prompts go as token ids, so the server scores exactly the tokens counted here. Where
         a choice merges with the prefix's last token, that token is scored as the choice's."""
         prefix_ids, *full = self.tokenize([prefix] + [prefix + c for c in choices])
-        starts = [max(1, _common_len(prefix_ids, ids)) for ids in full]  # token 0 has no logprob
+        # token 0 has no logprob
+        starts = [max(1, len(os.path.commonprefix([prefix_ids, ids]))) for ids in full]
         body = self._post("/v1/completions", {
             "prompt": full, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 0,
             "prompt_logprobs_start": min(starts)})
@@ -185,15 +187,6 @@ def _sse_events(r: requests.Response) -> Iterator[dict[str, Any]]:
             err = event["error"]
             raise ServerError(err.get("message", "stream failed"), None, err.get("type"))
         yield event
-
-
-def _common_len(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 _default_backend: RuntimeEndpoint | None = None

@@ -306,6 +306,16 @@ def prefix_attn_kernel(Q, KC, VC, ReqToToken, Ctrl, TileRow, TileLen, TileMStart
 
 
 @triton.jit
+def _load_kv(kp, vp, dmask, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A full [BLOCK_N, BLOCK_D] block of K and of V (masked along D only when padded)."""
+    if BLOCK_D == HEAD_DIM:
+        return tl.load(kp), tl.load(vp)
+    else:
+        return (tl.load(kp, mask=dmask[None, :], other=0.0),
+                tl.load(vp, mask=dmask[None, :], other=0.0))
+
+
+@triton.jit
 def _softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2, mask, MASKED: tl.constexpr,
                   F32_DOT: tl.constexpr):
     """One online-softmax update of (m_i, l_i, acc) with a [BLOCK_N, D] block of K and V."""
@@ -369,14 +379,9 @@ def extend_kernel(Q, K, V, KC, VC, Out, ReqToToken, ReqRows, SeqLens, ExtendLens
         prefix_full = (prefix // BLOCK_N) * BLOCK_N
         for n in range(0, prefix_full, BLOCK_N):
             slots = tl.load(tok + n + nd).to(tl.int64)
-            kp = kc_base + slots[:, None] * stride_kct + d[None, :]
-            vp = vc_base + slots[:, None] * stride_vct + d[None, :]
-            if BLOCK_D == HEAD_DIM:
-                k = tl.load(kp)
-                v = tl.load(vp)
-            else:
-                k = tl.load(kp, mask=dmask[None, :], other=0.0)
-                v = tl.load(vp, mask=dmask[None, :], other=0.0)
+            k, v = _load_kv(kc_base + slots[:, None] * stride_kct + d[None, :],
+                            vc_base + slots[:, None] * stride_vct + d[None, :],
+                            dmask, BLOCK_D, HEAD_DIM)
             m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2, 0,
                                           False, F32_DOT)
         if prefix_full < prefix:
@@ -397,14 +402,9 @@ def extend_kernel(Q, K, V, KC, VC, Out, ReqToToken, ReqRows, SeqLens, ExtendLens
         full_end = ((mblk * BLOCK_M) // BLOCK_N) * BLOCK_N
         for n in range(0, full_end, BLOCK_N):
             offs = n + nd
-            kp = k_base + offs[:, None] * stride_kt + d[None, :]
-            vp = v_base + offs[:, None] * stride_vt + d[None, :]
-            if BLOCK_D == HEAD_DIM:
-                k = tl.load(kp)
-                v = tl.load(vp)
-            else:
-                k = tl.load(kp, mask=dmask[None, :], other=0.0)
-                v = tl.load(vp, mask=dmask[None, :], other=0.0)
+            k, v = _load_kv(k_base + offs[:, None] * stride_kt + d[None, :],
+                            v_base + offs[:, None] * stride_vt + d[None, :],
+                            dmask, BLOCK_D, HEAD_DIM)
             m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2, 0,
                                           False, F32_DOT)
         end = tl.minimum(ext, (mblk + 1) * BLOCK_M)
