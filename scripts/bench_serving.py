@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
 import socket
 import sys
@@ -491,6 +490,15 @@ def format_table(metrics: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------
 
 
+def _common_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class FakeOpenAIServer:
     """Streams `max_tokens` one-word chunks; reports prefix reuse as cached_tokens.
 
@@ -525,7 +533,7 @@ class FakeOpenAIServer:
         self.requests += 1
         chat = request.path.endswith("/chat/completions")
         tokens = self._prompt_tokens(body)
-        cached = max((len(os.path.commonprefix([tokens, s])) for s in self.seen), default=0)
+        cached = max((_common_prefix_len(tokens, s) for s in self.seen), default=0)
         self.seen.append(tokens)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
