@@ -161,6 +161,20 @@ def test_client_disconnect_aborts_and_frees_slots(server):
     assert after["free_slots"] + after["evictable_slots"] == after["total_slots"]
 
 
+def test_client_leaving_a_non_streamed_request_aborts_it(server):
+    """Serve cancels the ingress call when the client goes; the engine must abort too."""
+    before = stats()["aborted_requests"]
+    # 8 choices x 480 tokens: seconds of work here, so the client surely leaves mid-way
+    body = {"model": MODEL, "prompt": "Never ending either", "max_tokens": 480, "n": 8,
+            "ignore_eos": True, "temperature": 1.0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{BASE}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+    after = wait_until(lambda: (s := stats())["aborted_requests"] >= before + 8
+                       and s["running"] == 0 and s, timeout=30)
+    assert after, "request was not aborted after the client left"
+    assert after["free_slots"] + after["evictable_slots"] == after["total_slots"]
+
+
 def test_concurrent_requests_are_batched(client):
     results = {}
 
