@@ -143,3 +143,37 @@ def test_a_slow_consumer_gets_merged_deltas(engine, tiny_llama):
     assert not any(d.finished for d in deltas[:-1])
     assert deltas[-1].completion_tokens == 24
     assert_no_leak(run(engine.stats()))
+
+
+def test_a_failed_step_ends_its_requests_and_the_engine_lives_on(tiny_llama):
+    from engine.async_engine import EngineStepError
+
+    eng = AsyncEngine(EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=512))
+    runner = eng.engine.runner
+    forward = runner.forward
+    calls = []
+
+    def flaky(plan):
+        calls.append(1)
+        if len(calls) == 3:  # mid-way through both requests' decoding
+            raise RuntimeError("simulated device fault")
+        return forward(plan)
+
+    runner.forward = flaky
+
+    async def main():
+        params = SamplingParams(max_tokens=20, **GREEDY)
+        first = await asyncio.gather(*[collect(eng, p, params, f"f{i}")
+                                       for i, p in enumerate(["one two", "three four"])],
+                                     return_exceptions=True)
+        again = await collect(eng, "one two", params, "after")
+        return first, again, await eng.stats()
+
+    try:
+        first, again, stats = run(main())
+    finally:
+        eng.shutdown()
+    assert all(isinstance(e, EngineStepError) and "simulated device fault" in str(e) for e in first)
+    assert again[-1].finished and sum(len(d.token_ids) for d in again) == 20
+    assert stats["aborted_requests"] == 2 and stats["finished_requests"] == 1
+    assert_no_leak(stats)
