@@ -149,3 +149,49 @@ def test_overlap_abort_of_a_constrained_request_mid_flight(tiny_llama):
     assert got[-1].finish_reason == "abort"
     assert all(t >= 0 for d in got for t in d.token_ids)
     assert_no_leak(stats)
+
+
+@pytest.mark.parametrize("overlap,jump_forward", [(True, False), (True, True), (False, True)])
+def test_random_arrivals_aborts_and_preemption(tiny_llama, overlap, jump_forward):
+    """Requests arrive and are aborted at random steps in a pool small enough to retract:
+    every request that finishes has exactly the output it has alone in a roomy engine, an
+    aborted one a prefix of it, and no KV slot leaks."""
+    from engine.engine import Engine
+
+    prompts, params = mixed_batch(seed=5)
+    r = random.Random(6)
+    order = list(range(len(prompts)))
+    r.shuffle(order)
+    alone = LLM(model=tiny_llama, dtype="float32", max_total_tokens=8192,
+                enable_jump_forward=jump_forward).generate(prompts, params)
+
+    eng = Engine(EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=260,
+                              chunked_prefill_size=32, max_running_requests=8,
+                              enable_jump_forward=jump_forward))
+    if overlap:
+        overlapped(eng)
+    arrive = {i: r.randint(0, 40) for i in order}
+    abort_at = {i: arrive[i] + r.randint(1, 30) for i in order if r.random() < 0.25}
+    reqs, step = {}, 0
+    while len(reqs) < len(order) or eng.has_work:
+        for i in order:
+            if arrive[i] == step:
+                reqs[i] = eng.add_request(f"r{i}", prompts[i], params[i])
+            if abort_at.get(i) == step and i in reqs:
+                eng.abort(f"r{i}")
+        eng.step()
+        step += 1
+        assert step < 5000, "the engine stopped making progress"
+    stats = eng.stats()
+    assert_no_leak(stats)
+    assert stats["preemptions"] > 0
+    finished = 0
+    for i, req in reqs.items():
+        out = eng.output_of(req)
+        expected = alone[i].token_ids
+        if req.finish_reason == "abort":
+            assert expected[:len(out.token_ids)] == out.token_ids, i
+        else:
+            finished += 1
+            assert (out.token_ids, out.finish_reason) == (expected, alone[i].finish_reason), i
+    assert finished >= len(order) // 2
