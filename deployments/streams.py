@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ray.serve import context as serve_context
+from ray.serve.exceptions import RequestCancelledError
 
 from deployments.engine_replica import EngineCall
 from deployments.errors import APIError
@@ -77,6 +78,7 @@ async def merged_stream(handle, calls: list[EngineCall]) -> AsyncIterator[tuple[
     (e.g. the HTTP client went away) cancels every call, which aborts them in the engine."""
     responses = [_submit(handle, call) for call in calls]
     queue: asyncio.Queue = asyncio.Queue()
+    closing = False  # the consumer left: the calls' cancellation below is expected
 
     async def pump(i: int, response) -> None:
         try:
@@ -86,6 +88,11 @@ async def merged_stream(handle, calls: list[EngineCall]) -> AsyncIterator[tuple[
                 await queue.put((i, item))
         except asyncio.CancelledError:
             raise
+        except RequestCancelledError:
+            if closing:
+                return
+            logger.warning("engine call %s was cancelled", calls[i].request_id)
+            await queue.put((i, {"error": "engine call was cancelled", "status": 503}))
         except Exception as e:  # noqa: BLE001 - a replica failure becomes a 500 for this call
             logger.exception("engine call %s failed", calls[i].request_id)
             await queue.put((i, {"error": f"engine replica failed: {type(e).__name__}", "status": 500}))
@@ -101,6 +108,7 @@ async def merged_stream(handle, calls: list[EngineCall]) -> AsyncIterator[tuple[
             else:
                 yield i, item
     finally:
+        closing = True
         for task in tasks:
             task.cancel()
         for response in responses:

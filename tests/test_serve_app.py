@@ -175,6 +175,57 @@ def test_client_leaving_a_non_streamed_request_aborts_it(server):
     assert after["free_slots"] + after["evictable_slots"] == after["total_slots"]
 
 
+def test_random_traffic_with_clients_leaving_leaks_nothing(server):
+    """40 concurrent requests (completions and chat, streamed or not, n up to 3, some under
+    a JSON schema), half of them dropped by their client at random moments: afterwards no
+    request runs or waits, every KV slot is free or cached, and the server still answers."""
+    import asyncio
+    import random
+
+    r = random.Random(7)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    async def one(c: httpx.AsyncClient):
+        body = {"model": MODEL, "max_tokens": r.randint(1, 200), "n": r.choice([1, 1, 2, 3]),
+                "temperature": r.choice([0, 1.0]), "stream": r.random() < 0.5}
+        if r.random() < 0.5:
+            url = "/v1/completions"
+            body["prompt"] = [r.randint(3, 700) for _ in range(r.randint(1, 120))]
+        else:
+            url = "/v1/chat/completions"
+            body["messages"] = [{"role": "user", "content": "hi " * r.randint(1, 30)}]
+        if r.random() < 0.3:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+        leave_after = r.choice([None, 0.05, 0.2, 0.5])
+
+        async def go():
+            if body["stream"]:
+                async with c.stream("POST", BASE + url, json=body) as resp:
+                    async for _ in resp.aiter_lines():
+                        pass
+                    return resp.status_code
+            return (await c.post(BASE + url, json=body)).status_code
+
+        try:
+            return await asyncio.wait_for(go(), leave_after) if leave_after else await go()
+        except asyncio.TimeoutError:
+            return "left"
+
+    async def traffic():
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=100)) as c:
+            return await asyncio.gather(*[one(c) for _ in range(40)])
+
+    outcomes = asyncio.run(traffic())
+    assert set(outcomes) <= {200, 503, "left"}, outcomes  # 503: the engine queue was full
+    assert outcomes.count("left") >= 5
+    after = wait_until(lambda: (s := stats())["running"] == 0 and s["waiting"] == 0 and s, timeout=60)
+    assert after, "requests still running after every client finished or left"
+    assert after["free_slots"] + after["evictable_slots"] == after["total_slots"]
+    r2 = httpx.post(f"{BASE}/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": "still here?", "max_tokens": 4, "ignore_eos": True})
+    assert r2.status_code == 200 and r2.json()["usage"]["completion_tokens"] == 4
+
+
 def test_concurrent_requests_are_batched(client):
     results = {}
 
