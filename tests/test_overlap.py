@@ -42,9 +42,10 @@ def assert_same_work(llm, reference):
     assert b["steps"] <= a["steps"] <= b["steps"] + 1, (a["steps"], b["steps"])
 
 
-def mixed_batch(seed: int):
+def mixed_batch(seed: int, with_sync_requests: bool = False):
     """Unconstrained requests of many lengths and stop tokens, JSON schemas and regexes,
-    greedy and seeded sampling."""
+    greedy and seeded sampling; optionally a request that forces sync steps while present
+    (logprobs) and one with a stop string."""
     r = random.Random(seed)
     prompts, params = [], []
     for i in range(12):
@@ -58,6 +59,11 @@ def mixed_batch(seed: int):
     for i, regex in enumerate(REGEXES[:5]):
         prompts.append("She opened the letter")
         params.append(SamplingParams(max_tokens=60, regex=regex, temperature=0.0))
+    if not with_sync_requests:
+        return prompts, params
+    prompts += ["In the market square", "Once upon a time"]
+    params += [SamplingParams(max_tokens=25, temperature=0.0, ignore_eos=True, logprobs=True),
+               SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=["e"])]
     return prompts, params
 
 
@@ -97,7 +103,7 @@ def test_overlap_equals_sync_with_structured_output(tiny_llama, jump_forward):
         assert a.text == b.text
     n = 12 + 8
     assert check_json(over[12:n], SCHEMAS[:8]) > 0
-    check_regex(over[n:], REGEXES[:5])
+    check_regex(over[n:n + 5], REGEXES[:5])
     if jump_forward:
         assert llm.engine.num_jump_forward_tokens > 0
 
@@ -158,14 +164,14 @@ def test_random_arrivals_aborts_and_preemption(tiny_llama, overlap, jump_forward
     aborted one a prefix of it, and no KV slot leaks."""
     from engine.engine import Engine
 
-    prompts, params = mixed_batch(seed=5)
+    prompts, params = mixed_batch(seed=5, with_sync_requests=True)
     r = random.Random(6)
     order = list(range(len(prompts)))
     r.shuffle(order)
     alone = LLM(model=tiny_llama, dtype="float32", max_total_tokens=8192,
                 enable_jump_forward=jump_forward).generate(prompts, params)
 
-    eng = Engine(EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=260,
+    eng = Engine(EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=180,
                               chunked_prefill_size=32, max_running_requests=8,
                               enable_jump_forward=jump_forward))
     if overlap:
