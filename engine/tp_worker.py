@@ -63,19 +63,39 @@ class LocalWorkers:
         rendezvous = open_rendezvous("127.0.0.1", size, config.dist_timeout_s)
         # spawn, not fork: the parent may already hold CUDA state or threads.
         ctx = mp.get_context("spawn")
+        self._started = [ctx.Event() for _ in range(1, size)]
         self.procs = [ctx.Process(target=_local_worker_main, name=f"tp-rank-{rank}", daemon=True,
                                   args=(rank_config(config, rank), rank, size,
-                                        rendezvous.init_method, os.getpid()))
-                      for rank in range(1, size)]
+                                        rendezvous.init_method, os.getpid(), started))
+                      for rank, started in zip(range(1, size), self._started)]
         for p in self.procs:
             p.start()
         atexit.register(self.close)
         try:
+            self._wait_started(config.dist_timeout_s)
             self.tp = init_tp(0, size, rendezvous, resolve_device(rank_config(config, 0).device),
                               config.dist_timeout_s)
         except BaseException:
             self.close()
             raise
+
+    def _wait_started(self, timeout_s: float) -> None:
+        """Until every rank's process is running its code: one that dies first (a script
+        without a main guard, an import error) fails here at once, not after the
+        rendezvous timeout."""
+        deadline = time.monotonic() + timeout_s
+        while not all(e.is_set() for e in self._started):
+            for rank, p in enumerate(self.procs, start=1):
+                if p.exitcode is not None and not self._started[rank - 1].is_set():
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} exited with code {p.exitcode} before it "
+                        "started (its error is printed above). The ranks are started with "
+                        "multiprocessing's spawn, which re-imports the main module: a script "
+                        "that creates LLM(tp_size=...) needs an `if __name__ == \"__main__\":` "
+                        "guard.")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tensor-parallel ranks did not start within {timeout_s} s")
+            time.sleep(0.05)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the ranks: ask nicely (shutdown step), then terminate, then kill."""
@@ -100,7 +120,8 @@ class LocalWorkers:
 
 
 def _local_worker_main(config: EngineConfig, rank: int, size: int, init_method: str,
-                       parent_pid: int) -> None:
+                       parent_pid: int, started) -> None:
+    started.set()
     _exit_with_parent(parent_pid)
     if resolve_device(config.device).type == "cpu":
         # The ranks share the machine's cores: oversubscribing them slows every rank.

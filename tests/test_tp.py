@@ -159,3 +159,20 @@ def test_gloo_interface_is_the_route_to_rank0(monkeypatch):
     _pick_gloo_interface("127.0.0.1")
     assert os.environ["GLOO_SOCKET_IFNAME"] == "chosen-by-the-user"
     assert interface_towards("::1") is None  # IPv6: left to gloo's own choice
+
+
+def test_a_rank_that_dies_at_start_up_fails_fast(tiny_llama, tmp_path):
+    """A script without a main guard: spawn re-imports it in the rank's process, which dies
+    there. The LLM must fail at once with the hint, not after the rendezvous timeout."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from engine import LLM
+        LLM(model={tiny_llama!r}, dtype="float32", device="cpu", tp_size=2, dist_timeout_s=120)
+    """))
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=110)
+    assert done.returncode != 0
+    assert "tensor-parallel rank 1 exited" in done.stderr and "__main__" in done.stderr
+    assert time.monotonic() - start < 60
