@@ -346,3 +346,46 @@ def test_bad_app_args_fail_clearly():
         build_app({"engine": {"no_such_knob": 1}})
     with pytest.raises(ValueError, match="num_replicas"):
         build_app({"num_replicas": 0})
+
+
+def test_a_replica_that_dies_mid_request_ends_its_streams_and_comes_back(server):
+    """Last in this module: it kills the module's engine replica. A stream in flight ends
+    with an error event and [DONE], a waiting non-streamed request gets a 500 JSON error,
+    and Serve's new replica then serves requests."""
+    import ray
+
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 480, "ignore_eos": True, "n": 4}
+    results: dict = {}
+
+    def streamed():
+        with httpx.stream("POST", f"{BASE}/v1/completions", json={**body, "stream": True},
+                          timeout=60) as r:
+            results["stream"] = (r.status_code, [line for line in r.iter_lines() if line])
+
+    def plain():
+        results["plain"] = httpx.post(f"{BASE}/v1/completions", json=body, timeout=60)
+
+    threads = [threading.Thread(target=streamed), threading.Thread(target=plain)]
+    for t in threads:
+        t.start()
+    assert wait_until(lambda: stats()["running"] >= 8, timeout=30), "requests never started"
+    replica = next(a for a in ray.util.list_named_actors(all_namespaces=True)
+                   if "EngineReplica" in a["name"])
+    ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)
+    for t in threads:
+        t.join(timeout=60)
+    status, lines = results["stream"]
+    assert status == 200 and lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][len("data: "):])["error"]["type"] == "server_error"
+    plain_reply = results["plain"]
+    assert plain_reply.status_code == 500 and plain_reply.json()["error"]["message"]
+
+    def served():
+        try:
+            r = httpx.post(f"{BASE}/v1/completions", timeout=10, json={
+                "model": MODEL, "prompt": "hi", "max_tokens": 4, "ignore_eos": True})
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+    assert wait_until(served, timeout=120, interval=0.5), "no new replica served requests"
