@@ -29,12 +29,15 @@ def _dot(a, b, F32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _attend_slots(q, m_i, l_i, acc, tok, k_base, v_base, start, end, stride_kt, stride_vt,
-                  d, dmask, sm_scale_log2, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr):
-    """Online softmax of the query rows q ([rows, BLOCK_D]) over the tokens [start, end) of
-    one req_to_token row (`tok`), one KV head (`k_base`, `v_base`); returns the updated
+def _attend_slots(q, tok, k_base, v_base, start, end, stride_kt, stride_vt, d, dmask,
+                  sm_scale_log2, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr):
+    """Online softmax of the query rows q ([ROWS, BLOCK_D]) over the tokens [start, end) of
+    one req_to_token row (`tok`), one KV head (`k_base`, `v_base`); returns the
     unnormalised state (m_i, l_i, acc). Shared by the decode and the prefix kernels."""
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     for n in range(start, end, BLOCK_N):
         offs = n + tl.arange(0, BLOCK_N)
         nmask = offs < end
@@ -137,13 +140,10 @@ def decode_partial_kernel(Q, KC, VC, ReqToToken, ReqRows, SeqLens, Out, MidO, Mi
 
         q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
                     mask=hmask[:, None] & dmask[None, :], other=0.0)
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         m_i, l_i, acc = _attend_slots(
-            q, m_i, l_i, acc, ReqToToken + row * stride_rt, KC + kvh * stride_kh,
-            VC + kvh * stride_vh, start, end, stride_kt, stride_vt, d, dmask, sm_scale_log2,
-            BLOCK_N, HEAD_DIM, BLOCK_D, F32_DOT)
+            q, ReqToToken + row * stride_rt, KC + kvh * stride_kh, VC + kvh * stride_vh,
+            start, end, stride_kt, stride_vt, d, dmask, sm_scale_log2,
+            BLOCK_H, BLOCK_N, HEAD_DIM, BLOCK_D, F32_DOT)
 
         if HAS_PREFIX and DIRECT:
             m_i, l_i, acc = _merge_prefix_partials(
@@ -291,13 +291,10 @@ def prefix_attn_kernel(Q, KC, VC, ReqToToken, Ctrl, TileRow, TileLen, TileMStart
             heads = kvh * GROUP + hj
             q = tl.load(Q + b[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
                         mask=rmask[:, None] & dmask[None, :], other=0.0)
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
             m_i, l_i, acc = _attend_slots(
-                q, m_i, l_i, acc, ReqToToken + row * stride_rt, KC + kvh * stride_kh,
-                VC + kvh * stride_vh, start, end, stride_kt, stride_vt, d, dmask,
-                sm_scale_log2, BLOCK_N, HEAD_DIM, BLOCK_D, F32_DOT)
+                q, ReqToToken + row * stride_rt, KC + kvh * stride_kh, VC + kvh * stride_vh,
+                start, end, stride_kt, stride_vt, d, dmask, sm_scale_log2,
+                BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, F32_DOT)
             out = acc / l_i[:, None]
             tl.store(PfxO + b[:, None] * stride_pb + heads[:, None] * stride_ph + p * stride_pp
                      + d[None, :], out, mask=rmask[:, None] & dmask[None, :])
