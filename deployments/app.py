@@ -13,10 +13,12 @@ from deployments.ingress import OpenAIIngress
 from deployments.tp_workers import placement_options
 
 
-def engine_deployment(args: AppArgs):
+def engine_deployment(args: AppArgs, replica_class: type = EngineReplica):
     options: dict[str, Any] = {
         "name": "EngineReplica",
-        "max_ongoing_requests": args.max_ongoing_requests,
+        "max_ongoing_requests": args.engine_max_ongoing(),
+        # Serve's own queue (all replicas at their cap) gets the same 503 as the engine's.
+        "max_queued_requests": args.engine_capacity,
         "ray_actor_options": args.ray_actor_options,
         "graceful_shutdown_timeout_s": args.graceful_shutdown_timeout_s,
         "health_check_period_s": args.health_check_period_s,
@@ -34,18 +36,20 @@ def engine_deployment(args: AppArgs):
     if router is not None:
         options["request_router_config"] = router
     block_size = args.router.request_router_kwargs.get("block_size", 16)
-    return serve.deployment(EngineReplica).options(**options).bind(args.model, args.engine, block_size)
+    return serve.deployment(replica_class).options(**options).bind(args.model, args.engine, block_size)
 
 
-def build_app(args: dict[str, Any] | None = None) -> Application:
+def build_app(args: dict[str, Any] | None = None, replica_class: type = EngineReplica) -> Application:
+    """`replica_class`: EngineReplica, or a stand-in of it (scripts/bench_serve_path.py)."""
     try:
         app_args = AppArgs.model_validate(args or {})
     except ValidationError as e:
         raise ValueError(f"invalid radixserve app args:\n{e}") from None
-    engine = engine_deployment(app_args)
+    engine = engine_deployment(app_args, replica_class)
     ingress = serve.deployment(OpenAIIngress).options(
-        name="OpenAIIngress", num_replicas=app_args.ingress_replicas,
-        max_ongoing_requests=app_args.max_ongoing_requests,
-        ray_actor_options=app_args.ingress_ray_actor_options)
+        name="OpenAIIngress", max_ongoing_requests=app_args.ingress_max_ongoing_requests,
+        ray_actor_options=app_args.ingress_ray_actor_options, **app_args.ingress_scaling())
+    router_reads_text = app_args.router.request_router_class not in ("prefix", "default")
     return ingress.bind(engine, app_args.model, app_args.model_name(),
-                        app_args.engine.get("max_model_len"))
+                        app_args.engine.get("max_model_len"), app_args.engine.get("tokenizer"),
+                        app_args.max_request_body_bytes, router_reads_text)

@@ -4,11 +4,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deployments.request_body import DEFAULT_MAX_BODY_BYTES
 from engine.config import EngineConfig
 
 DEFAULT_ROUTER_CLASS = "router.request_router:PrefixAwareRequestRouter"
+DEFAULT_MAX_QUEUED_REQUESTS = 1024  # per engine replica, when the engine config sets none
+INGRESS_PER_ENGINE = 2
 
 
 class RouterArgs(BaseModel):
@@ -38,10 +41,17 @@ class AppArgs(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict)  # EngineConfig fields
     num_replicas: int | None = 1
     autoscaling_config: dict[str, Any] | None = None
-    max_ongoing_requests: int = 1024  # the engine batches: Serve must not serialize requests
+    # Serve's cap on requests in flight per engine replica. None = the engine's capacity
+    # (max_running_requests + max_queued_requests) plus slack, so that the engine, not
+    # Serve's queue, is where a request over the bound is refused (503 at once).
+    max_ongoing_requests: int | None = None
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
-    ingress_replicas: int = 1
+    # Ingress replicas tokenize, decode text and frame SSE for all streams. None = two per
+    # engine replica (scaling with them under autoscaling), at least two for availability.
+    ingress_replicas: int | None = None
     ingress_ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.1})
+    ingress_max_ongoing_requests: int = 8192  # async and cheap per request: never the bound
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger bodies get a 413
     router: RouterArgs = Field(default_factory=RouterArgs)
     graceful_shutdown_timeout_s: float = 30.0
     # Serve health-checks each engine replica (`EngineReplica.check_health`: the engine loop
@@ -78,12 +88,44 @@ class AppArgs(BaseModel):
             raise ValueError("must be > 0")
         return value
 
-    @field_validator("num_replicas", "ingress_replicas")
+    @field_validator("num_replicas", "ingress_replicas", "max_request_body_bytes")
     @classmethod
     def _positive(cls, value: int | None) -> int | None:
         if value is not None and value < 1:
             raise ValueError("must be >= 1")
         return value
+
+    @model_validator(mode="after")
+    def _bounded_engine_queue(self) -> AppArgs:
+        if not self.engine.get("max_queued_requests"):
+            self.engine = {**self.engine, "max_queued_requests": DEFAULT_MAX_QUEUED_REQUESTS}
+        if self.max_ongoing_requests is not None and self.max_ongoing_requests < self.engine_capacity:
+            raise ValueError(f"max_ongoing_requests ({self.max_ongoing_requests}) is below the "
+                             f"engine's capacity ({self.engine_capacity} = max_running_requests "
+                             "+ max_queued_requests): Serve would queue requests the engine "
+                             "has room for; raise it or leave it unset")
+        return self
+
+    @property
+    def engine_capacity(self) -> int:
+        running = self.engine.get("max_running_requests", EngineConfig.max_running_requests)
+        return running + self.engine["max_queued_requests"]
+
+    def engine_max_ongoing(self) -> int:
+        # Slack: refused requests leave at once, but briefly count against Serve's cap.
+        return self.max_ongoing_requests or self.engine_capacity + max(16, self.engine_capacity // 8)
+
+    def ingress_scaling(self) -> dict[str, Any]:
+        """`num_replicas` or `autoscaling_config` options of the ingress deployment."""
+        if self.ingress_replicas is not None:
+            return {"num_replicas": self.ingress_replicas}
+        if self.autoscaling_config is None:
+            return {"num_replicas": max(2, INGRESS_PER_ENGINE * (self.num_replicas or 1))}
+        lo = self.autoscaling_config.get("min_replicas", 1)
+        hi = self.autoscaling_config.get("max_replicas", lo)
+        return {"num_replicas": "auto", "autoscaling_config": {
+            "min_replicas": max(2, INGRESS_PER_ENGINE * lo), "max_replicas": max(2, INGRESS_PER_ENGINE * hi),
+            "target_ongoing_requests": self.engine_capacity}}
 
     @property
     def tp_size(self) -> int:

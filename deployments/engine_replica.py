@@ -2,18 +2,19 @@
 through the deployment handle, and publishing its load and cache digest to the router."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from deployments.errors import OVERLOADED_MESSAGE
 from deployments.metrics import EngineMetrics
 from deployments.tp_workers import TPWorkers
 from engine import AsyncEngine, EngineConfig, QueueFullError, SamplingParams
 from engine.demo_model import ensure_demo_model
 from engine.engine import Engine
+from engine.outputs import StreamDelta
 from router.cache_digest import CacheDigest
 
 logger = logging.getLogger(__name__)
@@ -43,16 +44,8 @@ class EngineReplica:
     def __init__(self, model: str | None, engine_kwargs: dict[str, Any],
                  digest_block_size: int = 16) -> None:
         config = EngineConfig(model=resolve_model(model), enable_cache_events=True, **engine_kwargs)
-        # At tp_size > 1 this replica is rank 0; the other ranks are Ray actors in its
-        # placement group (deployments/tp_workers.py).
-        self.tp_workers = TPWorkers(config) if config.tp_size > 1 else None
-        tp = self.tp_workers.tp if self.tp_workers else None
-        try:
-            self.engine = AsyncEngine(config, Engine(config, tp=tp))
-        except BaseException:
-            if self.tp_workers is not None:  # the ranks may be inside a collective: no goodbye
-                self.tp_workers.close(graceful=False)
-            raise
+        self.tp_workers = None
+        self.engine = self._start_engine(config)
         self.digest = CacheDigest(block_size=digest_block_size)
         self._stats: dict[str, Any] = {}
         self._stats_lock = threading.Lock()
@@ -60,6 +53,19 @@ class EngineReplica:
         self.replica_id = _replica_id()
         self.engine.add_step_hook(self._after_step)
         logger.info("engine replica ready: %s", config.model)
+
+    def _start_engine(self, config: EngineConfig) -> AsyncEngine:
+        """The engine, streaming token ids only: the ingress decodes text, off this process."""
+        # At tp_size > 1 this replica is rank 0; the other ranks are Ray actors in its
+        # placement group (deployments/tp_workers.py).
+        self.tp_workers = TPWorkers(config) if config.tp_size > 1 else None
+        tp = self.tp_workers.tp if self.tp_workers else None
+        try:
+            return AsyncEngine(config, Engine(config, tp=tp), detokenize=False)
+        except BaseException:
+            if self.tp_workers is not None:  # the ranks may be inside a collective: no goodbye
+                self.tp_workers.close(graceful=False)
+            raise
 
     def _after_step(self, engine) -> None:
         """Runs on the engine thread between steps: fold cache events into the digest and
@@ -71,19 +77,19 @@ class EngineReplica:
         self.metrics.on_step(stats)
 
     async def generate(self, call: EngineCall) -> AsyncIterator[dict]:
-        """Stream dicts: deltas (StreamDelta fields) or one {"error": ..., "status": ...}."""
+        """Stream dicts: deltas (`wire_delta`) or one {"error": ..., "status": ...}."""
         timer = self.metrics.track_request()
         try:
             params = SamplingParams(**call.sampling)
             async for delta in self.engine.generate(call.prompt_token_ids, params, call.request_id):
                 timer.on_delta(len(delta.token_ids), delta.finished, delta.finish_reason)
-                yield dataclasses.asdict(delta)
+                yield wire_delta(delta)
         except ValueError as e:
             timer.close("invalid")
             yield {"error": str(e), "status": 400}
-        except QueueFullError as e:
+        except QueueFullError:
             timer.close("rejected")
-            yield {"error": str(e), "status": 503}
+            yield {"error": OVERLOADED_MESSAGE, "status": 503}
         finally:
             timer.close()  # no-op unless the caller left early
 
@@ -127,6 +133,20 @@ class EngineReplica:
         tp_workers = getattr(self, "tp_workers", None)
         if tp_workers is not None:
             tp_workers.close(graceful=engine is None or not engine.is_alive())
+
+
+def wire_delta(delta: StreamDelta) -> dict[str, Any]:
+    """A delta as it crosses to the ingress: token ids without text (the ingress decodes),
+    a flat dict without the fields that are None (most deltas are one token;
+    `dataclasses.asdict` would deep-copy every list)."""
+    out = {"token_ids": delta.token_ids, "finished": delta.finished,
+           "finish_reason": delta.finish_reason, "prompt_tokens": delta.prompt_tokens,
+           "cached_tokens": delta.cached_tokens, "completion_tokens": delta.completion_tokens}
+    for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+        value = getattr(delta, name)
+        if value is not None:
+            out[name] = value
+    return out
 
 
 def _replica_id() -> str:

@@ -29,6 +29,9 @@ _TYPE_BY_STATUS = {
 }
 # Said instead of the real exception text: internals shouldn't leak to clients.
 INTERNAL_ERROR_MESSAGE = "The server had an error while processing your request."
+# The one message for "no room for this request now", wherever it is refused (the engine's
+# bound, Serve's queue bound): clients and dashboards see one condition.
+OVERLOADED_MESSAGE = "The server is at capacity; retry after the Retry-After interval."
 
 
 def default_error_type(status: int) -> str:
@@ -79,7 +82,7 @@ class APIError(Exception):
         return cls(message, 404, param=param, code="not_found")
 
     @classmethod
-    def unavailable(cls, message: str = "The server is overloaded or not ready yet.",
+    def unavailable(cls, message: str = OVERLOADED_MESSAGE,
                     retry_after_s: int = 1) -> APIError:
         return cls(message, 503, headers={"Retry-After": str(retry_after_s)})
 

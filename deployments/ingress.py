@@ -5,7 +5,6 @@ into one engine call per (prompt, choice), and streams or gathers the results.
 """
 
 import asyncio
-import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,6 +15,8 @@ from ray import serve
 
 from deployments.engine_replica import EngineCall, resolve_model
 from deployments.errors import APIError, install_error_handlers
+from deployments.prompt_encoder import PromptEncoder
+from deployments.request_body import DEFAULT_MAX_BODY_BYTES, read_json_body
 from deployments.metrics import install_http_metrics
 from deployments.stats import summary
 from deployments.protocol import (
@@ -26,11 +27,11 @@ from deployments.protocol import (
 from deployments.responses import (
     TokenNamer, chat_chunk, chat_response, completion_chunk, completion_response, usage_of,
 )
-from deployments.streams import ChoiceState, error_of, merged_stream
+from deployments.streams import ChoiceState, error_of, merge_deltas, merged_stream
 from engine import SamplingParams
 from engine.models import load_hf_config
 from engine.request import validate_request
-from engine.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
+from engine.tokenizer import DEFAULT_CHAT_TEMPLATE, IncrementalDetokenizer, Tokenizer
 
 api = FastAPI(title="radixserve", description="OpenAI-compatible API over radixserve engines")
 install_error_handlers(api)
@@ -45,27 +46,26 @@ async def _prepend(first, stream) -> AsyncIterator:
         yield item
 
 
-async def _json_body(request: Request) -> Any:
-    body = await request.body()
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError.bad_request(f"Invalid JSON body: {e}", code="invalid_json") from None
-
-
 @serve.ingress(api)
 class OpenAIIngress:
     def __init__(self, engine_handle, model: str | None, served_model_name: str,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, tokenizer: str | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 router_reads_text: bool = False) -> None:
         path = resolve_model(model)
         self.engine = engine_handle.options(stream=True)
         self.control = engine_handle
         self.model_name = served_model_name
-        self.tokenizer = Tokenizer(path)
+        self.tokenizer = Tokenizer(tokenizer or path)  # the engine's `tokenizer` setting wins
         hf_config = load_hf_config(path)
         self.vocab_size = hf_config.vocab_size
         self.max_context = max_model_len or hf_config.max_position_embeddings
         self.name_token = TokenNamer(self.tokenizer)
+        self.encoder = PromptEncoder(self.tokenizer, self.max_context)
+        self.max_body_bytes = max_body_bytes
+        # Ray's PrefixCacheAffinityRouter reads prompt text; ours hashes token ids, and
+        # decoding every prompt again for nothing costs the event loop ~1 ms per 2k tokens.
+        self.router_reads_text = router_reads_text
 
     # -- plain endpoints ----------------------------------------------------------------
 
@@ -96,16 +96,17 @@ class OpenAIIngress:
         """Token ids of a prompt exactly as /v1/completions sees it. With `messages`, the chat
         template is rendered and `prompt` is returned too: text that, sent to /v1/completions,
         gives the tokens /v1/chat/completions uses (the frontend language builds chats on it)."""
-        req = TokenizeRequest.model_validate(await _json_body(request))
+        req = TokenizeRequest.model_validate(await self._body(request))
         self._check_model(req.model)
         if isinstance(req.prompt, str):
-            return JSONResponse({"tokens": self.tokenizer.encode(req.prompt),
+            return JSONResponse({"tokens": await self._encode(req.prompt),
                                  "max_model_len": self.max_context})
         if req.prompt is not None:  # a batch: one token list per text
-            return JSONResponse({"tokens": [self.tokenizer.encode(p) for p in req.prompt],
+            return JSONResponse({"tokens": [await self._encode(p) for p in req.prompt],
                                  "max_model_len": self.max_context})
-        text = self._chat_text([m.as_template_dict() for m in req.messages], req.add_generation_prompt)
-        ids = self.tokenizer.encode(text)
+        messages = [m.as_template_dict() for m in req.messages]
+        text = await asyncio.to_thread(self._chat_text, messages, req.add_generation_prompt)
+        ids = await self._encode(text)
         return JSONResponse({"tokens": ids, "count": len(ids), "prompt": text,
                              "max_model_len": self.max_context})
 
@@ -113,37 +114,54 @@ class OpenAIIngress:
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
-        req = CompletionRequest.model_validate(await _json_body(request))
+        req = CompletionRequest.model_validate(await self._body(request))
         self._check_model(req.model)
         kwargs = completion_sampling_kwargs(req)
         raw_prompts = req.prompts()
-        prompts = [self._token_ids(p) for p in raw_prompts]
-        calls = self._calls(prompts, kwargs, req.n, "cmpl")
+        prompts = [await self._token_ids(p) for p in raw_prompts]
+        calls, choices = self._calls(prompts, kwargs, req.n, "cmpl")
         want_lp = req.logprobs is not None
         echo = None
         if req.echo:
             texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in raw_prompts]
             echo = [(prompts[i // req.n], texts[i // req.n]) for i in range(len(calls))]
         if req.stream:
-            return await self._stream(calls, req.n, req.include_usage, chat=False, want_lp=want_lp,
-                                      echo=echo)
-        choices = await self._gather(calls, req.n)
+            return await self._stream(calls, choices, req.include_usage, chat=False,
+                                      want_lp=want_lp, echo=echo)
+        await self._gather(calls, choices)
         return completion_response(self.model_name, choices, want_lp, self.name_token, echo)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        req = ChatCompletionRequest.model_validate(await _json_body(request))
+        req = ChatCompletionRequest.model_validate(await self._body(request))
         self._check_model(req.model)
-        prompt = self.tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages])
+        prompt = await self._encode_chat([m.as_template_dict() for m in req.messages])
         kwargs = chat_sampling_kwargs(req, default_max_tokens=max(1, self.max_context - len(prompt)))
-        calls = self._calls([prompt], kwargs, req.n, "chatcmpl")
+        calls, choices = self._calls([prompt], kwargs, req.n, "chatcmpl")
         want_lp = bool(req.logprobs)
         if req.stream:
-            return await self._stream(calls, req.n, req.include_usage, chat=True, want_lp=want_lp)
-        choices = await self._gather(calls, req.n)
+            return await self._stream(calls, choices, req.include_usage, chat=True, want_lp=want_lp)
+        await self._gather(calls, choices)
         return chat_response(self.model_name, choices, want_lp, self.name_token)
 
     # -- helpers ------------------------------------------------------------------------
+
+    async def _body(self, request: Request) -> Any:
+        return await read_json_body(request, self.max_body_bytes)
+
+    async def _encode(self, text: str) -> list[int]:
+        try:
+            return await self.encoder.encode(text)
+        except ValueError as e:
+            raise APIError.bad_request(str(e), param="prompt") from None
+
+    async def _encode_chat(self, messages: list[dict]) -> list[int]:
+        try:
+            return await self.encoder.encode_chat(messages)
+        except ValueError as e:
+            raise APIError.bad_request(str(e), param="messages") from None
+        except Exception as e:  # noqa: BLE001 - the template is the model's code; its errors are the client's
+            raise APIError.bad_request(f"chat template error: {e}", param="messages") from None
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -163,11 +181,12 @@ class OpenAIIngress:
             text = text[len(bos):]  # encoding text adds the BOS itself; the template's would double it
         return text
 
-    def _token_ids(self, prompt: str | list[int]) -> list[int]:
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    async def _token_ids(self, prompt: str | list[int]) -> list[int]:
+        return await self._encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def _calls(self, prompts: list[list[int]], kwargs: dict[str, Any], n: int,
-               prefix: str) -> list[EngineCall]:
+               prefix: str) -> tuple[list[EngineCall], list[ChoiceState]]:
+        """One engine call per (prompt, choice), and the state its stream fills in."""
         try:
             params = SamplingParams(**kwargs)
             for ids in prompts:
@@ -175,57 +194,65 @@ class OpenAIIngress:
         except (ValueError, TypeError) as e:
             raise APIError.bad_request(str(e)) from None
         rid = f"{prefix}-{uuid.uuid4().hex}"
-        calls = []
+        calls, choices = [], []
         for i, ids in enumerate(prompts):
-            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            text = self.tokenizer.decode(ids, skip_special_tokens=False) if self.router_reads_text else ""
             for j in range(n):
                 sampling = dict(kwargs)
                 if params.seed is not None:
                     sampling["seed"] = params.seed + j  # n seeded choices must differ
                 calls.append(EngineCall(f"{rid}-{i}-{j}", ids, sampling, prompt=text))
-        return calls
+                detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
+                choices.append(ChoiceState(index=len(choices), prompt_index=i, detok=detok))
+        return calls, choices
 
-    async def _gather(self, calls: list[EngineCall], n: int) -> list[ChoiceState]:
-        choices = [ChoiceState(index=i, prompt_index=i // n) for i in range(len(calls))]
-        async for i, item in merged_stream(self.engine, calls):
-            err = error_of(item)
-            if err is not None:
-                raise err
-            choices[i].add(item)
-        return choices
+    async def _gather(self, calls: list[EngineCall], choices: list[ChoiceState]) -> None:
+        async for batch in merged_stream(self.engine, calls):
+            for i, item in batch:
+                if (err := error_of(item)) is not None:
+                    raise err
+                choices[i].add(item)
 
-    async def _stream(self, calls: list[EngineCall], n: int, include_usage: bool, chat: bool,
-                      want_lp: bool, echo=None) -> StreamingResponse:
+    async def _stream(self, calls: list[EngineCall], choices: list[ChoiceState],
+                      include_usage: bool, chat: bool, want_lp: bool, echo=None) -> StreamingResponse:
         stream = merged_stream(self.engine, calls)
         first = await anext(stream, None)  # errors before any token get a real HTTP status
-        if first is not None and (err := error_of(first[1])) is not None:
+        if first is not None and (err := error_of(first[0][1])) is not None:
             await stream.aclose()
             raise err
-        events = self._sse(stream, first, calls, n, include_usage, chat, want_lp, echo)
+        events = self._sse(_prepend(first, stream), stream, choices, include_usage, chat,
+                           want_lp, echo)
         return StreamingResponse(events, media_type="text/event-stream")
 
-    async def _sse(self, stream, first, calls, n, include_usage, chat, want_lp,
+    async def _sse(self, batches, stream, choices, include_usage, chat, want_lp,
                    echo=None) -> AsyncIterator[str]:
+        """One SSE write per batch of deltas: a client (or proxy) slower than the engine
+        gets fewer, larger chunks (one per choice per batch), not a backlog of one-token ones."""
         kind = ChatCompletionStreamResponse if chat else CompletionStreamResponse
         head = kind(model=self.model_name)
         base = {"id": head.id, "created": head.created, "model": self.model_name}
-        choices = [ChoiceState(index=i, prompt_index=i // n) for i in range(len(calls))]
-        started = [False] * len(calls)
+        started = [False] * len(choices)
         try:
-            items = _prepend(first, stream)
-            async for i, item in items:
-                if (err := error_of(item)) is not None:
-                    yield err.sse_event()
+            async for batch in batches:
+                events, error = [], None
+                for i, item in merge_deltas(batch):
+                    if (error := error_of(item)) is not None:
+                        break
+                    text = choices[i].add(item)
+                    if chat:
+                        chunk = chat_chunk(base, choices[i], item, text, want_lp, self.name_token,
+                                           not started[i])
+                    else:
+                        if echo is not None and not started[i]:  # the prompt text leads the stream
+                            text = echo[i][1] + text
+                        chunk = completion_chunk(base, choices[i], item, text, want_lp, self.name_token)
+                    started[i] = True
+                    events.append(sse_event(chunk))
+                if error is not None:
+                    events.append(error.sse_event())
+                    yield "".join(events)
                     break
-                choices[i].add(item)
-                if chat:
-                    chunk = chat_chunk(base, choices[i], item, want_lp, self.name_token, not started[i])
-                else:
-                    if echo is not None and not started[i]:  # the prompt text leads the stream
-                        item = {**item, "text": echo[i][1] + item["text"]}
-                    chunk = completion_chunk(base, choices[i], item, want_lp, self.name_token)
-                started[i] = True
-                yield sse_event(chunk)
+                yield "".join(events)
             if include_usage:
                 yield sse_event(kind(**base, choices=[], usage=usage_of(choices)))
             yield SSE_DONE

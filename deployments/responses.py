@@ -93,24 +93,24 @@ def chat_response(model: str, choices: list[ChoiceState], want_logprobs: bool,
     return ChatCompletionResponse(model=model, choices=out, usage=usage_of(choices))
 
 
-def completion_chunk(base: dict, c: ChoiceState, delta: dict, want_logprobs: bool,
+def completion_chunk(base: dict, c: ChoiceState, delta: dict, text: str, want_logprobs: bool,
                      name: TokenNamer) -> CompletionStreamResponse:
     lp = None
     if want_logprobs and delta["token_ids"]:
         lp = completion_logprobs(delta["token_ids"], delta.get("logprobs") or [],
                                  delta.get("top_logprobs") or [], name)
-    choice = CompletionStreamChoice(index=c.index, text=delta["text"], logprobs=lp,
+    choice = CompletionStreamChoice(index=c.index, text=text, logprobs=lp,
                                     finish_reason=delta["finish_reason"] if delta["finished"] else None)
     return CompletionStreamResponse(**base, choices=[choice])
 
 
-def chat_chunk(base: dict, c: ChoiceState, delta: dict, want_logprobs: bool,
+def chat_chunk(base: dict, c: ChoiceState, delta: dict, text: str, want_logprobs: bool,
                name: TokenNamer, first: bool) -> ChatCompletionStreamResponse:
     lp = None
     if want_logprobs and delta["token_ids"]:
         lp = chat_logprobs(delta["token_ids"], delta.get("logprobs") or [],
                            delta.get("top_logprobs") or [], name)
-    message = DeltaMessage(role="assistant" if first else None, content=delta["text"] or None)
+    message = DeltaMessage(role="assistant" if first else None, content=text or None)
     choice = ChatCompletionStreamChoice(index=c.index, delta=message, logprobs=lp,
                                         finish_reason=delta["finish_reason"] if delta["finished"] else None)
     return ChatCompletionStreamResponse(**base, choices=[choice])

@@ -9,21 +9,25 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ray.serve import context as serve_context
-from ray.serve.exceptions import RequestCancelledError
+from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
 from deployments.engine_replica import EngineCall
-from deployments.errors import APIError
+from deployments.errors import OVERLOADED_MESSAGE, APIError
 from deployments.metrics import record_finished_engine_call
+from engine.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class ChoiceState:
-    """Everything received so far for one choice."""
+    """Everything received so far for one choice. Text is decoded here, from the token ids
+    the replica streams (`detok`: an IncrementalDetokenizer with the request's stop strings,
+    so the text ends where the engine stopped)."""
 
     index: int
     prompt_index: int
+    detok: IncrementalDetokenizer
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -34,8 +38,13 @@ class ChoiceState:
     cached_tokens: int = 0
     completion_tokens: int = 0
 
-    def add(self, delta: dict) -> None:
-        self.text.append(delta["text"])
+    def add(self, delta: dict) -> str:
+        """Take in one delta; returns its text."""
+        for token in delta["token_ids"]:
+            if not self.detok.stopped:
+                self.detok.add(token)
+        text = self.detok.take_delta(final=delta["finished"])
+        self.text.append(text)
         self.token_ids += delta["token_ids"]
         self.logprobs += delta.get("logprobs") or []
         self.top_logprobs += delta.get("top_logprobs") or []
@@ -46,6 +55,7 @@ class ChoiceState:
         self.completion_tokens = delta["completion_tokens"]
         if delta["finished"]:
             self.finish_reason = delta["finish_reason"]
+        return text
 
 
 def error_of(item: dict) -> APIError | None:
@@ -73,9 +83,10 @@ def _submit(handle, call: EngineCall):
     return contextvars.copy_context().run(submit)
 
 
-async def merged_stream(handle, calls: list[EngineCall]) -> AsyncIterator[tuple[int, dict]]:
-    """Yield (call index, item) from all calls as items arrive. Closing this generator
-    (e.g. the HTTP client went away) cancels every call, which aborts them in the engine."""
+async def merged_stream(handle, calls: list[EngineCall]) -> AsyncIterator[list[tuple[int, dict]]]:
+    """Yield batches of (call index, item) from all calls: everything that arrived since the
+    consumer last asked (at least one). Closing this generator (e.g. the HTTP client went
+    away) cancels every call, which aborts them in the engine."""
     responses = [_submit(handle, call) for call in calls]
     queue: asyncio.Queue = asyncio.Queue()
     closing = False  # the consumer left: the calls' cancellation below is expected
@@ -88,6 +99,8 @@ async def merged_stream(handle, calls: list[EngineCall]) -> AsyncIterator[tuple[
                 await queue.put((i, item))
         except asyncio.CancelledError:
             raise
+        except BackPressureError:  # Serve's queue bound (max_queued_requests): same as the engine's
+            await queue.put((i, {"error": OVERLOADED_MESSAGE, "status": 503}))
         except RequestCancelledError:
             if closing:
                 return
@@ -102,14 +115,41 @@ async def merged_stream(handle, calls: list[EngineCall]) -> AsyncIterator[tuple[
     try:
         remaining = len(tasks)
         while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            else:
-                yield i, item
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            remaining -= sum(item is None for _, item in batch)
+            batch = [(i, item) for i, item in batch if item is not None]
+            if batch:
+                yield batch
     finally:
         closing = True
         for task in tasks:
             task.cancel()
         for response in responses:
             response.cancel()
+
+
+def merge_deltas(batch: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
+    """Join each call's consecutive deltas in a batch into one (first-seen call order).
+    An error item ends its call's merging: it is kept as it is, after what came before."""
+    merged: dict[int, dict] = {}
+    errors: list[tuple[int, dict]] = []
+    for i, item in batch:
+        if "error" in item:
+            errors.append((i, item))
+        elif i in merged:
+            merged[i] = _joined_delta(merged[i], item)
+        else:
+            merged[i] = item
+    return list(merged.items()) + errors
+
+
+def _joined_delta(a: dict, b: dict) -> dict:
+    out = dict(b, token_ids=a["token_ids"] + b["token_ids"])
+    for name in ("logprobs", "top_logprobs"):
+        if name in a or name in b:
+            out[name] = a.get(name, []) + b.get(name, [])
+    if "prompt_logprobs" in a:
+        out["prompt_logprobs"] = a["prompt_logprobs"]
+    return out

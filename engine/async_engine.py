@@ -35,9 +35,15 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, engine: Engine | None = None) -> None:
+    """`detokenize=False` streams token ids with empty text: a server that decodes text in
+    its front end (deployments/ingress.py) keeps that work off the engine thread. Requests
+    with stop strings are decoded here all the same (the engine must see the stop)."""
+
+    def __init__(self, config: EngineConfig, engine: Engine | None = None,
+                 detokenize: bool = True) -> None:
         self.engine = engine or Engine(config)
         self.config = self.engine.config
+        self.detokenize = detokenize
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._step_hooks: list[Callable[[Engine], None]] = []
@@ -59,9 +65,7 @@ class AsyncEngine:
             with contextlib.suppress(ValueError):  # validate() raises it again, below
                 await asyncio.wrap_future(self.engine.grammars.submit(params))
         self.engine.validate(prompt_ids, params)  # a bad constraint raises here (cached compile)
-        limit = self.config.max_queued_requests
-        if limit and self.num_waiting >= limit:
-            raise QueueFullError(f"engine queue is full ({limit} waiting)")
+        self.check_capacity()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -114,6 +118,21 @@ class AsyncEngine:
     def add_step_hook(self, hook: Callable[[Engine], None]) -> None:
         """Call `hook(engine)` on the engine thread after every step and command batch."""
         self._step_hooks.append(hook)
+
+    @property
+    def capacity(self) -> int | None:
+        """Requests this engine takes at once: a full batch plus `max_queued_requests`
+        waiting (None: unbounded)."""
+        limit = self.config.max_queued_requests
+        return self.config.max_running_requests + limit if limit else None
+
+    def check_capacity(self) -> None:
+        """Raise QueueFullError when no more requests fit. Counted on the caller's side
+        (streams in flight), so a burst is refused at once, not after the engine thread
+        has queued it."""
+        capacity = self.capacity
+        if capacity is not None and len(self._streams) >= capacity:
+            raise QueueFullError(f"engine is at capacity ({capacity} requests in flight)")
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -194,11 +213,13 @@ class AsyncEngine:
                 return
 
     def _delta(self, req: Request, new_tokens: list[int], finished: bool) -> StreamDelta:
-        feed_detokenizer(req)
+        text = ""
+        if self.detokenize or req.params.stop:
+            feed_detokenizer(req)
+            text = req.detok.take_delta(final=finished)
         n = len(new_tokens)
         return StreamDelta(
-            request_id=req.request_id, token_ids=new_tokens,
-            text=req.detok.take_delta(final=finished), finished=finished,
+            request_id=req.request_id, token_ids=new_tokens, text=text, finished=finished,
             finish_reason=req.finish_reason if finished else None,
             prompt_tokens=req.num_prompt, cached_tokens=req.cached_tokens,
             completion_tokens=req.num_known_output,

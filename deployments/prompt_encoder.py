@@ -1,0 +1,38 @@
+"""Tokenization for the ingress, off its event loop.
+
+The Rust tokenizer releases the GIL, so encoding in a worker thread keeps the loop serving
+other clients while a large prompt is encoded. A text too long to fit the context whatever
+its tokens is refused before encoding: no token decodes to more than `max_token_chars`
+characters, so a prompt of more than max_context * max_token_chars characters (with slack
+for normalizers that merge characters) cannot fit.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from engine.tokenizer import Tokenizer
+
+NORMALIZER_SLACK = 4  # NFKC and friends merge at most a few characters into one
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer: Tokenizer, max_context: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_context = max_context
+        hf = tokenizer.hf
+        pieces = hf.convert_ids_to_tokens(list(range(len(hf))))
+        self.max_token_chars = max((len(p) for p in pieces if p), default=1)
+        self.max_prompt_chars = max_context * self.max_token_chars * NORMALIZER_SLACK
+
+    def check_length(self, text: str) -> None:
+        if len(text) > self.max_prompt_chars:
+            raise ValueError(f"prompt of {len(text)} characters cannot fit the model's context "
+                             f"length of {self.max_context} tokens")
+
+    async def encode(self, text: str) -> list[int]:
+        self.check_length(text)
+        return await asyncio.to_thread(self.tokenizer.encode, text)
+
+    async def encode_chat(self, messages: list[dict]) -> list[int]:
+        self.check_length("".join(str(m.get("content") or "") for m in messages))
+        return await asyncio.to_thread(self.tokenizer.apply_chat_template, messages)
