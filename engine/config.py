@@ -51,6 +51,9 @@ class EngineConfig:
     # Parallelism
     tp_size: int = 1  # tensor-parallel ranks (rank 0 schedules and samples; see engine/distributed.py)
     dist_timeout_s: float = 300.0  # a collective or rank start-up taking longer fails (dead/hung rank)
+    # MoE models at tp > 1: "tp" gives every rank a slice of each expert's width, "ep" gives
+    # each rank whole experts (engine/layers/moe.py); either way one all-reduce per layer.
+    moe_parallel: Literal["tp", "ep"] = "tp"
 
     # Structured output
     grammar_backend: Literal["xgrammar", "llguidance", "none"] = "xgrammar"
@@ -76,6 +79,8 @@ class EngineConfig:
             raise ValueError("tp_size must be >= 1")
         if self.dist_timeout_s <= 0:
             raise ValueError("dist_timeout_s must be > 0")
+        if self.moe_parallel not in ("tp", "ep"):
+            raise ValueError(f"moe_parallel must be 'tp' or 'ep', got {self.moe_parallel!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

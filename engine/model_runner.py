@@ -68,7 +68,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.model = load_model(config.model, dtype=self.dtype, device=self.device,
                                 load_format=config.load_format, seed=config.seed, tp=self.tp,
-                                hf_config=self.hf_config)
+                                hf_config=self.hf_config, moe_parallel=config.moe_parallel)
         set_fused_kernels(self.model, config.enable_fused_kernels and self.device.type == "cuda")
         self.vocab_size = self.hf_config.vocab_size
         self.max_context = config.max_model_len or self.hf_config.max_position_embeddings

@@ -315,10 +315,16 @@ def test_tensor_parallel_model_matches_single_rank(tiny_model_factory, arch, tp_
     """Each rank loads only its slices (lazy safetensors reads); with the collectives, the
     ranks' logits equal the single-rank model's. At tp=4 the 2 KV heads are replicated."""
     path = tiny_model_factory(arch)
+    assert_ranks_match_single(tp_size, lambda tp: load_model(path, dtype="float32", device="cpu", tp=tp))
+
+
+def assert_ranks_match_single(tp_size: int, load) -> None:
+    """`load(tp)` -> a model; at tp_size ranks (threads) a prefill and a decode step give
+    every rank the logits of the single-rank model."""
     seqs = random_sequences(768, [5, 9], seed=3)
 
     def logits_at(tp: TPContext) -> list[torch.Tensor]:
-        runner = MiniRunner(load_model(path, dtype="float32", device="cpu", tp=tp))
+        runner = MiniRunner(load(tp))
         out = runner.step({0: seqs[0][:-1], 1: seqs[1][:-1]})
         out2 = runner.step({0: seqs[0][-1:], 1: seqs[1][-1:]})
         return [torch.cat([out[r], out2[r]]) for r in (0, 1)]

@@ -11,6 +11,9 @@ from torch import nn
 
 from engine.layers.parallel import TPContext
 from engine.models.llama import LlamaForCausalLM
+from engine.models.mixtral import MixtralForCausalLM
+from engine.models.moe import MoEForCausalLM
+from engine.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -19,6 +22,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -76,9 +82,11 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def load_model(model_dir: str, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
                load_format: str = "safetensors", seed: int = 0, tp: TPContext | None = None,
-               hf_config: Any = None) -> nn.Module:
+               hf_config: Any = None, moe_parallel: str = "tp") -> nn.Module:
     """Build the model for `model_dir`'s config.json directly on `device` in `dtype`, then
-    fill it from the safetensors shards (this rank's slices only) or with dummy weights."""
+    fill it from the safetensors shards (this rank's slices only) or with dummy weights.
+    `moe_parallel` ("tp" or "ep") splits an MoE model's experts across TP ranks (see
+    engine/layers/moe.py)."""
     from engine.weights import dummy_init_, iterate_safetensors
 
     tp = tp or TPContext()
@@ -87,7 +95,8 @@ def load_model(model_dir: str, *, dtype: str | torch.dtype = "auto", device: str
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, hf_config, device)
     with _default_dtype(torch_dtype), device:
-        model = model_cls(hf_config, None, tp)
+        options = {"moe_parallel": moe_parallel} if issubclass(model_cls, MoEForCausalLM) else {}
+        model = model_cls(hf_config, None, tp, **options)
     if load_format == "dummy":
         dummy_init_(model, seed)
     elif load_format == "safetensors":
@@ -102,5 +111,6 @@ def load_model(model_dir: str, *, dtype: str | torch.dtype = "auto", device: str
     return model.eval()
 
 
-__all__ = ["LlamaForCausalLM", "MODEL_CLASSES", "get_model_class", "load_hf_config", "load_model",
+__all__ = ["LlamaForCausalLM", "MixtralForCausalLM", "MODEL_CLASSES", "Qwen2MoeForCausalLM",
+           "Qwen3MoeForCausalLM", "get_model_class", "load_hf_config", "load_model",
            "resolve_device", "resolve_dtype"]

@@ -13,7 +13,7 @@ Module and parameter names follow HF's, except the fused `qkv_proj` and `gate_up
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -62,8 +62,9 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim_of(hf_config)
         model_type = getattr(hf_config, "model_type", "llama")
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
-        qkv_bias = True if model_type == "qwen2" else attention_bias
-        o_bias = False if model_type == "qwen2" else attention_bias
+        qwen2 = model_type in ("qwen2", "qwen2_moe")  # bias on q/k/v only (Qwen2-MoE: `qkv_bias`)
+        qkv_bias = bool(getattr(hf_config, "qkv_bias", True)) if qwen2 else attention_bias
+        o_bias = False if qwen2 else attention_bias
         self.qkv_proj = QKVParallelLinear(hf_config.hidden_size, self.head_dim,
                                           hf_config.num_attention_heads,
                                           hf_config.num_key_value_heads, qkv_bias, tp)
@@ -71,7 +72,7 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(hf_config.num_attention_heads * self.head_dim,
                                         hf_config.hidden_size, o_bias, tp)
-        self.qk_norm = model_type == "qwen3"
+        self.qk_norm = model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
@@ -91,14 +92,18 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hf_config: Any, tp: TPContext) -> None:
+    """SwiGLU MLP; MoE models reuse it for shared experts (own width, sum left unreduced)."""
+
+    def __init__(self, hf_config: Any, tp: TPContext, intermediate_size: int | None = None,
+                 reduce_results: bool = True) -> None:
         super().__init__()
         if getattr(hf_config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r} (only silu)")
         bias = bool(getattr(hf_config, "mlp_bias", False))
-        inter = hf_config.intermediate_size
+        inter = intermediate_size or hf_config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(hf_config.hidden_size, [inter, inter], bias, tp)
-        self.down_proj = RowParallelLinear(inter, hf_config.hidden_size, bias, tp)
+        self.down_proj = RowParallelLinear(inter, hf_config.hidden_size, bias, tp,
+                                           reduce_results=reduce_results)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,10 +112,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, hf_config: Any, layer_id: int, rotary_emb: RotaryEmbedding,
-                 tp: TPContext) -> None:
+                 tp: TPContext, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(hf_config, layer_id, rotary_emb, tp)
-        self.mlp = LlamaMLP(hf_config, tp)
+        self.mlp = mlp if mlp is not None else LlamaMLP(hf_config, tp)  # MoE models pass theirs
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -128,11 +133,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf_config: Any, tp: TPContext) -> None:
+    def __init__(self, hf_config: Any, tp: TPContext,
+                 make_mlp: Callable[[int], nn.Module | None] = lambda layer_id: None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp)
         rotary_emb = get_rope(hf_config, head_dim_of(hf_config))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(hf_config, i, rotary_emb, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(hf_config, i, rotary_emb, tp, make_mlp(i))
                                     for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -157,7 +163,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = hf_config
         self.tp = tp or TPContext()
-        self.model = LlamaModel(hf_config, self.tp)
+        self.model = LlamaModel(hf_config, self.tp, self.make_mlp)
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, self.tp)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -169,6 +175,10 @@ class LlamaForCausalLM(nn.Module):
         self.scale = self.head_dim ** -0.5
         if attn_backend is not None:
             self.set_attention_backend(attn_backend)
+
+    def make_mlp(self, layer_id: int) -> nn.Module | None:
+        """The MLP of layer `layer_id`; None for the dense default (MoE subclasses override)."""
+        return None
 
     @property
     def dtype(self) -> torch.dtype:

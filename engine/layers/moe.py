@@ -1,0 +1,135 @@
+"""A fused mixture-of-experts layer: all experts' SwiGLU MLPs as two stacked weights.
+
+`w13` [E_local, 2 * I_local, H] holds each expert's gate rows then up rows; `w2`
+[E_local, H, I_local] its down projection. Across tensor-parallel ranks the experts are
+either
+- "tp": sharded like a dense MLP (every rank holds every expert, a 1/tp slice of its
+  intermediate width), or
+- "ep": split whole (rank r holds experts [r * E/tp, (r+1) * E/tp)).
+Either way every rank sees every token (the hidden states are replicated between layers),
+computes a partial sum of the output (over its slice of the width, or over its experts),
+and the owner of the layer adds the ranks' partial sums with one all-reduce.
+
+The forward has two implementations of the same computation:
+- CPU (reference): pairs sorted by expert, one matmul per expert in use.
+- GPU: pairs grouped into expert blocks (`moe_routing.group_by_expert`), then two Triton
+  grouped GEMMs (`moe_kernels.grouped_gemm`) around SiLU-and-mul: no Python loop over
+  experts, no host sync, shapes fixed by the token count (CUDA-graph capturable).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.parallel import Loadable, TPContext, copy_into, divide, narrow
+from engine.layers.moe_routing import group_by_expert
+
+MoEParallel = Literal["tp", "ep"]
+MOE_PARALLEL_MODES = ("tp", "ep")
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+    """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), local experts only.
+
+    x [T, H]; w13 [E_local, 2I, H]; w2 [E_local, H, I]; topk_* [T, k]. The reference (and
+    the CPU path): reads the per-expert counts on the host and loops over experts in use.
+    """
+    t, k = topk_ids.shape
+    local = topk_ids.flatten() - first_expert
+    num_local = w13.shape[0]
+    order = torch.argsort(local, stable=True)
+    counts = torch.bincount(local.clamp(-1, num_local) + 1, minlength=num_local + 2).tolist()
+    out = x.new_zeros(t * k, w2.shape[1])
+    start = counts[0]  # pairs of experts before ours (another rank's)
+    for e, n in enumerate(counts[1:num_local + 1]):
+        if n:
+            pairs = order[start:start + n]
+            out[pairs] = F.linear(silu_and_mul(F.linear(x[pairs // k], w13[e])), w2[e])
+            start += n
+    out = (out.float() * topk_weights.flatten()[:, None].float()).to(out.dtype)  # fp32, as HF
+    return out.view(t, k, -1).sum(dim=1)
+
+
+def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+    """The same as `experts_torch`, as two grouped GEMMs (GPU, or TRITON_INTERPRET=1)."""
+    from engine.layers.fused_kernels import silu_and_mul as silu_and_mul_kernel
+    from engine.layers.moe_kernels import grouped_gemm
+
+    t, k = topk_ids.shape
+    num_pairs = t * k
+    # Small batches (decode) use short blocks: less padding per expert in use.
+    block_m = 16 if num_pairs <= 64 * w13.shape[0] else 64
+    blocks = group_by_expert(topk_ids, w13.shape[0], first_expert, block_m)
+    gate_up = torch.empty((num_pairs, w13.shape[1]), dtype=x.dtype, device=x.device)
+    grouped_gemm(x, w13, blocks, gate_up, rows_per_a=k)
+    act = silu_and_mul_kernel(gate_up)
+    # Pairs of other ranks' experts are not written: their rows must read as zero.
+    out = torch.zeros((num_pairs, w2.shape[1]), dtype=x.dtype, device=x.device)
+    grouped_gemm(act, w2, blocks, out, rows_per_a=1,
+                 pair_weights=topk_weights.flatten().float().contiguous())
+    return out.view(t, k, -1).sum(dim=1)
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of one layer. `forward(x, topk_weights, topk_ids)` returns this
+    rank's partial sum (all-reduce it across ranks unless `reduce_results`)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 tp: TPContext | None = None, parallel: MoEParallel = "tp",
+                 reduce_results: bool = True) -> None:
+        super().__init__()
+        if parallel not in MOE_PARALLEL_MODES:
+            raise ValueError(f"moe_parallel must be one of {MOE_PARALLEL_MODES}, got {parallel!r}")
+        self.tp = tp or TPContext()
+        self.parallel = parallel
+        self.num_experts = num_experts
+        self.reduce_results = reduce_results
+        if parallel == "ep":
+            self.num_local_experts = divide(num_experts, self.tp.size, "number of experts")
+            self.intermediate_per_rank = intermediate_size
+        else:
+            self.num_local_experts = num_experts
+            self.intermediate_per_rank = divide(intermediate_size, self.tp.size,
+                                                "MoE intermediate size")
+        self.first_expert = self.tp.rank * self.num_local_experts if parallel == "ep" else 0
+        e, i = self.num_local_experts, self.intermediate_per_rank
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, hidden_size, i), requires_grad=False)
+        self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
+
+    def is_local(self, expert_id: int) -> bool:
+        return 0 <= expert_id - self.first_expert < self.num_local_experts
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loadable, expert_id: int, shard: str) -> None:
+        """Copy checkpoint expert `expert_id`'s `shard` ("gate", "up" or "down", each a
+        plain [out, in] matrix) into this rank's slice; experts of other ranks are skipped
+        unread."""
+        if not self.is_local(expert_id):
+            return
+        e, i = expert_id - self.first_expert, self.intermediate_per_rank
+        start = self.tp.rank * i if self.parallel == "tp" else 0
+        if shard == "down":
+            copy_into(param[e], narrow(loaded, 1, start, i))
+        elif shard in ("gate", "up"):
+            offset = 0 if shard == "gate" else i
+            copy_into(param[e].narrow(0, offset, i), narrow(loaded, 0, start, i))
+        else:
+            raise ValueError(f"unknown expert shard {shard!r}")
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+                ) -> torch.Tensor:
+        impl = experts_triton if x.is_cuda else experts_torch
+        out = impl(x, self.w13, self.w2, topk_weights, topk_ids, self.first_expert)
+        if self.reduce_results and self.tp.size > 1:
+            out = self.tp.all_reduce(out)
+        return out

@@ -1,0 +1,69 @@
+"""Triton grouped GEMM for mixture-of-experts layers (GPU; also runs under TRITON_INTERPRET=1).
+
+One launch multiplies every expert's tokens by that expert's weight: program (b, n) takes
+block b of the expert-sorted pairs (`ExpertBlocks`), reads the block's expert id, gathers
+its rows of A and computes their [block_m, block_n] output tile against W[expert]. The grid
+is sized by the number of tokens alone; blocks nobody uses exit at once, so a step's launch
+is the same whatever the routing (CUDA-graph capturable).
+
+Imported only by the GPU path of `engine.layers.moe`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.layers.moe_routing import ExpertBlocks
+
+
+@triton.jit
+def _grouped_gemm_kernel(A, W, C, SortedPairs, BlockExpert, PairWeights, num_pairs, N, K,
+                         stride_am, stride_we, stride_wn, stride_cm,
+                         ROWS_PER_A: tl.constexpr, WEIGHTED: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1).to(tl.int64)
+    expert = tl.load(BlockExpert + pid_m)
+    if expert < 0:
+        return
+    pairs = tl.load(SortedPairs + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    rows = pairs // ROWS_PER_A  # A is per token (first GEMM, gathered) or per pair (second)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    a_ptrs = A + rows[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = W + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if WEIGHTED:  # the router's weight of each pair, applied before rounding (fp32 accumulator)
+        acc = acc * tl.load(PairWeights + pairs, mask=valid, other=0.0)[:, None]
+    c_ptrs = C + pairs[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, out: torch.Tensor,
+                 rows_per_a: int, pair_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """out[p] = a[p // rows_per_a] @ w[expert(p)].T (times pair_weights[p]) for every pair p
+    of a local expert; rows of other pairs are left as they are.
+
+    a [rows, K] (unit last stride), w [E, N, K] contiguous, out [num_pairs, N].
+    """
+    n, k = w.shape[1], w.shape[2]
+    block_n = min(128, max(16, triton.next_power_of_2(n)))
+    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    grid = (blocks.block_expert.numel(), triton.cdiv(n, block_n))
+    weights = pair_weights if pair_weights is not None else out  # unread unless WEIGHTED
+    _grouped_gemm_kernel[grid](a, w, out, blocks.sorted_pairs, blocks.block_expert, weights,
+                               blocks.num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1),
+                               out.stride(0), ROWS_PER_A=rows_per_a,
+                               WEIGHTED=pair_weights is not None, BLOCK_M=blocks.block_m,
+                               BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return out

@@ -1,0 +1,215 @@
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) against HF transformers, at tp 1
+and at tp 2 with experts sharded ("tp") or split whole ("ep"); the routing and the expert
+computation on their own; the Triton path under Triton's interpreter."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.layers.moe import FusedMoE, experts_torch
+from engine.layers.moe_routing import group_by_expert, max_blocks, select_experts
+from engine.layers.parallel import TPContext
+from engine.models import load_model
+from hf_reference import hf_greedy
+from moe_models import MOE_ARCHS, build_tiny_moe
+from test_models import MiniRunner, assert_close, assert_ranks_match_single, hf_logits, random_sequences
+
+ROOT = Path(__file__).resolve().parents[1]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="session")
+def moe_factory(tmp_path_factory, tiny_model_factory):
+    """`make(arch, **config_overrides) -> path`, each build once per session."""
+    root = tmp_path_factory.mktemp("tiny-moe")
+    tokenizer_dir = tiny_model_factory("qwen2")
+    built: dict[str, str] = {}
+
+    def make(arch: str, **overrides) -> str:
+        key = arch + "".join(f"-{k}={overrides[k]}" for k in sorted(overrides))
+        if key not in built:
+            built[key] = build_tiny_moe(root / key, arch, tokenizer_dir, **overrides)
+        return built[key]
+
+    return make
+
+
+def prompts_for(vocab: int) -> list[list[int]]:
+    return random_sequences(vocab, [5, 12, 3], seed=11)  # the demo tokenizer's vocab: 768
+
+
+# ---- whole models against HF ------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_logits_match_hf_prefill_decode_and_chunks(moe_factory, arch):
+    path = moe_factory(arch)
+    model = load_model(path, dtype="float32", device="cpu")
+    seqs = random_sequences(model.config.vocab_size, [9, 14], seed=1)
+    ref = hf_logits(path, seqs)
+    runner = MiniRunner(model)
+    first = runner.step({0: seqs[0][:6], 1: seqs[1][:4]})  # ragged prefill
+    second = runner.step({0: seqs[0][6:7], 1: seqs[1][4:]})  # a decode beside a chunk
+    third = runner.step({0: seqs[0][7:]})
+    assert_close(torch.cat([first[0], second[0], third[0]]), ref[0])
+    assert_close(torch.cat([first[1], second[1]]), ref[1])
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_greedy_outputs_equal_hf(moe_factory, arch):
+    path = moe_factory(arch)
+    llm = LLM(model=path, dtype="float32", max_total_tokens=1024)
+    prompts = prompts_for(768)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [hf_greedy(path, p, 8) for p in prompts]
+    assert len({tuple(o.token_ids) for o in outs}) == len(prompts)  # not one degenerate output
+
+
+# ---- tensor / expert parallelism ----------------------------------------------------------------
+
+@pytest.mark.parametrize("arch,mode,tp_size", [(a, m, 2) for a in MOE_ARCHS for m in ("tp", "ep")]
+                         + [("qwen3_moe", "ep", 4), ("qwen2_moe", "tp", 4)])
+def test_parallel_logits_equal_tp1(moe_factory, arch, mode, tp_size):
+    """Ranks as threads (collectives through shared memory): every rank's logits equal tp=1's."""
+    path = moe_factory(arch)
+
+    def load(tp: TPContext):
+        model = load_model(path, dtype="float32", device="cpu", tp=tp, moe_parallel=mode)
+        experts = model.model.layers[0].mlp.experts
+        assert experts.num_local_experts == (8 // tp.size if mode == "ep" else 8)
+        return model
+
+    assert_ranks_match_single(tp_size, load)
+
+
+@pytest.mark.parametrize("arch,mode", [("qwen2_moe", "ep"), ("qwen3_moe", "tp"), ("mixtral", "ep")])
+def test_greedy_at_tp2_over_gloo_equals_hf(moe_factory, arch, mode):
+    """Real rank processes joined by gloo, through the same machinery as dense TP."""
+    path = moe_factory(arch)
+    prompts = prompts_for(768)
+    llm = LLM(model=path, dtype="float32", max_total_tokens=1024, tp_size=2, moe_parallel=mode)
+    try:
+        outs = llm.generate(prompts, GREEDY)
+    finally:
+        llm.close()
+    assert [o.token_ids for o in outs] == [hf_greedy(path, p, 8) for p in prompts]
+
+
+def test_parallel_mode_errors():
+    with pytest.raises(ValueError, match="moe_parallel"):
+        EngineConfig(moe_parallel="dp")
+    with pytest.raises(ValueError, match="number of experts 8 is not divisible by tensor parallel size 3"):
+        FusedMoE(8, 16, 12, TPContext(0, 3), "ep")
+    with pytest.raises(ValueError, match="MoE intermediate size 12 is not divisible"):
+        FusedMoE(8, 16, 12, TPContext(0, 8), "tp")
+
+
+# ---- routing and the expert computation ---------------------------------------------------------
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_select_experts_matches_hf_routers(renormalize):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    cfg = Qwen3MoeConfig(hidden_size=16, num_experts=8, num_experts_per_tok=3,
+                         norm_topk_prob=renormalize)
+    router = Qwen3MoeTopKRouter(cfg)
+    torch.nn.init.normal_(router.weight)
+    x = torch.randn(11, 16)
+    _, hf_weights, hf_ids = router(x)
+    weights, ids = select_experts(x @ router.weight.T, 3, renormalize)
+    assert torch.equal(ids, hf_ids)
+    torch.testing.assert_close(weights, hf_weights)
+    assert torch.allclose(weights.sum(-1), torch.ones(11)) == renormalize
+
+
+@pytest.mark.parametrize("num_tokens,top_k,first,block_m", [(1, 2, 0, 16), (37, 4, 4, 16),
+                                                             (200, 8, 0, 64), (0, 2, 0, 16)])
+def test_group_by_expert_blocks(num_tokens, top_k, first, block_m):
+    """Every pair of a local expert sits once in a block of its expert, in token order; no
+    other pair is anywhere; the block count depends on the token count alone."""
+    num_experts, local = 16, 8 if first else 16
+    ids = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(num_tokens)]) \
+        if num_tokens else torch.zeros(0, top_k, dtype=torch.long)
+    blocks = group_by_expert(ids, local, first, block_m)
+    n_pairs = num_tokens * top_k
+    assert blocks.block_expert.numel() == max_blocks(n_pairs, local, block_m)
+    rows = blocks.sorted_pairs.view(-1, block_m)
+    flat = ids.flatten()
+    placed = []
+    for b, expert in enumerate(blocks.block_expert.tolist()):
+        pairs = [p for p in rows[b].tolist() if p < n_pairs]
+        if expert < 0:
+            assert pairs == []
+            continue
+        assert all(flat[p] == first + expert for p in pairs)
+        placed += pairs
+    wanted = [p for p in range(n_pairs) if first <= flat[p] < first + local]
+    assert sorted(placed) == wanted and len(placed) == len(set(placed))
+    assert placed == sorted(wanted, key=lambda p: int(flat[p]))  # stable: token order kept
+
+
+def test_experts_torch_equals_every_expert_applied_densely():
+    torch.manual_seed(0)
+    t, e, k, h, i = 13, 6, 2, 16, 8
+    x, w13, w2 = torch.randn(t, h), torch.randn(e, 2 * i, h), torch.randn(e, h, i)
+    weights, ids = select_experts(torch.randn(t, e), k, renormalize=False)
+    dense = torch.zeros(t, e)
+    dense.scatter_(1, ids, weights)  # each token's weight for every expert (0 if not chosen)
+    gate_up = torch.einsum("th,eoh->teo", x, w13)
+    act = torch.nn.functional.silu(gate_up[..., :i]) * gate_up[..., i:]
+    expected = torch.einsum("tei,ehi,te->th", act, w2, dense)
+    torch.testing.assert_close(experts_torch(x, w13, w2, weights, ids), expected,
+                               atol=1e-4, rtol=1e-4)
+    halves = sum(experts_torch(x, w13[s:s + 3], w2[s:s + 3], weights, ids, first_expert=s)
+                 for s in (0, 3))
+    torch.testing.assert_close(halves, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_triton_grouped_gemm_under_the_interpreter():
+    """tests/test_moe_kernels.py (GPU tests) on the CPU through TRITON_INTERPRET=1."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                           "-W", "ignore::RuntimeWarning", str(ROOT / "tests" / "test_moe_kernels.py")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, \
+        done.stdout[-3000:] + done.stderr[-3000:]
+
+
+# ---- loading and unsupported options -------------------------------------------------------------
+
+def test_missing_expert_weight_is_an_error(moe_factory, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = Path(moe_factory("mixtral"))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text((path / "config.json").read_text())
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys() if "layers.1.block_sparse_moe.experts.5.w3" not in k}
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.w13"):
+        load_model(str(ckpt), device="cpu")
+    # At tp=2 with EP, expert 5 is rank 1's: rank 0 loads without it.
+    model = load_model(str(ckpt), device="cpu", tp=TPContext(0, 2), moe_parallel="ep")
+    assert model.model.layers[1].mlp.experts.num_local_experts == 4
+
+
+@pytest.mark.parametrize("arch,overrides,message", [
+    ("mixtral", {"sliding_window": 64}, "sliding_window=64: sliding-window attention is not supported"),
+    ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window=True"),
+    ("qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                        "original_max_position_embeddings": 128}}, "rope_type 'yarn'"),
+])
+def test_unsupported_options_fail_at_start_up(moe_factory, arch, overrides, message):
+    path = moe_factory(arch, **overrides)
+    with pytest.raises((ValueError, NotImplementedError), match=message):
+        load_model(path, device="cpu", load_format="dummy")
