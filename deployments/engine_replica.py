@@ -2,12 +2,14 @@
 through the deployment handle, and publishing its load and cache digest to the router."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from deployments.channel import ChannelOpen, Outbox, serve_channel
 from deployments.errors import OVERLOADED_MESSAGE
 from deployments.metrics import EngineMetrics
 from deployments.tp_workers import TPWorkers
@@ -32,6 +34,7 @@ class EngineCall:
     prompt_token_ids: list[int]
     sampling: dict[str, Any]
     prompt: str = ""
+    channel: str | None = None  # the calling ingress's id: deltas go on its channel if open
 
 
 def resolve_model(model: str | None) -> str:
@@ -46,6 +49,8 @@ class EngineReplica:
         config = EngineConfig(model=resolve_model(model), enable_cache_events=True, **engine_kwargs)
         self.tp_workers = None
         self.engine = self._start_engine(config)
+        self.outboxes: dict[str, Outbox] = {}  # delta channels, by ingress id
+        self._channel_waits: dict[str, asyncio.Future] = {}
         self.digest = CacheDigest(block_size=digest_block_size)
         self._stats: dict[str, Any] = {}
         self._stats_lock = threading.Lock()
@@ -77,13 +82,23 @@ class EngineReplica:
         self.metrics.on_step(stats)
 
     async def generate(self, call: EngineCall) -> AsyncIterator[dict]:
-        """Stream dicts: deltas (`wire_delta`) or one {"error": ..., "status": ...}."""
+        """Stream one request: deltas (`wire_delta`) here or on the caller's delta channel
+        (deployments/channel.py), or one {"error": ..., "status": ...}."""
         timer = self.metrics.track_request()
+        outbox = self.outboxes.get(call.channel) if call.channel else None
         try:
             params = SamplingParams(**call.sampling)
+            if outbox is not None:
+                await self._generate_on_channel(call, params, outbox, timer)
+                return
+            if call.channel:
+                yield {"open_channel": self.replica_id}
             async for delta in self.engine.generate(call.prompt_token_ids, params, call.request_id):
                 timer.on_delta(len(delta.token_ids), delta.finished, delta.finish_reason)
                 yield wire_delta(delta)
+        except ChannelClosed as e:
+            timer.close("cancelled")
+            yield {"error": str(e), "status": 503}
         except ValueError as e:
             timer.close("invalid")
             yield {"error": str(e), "status": 400}
@@ -92,6 +107,38 @@ class EngineReplica:
             yield {"error": OVERLOADED_MESSAGE, "status": 503}
         finally:
             timer.close()  # no-op unless the caller left early
+
+    async def _generate_on_channel(self, call: EngineCall, params: SamplingParams,
+                                   outbox: Outbox, timer) -> None:
+        def put(delta: StreamDelta) -> None:
+            timer.on_delta(len(delta.token_ids), delta.finished, delta.finish_reason)
+            outbox.put(call.request_id, wire_delta(delta))
+
+        run = asyncio.ensure_future(
+            self.engine.stream_to(call.prompt_token_ids, params, call.request_id, put))
+        self._channel_waits[call.request_id] = run
+        outbox.request_ids.add(call.request_id)
+        try:
+            await asyncio.shield(run)
+        except asyncio.CancelledError:
+            run.cancel()  # the client left (or the channel closed): abort in the engine
+            if outbox.closed:
+                raise ChannelClosed("the delta channel to the ingress closed") from None
+            raise
+        finally:
+            outbox.request_ids.discard(call.request_id)
+            self._channel_waits.pop(call.request_id, None)
+
+    async def channel(self, request: ChannelOpen) -> AsyncIterator:
+        """The delta channel of one ingress replica (deployments/channel.py)."""
+        async for item in serve_channel(self.outboxes, self.replica_id, request, self._cut_off):
+            yield item
+
+    def _cut_off(self, request_id: str) -> None:
+        """A request whose channel closed: its own call ends with an error."""
+        run = self._channel_waits.get(request_id)
+        if run is not None:
+            run.cancel()
 
     async def stats(self) -> dict:
         return await self.engine.stats()
@@ -133,6 +180,10 @@ class EngineReplica:
         tp_workers = getattr(self, "tp_workers", None)
         if tp_workers is not None:
             tp_workers.close(graceful=engine is None or not engine.is_alive())
+
+
+class ChannelClosed(RuntimeError):
+    """The delta channel a request streamed on went away before the request finished."""
 
 
 def wire_delta(delta: StreamDelta) -> dict[str, Any]:

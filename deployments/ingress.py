@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
+from deployments.channel import ChannelHub
 from deployments.engine_replica import EngineCall, resolve_model
 from deployments.errors import APIError, install_error_handlers
 from deployments.prompt_encoder import PromptEncoder
@@ -55,6 +56,7 @@ class OpenAIIngress:
         path = resolve_model(model)
         self.engine = engine_handle.options(stream=True)
         self.control = engine_handle
+        self.hub = ChannelHub(self.engine)
         self.model_name = served_model_name
         self.tokenizer = Tokenizer(tokenizer or path)  # the engine's `tokenizer` setting wins
         hf_config = load_hf_config(path)
@@ -207,7 +209,7 @@ class OpenAIIngress:
         return calls, choices
 
     async def _gather(self, calls: list[EngineCall], choices: list[ChoiceState]) -> None:
-        async for batch in merged_stream(self.engine, calls):
+        async for batch in merged_stream(self.engine, calls, self.hub):
             for i, item in batch:
                 if (err := error_of(item)) is not None:
                     raise err
@@ -215,7 +217,7 @@ class OpenAIIngress:
 
     async def _stream(self, calls: list[EngineCall], choices: list[ChoiceState],
                       include_usage: bool, chat: bool, want_lp: bool, echo=None) -> StreamingResponse:
-        stream = merged_stream(self.engine, calls)
+        stream = merged_stream(self.engine, calls, self.hub)
         first = await anext(stream, None)  # errors before any token get a real HTTP status
         if first is not None and (err := error_of(first[0][1])) is not None:
             await stream.aclose()

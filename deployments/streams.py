@@ -2,21 +2,22 @@
 from __future__ import annotations
 
 import asyncio
-import contextvars
+import functools
 import logging
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from ray.serve import context as serve_context
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
+from deployments.channel import ChannelHub, submit
 from deployments.engine_replica import EngineCall
 from deployments.errors import OVERLOADED_MESSAGE, APIError
 from deployments.metrics import record_finished_engine_call
 from engine.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
+
+LAST_DELTA_TIMEOUT_S = 30.0  # a channel delta is at most a step behind its call's end
 
 
 @dataclass
@@ -67,38 +68,45 @@ def error_of(item: dict) -> APIError | None:
     return APIError(item["error"], status=status)
 
 
-def _submit(handle, call: EngineCall):
-    """`handle.generate.remote(call)` under its own Serve-internal request id.
-
-    Handle calls made while serving one HTTP request inherit that request's internal id,
-    and Serve's router matches pending requests to chosen replicas by that id: with a
-    router that is not FIFO (ours), sibling calls (n > 1, batched prompts) would take each
-    other's replica assignment and one would wait forever. A fresh id per call, set in a
-    copied context so the HTTP request's own context is untouched, keeps them apart.
-    """
-    def submit():
-        serve_context._set_request_context(_internal_request_id=uuid.uuid4().hex)
-        return handle.generate.remote(call)
-
-    return contextvars.copy_context().run(submit)
-
-
-async def merged_stream(handle, calls: list[EngineCall]) -> AsyncIterator[list[tuple[int, dict]]]:
+async def merged_stream(handle, calls: list[EngineCall],
+                        hub: ChannelHub | None = None) -> AsyncIterator[list[tuple[int, dict]]]:
     """Yield batches of (call index, item) from all calls: everything that arrived since the
-    consumer last asked (at least one). Closing this generator (e.g. the HTTP client went
-    away) cancels every call, which aborts them in the engine."""
-    responses = [_submit(handle, call) for call in calls]
+    consumer last asked (at least one). With a `hub`, deltas come on its delta channels where
+    open (deployments/channel.py). Closing this generator (e.g. the HTTP client went away)
+    cancels every call, which aborts them in the engine."""
     queue: asyncio.Queue = asyncio.Queue()
+    finished = [asyncio.Event() for _ in calls]
     closing = False  # the consumer left: the calls' cancellation below is expected
+
+    def deliver(i: int, item: dict) -> None:
+        if item.get("finished"):
+            record_finished_engine_call(item)
+            finished[i].set()
+        queue.put_nowait((i, item))
+
+    for i, call in enumerate(calls):
+        if hub is not None:
+            call.channel = hub.ingress_id
+            hub.listen(call.request_id, functools.partial(deliver, i))
+    responses = [submit(handle.generate, call) for call in calls]
 
     async def pump(i: int, response) -> None:
         try:
             async for item in response:
-                if item.get("finished"):
-                    record_finished_engine_call(item)
-                await queue.put((i, item))
+                if "open_channel" in item:
+                    hub.open(item["open_channel"])
+                elif "error" in item:
+                    await queue.put((i, item))
+                    return
+                else:
+                    deliver(i, item)
+            # On a channel, the call ends as its last delta is sent: wait for it there.
+            await asyncio.wait_for(finished[i].wait(), LAST_DELTA_TIMEOUT_S)
         except asyncio.CancelledError:
             raise
+        except asyncio.TimeoutError:
+            logger.error("engine call %s ended without its last delta", calls[i].request_id)
+            await queue.put((i, {"error": "the engine's stream ended early", "status": 500}))
         except BackPressureError:  # Serve's queue bound (max_queued_requests): same as the engine's
             await queue.put((i, {"error": OVERLOADED_MESSAGE, "status": 503}))
         except RequestCancelledError:
@@ -109,7 +117,8 @@ async def merged_stream(handle, calls: list[EngineCall]) -> AsyncIterator[list[t
         except Exception as e:  # noqa: BLE001 - a replica failure becomes a 500 for this call
             logger.exception("engine call %s failed", calls[i].request_id)
             await queue.put((i, {"error": f"engine replica failed: {type(e).__name__}", "status": 500}))
-        await queue.put((i, None))
+        finally:
+            await queue.put((i, None))
 
     tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(responses)]
     try:
@@ -128,6 +137,9 @@ async def merged_stream(handle, calls: list[EngineCall]) -> AsyncIterator[list[t
             task.cancel()
         for response in responses:
             response.cancel()
+        if hub is not None:
+            for call in calls:
+                hub.forget(call.request_id)
 
 
 def merge_deltas(batch: list[tuple[int, dict]]) -> list[tuple[int, dict]]:

@@ -31,7 +31,7 @@ class EngineStepError(RuntimeError):
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    put: Callable[[StreamDelta | BaseException], None]  # runs on `loop`
 
 
 class AsyncEngine:
@@ -60,26 +60,16 @@ class AsyncEngine:
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[StreamDelta]:
         """Stream deltas of one request; leaving the iteration early aborts it."""
-        prompt_ids = self.engine.tokenize_prompt(prompt)
-        if params.has_constraint:  # compile on the grammar pool, not on this event loop
-            with contextlib.suppress(ValueError):  # validate() raises it again, below
-                await asyncio.wrap_future(self.engine.grammars.submit(params))
-        self.engine.validate(prompt_ids, params)  # a bad constraint raises here (cached compile)
-        self.check_capacity()
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
-        self._commands.put(lambda: self._add(request_id, prompt_ids, params))
+        deltas: asyncio.Queue = asyncio.Queue()
+        await self._open(prompt, params, request_id, deltas.put_nowait)
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
-                while not stream.queue.empty() and isinstance(item, StreamDelta) \
-                        and not item.finished:
-                    later = stream.queue.get_nowait()
+                item = await deltas.get()
+                while not deltas.empty() and isinstance(item, StreamDelta) and not item.finished:
+                    later = deltas.get_nowait()
                     if isinstance(later, BaseException):  # deliver what came before it first
-                        stream.queue.put_nowait(later)
+                        deltas.put_nowait(later)
                         break
                     item = item.then(later)
                 if isinstance(item, BaseException):
@@ -89,9 +79,51 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._commands.put(lambda: self.engine.abort(request_id))
+            self._close(request_id, finished)
+
+    async def stream_to(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                        put: Callable[[StreamDelta], None]) -> None:
+        """Run one request, handing each delta to `put` on the caller's event loop (called
+        in step order, several requests' in one wake-up); return once it has finished.
+        Raises as `generate` does; cancelling the caller aborts the request."""
+        done = asyncio.get_running_loop().create_future()
+
+        def take(item: StreamDelta | BaseException) -> None:
+            if done.done():
+                return
+            if isinstance(item, BaseException):
+                done.set_exception(item)
+                return
+            put(item)
+            if item.finished:
+                done.set_result(None)
+
+        await self._open(prompt, params, request_id, take)
+        finished = False
+        try:
+            await done
+            finished = True
+        finally:
+            self._close(request_id, finished)
+
+    async def _open(self, prompt, params: SamplingParams, request_id: str,
+                    put: Callable[[StreamDelta | BaseException], None]) -> None:
+        """Validate, check capacity and queue the request; its items go to `put`."""
+        prompt_ids = self.engine.tokenize_prompt(prompt)
+        if params.has_constraint:  # compile on the grammar pool, not on this event loop
+            with contextlib.suppress(ValueError):  # validate() raises it again, below
+                await asyncio.wrap_future(self.engine.grammars.submit(params))
+        self.engine.validate(prompt_ids, params)  # a bad constraint raises here (cached compile)
+        self.check_capacity()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._streams[request_id] = _Stream(asyncio.get_running_loop(), put)
+        self._commands.put(lambda: self._add(request_id, prompt_ids, params))
+
+    def _close(self, request_id: str, finished: bool) -> None:
+        self._streams.pop(request_id, None)
+        if not finished:
+            self._commands.put(lambda: self.engine.abort(request_id))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request and wait until its KV slots are back in the pool."""
@@ -186,7 +218,7 @@ class AsyncEngine:
             stream = self._streams.get(req.request_id)
             if stream is not None:
                 delta = self._delta(req, update.new_tokens, update.finished)
-                by_loop.setdefault(stream.loop, []).append((stream.queue, delta))
+                by_loop.setdefault(stream.loop, []).append((stream.put, delta))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_deliver, items)
 
@@ -236,12 +268,12 @@ class AsyncEngine:
     def _push(self, request_id: str, item: StreamDelta | BaseException) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            stream.loop.call_soon_threadsafe(stream.put, item)
 
 
-def _deliver(items: list[tuple[asyncio.Queue, StreamDelta]]) -> None:
-    for q, delta in items:
-        q.put_nowait(delta)
+def _deliver(items: list[tuple[Callable[[StreamDelta], None], StreamDelta]]) -> None:
+    for put, delta in items:
+        put(delta)
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

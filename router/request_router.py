@@ -95,6 +95,17 @@ def extract_token_ids(args: Sequence[Any], kwargs: dict[str, Any]) -> list[int] 
     return None
 
 
+def channel_target(pending_request: PendingRequest | None) -> str | None:
+    """The replica id a delta-channel call (deployments/channel.py) must reach, else None.
+    Duck-typed on the argument's fields: the router does not import the deployments."""
+    if pending_request is None or not pending_request.args:
+        return None
+    arg = pending_request.args[0]
+    if hasattr(arg, "ingress_id") and hasattr(arg, "replica_id"):
+        return arg.replica_id
+    return None
+
+
 @dataclass
 class RouterStats:
     routed_with_match: int = 0  # sent where the index believed >= 1 block was cached
@@ -195,6 +206,9 @@ class PrefixAwareRequestRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True
         if not candidate_replicas:
             return []
+        target = channel_target(pending_request)
+        if target is not None:  # a delta channel goes to the one replica it was opened for
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
         routing = self._routing_for(pending_request)
         hashes = routing.hashes or []
         ids = [r.replica_id for r in candidate_replicas]
@@ -219,6 +233,8 @@ class PrefixAwareRequestRouter(RequestRouter):
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
+        if channel_target(pending_request) is not None:
+            return  # long-lived and carrying no prompt: neither load nor cache
         request_id = pending_request.metadata.internal_request_id
         routing = self._routings.pop(request_id, None) or self._new_routing(pending_request)
         self._tentative.pop(request_id, None)

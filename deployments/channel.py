@@ -1,0 +1,141 @@
+"""The delta channel: one stream per (ingress replica, engine replica) for all their requests.
+
+Through a Serve handle, each streamed item is its own Ray object, and a Serve replica moves
+only a few thousand of them per second: one object per request per engine step caps a
+replica at a fraction of the engine's tokens/s (scripts/bench_serve_path.py). So the token
+deltas of every request an ingress replica has on an engine replica travel together: the
+engine replica puts each step's deltas for one ingress into that ingress's `Outbox`, and the
+channel call (a long-lived streaming call, routed to that exact replica) yields the whole
+batch as one object.
+
+Each request still has its own handle call: it is what the request router routes, what a
+client disconnect cancels (aborting the request), and where errors come back. On a channel
+it yields nothing else. A request that reaches a replica before its ingress has a channel
+there streams its deltas on its own call, led by an `{"open_channel": replica_id}` item
+telling the ingress to open one.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from ray.serve import context as serve_context
+
+logger = logging.getLogger(__name__)
+
+CHANNEL_OPEN_TIMEOUT_S = 10.0
+
+
+@dataclass
+class ChannelOpen:
+    """The argument of `EngineReplica.channel`: the request router sends it to `replica_id`."""
+
+    ingress_id: str
+    replica_id: str
+
+
+class Outbox:
+    """Replica side: deltas waiting for the channel's next yield (all on the replica's loop)."""
+
+    def __init__(self) -> None:
+        self._batch: list[tuple[str, dict]] = []
+        self._ready = asyncio.Event()
+        self.request_ids: set[str] = set()  # requests streaming through this channel
+        self.closed = False
+
+    def put(self, request_id: str, delta: dict) -> None:
+        self._batch.append((request_id, delta))
+        self._ready.set()
+
+    async def take(self) -> list[tuple[str, dict]]:
+        await self._ready.wait()
+        self._ready.clear()
+        batch, self._batch = self._batch, []
+        return batch
+
+
+def submit(method, arg):
+    """`method.remote(arg)` under its own Serve-internal request id.
+
+    Handle calls made while serving one HTTP request inherit that request's internal id,
+    and Serve's router matches pending requests to chosen replicas by that id: with a
+    router that is not FIFO (ours), sibling calls (n > 1, batched prompts) would take each
+    other's replica assignment and one would wait forever. A fresh id per call, set in a
+    copied context so the HTTP request's own context is untouched, keeps them apart.
+    """
+    def call():
+        serve_context._set_request_context(_internal_request_id=uuid.uuid4().hex)
+        return method.remote(arg)
+
+    return contextvars.copy_context().run(call)
+
+
+class ChannelHub:
+    """Ingress side: this ingress replica's channels, and who waits for which request's deltas."""
+
+    def __init__(self, stream_handle) -> None:
+        self.ingress_id = uuid.uuid4().hex
+        self._handle = stream_handle
+        self._listeners: dict[str, Callable[[dict], None]] = {}
+        self._channels: dict[str, asyncio.Task] = {}
+        self.open_replicas: set[str] = set()  # channels whose replica has answered
+
+    def listen(self, request_id: str, on_delta: Callable[[dict], None]) -> None:
+        self._listeners[request_id] = on_delta
+
+    def forget(self, request_id: str) -> None:
+        self._listeners.pop(request_id, None)
+
+    def open(self, replica_id: str) -> None:
+        """Open a channel to `replica_id` unless one is open or opening."""
+        if replica_id not in self._channels:
+            self._channels[replica_id] = asyncio.create_task(self._pump(replica_id))
+
+    async def _pump(self, replica_id: str) -> None:
+        stream = submit(self._handle.channel, ChannelOpen(self.ingress_id, replica_id))
+        try:
+            # The router waits for that replica; if it is gone, give up (the next request
+            # that lands on a replica without our channel asks again).
+            await asyncio.wait_for(stream.__anext__(), CHANNEL_OPEN_TIMEOUT_S)
+            self.open_replicas.add(replica_id)
+            async for batch in stream:
+                for request_id, delta in batch:
+                    listener = self._listeners.get(request_id)
+                    if listener is not None:
+                        listener(delta)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - its requests fail on their own calls
+            logger.warning("delta channel to replica %s ended: %s", replica_id, type(e).__name__)
+        finally:
+            stream.cancel()
+            self.open_replicas.discard(replica_id)
+            self._channels.pop(replica_id, None)
+
+
+async def serve_channel(outboxes: dict[str, Outbox], replica_id: str, request: ChannelOpen,
+                        abort: Callable[[str], None]) -> AsyncIterator:
+    """Replica side of one channel: yield batches until the ingress goes away."""
+    outbox = Outbox()
+    old = outboxes.get(request.ingress_id)
+    outboxes[request.ingress_id] = outbox
+    if old is not None:  # a reopened channel: the old one's requests lost their stream
+        _close(old, abort)
+    try:
+        yield {"replica": replica_id}
+        while True:
+            yield await outbox.take()
+    finally:
+        if outboxes.get(request.ingress_id) is outbox:
+            del outboxes[request.ingress_id]
+        _close(outbox, abort)
+
+
+def _close(outbox: Outbox, abort: Callable[[str], None]) -> None:
+    outbox.closed = True
+    for request_id in list(outbox.request_ids):
+        abort(request_id)

@@ -1,0 +1,296 @@
+"""The Serve path alone: how many streamed tokens/s it carries, with a stand-in engine.
+
+    python scripts/bench_serve_path.py [--streams 64 512 2048] [--tokens 128] [--step-ms 20]
+                                       [--step-cpu-ms 2] [--hops inproc handle http] [--json PATH]
+
+The stand-in (`StandInEngine`, a benchmark harness: the app never uses it) replaces the
+model inside the real AsyncEngine and EngineReplica: every `step_ms` it gives each running
+request one token (real token ids of the demo tokenizer, so the ingress decodes real text),
+spending `step_cpu_ms` of Python under the GIL as a real scheduler does. Everything else is
+the product: AsyncEngine, EngineReplica, the Serve handle, the ingress, the proxy.
+
+Per hop: `inproc` consumes AsyncEngine streams in this process; `handle` consumes the
+replica's streams through a Serve deployment handle, one stream per request (replica ->
+caller, the path without a delta channel); `http` sends /v1/completions streams through the
+Serve proxy (proxy -> ingress -> replica, deltas on the ingress's delta channel). Reported:
+streamed tokens/s, SSE events (or stream items) per second, tokens per event, the mean gap
+between a stream's events, and the engine's achieved step time (when the path starves the
+engine thread of the GIL, steps stretch beyond `step_ms`).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+sys.path.insert(0, ROOT)
+
+from deployments.engine_replica import EngineReplica  # noqa: E402
+from engine import AsyncEngine, EngineConfig, SamplingParams  # noqa: E402
+from engine.demo_model import ensure_demo_model  # noqa: E402
+from engine.engine import TokenUpdate  # noqa: E402
+from engine.request import Request, Status  # noqa: E402
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
+
+PORT = 8000
+PROMPT = list(range(20, 52))
+TEXT = ("The quick brown fox jumps over the lazy dog while the engine streams tokens "
+        "to every client at once, and the path must keep up with it. ") * 4
+
+
+class StandInEngine:
+    """What AsyncEngine needs of an Engine, without a model: one token per request per step."""
+
+    def __init__(self, config: EngineConfig, step_ms: float, step_cpu_ms: float) -> None:
+        self.config = config
+        self.tokenizer = Tokenizer(config.model)
+        self.text_ids = self.tokenizer.encode(TEXT)
+        self.requests: dict[str, Request] = {}
+        self.scheduler = SimpleNamespace(waiting=[], running=[])
+        self.cache = SimpleNamespace(drain_events=lambda: [])
+        self.step_s, self.cpu_s = step_ms / 1e3, step_cpu_ms / 1e3
+        self.num_steps, self._next = 0, time.monotonic()
+
+    def tokenize_prompt(self, prompt):
+        return list(prompt)
+
+    def validate(self, prompt_ids, params) -> None:
+        pass
+
+    def add_request(self, request_id: str, prompt_ids, params: SamplingParams) -> Request:
+        req = Request(request_id, list(prompt_ids), params, status=Status.RUNNING)
+        req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, params.stop)
+        self.requests[request_id] = req
+        self.scheduler.running.append(req)
+        return req
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.pop(request_id, None)
+        if req is not None and req in self.scheduler.running:
+            self.scheduler.running.remove(req)
+        return req
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.running)
+
+    def step(self) -> list[TokenUpdate]:
+        start = time.monotonic()
+        if not self.num_steps or start > self._next + self.step_s:
+            self._next = start  # idle since the last step: start a new clock
+        while time.monotonic() - start < self.cpu_s:  # the scheduler's Python, holding the GIL
+            pass
+        time.sleep(max(0.0, self._next + self.step_s - time.monotonic()))  # "the GPU"
+        self._next += self.step_s
+        self.num_steps += 1
+        updates, still = [], []
+        for req in self.scheduler.running:
+            token = self.text_ids[req.num_output % len(self.text_ids)]
+            req.token_ids.append(token)
+            done = req.num_output >= req.params.max_tokens
+            if done:
+                req.status, req.finish_reason = Status.FINISHED, "length"
+            else:
+                still.append(req)
+            updates.append(TokenUpdate(req, [token], done))
+        self.scheduler.running = still
+        return updates
+
+    def stats(self) -> dict:
+        return {"running": len(self.scheduler.running), "waiting": 0, "kv_usage": 0.0,
+                "steps": self.num_steps, "clock": time.monotonic()}
+
+
+def stand_in_replica(step_ms: float, step_cpu_ms: float) -> type:
+    """EngineReplica with the stand-in engine (a class made here, so Ray pickles the settings)."""
+
+    class StandInReplica(EngineReplica):
+        def _start_engine(self, config: EngineConfig) -> AsyncEngine:
+            return AsyncEngine(config, StandInEngine(config, step_ms, step_cpu_ms), detokenize=False)
+
+    return StandInReplica
+
+
+def _config() -> EngineConfig:
+    return EngineConfig(model=ensure_demo_model(), device="cpu", max_running_requests=4096,
+                        max_queued_requests=4096)
+
+
+def _row(hop: str, streams: int, tokens: int, wall: float, events: int, gaps: list[float],
+         step_ms: float) -> dict:
+    return {"hop": hop, "streams": streams, "tok_s": tokens / wall, "events_s": events / wall,
+            "tok_per_event": tokens / max(1, events), "mean_gap_ms": 1e3 * sum(gaps) / max(1, len(gaps)),
+            "step_ms": step_ms, "wall_s": wall}
+
+
+async def run_inproc(streams: int, tokens: int, step_ms: float, cpu_ms: float) -> dict:
+    engine = AsyncEngine(_config(), StandInEngine(_config(), step_ms, cpu_ms), detokenize=False)
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    events, gaps = 0, []
+
+    async def one(i: int) -> None:
+        nonlocal events
+        last = None
+        async for _ in engine.generate(PROMPT, params, f"r{i}"):
+            now = time.perf_counter()
+            events += 1
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+
+    before = await engine.stats()
+    t0 = time.perf_counter()
+    await asyncio.gather(*[one(i) for i in range(streams)])
+    wall = time.perf_counter() - t0
+    after = await engine.stats()
+    engine.shutdown()
+    return _row("inproc", streams, streams * tokens, wall, events, gaps, _step_ms(before, after))
+
+
+async def run_handle(handle, streams: int, tokens: int) -> dict:
+    from deployments.channel import submit
+    from deployments.engine_replica import EngineCall
+
+    stream_handle = handle.options(stream=True)
+    sampling = {"max_tokens": tokens, "ignore_eos": True}
+    events, count, gaps = 0, 0, []
+
+    async def one(i: int) -> None:
+        nonlocal events, count
+        last = None
+        async for item in submit(stream_handle.generate, EngineCall(f"h{i}-{time.time_ns()}", PROMPT, sampling)):
+            now = time.perf_counter()
+            events += 1
+            count += len(item["token_ids"])
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+
+    before = await handle.stats.remote()
+    t0 = time.perf_counter()
+    await asyncio.gather(*[one(i) for i in range(streams)])
+    wall = time.perf_counter() - t0
+    after = await handle.stats.remote()
+    return _row("handle", streams, count, wall, events, gaps, _step_ms(before, after))
+
+
+async def run_http(handle, streams: int, tokens: int) -> dict:
+    import aiohttp
+
+    body = {"prompt": PROMPT, "max_tokens": tokens, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    events, count, gaps, failures = 0, 0, [], 0
+
+    async def one(session) -> None:
+        nonlocal events, count, failures
+        last, usage = None, None
+        async with session.post(f"http://127.0.0.1:{PORT}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                failures += 1
+                return
+            async for raw in resp.content:
+                if not raw.startswith(b"data:"):
+                    continue
+                now = time.perf_counter()
+                if raw.startswith(b"data: [DONE]"):
+                    break
+                if b'"usage":{' in raw:
+                    usage = json.loads(raw[5:])["usage"]
+                    continue
+                events += 1
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+        if usage is None or usage["completion_tokens"] != tokens:
+            failures += 1
+        else:
+            count += tokens
+
+    before = await handle.stats.remote()
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        t0 = time.perf_counter()
+        await asyncio.gather(*[one(session) for _ in range(streams)])
+        wall = time.perf_counter() - t0
+    after = await handle.stats.remote()
+    if failures:
+        print(f"  http: {failures} of {streams} streams failed or came back short", file=sys.stderr)
+    return _row("http", streams, count, wall, events, gaps, _step_ms(before, after))
+
+
+def _step_ms(before: dict, after: dict) -> float:
+    """The engine's achieved step time over a run (longer than --step-ms: GIL starvation)."""
+    return 1e3 * (after["clock"] - before["clock"]) / max(1, after["steps"] - before["steps"])
+
+
+def start_serve(step_ms: float, cpu_ms: float, ingress_replicas: int | None):
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.path.abspath(ROOT)}})
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    args = {"engine": {"max_running_requests": 4096, "max_queued_requests": 4096, "device": "cpu"},
+            "ray_actor_options": {"num_cpus": 0}, "ingress_ray_actor_options": {"num_cpus": 0},
+            "ingress_replicas": ingress_replicas}
+    serve.run(build_app(args, replica_class=stand_in_replica(step_ms, cpu_ms)), name="path",
+              route_prefix="/")
+    return serve.get_deployment_handle("EngineReplica", app_name="path")
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'hop':<7} {'streams':>7} {'tok/s':>9} {'events/s':>9} {'tok/event':>9} "
+            f"{'gap ms':>7} {'step ms':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['hop']:<7} {r['streams']:>7} {r['tok_s']:>9.0f} {r['events_s']:>9.0f} "
+                     f"{r['tok_per_event']:>9.2f} {r['mean_gap_ms']:>7.1f} {r['step_ms']:>7.1f}")
+    return "\n".join(lines)
+
+
+async def main_async(args) -> list[dict]:
+    rows = []
+    if "inproc" in args.hops:
+        for n in args.streams:
+            rows.append(await run_inproc(n, args.tokens, args.step_ms, args.step_cpu_ms))
+            print(format_table(rows[-1:]).splitlines()[-1], flush=True)
+    if {"handle", "http"} & set(args.hops):
+        handle = start_serve(args.step_ms, args.step_cpu_ms, args.ingress_replicas)
+        for hop, run in (("handle", run_handle), ("http", run_http)):
+            if hop in args.hops:
+                await run(handle, 8, 8)  # warm-up: connections, first imports
+                for n in args.streams:
+                    rows.append(await run(handle, n, args.tokens))
+                    print(format_table(rows[-1:]).splitlines()[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--streams", type=int, nargs="+", default=[64, 512, 2048])
+    p.add_argument("--tokens", type=int, default=128, help="tokens per stream")
+    p.add_argument("--step-ms", type=float, default=20.0, help="stand-in engine step time")
+    p.add_argument("--step-cpu-ms", type=float, default=2.0, help="Python time per step, GIL held")
+    p.add_argument("--hops", nargs="+", default=["inproc", "handle", "http"],
+                   choices=["inproc", "handle", "http"])
+    p.add_argument("--ingress-replicas", type=int, default=None, help="default: the app's own")
+    p.add_argument("--json", help="write the rows here")
+    args = p.parse_args()
+    rows = asyncio.run(main_async(args))
+    print(f"\nstand-in engine: step {args.step_ms} ms ({args.step_cpu_ms} ms of it Python), "
+          f"{args.tokens} tokens per stream\n" + format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
