@@ -1,9 +1,14 @@
 """Offline benchmark on a GPU: W1 (throughput), W2 (shared prefix, cache on/off) and W3
-(batch-1 latency) from ../shared/BENCHMARKS.md, with the Llama-3-8B-shaped dummy model,
-against its physical floors and the Hugging Face transformers peer.
+(batch-1 latency) from ../shared/BENCHMARKS.md, with the Llama-3-8B-shaped dummy model (or,
+with `--model moe`, a Qwen3-30B-A3B-shaped one), against its physical floors and the
+Hugging Face transformers peer.
 
-    python scripts/bench_offline.py [--workloads W1,W2,W3] [--json PATH] [--no-hf]
-                                    [--w2-modes cache_on,...] [--profile-w2 A:B]
+    python scripts/bench_offline.py [--model llama3-8b|moe] [--workloads W1,W2,W3] [--json PATH]
+                                    [--no-hf] [--w2-modes cache_on,...] [--profile-w2 A:B]
+
+For an MoE model the floors count only the experts a step touches: at batch 1 the top-k of
+each layer (W3), at batch B the expected number of distinct experts under uniform routing
+(W1's decode steps, at their mean batch).
 
 W1 and W2 also report where their time goes: GPU time of decode steps vs steps with
 prefill chunks (CUDA events), and the rest (host work the GPU waited for).
@@ -37,8 +42,46 @@ LLAMA3_8B = {
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
     "bos_token_id": 128000, "eos_token_id": 128001,
 }
-PARAMS_PER_PROMPT_TOKEN = 6.98e9  # matmul params a prompt token passes through (no LM head)
-PARAMS_PER_OUTPUT_TOKEN = 7.50e9  # ... and an output token (with the LM head)
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+    "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
+    "bos_token_id": 151643, "eos_token_id": 151645,
+}
+MODELS = {"llama3-8b": LLAMA3_8B, "moe": QWEN3_30B_A3B}
+
+
+def active_matmul_params(cfg: dict) -> tuple[float, float]:
+    """Matmul params a prompt token passes through (no LM head), and an output token (with
+    it): for an MoE layer only the top-k experts' (and the router's). Llama-3-8B: 6.98e9, 7.50e9."""
+    h, d = cfg["hidden_size"], cfg["head_dim"]
+    attn = h * d * (2 * cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"])
+    if "num_experts" in cfg:
+        mlp = cfg["num_experts_per_tok"] * 3 * h * cfg["moe_intermediate_size"] + h * cfg["num_experts"]
+    else:
+        mlp = 3 * h * cfg["intermediate_size"]
+    per_prompt = cfg["num_hidden_layers"] * (attn + mlp)
+    return per_prompt, per_prompt + h * cfg["vocab_size"]
+
+
+def decode_weight_bytes(model: torch.nn.Module, batch: int) -> float:
+    """Weight bytes one decode step of `batch` tokens must read: everything but the routed
+    experts, plus the experts touched (top-k of E each layer at batch 1; for larger batches
+    the expected distinct count under uniform routing)."""
+    from engine.layers.moe import FusedMoE
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for m in model.modules():
+        if isinstance(m, FusedMoE):
+            experts = m.w13.numel() * m.w13.element_size() + m.w2.numel() * m.w2.element_size()
+            e, k = m.num_experts, model.config.num_experts_per_tok
+            touched = e * (1 - (1 - k / e) ** batch)
+            total -= experts * (1 - touched / e)
+    return total
 
 
 def w1():
@@ -65,7 +108,7 @@ def w3():
     return [([r.randint(100, 120000) for _ in range(512)], 256)]
 
 
-def check_kernels() -> None:
+def check_kernels(moe: bool = False) -> None:
     """Every Triton kernel against the torch reference on fresh inputs, before timing."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from test_fused_kernels import all_fused_checks
@@ -73,17 +116,21 @@ def check_kernels() -> None:
     from test_triton_attention import all_checks
 
     rows = all_checks() + all_grouped_checks() + all_fused_checks()
+    if moe:
+        from test_moe_kernels import all_moe_checks
+
+        rows += all_moe_checks()
     bad = [(name, r) for name, r in rows if not r["ok"]]
     if bad:
         raise SystemExit(f"kernel check failed: {bad}")
     print(f"kernel checks passed ({len(rows)} cases: attention, grouped decode, fused)", flush=True)
 
 
-def model_dir() -> str:
-    path = os.path.join(tempfile.gettempdir(), "radixserve-llama3-8b-dummy")
+def model_dir(name: str = "llama3-8b") -> str:
+    path = os.path.join(tempfile.gettempdir(), f"radixserve-{name}-dummy")
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(LLAMA3_8B, f)
+        json.dump(MODELS[name], f)
     return path
 
 
@@ -213,7 +260,7 @@ def run_requests(engine: Engine, reqs, tag: str, phases: bool = False,
             "phases": timer.summary(wall) if timer else None}
 
 
-def bench_w1(path: str, ceilings: dict, plain_too: bool = False) -> dict:
+def bench_w1(path: str, ceilings: dict, plain_too: bool = False, cfg: dict = LLAMA3_8B) -> dict:
     """W1 with grouped decode on (the default engine) and, with `plain_too`, off: W1 shares
     no prefixes, so the two should agree within noise."""
     out = {}
@@ -222,13 +269,15 @@ def bench_w1(path: str, ceilings: dict, plain_too: bool = False) -> dict:
         run_requests(engine, w1()[:64], "warm")  # compile kernels for prefill shapes
         engine.cache.reset()
         res = run_requests(engine, w1(), "w1", phases=grouped)
+        if grouped and "num_experts" in cfg:
+            out.update(moe_decode_floor(engine, res["phases"]["decode"], ceilings))
         del engine
         release_memory()
         if not grouped:
             out["plain_decode_output_tok_s"] = res["output_tokens"] / res["wall_s"]
             continue
-        flops = (res["prompt_tokens"] * 2 * PARAMS_PER_PROMPT_TOKEN
-                 + res["output_tokens"] * 2 * PARAMS_PER_OUTPUT_TOKEN)
+        per_prompt, per_output = active_matmul_params(cfg)
+        flops = res["prompt_tokens"] * 2 * per_prompt + res["output_tokens"] * 2 * per_output
         floor_s = flops / (ceilings["matmul_tflop_s"] * 1e12)
         out.update({"output_tok_s": res["output_tokens"] / res["wall_s"], "wall_s": res["wall_s"],
                     "floor_s": floor_s, "floor_output_tok_s": res["output_tokens"] / floor_s,
@@ -236,6 +285,15 @@ def bench_w1(path: str, ceilings: dict, plain_too: bool = False) -> dict:
                     "phases": res["phases"]})
         print("W1", out, flush=True)
     return out
+
+
+def moe_decode_floor(engine: Engine, decode: dict, ceilings: dict) -> dict:
+    """W1's mean decode step against the bytes it must read at its mean batch (weights of
+    the experts touched + the rest; KV reads not counted)."""
+    batch = max(1, round(decode["mean_batch"]))
+    floor_ms = 1e3 * decode_weight_bytes(engine.runner.model, batch) / (ceilings["copy_tb_s"] * 1e12)
+    return {"decode_mean_batch": batch, "decode_step_ms": decode["mean_ms"],
+            "decode_weight_floor_ms": floor_ms}
 
 
 W2_MODES = {"cache_on": (True, True), "plain_decode": (True, False), "cache_off": (False, False)}
@@ -299,7 +357,7 @@ def bench_w3(path: str, ceilings: dict) -> dict:
             out["ttft_ms"] = 1e3 * res["ttft_s"]
             graph = engine.runner.graphs.graphs[1]
             out["forward_ms"] = _time_ms(graph.replay, reps=50)
-            weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+            weights = decode_weight_bytes(engine.runner.model, batch=1)
             out["floor_ms"] = 1e3 * weights / (ceilings["copy_tb_s"] * 1e12)
             out["weight_gb"] = weights / 1e9
             out["unfused_forward_ms"] = unfused_forward_ms(engine)
@@ -357,6 +415,8 @@ def bench_hf(path: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="llama3-8b", choices=sorted(MODELS),
+                    help="the dummy model's shape: Llama-3-8B, or Qwen3-30B-A3B (moe)")
     ap.add_argument("--workloads", default="W1,W2,W3")
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-hf", action="store_true")
@@ -368,14 +428,14 @@ def main() -> None:
     args = ap.parse_args()
     profile = tuple(int(x) for x in args.profile_w2.split(":")) if args.profile_w2 else None
     if not args.skip_check:
-        check_kernels()
-    path = model_dir()
+        check_kernels(moe=args.model == "moe")
+    path = model_dir(args.model)
     ceilings = measure_ceilings()
     results: dict = {"ceilings": ceilings}
     work = args.workloads.split(",")
     for name, bench in (("W3", lambda: bench_w3(path, ceilings)),
                         ("W2", lambda: bench_w2(path, args.w2_modes.split(","), profile)),
-                        ("W1", lambda: bench_w1(path, ceilings, args.w1_plain))):
+                        ("W1", lambda: bench_w1(path, ceilings, args.w1_plain, MODELS[args.model]))):
         if name in work:
             results[name] = bench()
             print(name, results[name], flush=True)
@@ -408,6 +468,10 @@ def print_table(r: dict) -> None:
               f"{w['output_tok_s'] / w['floor_output_tok_s']:>7.2f} {w.get('hf_output_tok_s', 0):>9.0f}")
         if "plain_decode_output_tok_s" in w:
             print(f"{'W1 output tok/s, plain decode':<34} {w['plain_decode_output_tok_s']:>10.0f}")
+        if "decode_weight_floor_ms" in w:
+            label = f"W1 decode step ms (batch {w['decode_mean_batch']})"
+            print(f"{label:<34} {w['decode_step_ms']:>10.2f} {w['decode_weight_floor_ms']:>10.2f} "
+                  f"{w['decode_step_ms'] / w['decode_weight_floor_ms']:>7.2f}")
     if "W2" in r:
         w = r["W2"]
         for key, label in (("cache_on", "cache on"), ("plain_decode", "plain decode"),
