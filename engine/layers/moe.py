@@ -56,7 +56,7 @@ def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
             out[pairs] = F.linear(silu_and_mul(F.linear(x[pairs // k], w13[e])), w2[e])
             start += n
     out = (out.float() * topk_weights.flatten()[:, None].float()).to(out.dtype)  # fp32, as HF
-    return out.view(t, k, -1).sum(dim=1)
+    return out.view(t, k, w2.shape[1]).sum(dim=1)
 
 
 def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -77,7 +77,7 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     out = torch.zeros((num_pairs, w2.shape[1]), dtype=x.dtype, device=x.device)
     grouped_gemm(act, w2, blocks, out, rows_per_a=1,
                  pair_weights=topk_weights.flatten().float().contiguous())
-    return out.view(t, k, -1).sum(dim=1)
+    return out.view(t, k, w2.shape[1]).sum(dim=1)
 
 
 class FusedMoE(nn.Module):

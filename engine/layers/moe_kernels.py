@@ -20,7 +20,7 @@ from engine.layers.moe_routing import ExpertBlocks
 @triton.jit
 def _grouped_gemm_kernel(A, W, C, SortedPairs, BlockExpert, PairWeights, num_pairs, N, K,
                          stride_am, stride_we, stride_wn, stride_cm,
-                         ROWS_PER_A: tl.constexpr, WEIGHTED: tl.constexpr,
+                         ROWS_PER_A: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
@@ -40,7 +40,7 @@ def _grouped_gemm_kernel(A, W, C, SortedPairs, BlockExpert, PairWeights, num_pai
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(a, w, acc)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if WEIGHTED:  # the router's weight of each pair, applied before rounding (fp32 accumulator)
@@ -64,6 +64,9 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, out: to
     _grouped_gemm_kernel[grid](a, w, out, blocks.sorted_pairs, blocks.block_expert, weights,
                                blocks.num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1),
                                out.stride(0), ROWS_PER_A=rows_per_a,
-                               WEIGHTED=pair_weights is not None, BLOCK_M=blocks.block_m,
+                               WEIGHTED=pair_weights is not None,
+                               # float32 models get float32 products, not TF32's 10-bit mantissa
+                               PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+                               BLOCK_M=blocks.block_m,
                                BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out

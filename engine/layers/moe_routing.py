@@ -66,7 +66,7 @@ def group_by_expert(topk_ids: torch.Tensor, num_local_experts: int, first_expert
     n_blocks = max_blocks(num_pairs, e_local, block_m)
     capacity = n_blocks * block_m
     # Start row of each bucket; the foreign bucket writes to a scratch row past the end.
-    starts = torch.cat([ends - padded, torch.tensor([capacity], device=device)])
+    starts = torch.cat([ends - padded, torch.full((1,), capacity, device=device)])  # no host copy
     order = torch.argsort(bucket, stable=True)
     sorted_bucket = bucket[order]
     first_of_bucket = torch.cumsum(counts, 0) - counts
