@@ -51,6 +51,7 @@ class EngineReplica:
         self.engine = self._start_engine(config)
         self.outboxes: dict[str, Outbox] = {}  # delta channels, by ingress id
         self._channel_waits: dict[str, asyncio.Future] = {}
+        self._requests_by_path = {"requests_on_channel": 0, "requests_on_own_stream": 0}
         self.digest = CacheDigest(block_size=digest_block_size)
         self._stats: dict[str, Any] = {}
         self._stats_lock = threading.Lock()
@@ -88,6 +89,8 @@ class EngineReplica:
         outbox = self.outboxes.get(call.channel) if call.channel else None
         try:
             params = SamplingParams(**call.sampling)
+            path = "requests_on_channel" if outbox is not None else "requests_on_own_stream"
+            self._requests_by_path[path] += 1
             if outbox is not None:
                 await self._generate_on_channel(call, params, outbox, timer)
                 return
@@ -141,11 +144,13 @@ class EngineReplica:
             run.cancel()
 
     async def stats(self) -> dict:
-        return await self.engine.stats()
+        """Engine stats, and how requests streamed (on a delta channel or their own call)."""
+        return {**await self.engine.stats(), **self._requests_by_path,
+                "open_channels": len(self.outboxes)}
 
     async def replica_stats(self) -> dict:
-        """This replica's id and engine stats (the ingress broadcasts it for /v1/stats)."""
-        return {"replica": self.replica_id, "stats": await self.engine.stats()}
+        """This replica's id and stats (the ingress broadcasts it for /v1/stats)."""
+        return {"replica": self.replica_id, "stats": await self.stats()}
 
     def tp_info(self) -> dict[str, Any]:
         """Where this replica's tensor-parallel ranks run: {"replica", "node_ids" (rank

@@ -28,12 +28,12 @@ def start_ray() -> None:
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
 
 
-def run_app(args: dict, name: str = "radixserve") -> None:
+def run_app(args: dict, name: str = "radixserve", route_prefix: str = "/") -> None:
     from ray import serve
 
     from deployments.app import build_app
 
-    serve.run(build_app(args), name=name, route_prefix="/")
+    serve.run(build_app(args), name=name, route_prefix=route_prefix)
 
 
 def stop_ray() -> None:

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# The product on the GPU, end to end, in one device call: `serve run` of a GPU config on the
+# Llama-3-8B-shaped dummy model, bench_serving through HTTP (W2's shape all at once; batch-1
+# 512/256; Poisson 4/16/64 req/s of 512/128), then the offline engine's W2 and W3 on the
+# same machine, then the Serve path alone with the stand-in engine; one table at the end.
+#
+# Ray Serve is not on the GPU machine: bring its wheels (../shared/device/serve_wheels.sh
+# fetches them into .whl/c1 and .whl/c2 and prints the procedure). Two device calls:
+#   1: carry [".whl/c1"], command: mkdir -p /tmp/chunks && cp .whl/c1/* /tmp/chunks/
+#   2: carry [".whl/c2"], command: bash scripts/gpu_serve_check.sh
+# PARTS (default "serve,offline,path") picks what runs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-/tmp/radixserve-out}
+PARTS=${PARTS:-serve,offline,path}
+mkdir -p "$OUT"
+if [ -d .whl/c2 ] && [ ! -d /tmp/site/ray ]; then
+  cp .whl/c2/ray.part.* /tmp/chunks/ && cat /tmp/chunks/ray.part.* > "/tmp/$(cat .whl/c2/ray.name)" &&
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/ray-*.whl .whl/c2/*.whl \
+    || { echo "installing the Ray Serve wheels failed"; exit 1; }
+fi
+export PYTHONPATH=$ROOT:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
+export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
+
+MODEL=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import bench_offline; print(bench_offline.model_dir())")
+python3 scripts/dummy_tokenizer.py "$MODEL"
+
+serve_up() {  # start `serve run` and wait until it answers, or fail fast when it died
+  cat > /tmp/gpu_serve.yaml <<EOF
+proxy_location: EveryNode
+http_options: {host: 127.0.0.1, port: 8000}
+applications:
+  - name: radixserve
+    route_prefix: /
+    import_path: deployments.app:build_app
+    args:
+      model: $MODEL
+      served_model_name: llama3-8b-dummy
+      ray_actor_options: {num_cpus: 4, num_gpus: 1}
+      engine: {load_format: dummy, dtype: bfloat16, max_running_requests: 1024,
+               chunked_prefill_size: 8192, max_prefill_tokens: 16384, cuda_graph_max_bs: 1024,
+               mem_fraction_static: 0.88, max_queued_requests: 2048, grammar_backend: none}
+EOF
+  setsid serve run /tmp/gpu_serve.yaml > "$OUT/serve.log" 2>&1 &
+  SERVE_PID=$!
+  for _ in $(seq 1 240); do
+    if curl -sf http://127.0.0.1:8000/v1/models > /dev/null; then echo "serve up after ${SECONDS}s"; return 0; fi
+    if ! kill -0 $SERVE_PID 2>/dev/null || grep -q "Traceback\|DEPLOY_FAILED\|RuntimeError" "$OUT/serve.log"; then
+      echo "serve run failed:"; tail -40 "$OUT/serve.log"; return 1
+    fi
+    sleep 1
+  done
+  echo "serve run did not come up in 240 s:"; tail -40 "$OUT/serve.log"; return 1
+}
+
+bench() {  # name, then bench_serving options
+  local name=$1; shift
+  python3 scripts/bench_serving.py --quiet --prompt-format tokens --token-id-low 100 \
+    --token-id-high 120000 --json "$OUT/http_$name.json" "$@" 2>&1 | tail -3
+}
+
+if [[ $PARTS == *serve* ]]; then
+  SECONDS=0
+  if serve_up; then
+    bench warm --num-prompts 64 --input-len 512 --output-len 32
+    bench batch1 --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1
+    bench w2 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
+      --question-len 128 --output-len 256
+    for rate in 4 16 64; do
+      bench "poisson$rate" --num-prompts $((rate * 10)) --input-len 512 --output-len 128 --request-rate $rate
+    done
+    top -b -n 1 -o %CPU | head -15 > "$OUT/top.txt"
+  fi
+  serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1
+fi
+
+if [[ $PARTS == *offline* ]]; then
+  python3 scripts/bench_offline.py --workloads W2,W3 --w2-modes cache_on --no-hf --skip-check \
+    --json "$OUT/offline.json" 2>&1 | grep -E "^W[23] " | cut -c1-300
+fi
+
+if [[ $PARTS == *path* ]]; then
+  timeout 240 python3 scripts/bench_serve_path.py --hops inproc handle http --json "$OUT/path.json" \
+    2>&1 | grep -A12 "^stand-in engine"
+  ray stop --force > /dev/null 2>&1
+fi
+
+python3 - "$OUT" <<'EOF'
+import json, os, sys
+out = sys.argv[1]
+def load(name):
+    path = os.path.join(out, name)
+    return json.load(open(path)) if os.path.exists(path) else None
+print(f"\n{'run':<12} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT mean':>9} {'ITL p50':>8} {'ITL mean':>8} {'TPOT':>7} {'ok':>5} {'fail':>5}")
+for name in ("batch1", "w2", "poisson4", "poisson16", "poisson64"):
+    m = load(f"http_{name}.json")
+    if m:
+        m = m.get("metrics", m)
+        print(f"{name:<12} {m['output_throughput']:>10.0f} {m['ttft_ms_p50']:>9.1f} {m['ttft_ms_mean']:>9.1f} "
+              f"{m['itl_ms_p50']:>8.2f} {m['itl_ms_mean']:>8.2f} {m['tpot_ms_mean']:>7.2f} {m['completed']:>5} {m['failed']:>5}")
+off = load("offline.json")
+if off:
+    w2, w3 = off.get("W2", {}), off.get("W3", {})
+    print(f"offline W2 cache_on: {w2.get('cache_on_output_tok_s', 0):.0f} tok/s; "
+          f"W3: TTFT {w3.get('ttft_ms', 0):.1f} ms, step {w3.get('step_ms', 0):.2f} ms")
+EOF

@@ -1,0 +1,97 @@
+"""The ingress's side of streaming, without Ray: text decoded from streamed token ids
+(ChoiceState), deltas merged per batch (merge_deltas), and the request body checks."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+
+from deployments.errors import APIError
+from deployments.request_body import parse_json
+from deployments.prompt_encoder import PromptEncoder
+from deployments.streams import ChoiceState, merge_deltas
+from engine.demo_model import ensure_demo_model
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+TEXT = "héllo wörld — 世界 says 🙂🎉 to the naïve café, and stops at STOP here. 日本語もね。"
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer(ensure_demo_model())
+
+
+def _delta(tokens, finished=False, **extra) -> dict:
+    return {"token_ids": list(tokens), "finished": finished, "finish_reason": "stop" if finished else None,
+            "prompt_tokens": 3, "cached_tokens": 0, "completion_tokens": 0, **extra}
+
+
+def _stream_text(tokenizer, tokens, splits, stop=()) -> tuple[str, list[str]]:
+    choice = ChoiceState(0, 0, IncrementalDetokenizer(tokenizer, [1, 2, 3], list(stop)))
+    pieces, start = [], 0
+    for k, end in enumerate(splits + [len(tokens)]):
+        pieces.append(choice.add(_delta(tokens[start:end], finished=end == len(tokens))))
+        start = end
+    return "".join(choice.text), pieces
+
+
+def test_multibyte_text_is_exact_under_any_split(tokenizer):
+    tokens = tokenizer.encode(TEXT)[1:]  # no BOS
+    # Byte-level BPE splits the multi-byte characters over several tokens: some deltas end
+    # inside a character and must hold those bytes back, never emit U+FFFD.
+    assert any("\ufffd" in tokenizer.decode([t]) for t in tokens)
+    expected = tokenizer.decode(tokens)
+    rng = random.Random(0)
+    for _ in range(30):
+        splits = sorted(rng.sample(range(1, len(tokens)), rng.randint(0, len(tokens) - 1)))
+        text, pieces = _stream_text(tokenizer, tokens, splits)
+        assert text == expected
+        assert not any("\ufffd" in p for p in pieces)
+
+
+def test_stop_string_across_chunk_borders(tokenizer):
+    tokens = tokenizer.encode(TEXT)[1:]
+    expected = TEXT[:TEXT.index("STOP")]
+    for splits in ([], list(range(1, len(tokens))), [len(tokens) // 2]):
+        text, _ = _stream_text(tokenizer, tokens, splits, stop=["STOP"])
+        assert text == expected
+    # a stop string made of multi-byte characters, split over tokens
+    text, _ = _stream_text(tokenizer, tokens, list(range(1, len(tokens))), stop=["世界"])
+    assert text == TEXT[:TEXT.index("世界")]
+
+
+def test_merge_deltas_joins_each_calls_deltas_in_order():
+    batch = [(0, _delta([1], logprobs=[-0.1], prompt_logprobs=[None, -1.0])),
+             (1, _delta([7])),
+             (0, _delta([2, 3], logprobs=[-0.2, -0.3])),
+             (1, {"error": "boom", "status": 500}),
+             (0, _delta([4], finished=True, logprobs=[-0.4]))]
+    merged = merge_deltas(batch)
+    assert [i for i, _ in merged] == [0, 1, 1]
+    first = merged[0][1]
+    assert first["token_ids"] == [1, 2, 3, 4] and first["finished"] and first["finish_reason"] == "stop"
+    assert first["logprobs"] == [-0.1, -0.2, -0.3, -0.4]
+    assert first["prompt_logprobs"] == [None, -1.0]
+    assert merged[1][1]["token_ids"] == [7] and merged[2][1]["error"] == "boom"
+
+
+def test_body_with_lone_surrogate_is_a_400():
+    with pytest.raises(APIError) as e:
+        parse_json(json.dumps({"prompt": "a\ud800b"}).encode())
+    assert e.value.status == 400 and "surrogate" in e.value.message
+    assert parse_json(json.dumps({"prompt": "ok \ud83d\ude42"}).encode())["prompt"] == "ok 🙂"
+    with pytest.raises(APIError):
+        parse_json(b'{"prompt": "\xff"}')
+
+
+def test_prompt_encoder_refuses_what_cannot_fit_without_encoding(tokenizer):
+    encoder = PromptEncoder(tokenizer, max_context=64)
+    assert asyncio.run(encoder.encode("hello world")) == tokenizer.encode("hello world")
+    huge = "x" * (encoder.max_prompt_chars + 1)
+    with pytest.raises(ValueError, match="cannot fit"):
+        asyncio.run(encoder.encode(huge))
+    # the bound is safe: a text at the bound that is all of the longest token still
+    # needs more tokens than the context holds
+    assert encoder.max_prompt_chars // encoder.max_token_chars >= 64
