@@ -15,7 +15,12 @@ DEFAULT_CHAT_TEMPLATE = (
 
 class Tokenizer:
     def __init__(self, path: str) -> None:
-        self.hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        from engine.model_source import resolve_model_path
+        from engine.models.gguf import gguf_tokenizer, is_gguf
+
+        path = resolve_model_path(path)  # a package: model, Hub ID or .gguf file too
+        self.hf: PreTrainedTokenizerBase = (gguf_tokenizer(path) if is_gguf(path) else
+                                            AutoTokenizer.from_pretrained(path, local_files_only=True))
         self.eos_token_ids = _eos_ids(path, self.hf)
 
     def encode(self, text: str) -> list[int]:

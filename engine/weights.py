@@ -46,6 +46,15 @@ def iterate_safetensors(model_dir: str | Path, lazy: bool = False) -> Iterator[t
                 yield name, (f.get_slice(name) if lazy else f.get_tensor(name))
 
 
+def checkpoint_weights(model: str, hf_config, lazy: bool = False) -> Iterator[tuple[str, Loadable]]:
+    """(name, tensor) for `model` in any format: a GGUF file (dequantized) or safetensors."""
+    from engine.model_source import resolve_model_path
+    from engine.models.gguf import is_gguf, iterate_gguf
+
+    path = resolve_model_path(model)
+    return iterate_gguf(path, hf_config) if is_gguf(path) else iterate_safetensors(path, lazy)
+
+
 @torch.no_grad()
 def dummy_init_(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Deterministic random weights without reading a checkpoint: N(0, std) everywhere,

