@@ -62,6 +62,17 @@ class EngineConfig:
     # Router support: record radix-cache insert/evict events for a replica's cache digest.
     enable_cache_events: bool = False
 
+    # Speculative decoding (engine/speculative/): drafts verified by one target forward.
+    # None = off. "ngram" drafts from the request's own prompt + output (prompt lookup);
+    # "draft_model" (a smaller model with the same tokenizer) is not implemented yet.
+    # Turns overlap scheduling off; requests it cannot serve decode plainly.
+    speculative_algorithm: Literal["ngram", "draft_model"] | None = None
+    speculative_draft_model: str | None = None
+    speculative_num_steps: int = 4  # draft-model forwards per step (draft_model only)
+    speculative_num_draft_tokens: int = 4  # max draft tokens per request per step
+    speculative_ngram_min_match: int = 1  # shortest suffix n-gram looked up
+    speculative_ngram_max_match: int = 3  # longest suffix n-gram looked up (tried first)
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES + ("auto",):
             raise ValueError(f"dtype must be one of {DTYPES + ('auto',)}, got {self.dtype!r}")
@@ -81,6 +92,18 @@ class EngineConfig:
             raise ValueError("dist_timeout_s must be > 0")
         if self.moe_parallel not in ("tp", "ep"):
             raise ValueError(f"moe_parallel must be 'tp' or 'ep', got {self.moe_parallel!r}")
+        self._validate_speculative()
+
+    def _validate_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if algo not in (None, "ngram", "draft_model"):
+            raise ValueError(f"speculative_algorithm must be None, 'ngram' or 'draft_model', got {algo!r}")
+        if self.speculative_num_draft_tokens < 1 or self.speculative_num_steps < 1:
+            raise ValueError("speculative_num_draft_tokens and speculative_num_steps must be >= 1")
+        if not 1 <= self.speculative_ngram_min_match <= self.speculative_ngram_max_match:
+            raise ValueError("need 1 <= speculative_ngram_min_match <= speculative_ngram_max_match")
+        if algo == "draft_model" and not self.speculative_draft_model:
+            raise ValueError("speculative_algorithm='draft_model' needs speculative_draft_model")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

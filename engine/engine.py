@@ -15,7 +15,8 @@ from engine.radix_cache import RadixCache
 from engine.request import Request, Status, validate_request
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, StepPlan
+from engine.scheduler import Chunk, Scheduler, StepPlan
+from engine.speculative.speculator import Speculator
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,8 @@ class QueueFullError(RuntimeError):
 
 @dataclass
 class TokenUpdate:
-    """One request's progress in one step: the tokens it gained (0 or 1)."""
+    """One request's progress in one step: the tokens it gained (0 or 1; more with
+    jump-forward or speculative decoding)."""
 
     req: Request
     new_tokens: list[int]
@@ -55,11 +57,9 @@ class Engine:
         self.num_jump_forward_tokens = 0  # output tokens appended by jump-forward, not decoded
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
+        self.speculator = Speculator(config, self.sampler) if config.speculative_algorithm else None
         self.overlap = None
-        # Overlap resolves the next step's placeholder tokens from the device tensor rank 0
-        # sampled; the other ranks never see it, so overlap stays off at tp > 1.
-        if (config.enable_overlap_schedule and self.runner.device.type == "cuda"
-                and self.runner.tp.size == 1):
+        if overlap_enabled(config, self.runner.device.type, self.runner.tp.size):
             self.overlap = OverlapStepper(self, config.max_running_requests)
 
     def close(self) -> None:
@@ -125,7 +125,8 @@ class Engine:
         return self._step_sync()
 
     def _step_sync(self) -> list[TokenUpdate]:
-        plan = self.scheduler.schedule()
+        drafts = self.speculator.propose(self.scheduler.running) if self.speculator else None
+        plan = self.scheduler.schedule(drafts)
         if plan is None:
             return []
         self.num_steps += 1
@@ -136,6 +137,9 @@ class Engine:
         return self._process(plan, logits)
 
     def _process(self, plan: StepPlan, logits) -> list[TokenUpdate]:
+        updates = []
+        if self.speculator is not None and any(c.draft for c in plan.chunks):
+            plan, logits, updates = self._verify_drafts(plan, logits)
         sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
         reqs = [plan.chunks[i].req for i in sampling]
         if len(sampling) < len(plan.chunks):
@@ -144,7 +148,6 @@ class Engine:
         # advance as tokens are appended, below).
         masks, failed = self.grammars.token_masks(reqs) if sampling else (None, [])
         out = self.sampler.sample(logits, reqs, masks) if sampling else None
-        updates = []
         for chunk in plan.chunks:
             if chunk.num_tokens > 1:  # a prefill chunk: share its KV with later arrivals
                 self.scheduler.cache_prefix(chunk.req)
@@ -162,6 +165,45 @@ class Engine:
                 req.output_top_logprobs.append(out.top_logprobs[j])
             updates.append(self._advance(req, token))
         return updates
+
+    def _verify_drafts(self, plan: StepPlan, logits) -> tuple[StepPlan, object, list[TokenUpdate]]:
+        """Take in the verified tokens of the chunks that carried drafts (1 + len(draft)
+        logits rows each); the rest of the plan, with its logits rows, goes on as usual."""
+        drafted, drafted_rows, rest, rest_rows, t = [], [], [], [], 0
+        for chunk in plan.chunks:
+            n = 1 + len(chunk.draft)
+            if chunk.draft:
+                drafted.append(chunk)
+                drafted_rows += range(t, t + n)
+            else:
+                rest.append(chunk)
+                rest_rows.append(t)
+            t += n
+        verdicts = self.speculator.verify(drafted, logits[drafted_rows])
+        updates = [self._take_verified(c, tokens) for c, tokens in zip(drafted, verdicts)]
+        return StepPlan(rest), logits[rest_rows], updates
+
+    def _take_verified(self, chunk: Chunk, tokens: list[int]) -> TokenUpdate:
+        """Append the verified tokens one at a time (any may finish the request: EOS, a
+        stop, max_tokens) and free the KV of the drafts that were not kept. KV of kept
+        drafts goes back to the request only as its tokens are taken, so the request is
+        always in the plain decode state (KV for all but its last token)."""
+        req = chunk.req
+        base = chunk.start + 1  # KV up to and including the request's last token
+        held = req.slots[base:base + len(tokens) - 1]  # KV of the kept drafts
+        self.scheduler.allocator.free(req.slots[base + len(held):])
+        del req.slots[base:]
+        row_synced = req.row_synced  # the device row's first entries stay valid
+        for i, token in enumerate(tokens):
+            req.token_ids.append(token)
+            update = self._advance(req, token, may_jump=False)
+            if update.finished:
+                self.scheduler.allocator.free(held[i:])
+                return TokenUpdate(req, tokens[:i + 1], True)
+            if i < len(held):
+                req.slots.append(held[i])
+        req.row_synced = min(row_synced, len(req.slots))
+        return TokenUpdate(req, tokens, False)
 
     def _advance(self, req: Request, token: int, may_jump: bool = True) -> TokenUpdate:
         """Take in `token`, just appended as the request's last: advance its grammar,
@@ -214,7 +256,8 @@ class Engine:
             text=req.detok.text, finish_reason=req.finish_reason, cached_tokens=req.cached_tokens,
             logprobs=req.output_logprobs if req.params.logprobs else None,
             prompt_logprobs=req.prompt_logprobs,
-            top_logprobs=req.output_top_logprobs if req.params.top_logprobs else None)
+            top_logprobs=req.output_top_logprobs if req.params.top_logprobs else None,
+            speculative=req.spec_stats.as_dict() if self.speculator else None)
 
     def stats(self) -> dict:
         s = self.scheduler.stats
@@ -229,7 +272,16 @@ class Engine:
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "finished_requests": s.finished_requests, "aborted_requests": s.aborted_requests,
             "steps": self.num_steps,
+            **(self.speculator.stats.as_dict() if self.speculator else {}),
         }
+
+
+def overlap_enabled(config: EngineConfig, device_type: str, tp_size: int) -> bool:
+    """Overlap scheduling runs on CUDA at tp 1 (it resolves the next step's placeholder
+    tokens from the device tensor rank 0 sampled; other ranks never see it), and not with
+    speculative decoding (a step's drafts come from the previous step's tokens)."""
+    return (config.enable_overlap_schedule and device_type == "cuda" and tp_size == 1
+            and config.speculative_algorithm is None)
 
 
 def feed_detokenizer(req: Request) -> None:

@@ -170,7 +170,7 @@ class ModelRunner:
         for chunk in plan.chunks:
             req, start, n = chunk.req, chunk.start, chunk.num_tokens
             end = start + n
-            ids += req.token_ids[start:end]
+            ids += chunk.input_ids
             positions += range(start, end)
             out_slots += req.slots[start:end]
             if req.row_synced < end:
@@ -182,7 +182,10 @@ class ModelRunner:
             seq_lens.append(end)
             extend_lens.append(n)
             t += n
-            logits_idx.append(t - 1)
+            if chunk.draft:  # speculative verification reads every position's logits
+                logits_idx += range(t - n, t)
+            else:
+                logits_idx.append(t - 1)
         return StepInput.pack([ids, positions, out_slots, rows, seq_lens, extend_lens,
                                _indptr(extend_lens), logits_idx, sync_rows, sync_cols, sync_slots,
                                prompt_rows, []], is_decode=False)
@@ -269,7 +272,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[tuple[Request, int, float]]]:
-        """Logits [num_chunks, vocab] (float32) of each chunk's last new token, and the
+        """Logits [num_chunks, vocab] (float32) of each chunk's last new token (of every
+        position of a chunk with a draft, in order: 1 + len(draft) rows), and the
         prompt-token logprobs the step's requests asked for, as (request, position, value).
         At tp > 1 (this is rank 0) the other ranks get the step first and run it alongside."""
         rows, targets, owners = _prompt_logprob_targets(plan)

@@ -15,6 +15,7 @@ class RequestOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[float | None] | None = None  # per prompt token (params.prompt_logprobs_start)
+    speculative: dict | None = None  # the request's drafted / accepted counts (SpecStats.as_dict)
 
 
 @dataclass

@@ -8,6 +8,7 @@ from typing import Any
 
 from engine.radix_cache import TreeNode
 from engine.sampling_params import SamplingParams
+from engine.speculative.stats import SpecStats
 
 
 class Status(enum.Enum):
@@ -50,6 +51,7 @@ class Request:
     detok: Any = None  # IncrementalDetokenizer, fed lazily
     sampler_state: Any = None  # per-request RNG etc., owned by the sampler
     stop_text_len: int | None = None  # where a matched stop string starts in the text
+    spec_stats: SpecStats = field(default_factory=SpecStats)  # speculative decoding counters
 
     def __post_init__(self) -> None:
         if not self.token_ids:

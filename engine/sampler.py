@@ -51,10 +51,27 @@ class Sampler:
         params = [r.params for r in reqs]
         greedy = torch.tensor([p.is_greedy for p in params], device=self.device)
         argmax = logits.argmax(dim=-1)
+        sampled = self.draw(self.probs(logits, params), reqs)
+        return torch.where(greedy, argmax, sampled)
+
+    def probs(self, logits: torch.Tensor, params: list) -> torch.Tensor:
+        """The weights a sampled row draws with: softmax at the row's temperature (1 for
+        greedy rows), then top-k / top-p / min-p zero some (rows are not renormalised).
+        Speculative verification compares drafts against exactly this, normalised."""
         temps = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params],
                              device=self.device, dtype=logits.dtype)
         probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
-        probs = _filter_top_k_top_p_min_p(probs, params, self.device)
+        return _filter_top_k_top_p_min_p(probs, params, self.device)
+
+    def uniform(self, req: Request, n: int) -> torch.Tensor:
+        """n draws from U[0, 1), from the request's own generator when it has a seed."""
+        gen = self._request_generator(req) if req.params.seed is not None else self.generator
+        return torch.rand(n, device=self.device, generator=gen)
+
+    def draw(self, probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """One token per row of `probs` [B, V] (rows need not be normalised), drawn with
+        each request's generator (the shared one for unseeded requests)."""
+        params = [r.params for r in reqs]
         noise = torch.empty_like(probs)
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
         if unseeded:
@@ -64,8 +81,7 @@ class Sampler:
             if req.params.seed is not None:
                 noise[i].exponential_(generator=self._request_generator(req))
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws index i with probability p_i.
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, argmax, sampled)
+        return (probs / noise).argmax(dim=-1)
 
     def _request_generator(self, req: Request) -> torch.Generator:
         if req.sampler_state is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv_pool import SlotAllocator
@@ -27,16 +27,26 @@ _IN_STEP_PREFIX = 64
 
 @dataclass
 class Chunk:
-    """`num_tokens` new tokens of `req`, starting at sequence position `start`."""
+    """`num_tokens` new tokens of `req`, starting at sequence position `start`. A decode
+    chunk may carry speculative `draft` tokens after the request's last token: they are
+    fed too (counted in `num_tokens`) and every position's logits come back to verify them."""
 
     req: Request
     start: int
     num_tokens: int
+    draft: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the end of the known tokens, so its last logits are sampled."""
-        return self.start + self.num_tokens == len(self.req.token_ids)
+        return self.start + self.num_tokens - len(self.draft) == len(self.req.token_ids)
+
+    @property
+    def input_ids(self) -> list[int]:
+        if not self.draft:
+            return self.req.token_ids[self.start:self.start + self.num_tokens]
+        end = self.start + self.num_tokens - len(self.draft)
+        return self.req.token_ids[self.start:end] + self.draft
 
 
 @dataclass
@@ -94,19 +104,35 @@ class Scheduler:
 
     # -- planning -----------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan | None:
+    def schedule(self, drafts: dict[Request, list[int]] | None = None) -> StepPlan | None:
+        """`drafts`: speculative tokens to verify after some decoding requests' last token
+        (engine/speculative/); they get KV slots only when memory allows."""
         decoders = [r for r in self.running if len(r.token_ids) - len(r.slots) == 1]
         decoders = self._make_room_for_decode(decoders)
         chunks = [Chunk(r, len(r.slots), 1) for r in decoders]
         for req, slot in zip(decoders, self._alloc(len(decoders))):
             req.slots.append(slot)
+        if drafts:
+            self._attach_drafts(chunks, drafts)
         chunks += self._schedule_prefill(reserve=len(chunks))
         if not chunks and self.running:
             # Every running request needs KV for several tokens (a prompt chunk, or text
             # appended by jump-forward) and none fits: retract the newest, as decode does.
             self._retract(max(self.running, key=lambda r: r.arrival))
-            return self.schedule()
+            return self.schedule(drafts)
         return StepPlan(chunks) if chunks else None
+
+    def _attach_drafts(self, chunks: list[Chunk], drafts: dict[Request, list[int]]) -> None:
+        """Give decode chunks their drafts, in order, while memory lasts: a draft is an
+        optimisation, so it never retracts a request (it may evict unlocked cache leaves,
+        as any allocation does)."""
+        for chunk in chunks:
+            draft = drafts.get(chunk.req)
+            if not draft or self._available() < len(draft):
+                continue
+            chunk.draft = list(draft)
+            chunk.num_tokens += len(draft)
+            chunk.req.slots.extend(self._alloc(len(draft)))
 
     def _make_room_for_decode(self, decoders: list[Request]) -> list[Request]:
         while self._available() < len(decoders) and self.running:

@@ -176,6 +176,14 @@ def test_random_arrivals_aborts_and_preemption(tiny_llama, overlap, jump_forward
                               enable_jump_forward=jump_forward))
     if overlap:
         overlapped(eng)
+    stats = drive_random_traffic(eng, prompts, params, alone, order, r)
+    assert stats["preemptions"] > 0
+
+
+def drive_random_traffic(eng, prompts, params, alone, order, r: random.Random) -> dict:
+    """Add requests at random steps and abort a quarter of them a random number of steps
+    later; then check: no KV leak, finished outputs equal `alone`, aborted ones are
+    prefixes of it. Returns the engine's stats."""
     arrive = {i: r.randint(0, 40) for i in order}
     abort_at = {i: arrive[i] + r.randint(1, 30) for i in order if r.random() < 0.25}
     reqs, step = {}, 0
@@ -190,7 +198,6 @@ def test_random_arrivals_aborts_and_preemption(tiny_llama, overlap, jump_forward
         assert step < 5000, "the engine stopped making progress"
     stats = eng.stats()
     assert_no_leak(stats)
-    assert stats["preemptions"] > 0
     finished = 0
     for i, req in reqs.items():
         out = eng.output_of(req)
@@ -201,3 +208,4 @@ def test_random_arrivals_aborts_and_preemption(tiny_llama, overlap, jump_forward
             finished += 1
             assert (out.token_ids, out.finish_reason) == (expected, alone[i].finish_reason), i
     assert finished >= len(order) // 2
+    return stats

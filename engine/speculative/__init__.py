@@ -1,0 +1,4 @@
+"""Speculative decoding: cheap drafts verified by one target forward.
+
+speculator.py (which requests draft, stats), ngram.py (prompt-lookup drafts), verify.py
+(greedy and rejection-sampling verdicts), stats.py (counters)."""
