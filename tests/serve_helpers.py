@@ -15,9 +15,18 @@ BASE = "http://127.0.0.1:8000"
 def serve_config_args(**overrides) -> dict:
     """The app args of serve_config.yaml, sized for a 2-core test machine."""
     args = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
+    # On the tiny demo model, which starts in seconds; the default real model has its own
+    # end-to-end tests (tests/test_real_model_serve.py, tests/test_serve_cli.py).
+    args.update(model=None, served_model_name="radixserve-demo")
     args["ray_actor_options"] = {"num_cpus": 0.2}
     args.update(overrides)
     return args
+
+
+def served_model_name() -> str:
+    """The model name that `serve run serve_config.yaml` answers to."""
+    return yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"][
+        "served_model_name"]
 
 
 def start_ray() -> None:

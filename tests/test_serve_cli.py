@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from serve_helpers import ROOT, wait_until
+from serve_helpers import ROOT, served_model_name, wait_until
 
 
 def _kill_session(sid: int) -> None:
@@ -55,6 +55,6 @@ def test_serve_run_comes_up_and_answers(serve_run):
         out = serve_run.stdout.read().decode(errors="replace") if serve_run.poll() is not None else ""
         pytest.fail(f"serve run did not come up ({state}): {out[-3000:]}")
     r = httpx.post("http://127.0.0.1:8000/v1/completions", timeout=60,
-                   json={"model": "radixserve-demo", "prompt": "Hello", "max_tokens": 5})
+                   json={"model": served_model_name(), "prompt": "Hello", "max_tokens": 5})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] >= 1
