@@ -39,7 +39,12 @@ def engine_deployment(args: AppArgs, replica_class: type = EngineReplica):
     return serve.deployment(replica_class).options(**options).bind(args.model, args.engine, block_size)
 
 
-def build_app(args: dict[str, Any] | None = None, replica_class: type = EngineReplica) -> Application:
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    """The app of serve_config.yaml (Serve calls an app builder with exactly one argument)."""
+    return build_app_with(args)
+
+
+def build_app_with(args: dict[str, Any] | None, replica_class: type = EngineReplica) -> Application:
     """`replica_class`: EngineReplica, or a stand-in of it (scripts/bench_serve_path.py)."""
     try:
         app_args = AppArgs.model_validate(args or {})

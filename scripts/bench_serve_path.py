@@ -233,7 +233,7 @@ def start_serve(step_ms: float, cpu_ms: float, ingress_replicas: int | None):
     import ray
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import build_app_with
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.path.abspath(ROOT)}})
@@ -241,7 +241,7 @@ def start_serve(step_ms: float, cpu_ms: float, ingress_replicas: int | None):
     args = {"engine": {"max_running_requests": 4096, "max_queued_requests": 4096, "device": "cpu"},
             "ray_actor_options": {"num_cpus": 0}, "ingress_ray_actor_options": {"num_cpus": 0},
             "ingress_replicas": ingress_replicas}
-    serve.run(build_app(args, replica_class=stand_in_replica(step_ms, cpu_ms)), name="path",
+    serve.run(build_app_with(args, replica_class=stand_in_replica(step_ms, cpu_ms)), name="path",
               route_prefix="/")
     return serve.get_deployment_handle("EngineReplica", app_name="path")
 

@@ -76,7 +76,7 @@ if [[ $PARTS == *serve* ]]; then
 fi
 
 if [[ $PARTS == *offline* ]]; then
-  python3 scripts/bench_offline.py --workloads W2,W3 --w2-modes cache_on --no-hf --skip-check \
+  python3 scripts/bench_offline.py --workloads "${OFFLINE_WORKLOADS:-W2,W3}" --w2-modes cache_on --no-hf --skip-check \
     --json "$OUT/offline.json" 2>&1 | grep -E "^W[23] " | cut -c1-300
 fi
 
