@@ -3,7 +3,7 @@
     serve run serve_config.yaml                        # one shell: the Ray Serve app on :8000
     python examples/frontend_qa.py [http://127.0.0.1:8000]
 
-(The demo model has random weights: the programs run for real, the words are nonsense.)
+(serve_config.yaml serves SmolLM2-135M-Instruct: small, so expect short, simple answers.)
 """
 import sys
 
