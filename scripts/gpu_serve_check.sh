@@ -8,7 +8,8 @@
 # fetches them into .whl/c1 and .whl/c2 and prints the procedure). Two device calls:
 #   1: carry [".whl/c1"], command: mkdir -p /tmp/chunks && cp .whl/c1/* /tmp/chunks/
 #   2: carry [".whl/c2"], command: bash scripts/gpu_serve_check.sh
-# PARTS (default "serve,offline,path") picks what runs.
+# PARTS (default "serve,offline,path") picks what runs; "profile" adds py-spy of the engine
+# replica and an ingress during W2 over HTTP.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -60,6 +61,29 @@ bench() {  # name, then bench_serving options
     --token-id-high 120000 --json "$OUT/http_$name.json" "$@" 2>&1 | tail -3
 }
 
+profile_w2() {  # py-spy of the engine replica and an ingress while W2 runs over HTTP
+  bench w2p --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
+    --question-len 128 --output-len 256 > /dev/null &
+  sleep 7
+  for who in EngineReplica OpenAIIngress; do
+    pid=$(pgrep -f "ServeReplica:radixserve:$who" | head -1)
+    py-spy record -d 4 -r 250 --nonblocking -f raw -o "$OUT/pyspy_$who.txt" --pid "$pid" > /dev/null 2>&1 &
+  done
+  wait
+  for who in EngineReplica OpenAIIngress; do
+    echo "== py-spy $who"; python3 scripts/pyspy_top.py "$OUT/pyspy_$who.txt" 14 2>&1 | cut -c1-200
+  done
+}
+
+if [[ $PARTS == *profile* ]]; then
+  SECONDS=0
+  if serve_up; then
+    bench warm --num-prompts 64 --input-len 512 --output-len 32
+    profile_w2
+  fi
+  serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1
+fi
+
 if [[ $PARTS == *serve* ]]; then
   SECONDS=0
   if serve_up; then
@@ -81,8 +105,8 @@ if [[ $PARTS == *offline* ]]; then
 fi
 
 if [[ $PARTS == *path* ]]; then
-  timeout 240 python3 scripts/bench_serve_path.py --hops inproc handle http --json "$OUT/path.json" \
-    2>&1 | grep -A12 "^stand-in engine"
+  timeout 200 python3 scripts/bench_serve_path.py --hops inproc handle http --tokens 64 \
+    --json "$OUT/path.json" 2>&1 | grep -E "^(inproc|handle|http) "
   ray stop --force > /dev/null 2>&1
 fi
 
