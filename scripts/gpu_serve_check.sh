@@ -64,12 +64,14 @@ bench() {  # name, then bench_serving options
 profile_w2() {  # py-spy of the engine replica and an ingress while W2 runs over HTTP
   bench w2p --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
     --question-len 128 --output-len 256 > /dev/null &
+  local pids=($!)
   sleep 7
   for who in EngineReplica OpenAIIngress; do
     pid=$(pgrep -f "ServeReplica:radixserve:$who" | head -1)
     py-spy record -d 4 -r 250 --nonblocking -f raw -o "$OUT/pyspy_$who.txt" --pid "$pid" > /dev/null 2>&1 &
+    pids+=($!)
   done
-  wait
+  wait "${pids[@]}"  # not `wait`: serve run is a child too
   for who in EngineReplica OpenAIIngress; do
     echo "== py-spy $who"; python3 scripts/pyspy_top.py "$OUT/pyspy_$who.txt" 14 2>&1 | cut -c1-200
   done
@@ -105,7 +107,7 @@ if [[ $PARTS == *offline* ]]; then
 fi
 
 if [[ $PARTS == *path* ]]; then
-  timeout 200 python3 scripts/bench_serve_path.py --hops inproc handle http --tokens 64 \
+  timeout 200 python3 scripts/bench_serve_path.py ${PATH_ARGS:---hops inproc handle http --tokens 64} \
     --json "$OUT/path.json" 2>&1 | grep -E "^(inproc|handle|http) "
   ray stop --force > /dev/null 2>&1
 fi

@@ -138,9 +138,20 @@ def test_request_timer_records_ttft_itl_e2e_and_one_outcome():
     timer.on_delta(1, True, "length")
     timer.close()
     got = [(n, round(v, 6), t) for n, op, v, t in log]
+    # one inter-token sample for the window (0.3 s >= 0.25 s): the mean gap of its 3 tokens
     assert got == [(m.TIME_TO_FIRST_TOKEN, 0.5, None), (m.INTER_TOKEN_LATENCY, 0.1, None),
-                   (m.INTER_TOKEN_LATENCY, 0.1, None), (m.E2E_REQUEST_LATENCY, 0.8, None),
+                   (m.E2E_REQUEST_LATENCY, 0.8, None),
                    (m.ENGINE_REQUESTS, 1, {"finish_reason": "length"})]
+    log.clear()
+    busy = em.track_request()
+    busy.on_delta(1, False, None)  # TTFT at 0
+    for _ in range(20):  # 20 deltas in 0.2 s: within one window, no sample yet
+        clock.now += 0.01
+        busy.on_delta(1, False, None)
+    assert [n for n, *_ in log] == [m.TIME_TO_FIRST_TOKEN]
+    clock.now += 0.1
+    busy.on_delta(4, False, None)
+    assert [(n, round(v, 6)) for n, _, v, _ in log[1:]] == [(m.INTER_TOKEN_LATENCY, round(0.3 / 24, 6))]
     log.clear()
     left = em.track_request()
     left.close()
