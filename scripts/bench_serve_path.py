@@ -16,6 +16,10 @@ Serve proxy (proxy -> ingress -> replica, deltas on the ingress's delta channel)
 streamed tokens/s, SSE events (or stream items) per second, tokens per event, the mean gap
 between a stream's events, and the engine's achieved step time (when the path starves the
 engine thread of the GIL, steps stretch beyond `step_ms`).
+
+`--admission` instead measures admission control through HTTP: a burst of 256 requests at
+an engine that takes 64 (503 latency, Retry-After, every accepted request complete), and how
+much a 10 MB text prompt delays a small request sent beside it.
 """
 from __future__ import annotations
 
@@ -229,7 +233,60 @@ def _step_ms(before: dict, after: dict) -> float:
     return 1e3 * (after["clock"] - before["clock"]) / max(1, after["steps"] - before["steps"])
 
 
-def start_serve(step_ms: float, cpu_ms: float, ingress_replicas: int | None):
+async def run_burst(n: int, capacity: int, tokens: int) -> dict:
+    """`n` requests at once against an engine that takes `capacity`: how fast the excess
+    is refused (503), and whether every accepted request completes."""
+    import aiohttp
+
+    body = {"prompt": PROMPT, "max_tokens": tokens, "ignore_eos": True}
+
+    async def one(session):
+        t0 = time.perf_counter()
+        async with session.post(f"http://127.0.0.1:{PORT}/v1/completions", json=body) as resp:
+            data = await resp.json()
+            done = resp.status == 200 and data["usage"]["completion_tokens"] == tokens
+            return resp.status, time.perf_counter() - t0, done, resp.headers.get("Retry-After")
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        results = await asyncio.gather(*[one(session) for _ in range(n)])
+    refused = sorted(t for status, t, _, _ in results if status == 503)
+    accepted = [r for r in results if r[0] == 200]
+    return {"requests": n, "capacity": capacity, "accepted": len(accepted),
+            "accepted_complete": sum(r[2] for r in accepted), "refused": len(refused),
+            "refused_with_retry_after": sum(r[3] is not None for r in results if r[0] == 503),
+            "refused_p50_ms": 1e3 * _pct(refused, 0.5), "refused_p99_ms": 1e3 * _pct(refused, 0.99),
+            "other_statuses": sorted({r[0] for r in results} - {200, 503})}
+
+
+async def run_big_prompt(megabytes: float) -> dict:
+    """A small request's latency alone, and while a `megabytes` text prompt is in flight."""
+    import aiohttp
+
+    small = {"prompt": "hello there", "max_tokens": 1}
+    big = {"prompt": "lorem ipsum " * int(megabytes * 1e6 / 12), "max_tokens": 1}
+    url = f"http://127.0.0.1:{PORT}/v1/completions"
+    async with aiohttp.ClientSession() as session:
+        async def timed(body):
+            t0 = time.perf_counter()
+            async with session.post(url, json=body) as resp:
+                await resp.read()
+                return resp.status, time.perf_counter() - t0
+
+        alone = sorted([(await timed(small))[1] for _ in range(5)])[2]
+        big_task = asyncio.create_task(timed(big))
+        await asyncio.sleep(0.05)  # the big body is on its way / being handled
+        during = (await timed(small))[1]
+        big_status, big_s = await big_task
+    return {"small_alone_ms": 1e3 * alone, "small_during_big_ms": 1e3 * during,
+            "delay_ms": 1e3 * (during - alone), "big_status": big_status, "big_s": big_s}
+
+
+def _pct(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
+
+
+def start_serve(step_ms: float, cpu_ms: float, ingress_replicas: int | None,
+                running: int = 4096, queued: int = 4096):
     import ray
     from ray import serve
 
@@ -238,7 +295,7 @@ def start_serve(step_ms: float, cpu_ms: float, ingress_replicas: int | None):
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.path.abspath(ROOT)}})
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    args = {"engine": {"max_running_requests": 4096, "max_queued_requests": 4096, "device": "cpu"},
+    args = {"engine": {"max_running_requests": running, "max_queued_requests": queued, "device": "cpu"},
             "ray_actor_options": {"num_cpus": 0}, "ingress_ray_actor_options": {"num_cpus": 0},
             "ingress_replicas": ingress_replicas}
     serve.run(build_app_with(args, replica_class=stand_in_replica(step_ms, cpu_ms)), name="path",
@@ -254,6 +311,20 @@ def format_table(rows: list[dict]) -> str:
         lines.append(f"{r['hop']:<7} {r['streams']:>7} {r['tok_s']:>9.0f} {r['events_s']:>9.0f} "
                      f"{r['tok_per_event']:>9.2f} {r['mean_gap_ms']:>7.1f} {r['step_ms']:>7.1f}")
     return "\n".join(lines)
+
+
+async def admission(args) -> None:
+    """The bound and the body: a burst 4x over a small engine's capacity, and a big prompt."""
+    start_serve(args.step_ms, args.step_cpu_ms, args.ingress_replicas, running=16, queued=48)
+    burst = await run_burst(256, 64, 32)
+    big = await run_big_prompt(10.0)
+    print("\nburst of 256 at an engine of capacity 64 (16 running + 48 queued):")
+    print("  " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in burst.items()))
+    print("a 10 MB prompt beside a small request:")
+    print("  " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in big.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "burst": burst, "big_prompt": big}, f, indent=1)
 
 
 async def main_async(args) -> list[dict]:
@@ -282,8 +353,13 @@ def main() -> None:
     p.add_argument("--hops", nargs="+", default=["inproc", "handle", "http"],
                    choices=["inproc", "handle", "http"])
     p.add_argument("--ingress-replicas", type=int, default=None, help="default: the app's own")
+    p.add_argument("--admission", action="store_true",
+                   help="instead: 503 latency of a burst over the bound, and a 10 MB prompt's effect")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
+    if args.admission:
+        asyncio.run(admission(args))
+        return
     rows = asyncio.run(main_async(args))
     print(f"\nstand-in engine: step {args.step_ms} ms ({args.step_cpu_ms} ms of it Python), "
           f"{args.tokens} tokens per stream\n" + format_table(rows))
