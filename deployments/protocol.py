@@ -31,7 +31,7 @@ MAX_N = 16
 MAX_LOGPROBS = 20
 
 Prompt = str | list[int]  # one prompt after batch normalisation
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 def _new_id(prefix: str) -> str:
@@ -204,6 +204,40 @@ class TextContentPart(_Request):
     text: str
 
 
+class FunctionCallParam(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallParam(_Request):
+    """A call an assistant turn made (in the history sent back)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # JSON schema of the arguments
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatMessageParam(_Request):
     """One input message. Only text content is supported."""
 
@@ -212,6 +246,8 @@ class ChatMessageParam(_Request):
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    reasoning_content: str | None = None  # a thinking model's earlier reasoning
 
     @field_validator("content", mode="before")
     @classmethod
@@ -234,9 +270,26 @@ class ChatMessageParam(_Request):
             return self.content
         return "".join(part.text for part in self.content)
 
-    def as_template_dict(self) -> dict[str, str]:
-        """{role, content} as chat templates (HF apply_chat_template) expect."""
-        return {"role": self.role, "content": self.text()}
+    def as_template_dict(self) -> dict[str, Any]:
+        """{role, content} (+ tool_calls, tool_call_id, name, reasoning_content when given)
+        as chat templates (HF apply_chat_template) expect. Tool-call arguments become objects:
+        templates write them with `tojson`."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls]
+        return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -245,12 +298,40 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
 
     @model_validator(mode="after")
     def _check_combinations(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return self
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice requires tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+                t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
+        if self.forced_tool_call and (self.regex or self.json_schema or self.ebnf or (
+                self.response_format is not None and self.response_format.type != "text")):
+            raise ValueError("tool_choice 'required' or a named function cannot be combined "
+                             "with response_format, regex, json_schema or ebnf")
+        return self
+
+    @property
+    def active_tools(self) -> list[ChatTool]:
+        """The tools the model sees: none with tool_choice "none"."""
+        return [] if self.tool_choice == "none" else list(self.tools or [])
+
+    @property
+    def forced_tool_call(self) -> bool:
+        """tool_choice "required" or a named function: output shaped by a grammar."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -442,9 +523,44 @@ class ChatChoiceLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class _SparseResponse(_Response):
+    """Serialized without its None fields, as OpenAI sends stream deltas."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_SparseResponse):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_SparseResponse):
+    """A piece of a streamed call: the first has id, type and name; later ones arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ChatCompletionChoice(_Response):
@@ -466,6 +582,8 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
