@@ -57,4 +57,6 @@ def build_app_with(args: dict[str, Any] | None, replica_class: type = EngineRepl
     router_reads_text = app_args.router.request_router_class not in ("prefix", "default")
     return ingress.bind(engine, app_args.model, app_args.model_name(),
                         app_args.engine.get("max_model_len"), app_args.engine.get("tokenizer"),
-                        app_args.max_request_body_bytes, router_reads_text)
+                        app_args.max_request_body_bytes, router_reads_text,
+                        tool_call_parser=app_args.tool_call_parser,
+                        reasoning_parser=app_args.reasoning_parser)

@@ -53,6 +53,11 @@ class AppArgs(BaseModel):
     ingress_max_ongoing_requests: int = 8192  # async and cheap per request: never the bound
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger bodies get a 413
     router: RouterArgs = Field(default_factory=RouterArgs)
+    # How tool calls and reasoning are read out of chat output: a parser name, "none" (off),
+    # or None = chosen from the model's chat template and type (deployments/tool_calls/,
+    # deployments/reasoning.py).
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     graceful_shutdown_timeout_s: float = 30.0
     # Serve health-checks each engine replica (`EngineReplica.check_health`: the engine loop
     # and, at tp_size > 1, every rank); after 3 failures in a row it restarts the replica.
@@ -72,6 +77,17 @@ class AppArgs(BaseModel):
         if unknown:
             raise ValueError(f"unknown engine setting(s) {unknown}; known: {sorted(names)}")
         EngineConfig(**value)  # raises ValueError with the engine's own message
+        return value
+
+    @field_validator("tool_call_parser", "reasoning_parser")
+    @classmethod
+    def _known_parser(cls, value: str | None, info) -> str | None:
+        from deployments.reasoning import PARSERS as REASONING
+        from deployments.tool_calls import PARSERS as TOOLS
+
+        known = sorted(TOOLS if info.field_name == "tool_call_parser" else REASONING)
+        if value not in (None, "none", *known):
+            raise ValueError(f"unknown {info.field_name} {value!r}; known: {known}, 'none'")
         return value
 
     @field_validator("tp_bundle")

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from deployments.channel import ChannelHub
+from deployments.chat_request import ChatFeatures
 from deployments.engine_replica import EngineCall, resolve_model
 from deployments.errors import APIError, install_error_handlers
 from deployments.prompt_encoder import PromptEncoder
@@ -52,7 +53,8 @@ class OpenAIIngress:
     def __init__(self, engine_handle, model: str | None, served_model_name: str,
                  max_model_len: int | None = None, tokenizer: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 router_reads_text: bool = False) -> None:
+                 router_reads_text: bool = False, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         path = resolve_model(model)
         self.engine = engine_handle.options(stream=True)
         self.control = engine_handle
@@ -68,6 +70,9 @@ class OpenAIIngress:
         # Ray's PrefixCacheAffinityRouter reads prompt text; ours hashes token ids, and
         # decoding every prompt again for nothing costs the event loop ~1 ms per 2k tokens.
         self.router_reads_text = router_reads_text
+        # Tools in the template, tool_choice grammars, tool-call and reasoning parsing.
+        self.chat_features = ChatFeatures(self.tokenizer.hf, hf_config.model_type,
+                                          tool_call_parser, reasoning_parser)
 
     # -- plain endpoints ----------------------------------------------------------------
 
@@ -137,14 +142,22 @@ class OpenAIIngress:
     async def chat_completions(self, request: Request):
         req = ChatCompletionRequest.model_validate(await self._body(request))
         self._check_model(req.model)
-        prompt = await self._encode_chat([m.as_template_dict() for m in req.messages])
+        try:
+            plan = self.chat_features.plan(req)
+        except ValueError as e:
+            raise APIError.bad_request(str(e)) from None
+        prompt = await self._encode_chat(plan.messages, plan.tools, plan.template_kwargs)
         kwargs = chat_sampling_kwargs(req, default_max_tokens=max(1, self.max_context - len(prompt)))
+        kwargs.update(plan.sampling)
         calls, choices = self._calls([prompt], kwargs, req.n, "chatcmpl")
+        tail = self.tokenizer.decode(prompt[-8:], skip_special_tokens=False)
+        outputs = self.chat_features.outputs(req, tail, len(choices))
         want_lp = bool(req.logprobs)
         if req.stream:
-            return await self._stream(calls, choices, req.include_usage, chat=True, want_lp=want_lp)
+            return await self._stream(calls, choices, req.include_usage, chat=True, want_lp=want_lp,
+                                      outputs=outputs)
         await self._gather(calls, choices)
-        return chat_response(self.model_name, choices, want_lp, self.name_token)
+        return chat_response(self.model_name, choices, want_lp, self.name_token, outputs)
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -157,9 +170,10 @@ class OpenAIIngress:
         except ValueError as e:
             raise APIError.bad_request(str(e), param="prompt") from None
 
-    async def _encode_chat(self, messages: list[dict]) -> list[int]:
+    async def _encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                           template_kwargs: dict | None = None) -> list[int]:
         try:
-            return await self.encoder.encode_chat(messages)
+            return await self.encoder.encode_chat(messages, tools, **(template_kwargs or {}))
         except ValueError as e:
             raise APIError.bad_request(str(e), param="messages") from None
         except Exception as e:  # noqa: BLE001 - the template is the model's code; its errors are the client's
@@ -216,18 +230,19 @@ class OpenAIIngress:
                 choices[i].add(item)
 
     async def _stream(self, calls: list[EngineCall], choices: list[ChoiceState],
-                      include_usage: bool, chat: bool, want_lp: bool, echo=None) -> StreamingResponse:
+                      include_usage: bool, chat: bool, want_lp: bool, echo=None,
+                      outputs=None) -> StreamingResponse:
         stream = merged_stream(self.engine, calls, self.hub)
         first = await anext(stream, None)  # errors before any token get a real HTTP status
         if first is not None and (err := error_of(first[0][1])) is not None:
             await stream.aclose()
             raise err
         events = self._sse(_prepend(first, stream), stream, choices, include_usage, chat,
-                           want_lp, echo)
+                           want_lp, echo, outputs)
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def _sse(self, batches, stream, choices, include_usage, chat, want_lp,
-                   echo=None) -> AsyncIterator[str]:
+                   echo=None, outputs=None) -> AsyncIterator[str]:
         """One SSE write per batch of deltas: a client (or proxy) slower than the engine
         gets fewer, larger chunks (one per choice per batch), not a backlog of one-token ones."""
         kind = ChatCompletionStreamResponse if chat else CompletionStreamResponse
@@ -243,7 +258,7 @@ class OpenAIIngress:
                     text = choices[i].add(item)
                     if chat:
                         chunk = chat_chunk(base, choices[i], item, text, want_lp, self.name_token,
-                                           not started[i])
+                                           not started[i], outputs[i] if outputs else None)
                     else:
                         if echo is not None and not started[i]:  # the prompt text leads the stream
                             text = echo[i][1] + text

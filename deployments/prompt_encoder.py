@@ -33,6 +33,8 @@ class PromptEncoder:
         self.check_length(text)
         return await asyncio.to_thread(self.tokenizer.encode, text)
 
-    async def encode_chat(self, messages: list[dict]) -> list[int]:
-        self.check_length("".join(str(m.get("content") or "") for m in messages))
-        return await asyncio.to_thread(self.tokenizer.apply_chat_template, messages)
+    async def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                          **template_kwargs) -> list[int]:
+        self.check_length("".join(str(m.get("content") or "") for m in messages) + str(tools or ""))
+        return await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, tools,
+                                       **template_kwargs)

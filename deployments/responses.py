@@ -1,6 +1,7 @@
 """Turn engine deltas into OpenAI response objects and stream chunks."""
 from __future__ import annotations
 
+from deployments.chat_output import ChatOutput
 from deployments.protocol import (
     ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionResponse, ChatCompletionStreamChoice,
     ChatCompletionStreamResponse, ChatMessage, ChatTokenLogprob, CompletionChoice,
@@ -84,12 +85,17 @@ def _with_prompt(lp: CompletionLogprobs, prompt_ids: list[int], prompt_logprobs,
 
 
 def chat_response(model: str, choices: list[ChoiceState], want_logprobs: bool,
-                  name: TokenNamer) -> ChatCompletionResponse:
+                  name: TokenNamer, outputs: list[ChatOutput] | None = None) -> ChatCompletionResponse:
+    """`outputs`: per choice, the reader of its reasoning and tool calls (None: plain text)."""
     out = []
     for c in choices:
         lp = chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs, name) if want_logprobs else None
-        out.append(ChatCompletionChoice(index=c.index, message=ChatMessage(content="".join(c.text)),
-                                        logprobs=lp, finish_reason=c.finish_reason))
+        fields, reason = {"content": "".join(c.text)}, c.finish_reason
+        if outputs is not None:
+            outputs[c.index].feed("".join(c.text), final=True)
+            fields, reason = outputs[c.index].message_fields(), outputs[c.index].finish_reason(reason)
+        out.append(ChatCompletionChoice(index=c.index, message=ChatMessage(**fields),
+                                        logprobs=lp, finish_reason=reason))
     return ChatCompletionResponse(model=model, choices=out, usage=usage_of(choices))
 
 
@@ -105,12 +111,22 @@ def completion_chunk(base: dict, c: ChoiceState, delta: dict, text: str, want_lo
 
 
 def chat_chunk(base: dict, c: ChoiceState, delta: dict, text: str, want_logprobs: bool,
-               name: TokenNamer, first: bool) -> ChatCompletionStreamResponse:
+               name: TokenNamer, first: bool,
+               output: ChatOutput | None = None) -> ChatCompletionStreamResponse:
     lp = None
     if want_logprobs and delta["token_ids"]:
         lp = chat_logprobs(delta["token_ids"], delta.get("logprobs") or [],
                            delta.get("top_logprobs") or [], name)
-    message = DeltaMessage(role="assistant" if first else None, content=text or None)
+    role = "assistant" if first else None
+    reason = delta["finish_reason"] if delta["finished"] else None
+    if output is None:
+        message = DeltaMessage(role=role, content=text or None)
+    else:
+        parts = output.feed(text, final=delta["finished"])
+        message = DeltaMessage(role=role, content=parts.content or None,
+                               reasoning_content=parts.reasoning or None,
+                               tool_calls=parts.wire_tool_calls())
+        reason = output.finish_reason(reason)
     choice = ChatCompletionStreamChoice(index=c.index, delta=message, logprobs=lp,
-                                        finish_reason=delta["finish_reason"] if delta["finished"] else None)
+                                        finish_reason=reason)
     return ChatCompletionStreamResponse(**base, choices=[choice])

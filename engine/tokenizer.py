@@ -32,12 +32,15 @@ class Tokenizer:
     def token_str(self, token_id: int) -> str:
         return self.hf.decode([token_id])
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Token ids of the conversation, ending with the assistant's turn opening."""
-        flat = [{"role": m["role"], "content": _flatten_content(m.get("content"))} for m in messages]
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            **template_kwargs) -> list[int]:
+        """Token ids of the conversation, ending with the assistant's turn opening. Message
+        keys besides role and content (tool_calls, tool_call_id, ...), `tools` and
+        `template_kwargs` (e.g. enable_thinking=False) go to the template as HF passes them."""
+        flat = [dict(m, content=_flatten_content(m.get("content"))) for m in messages]
         template = None if self.hf.chat_template else DEFAULT_CHAT_TEMPLATE
-        text = self.hf.apply_chat_template(flat, chat_template=template, tokenize=False,
-                                           add_generation_prompt=True)
+        text = self.hf.apply_chat_template(flat, tools=tools, chat_template=template, tokenize=False,
+                                           add_generation_prompt=True, **template_kwargs)
         # The template writes any BOS itself; do not add it twice.
         return self.hf.encode(text, add_special_tokens=False)
 

@@ -1,0 +1,83 @@
+"""What a chat request asks for beyond sampling: the template's inputs (messages, tools,
+chat_template_kwargs), the grammar of a forced tool call, and how each choice's output is
+read back (reasoning, tool calls). `ChatFeatures` is set up once per ingress from the
+model's chat template and type; `plan` and `outputs` run per request."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from deployments.chat_output import ChatOutput
+from deployments.chat_render import template_inputs, template_kwargs, template_source
+from deployments.protocol import ChatCompletionRequest, NamedToolChoice
+from deployments.reasoning import ReasoningParser, detect_reasoning_parser, prompt_opens_reasoning
+from deployments.tool_calls import NamedToolParser, RequiredToolParser, detect_tool_parser, tool_parser
+from deployments.tool_calls.grammar import named_schema, required_schema
+
+
+@dataclass
+class ChatPlan:
+    messages: list[dict]
+    tools: list[dict] | None
+    template_kwargs: dict[str, Any]
+    sampling: dict[str, Any] = field(default_factory=dict)  # added to the sampling kwargs
+
+
+class ChatFeatures:
+    def __init__(self, hf_tokenizer, model_type: str, tool_call_parser: str | None,
+                 reasoning_parser: str | None) -> None:
+        self.source = template_source(hf_tokenizer)
+        self.tool_parser = _chosen(tool_call_parser, lambda: detect_tool_parser(model_type, self.source))
+        self.reasoning_parser = _chosen(reasoning_parser, lambda: detect_reasoning_parser(self.source))
+
+    def plan(self, req: ChatCompletionRequest) -> ChatPlan:
+        """ValueError (a 400) for what cannot be served."""
+        messages, tools = template_inputs(req, self.source)
+        plan = ChatPlan(messages, tools, template_kwargs(req))
+        functions = [t.function.model_dump(exclude_none=True) for t in req.active_tools]
+        if isinstance(req.tool_choice, NamedToolChoice):
+            chosen = next(f for f in functions if f["name"] == req.tool_choice.function.name)
+            plan.sampling["json_schema"] = named_schema(chosen)
+        elif req.tool_choice == "required":
+            plan.sampling["json_schema"] = required_schema(functions, req.parallel_tool_calls)
+        elif functions and self.tool_parser is None:
+            raise ValueError("no tool-call parser is known for this model: set the app's "
+                             "tool_call_parser, or use tool_choice 'required' or a named function")
+        return plan
+
+    def outputs(self, req: ChatCompletionRequest, prompt_tail: str,
+                n: int) -> list[ChatOutput] | None:
+        """One output reader per choice (None: the output is plain content). `prompt_tail`:
+        the prompt's last tokens as text."""
+        outputs = [ChatOutput(self._reasoning(req, prompt_tail), self._tools(req)) for _ in range(n)]
+        plain = outputs[0].reasoning_parser is None and outputs[0].tool_parser is None
+        return None if plain else outputs
+
+    def _reasoning(self, req: ChatCompletionRequest, prompt_tail: str) -> ReasoningParser | None:
+        if self.reasoning_parser is None or req.forced_tool_call:
+            return None  # a forced call's grammar starts at the first token: nothing to think
+        opens = prompt_opens_reasoning(prompt_tail)
+        if opens and _constrained(req):
+            return None  # the grammar shapes the output from its first token: it is the answer
+        return ReasoningParser(starts_in_reasoning=opens)
+
+    def _tools(self, req: ChatCompletionRequest):
+        if isinstance(req.tool_choice, NamedToolChoice):
+            return NamedToolParser(req.tool_choice.function.name)
+        if req.tool_choice == "required":
+            return RequiredToolParser()
+        if req.active_tools:
+            return tool_parser(self.tool_parser)
+        return None
+
+
+def _chosen(setting: str | None, detect) -> str | None:
+    if setting == "none":
+        return None
+    return setting if setting is not None else detect()
+
+
+def _constrained(req: ChatCompletionRequest) -> bool:
+    fmt = req.response_format
+    return any(c is not None for c in (req.regex, req.json_schema, req.ebnf)) or (
+        fmt is not None and fmt.type != "text")
