@@ -7,6 +7,7 @@ later.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -15,6 +16,9 @@ from fastapi import Request
 from deployments.errors import APIError
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+# Parsing a body this large takes milliseconds: do it in a worker thread, where the GIL's
+# switch interval lets the event loop serve other clients in between.
+PARSE_IN_THREAD_BYTES = 256 * 1024
 
 
 def _too_large(limit: int) -> APIError:
@@ -32,7 +36,10 @@ async def read_json_body(request: Request, max_bytes: int = DEFAULT_MAX_BODY_BYT
         if size > max_bytes:
             raise _too_large(max_bytes)
         chunks.append(chunk)
-    return parse_json(b"".join(chunks))
+    body = b"".join(chunks)
+    if len(body) > PARSE_IN_THREAD_BYTES:
+        return await asyncio.to_thread(parse_json, body)
+    return parse_json(body)
 
 
 def parse_json(body: bytes) -> Any:
@@ -40,6 +47,8 @@ def parse_json(body: bytes) -> Any:
         value = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError.bad_request(f"Invalid JSON body: {e}", code="invalid_json") from None
+    if b"\\u" not in body and b"\xed" not in body:
+        return value  # neither a \u escape nor a surrogate's UTF-8 lead byte: nothing to check
     try:  # a lone surrogate survives json.loads but not UTF-8 encoding
         json.dumps(value, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:

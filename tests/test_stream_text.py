@@ -81,6 +81,8 @@ def test_body_with_lone_surrogate_is_a_400():
     with pytest.raises(APIError) as e:
         parse_json(json.dumps({"prompt": "a\ud800b"}).encode())
     assert e.value.status == 400 and "surrogate" in e.value.message
+    with pytest.raises(APIError):  # a surrogate as raw (CESU-8) bytes, no escape
+        parse_json(b'{"prompt": "a\xed\xa0\x80"}')
     assert parse_json(json.dumps({"prompt": "ok \ud83d\ude42"}).encode())["prompt"] == "ok 🙂"
     with pytest.raises(APIError):
         parse_json(b'{"prompt": "\xff"}')
