@@ -11,12 +11,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 from ray import serve
 
 from deployments.channel import ChannelHub
 from deployments.chat_request import ChatFeatures
 from deployments.engine_replica import EngineCall, resolve_model
-from deployments.errors import APIError, install_error_handlers
+from deployments.errors import APIError, as_api_error, install_error_handlers
 from deployments.prompt_encoder import PromptEncoder
 from deployments.request_body import DEFAULT_MAX_BODY_BYTES, read_json_body
 from deployments.metrics import install_http_metrics
@@ -26,6 +27,7 @@ from deployments.protocol import (
     CompletionStreamResponse, ModelCard, ModelList, TokenizeRequest, chat_sampling_kwargs,
     completion_sampling_kwargs, sse_event,
 )
+from deployments import sglang_api
 from deployments.responses import (
     TokenNamer, chat_chunk, chat_response, completion_chunk, completion_response, usage_of,
 )
@@ -56,6 +58,7 @@ class OpenAIIngress:
                  router_reads_text: bool = False, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None) -> None:
         path = resolve_model(model)
+        self.model_path, self.tokenizer_path = path, tokenizer or path
         self.engine = engine_handle.options(stream=True)
         self.control = engine_handle
         self.hub = ChannelHub(self.engine)
@@ -159,7 +162,79 @@ class OpenAIIngress:
         await self._gather(calls, choices)
         return chat_response(self.model_name, choices, want_lp, self.name_token, outputs)
 
+    # -- SGLang's native API (deployments/sglang_api.py) ---------------------------------
+
+    @api.get("/get_model_info")
+    @api.get("/model_info")
+    async def sglang_model_info(self) -> JSONResponse:
+        return JSONResponse(sglang_api.model_info(self.model_path, self.tokenizer_path,
+                                                  self.model_name, None))
+
+    @api.get("/get_server_info")
+    @api.get("/server_info")
+    async def sglang_server_info(self) -> JSONResponse:
+        info = {"model_path": self.model_path, "served_model_name": self.model_name,
+                "context_length": self.max_context}
+        return JSONResponse(sglang_api.server_info(info, await summary(self.control)))
+
+    @api.get("/health_generate")
+    async def health_generate(self) -> JSONResponse:
+        """Healthy when the engine generates a token (SGLang's deep health check)."""
+        prompt = [self.tokenizer.hf.bos_token_id or 0]
+        calls, choices = self._calls([prompt], {"max_tokens": 1, "ignore_eos": True}, 1, "health")
+        await self._gather(calls, choices)
+        return JSONResponse({"status": "ok"})
+
+    @api.post("/generate")
+    @api.put("/generate")
+    async def generate(self, request: Request):
+        req = sglang_api.GenerateRequest.model_validate(await self._body(request))
+        self._check_model(req.model)
+        prompts = [await self._token_ids(p) for p in req.prompts()]
+        plans = [self._sglang_plan(req, i, len(ids)) for i, ids in enumerate(prompts)]
+        calls, choices = [], []
+        for i, (ids, plan) in enumerate(zip(prompts, plans)):
+            more_calls, more = self._calls([ids], plan.kwargs, plan.n, "gen")
+            for c in more:
+                c.index, c.prompt_index = len(choices), i
+                choices.append(c)
+            calls += more_calls
+        builder = sglang_api.OutputBuilder(self.tokenizer, self.tokenizer.eos_token_ids,
+                                           req.return_text_in_logprobs)
+
+        def output(c: ChoiceState) -> dict:
+            return builder.output(c, plans[c.prompt_index], prompts[c.prompt_index],
+                                  calls[c.index].request_id)
+
+        if req.stream:
+            batches, stream = await self._open(calls)
+            render = output if len(choices) == 1 else lambda c: {**output(c), "index": c.index}
+            return StreamingResponse(sglang_api.sse_outputs(batches, stream, choices, render),
+                                     media_type="text/event-stream")
+        await self._gather(calls, choices)
+        outputs = [output(c) for c in choices]
+        return JSONResponse(outputs if req.is_batch or len(outputs) > 1 else outputs[0])
+
     # -- helpers ------------------------------------------------------------------------
+
+    @staticmethod
+    def _sglang_plan(req, i: int, prompt_len: int):
+        try:
+            return sglang_api.plan_prompt(req, i, prompt_len)
+        except ValidationError as e:
+            raise as_api_error(e) from None
+        except ValueError as e:
+            raise APIError.bad_request(str(e)) from None
+
+    async def _open(self, calls: list[EngineCall]):
+        """(batches, stream): the merged stream with its first batch read already, so that
+        errors before any token get a real HTTP status; close `stream` when done."""
+        stream = merged_stream(self.engine, calls, self.hub)
+        first = await anext(stream, None)
+        if first is not None and (err := error_of(first[0][1])) is not None:
+            await stream.aclose()
+            raise err
+        return _prepend(first, stream), stream
 
     async def _body(self, request: Request) -> Any:
         return await read_json_body(request, self.max_body_bytes)

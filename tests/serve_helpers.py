@@ -9,7 +9,9 @@ import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = "http://127.0.0.1:8000"
+# Another port lets two test runs share a machine (each starts its own Ray cluster).
+PORT = int(os.environ.get("RADIXSERVE_TEST_PORT", "8000"))
+BASE = f"http://127.0.0.1:{PORT}"
 
 
 def serve_config_args(**overrides) -> dict:
@@ -42,6 +44,7 @@ def run_app(args: dict, name: str = "radixserve", route_prefix: str = "/") -> No
 
     from deployments.app import build_app
 
+    serve.start(http_options={"port": PORT})  # a no-op once Serve runs
     serve.run(build_app(args), name=name, route_prefix=route_prefix)
 
 
