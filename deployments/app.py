@@ -58,5 +58,6 @@ def build_app_with(args: dict[str, Any] | None, replica_class: type = EngineRepl
     return ingress.bind(engine, app_args.model, app_args.model_name(),
                         app_args.engine.get("max_model_len"), app_args.engine.get("tokenizer"),
                         app_args.max_request_body_bytes, router_reads_text,
+                        api_key=app_args.api_key, admin_api_key=app_args.admin_api_key,
                         tool_call_parser=app_args.tool_call_parser,
                         reasoning_parser=app_args.reasoning_parser)

@@ -53,6 +53,11 @@ class AppArgs(BaseModel):
     ingress_max_ongoing_requests: int = 8192  # async and cheap per request: never the bound
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger bodies get a 413
     router: RouterArgs = Field(default_factory=RouterArgs)
+    # Bearer keys (deployments/auth.py); None = the ingress's RADIXSERVE_API_KEY /
+    # RADIXSERVE_ADMIN_API_KEY environment variables, or no authentication. The admin key,
+    # when set, is the only one /flush_cache takes.
+    api_key: str | None = Field(default=None, repr=False)
+    admin_api_key: str | None = Field(default=None, repr=False)
     # How tool calls and reasoning are read out of chat output: a parser name, "none" (off),
     # or None = chosen from the model's chat template and type (deployments/tool_calls/,
     # deployments/reasoning.py).

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
+from deployments.auth import install_auth
 from deployments.channel import ChannelHub
 from deployments.chat_request import ChatFeatures
 from deployments.engine_replica import EngineCall, resolve_model
@@ -39,6 +40,7 @@ from engine.tokenizer import DEFAULT_CHAT_TEMPLATE, IncrementalDetokenizer, Toke
 
 api = FastAPI(title="radixserve", description="OpenAI-compatible API over radixserve engines")
 install_error_handlers(api)
+auth = install_auth(api)  # keys set by the ingress constructor
 install_http_metrics(api)
 
 
@@ -55,8 +57,10 @@ class OpenAIIngress:
     def __init__(self, engine_handle, model: str | None, served_model_name: str,
                  max_model_len: int | None = None, tokenizer: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 router_reads_text: bool = False, tool_call_parser: str | None = None,
+                 router_reads_text: bool = False, api_key: str | None = None,
+                 admin_api_key: str | None = None, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None) -> None:
+        auth.configure(api_key, admin_api_key)
         path = resolve_model(model)
         self.model_path, self.tokenizer_path = path, tokenizer or path
         self.engine = engine_handle.options(stream=True)
@@ -91,12 +95,18 @@ class OpenAIIngress:
     async def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.max_context)])
 
+    @api.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str) -> ModelCard:
+        self._check_model(model_id)
+        return ModelCard(id=self.model_name, max_model_len=self.max_context)
+
     @api.get("/v1/stats")
     async def stats(self) -> JSONResponse:
         """Engine counters summed over all replicas, per replica, and the router's."""
         return JSONResponse(await summary(self.control))
 
     @api.post("/flush_cache")
+    @api.get("/flush_cache")  # SGLang takes both
     async def flush_cache(self) -> JSONResponse:
         await self.control.flush_cache.remote()
         return JSONResponse({"status": "ok"})

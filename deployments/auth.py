@@ -1,0 +1,75 @@
+"""API keys: `Authorization: Bearer <key>` on every endpoint but /health.
+
+Keys come from the app args (`api_key`, `admin_api_key`) or, for a Kubernetes secret, the
+environment of the ingress replicas (RADIXSERVE_API_KEY, RADIXSERVE_ADMIN_API_KEY); an arg
+wins. Admin endpoints (/flush_cache) take the admin key when one is set, else the API key.
+Keys are compared in constant time and never logged. No key set = no authentication.
+"""
+from __future__ import annotations
+
+import hmac
+import os
+
+from fastapi import FastAPI, Request
+
+from deployments.errors import APIError
+
+OPEN_PATHS = frozenset({"/health"})  # probes (Kubernetes, load balancers) carry no key
+ADMIN_PATHS = frozenset({"/flush_cache"})
+API_KEY_ENV = "RADIXSERVE_API_KEY"
+ADMIN_API_KEY_ENV = "RADIXSERVE_ADMIN_API_KEY"
+
+
+class KeyCheck:
+    """The keys of this ingress replica (set once, from its constructor)."""
+
+    def __init__(self) -> None:
+        self.api_key: bytes | None = None
+        self.admin_key: bytes | None = None
+
+    def configure(self, api_key: str | None, admin_api_key: str | None) -> None:
+        api_key = api_key or os.environ.get(API_KEY_ENV) or None
+        admin_api_key = admin_api_key or os.environ.get(ADMIN_API_KEY_ENV) or None
+        self.api_key = api_key.encode() if api_key else None
+        self.admin_key = admin_api_key.encode() if admin_api_key else None
+
+    def required_key(self, path: str) -> bytes | None:
+        if path in OPEN_PATHS:
+            return None
+        if path in ADMIN_PATHS and self.admin_key is not None:
+            return self.admin_key
+        return self.api_key
+
+    def allows(self, path: str, authorization: str | None) -> bool:
+        key = self.required_key(path)
+        if key is None:
+            return True
+        scheme, _, given = (authorization or "").partition(" ")
+        # compare_digest on bytes: the time taken does not depend on where the keys differ.
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key)
+
+
+def unauthorized(path: str) -> APIError:
+    what = "an admin API key" if path in ADMIN_PATHS else "an API key"
+    return APIError(f"This endpoint needs {what}: send it as 'Authorization: Bearer <key>'.",
+                    401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def install_auth(app: FastAPI) -> KeyCheck:
+    """Check every request's key before routing; returns the KeyCheck to configure."""
+    check = KeyCheck()
+
+    @app.middleware("http")
+    async def _authenticate(request: Request, call_next):
+        path = _route_path(request)
+        if not check.allows(path, request.headers.get("authorization")):
+            return unauthorized(path).to_response()
+        return await call_next(request)
+
+    return check
+
+
+def _route_path(request: Request) -> str:
+    """The path below the app's route prefix (Serve passes the prefix as root_path)."""
+    path, root = request.scope["path"], request.scope.get("root_path", "")
+    return path[len(root):] or "/" if root and path.startswith(root) else path
