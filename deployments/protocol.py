@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -108,6 +108,27 @@ class _SamplingFields(_Request):
     # OpenAI's structured output (chat; accepted on completions too, as vLLM/SGLang do)
     response_format: ResponseFormat | None = None
 
+    # Fields other servers take that radixserve does not honour: a 400 when set to anything
+    # but their "off" value, never a silent 200 (vLLM refuses what it does not support).
+    logit_bias: dict[str, Any] | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    echo: bool = False
+    _honoured: ClassVar[frozenset[str]] = frozenset()  # of the fields above, per endpoint
+
+    @model_validator(mode="after")
+    def _refuse_unhonoured(self) -> _SamplingFields:
+        refused = [name for name, off in _OFF_VALUES.items()
+                   if name not in self._honoured and getattr(self, name) not in off]
+        if self.best_of is not None and self.best_of == self.n:
+            refused.remove("best_of")  # n of n: exactly what n alone gives
+        if refused:
+            raise ValueError(f"{', '.join(refused)}: not supported by this server; leave "
+                             f"{'it' if len(refused) == 1 else 'them'} unset")
+        return self
+
     @model_validator(mode="after")
     def _one_constraint(self) -> _SamplingFields:
         wants_format = self.response_format is not None and self.response_format.type != "text"
@@ -121,6 +142,9 @@ class _SamplingFields(_Request):
         """Whether a streamed response should end with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+
+_OFF_VALUES = {"logit_bias": (None, {}), "min_tokens": (0, None), "include_stop_str_in_output": (False,),
+               "best_of": (None,), "suffix": (None, ""), "echo": (False,)}
 
 # Request field name -> SamplingParams field name, copied only when not None.
 _PASSTHROUGH = (
@@ -165,6 +189,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # the text starts with the prompt; with logprobs, prompt tokens are scored
+    _honoured: ClassVar[frozenset[str]] = frozenset({"echo"})
     # SGLang's logprob_start_len: score prompt tokens from this index (implies echo scoring).
     prompt_logprobs_start: int | None = Field(default=None, ge=0)
 

@@ -34,16 +34,36 @@ def usage_of(choices: list[ChoiceState]) -> UsageInfo:
 
 def completion_logprobs(token_ids: list[int], logprobs: list[float],
                         top: list[list[tuple[int, float]]], name: TokenNamer,
-                        offset: int = 0) -> CompletionLogprobs:
+                        offset: int = 0, text: str | None = None) -> CompletionLogprobs:
+    """`text`: the text these tokens came out as; offsets then point into it (else each
+    token is taken to add its own string's length)."""
     tokens = [name(t) for t in token_ids]
-    offsets, pos = [], offset
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
+    offsets = _offsets_in(tokens, text, offset) if text is not None else _offsets(tokens, offset)
     return CompletionLogprobs(
         tokens=tokens, token_logprobs=list(logprobs),
         top_logprobs=[{name(t): lp for t, lp in alts} for alts in top] or [None] * len(tokens),
         text_offset=offsets)
+
+
+def _offsets(tokens: list[str], offset: int) -> list[int]:
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return offsets
+
+
+def _offsets_in(tokens: list[str], text: str, offset: int) -> list[int]:
+    """Where each token starts in `text`. A token not found where the text has got to (a
+    special token the text skips, such as <s>) takes no room; a token's lone decoding may
+    lack the space it has in context, so a match a couple of characters on still counts."""
+    offsets, pos = [], 0
+    for t in tokens:
+        at = text.find(t, pos, pos + len(t) + 2) if t else -1
+        offsets.append(offset + (pos if at < 0 else at))
+        if at >= 0:
+            pos = at + len(t)
+    return offsets
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[float],
@@ -62,22 +82,22 @@ def completion_response(model: str, choices: list[ChoiceState], want_logprobs: b
     for c in choices:
         text, lp = "".join(c.text), None
         if want_logprobs:
-            lp = completion_logprobs(c.token_ids, c.logprobs, c.top_logprobs, name)
+            lp = completion_logprobs(c.token_ids, c.logprobs, c.top_logprobs, name, text=text)
         if echo is not None:
             prompt_ids, prompt_text = echo[c.index]
             text = prompt_text + text
             if lp is not None:
-                lp = _with_prompt(lp, prompt_ids, c.prompt_logprobs, name)
+                lp = _with_prompt(lp, prompt_ids, prompt_text, c.prompt_logprobs, name)
         out.append(CompletionChoice(index=c.index, text=text, logprobs=lp,
                                     finish_reason=c.finish_reason))
     return CompletionResponse(model=model, choices=out, usage=usage_of(choices))
 
 
-def _with_prompt(lp: CompletionLogprobs, prompt_ids: list[int], prompt_logprobs,
-                 name: TokenNamer) -> CompletionLogprobs:
-    head = completion_logprobs(prompt_ids, [], [], name)
+def _with_prompt(lp: CompletionLogprobs, prompt_ids: list[int], prompt_text: str,
+                 prompt_logprobs, name: TokenNamer) -> CompletionLogprobs:
+    head = completion_logprobs(prompt_ids, [], [], name, text=prompt_text)
     scores = list(prompt_logprobs or [None] * len(prompt_ids))
-    shift = sum(len(t) for t in head.tokens)
+    shift = len(prompt_text)
     return CompletionLogprobs(
         tokens=head.tokens + lp.tokens, token_logprobs=scores + lp.token_logprobs,
         top_logprobs=[None] * len(prompt_ids) + lp.top_logprobs,

@@ -105,9 +105,18 @@ def test_completion_bad_prompts(prompt: Any) -> None:
 
 
 def test_unknown_fields_ignored_and_stream_options() -> None:
-    req = completion(user="u1", best_of=1, suffix=None, stream=True, stream_options={"include_usage": True})
+    req = completion(user="u1", best_of=1, suffix=None, stream=True, stream_options={"include_usage": True},
+                     some_client_extra=3)
     assert req.user == "u1" and req.include_usage
-    assert not hasattr(req, "best_of")
+    assert not hasattr(req, "some_client_extra")
+
+
+@pytest.mark.parametrize("fields", [{"logit_bias": {"3": 1.5}}, {"min_tokens": 2}, {"best_of": 2},
+                                    {"suffix": "x"}, {"include_stop_str_in_output": True}])
+def test_fields_not_honoured_are_refused_not_dropped(fields) -> None:
+    err = validation_error(CompletionRequest, {"prompt": "x", **fields})
+    assert err.status == 400 and next(iter(fields)) in err.message
+    completion(best_of=3, n=3, logit_bias={}, min_tokens=0, echo=True)  # their "off" values pass
 
 
 @pytest.mark.parametrize("fields, param", [

@@ -37,6 +37,9 @@ def offline() -> LLM:
 
 def test_models_and_health(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
     assert httpx.get(f"{BASE}/health").status_code == 200
 
 
@@ -135,6 +138,18 @@ def test_echo_scores_the_prompt_like_offline(client, offline):
     assert len(lp.tokens) == len(prompt) + 1 and lp.token_logprobs[0] is None
     assert lp.token_logprobs[1:len(prompt)] == pytest.approx(ref.prompt_logprobs[1:], abs=1e-4)
     assert r.choices[0].text.startswith(offline.tokenizer.decode(prompt))
+
+
+def test_echo_text_offsets_point_into_the_text(client):
+    """The prompt's tokens include <s>, which the echoed text does not: it takes no room."""
+    r = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=6,
+                                  temperature=0, echo=True, logprobs=1)
+    choice = r.choices[0]
+    lp, text = choice.logprobs, choice.text
+    assert lp.tokens[0] == "<s>" and lp.text_offset[:2] == [0, 0]
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(text)
+    found = [text.startswith(t, o) for t, o in zip(lp.tokens[1:], lp.text_offset[1:]) if t.strip()]
+    assert all(found), list(zip(lp.tokens, lp.text_offset))
 
 
 def test_cached_tokens_in_usage(client):
@@ -270,6 +285,15 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": "loud"}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "prompt_logprobs_start": -2}, 400),
     ("/v1/completions", {"model": "no-such-model", "prompt": "x"}, 404),
+    # Not honoured: a 400, never a silent 200
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 10}}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "min_tokens": 4}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "end"}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "include_stop_str_in_output": True}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [10**6]}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "echo": True}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}, 400),
