@@ -7,6 +7,7 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
 
+from deployments.autoscaling import with_policy
 from deployments.config import AppArgs
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import OpenAIIngress
@@ -25,7 +26,8 @@ def engine_deployment(args: AppArgs, replica_class: type = EngineReplica):
         "health_check_timeout_s": args.health_check_timeout_s,
     }
     if args.autoscaling_config is not None:
-        options["autoscaling_config"] = args.autoscaling_config
+        # Serve's policy minus the delta channels, which Serve counts as ongoing requests.
+        options["autoscaling_config"] = with_policy(args.autoscaling_config)
         options["num_replicas"] = "auto"
     else:
         options["num_replicas"] = args.num_replicas

@@ -13,6 +13,12 @@ client disconnect cancels (aborting the request), and where errors come back. On
 it yields nothing else. A request that reaches a replica before its ingress has a channel
 there streams its deltas on its own call, led by an `{"open_channel": replica_id}` item
 telling the ingress to open one.
+
+A channel call counts as one of the replica's ongoing requests, to Serve. Two places must
+not count it: Serve's graceful shutdown (a draining replica waits for its ongoing requests
+to reach zero, and an open channel never ends by itself), and autoscaling
+(deployments/autoscaling.py subtracts the channels the replica reports). So a draining
+replica ends each channel once no request streams on it (`end_idle_channels_when_draining`).
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from ray.serve import context as serve_context
 logger = logging.getLogger(__name__)
 
 CHANNEL_OPEN_TIMEOUT_S = 10.0
+DRAIN_CHECK_PERIOD_S = 0.5  # how often a replica with channels asks whether it is draining
 
 
 @dataclass
@@ -46,6 +53,11 @@ class Outbox:
         self._ready = asyncio.Event()
         self.request_ids: set[str] = set()  # requests streaming through this channel
         self.closed = False
+        self.ended = False  # the replica is draining: the channel call returns
+
+    def end(self) -> None:
+        self.ended = True
+        self._ready.set()
 
     def put(self, request_id: str, delta: dict) -> None:
         self._batch.append((request_id, delta))
@@ -128,7 +140,11 @@ async def serve_channel(outboxes: dict[str, Outbox], replica_id: str, request: C
     try:
         yield {"replica": replica_id}
         while True:
-            yield await outbox.take()
+            batch = await outbox.take()
+            if batch:
+                yield batch
+            if outbox.ended and not outbox.request_ids:
+                return  # the ingress's pump ends quietly; its requests here are all done
     finally:
         if outboxes.get(request.ingress_id) is outbox:
             del outboxes[request.ingress_id]
@@ -139,3 +155,37 @@ def _close(outbox: Outbox, abort: Callable[[str], None]) -> None:
     outbox.closed = True
     for request_id in list(outbox.request_ids):
         abort(request_id)
+
+
+def replica_draining() -> bool:
+    """Has Serve started this replica's graceful shutdown?
+
+    Serve (2.60) has no public hook for it: the replica actor sets `_shutting_down` on its
+    implementation object when the controller asks it to stop, before it waits for ongoing
+    requests. Read through Ray's worker (internal; False wherever it is not there, e.g.
+    outside Serve, so a newer Ray degrades to waiting out graceful_shutdown_timeout_s).
+    """
+    try:
+        from ray._private import worker
+
+        actor = worker.global_worker.actors.get(worker.global_worker.actor_id)
+        return bool(actor._replica_impl._shutting_down)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+async def end_idle_channels_when_draining(outboxes: dict[str, Outbox],
+                                          draining: Callable[[], bool] = replica_draining) -> None:
+    """Replica side, one task per replica: once draining, end every channel that has no
+    request streaming on it (a channel still carrying requests ends after their last delta:
+    `serve_channel` checks again after each batch). Serve then sees the replica idle and
+    stops it, instead of waiting graceful_shutdown_timeout_s for channels that never end."""
+    while not draining():
+        await asyncio.sleep(DRAIN_CHECK_PERIOD_S)
+    logger.info("replica draining: ending its delta channels as their requests finish")
+    while True:
+        # Again every period: a channel whose last request finished after its final batch
+        # went out checks once more, and channels opened meanwhile end too.
+        for outbox in list(outboxes.values()):
+            outbox.end()
+        await asyncio.sleep(DRAIN_CHECK_PERIOD_S)

@@ -8,10 +8,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from deployments.request_body import DEFAULT_MAX_BODY_BYTES
 from engine.config import EngineConfig
+from router.policy import PolicyConfig
 
 DEFAULT_ROUTER_CLASS = "router.request_router:PrefixAwareRequestRouter"
 DEFAULT_MAX_QUEUED_REQUESTS = 1024  # per engine replica, when the engine config sets none
 INGRESS_PER_ENGINE = 2
+SERVE_DEFAULT_TARGET = 2  # Serve's default target_ongoing_requests
 
 
 class RouterArgs(BaseModel):
@@ -125,6 +127,28 @@ class AppArgs(BaseModel):
                              f"engine's capacity ({self.engine_capacity} = max_running_requests "
                              "+ max_queued_requests): Serve would queue requests the engine "
                              "has room for; raise it or leave it unset")
+        return self
+
+    @model_validator(mode="after")
+    def _router_spreads_onto_new_replicas(self) -> AppArgs:
+        """Under autoscaling, the prefix router's imbalance threshold stays below the target.
+
+        Serve adds a replica when the replicas average more than `target_ongoing_requests`;
+        the router moves a request off its cached prefix only when loads differ by more than
+        `abs_threshold` requests. With the threshold at or above the target, a hot replica
+        keeps every request of the prefixes it holds and the new, empty replicas get none
+        (tests/test_autoscaling.py saw 0 of 102 requests reach two new replicas with the
+        default 16 against a target of 2)."""
+        if self.autoscaling_config is None or self.router.request_router_class != "prefix":
+            return self
+        target = self.autoscaling_config.get("target_ongoing_requests", SERVE_DEFAULT_TARGET)
+        kwargs = self.router.request_router_kwargs
+        if "abs_threshold" not in kwargs:
+            kwargs["abs_threshold"] = min(PolicyConfig.abs_threshold, target / 2)
+        elif kwargs["abs_threshold"] >= target:
+            raise ValueError(f"router abs_threshold ({kwargs['abs_threshold']}) must be below the "
+                             f"autoscaling target_ongoing_requests ({target}), or new replicas "
+                             "get no requests while their peers hold the prefixes")
         return self
 
     @property

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from deployments.channel import ChannelOpen, Outbox, serve_channel
+from deployments.channel import ChannelOpen, Outbox, end_idle_channels_when_draining, serve_channel
 from deployments.errors import OVERLOADED_MESSAGE
 from deployments.metrics import EngineMetrics
 from deployments.tp_workers import TPWorkers
@@ -51,6 +51,7 @@ class EngineReplica:
         self.engine = self._start_engine(config)
         self.outboxes: dict[str, Outbox] = {}  # delta channels, by ingress id
         self._channel_waits: dict[str, asyncio.Future] = {}
+        self._drain_watch: asyncio.Task | None = None  # started with the first channel
         self._requests_by_path = {"requests_on_channel": 0, "requests_on_own_stream": 0}
         self.digest = CacheDigest(block_size=digest_block_size)
         self._stats: dict[str, Any] = {}
@@ -134,6 +135,8 @@ class EngineReplica:
 
     async def channel(self, request: ChannelOpen) -> AsyncIterator:
         """The delta channel of one ingress replica (deployments/channel.py)."""
+        if self._drain_watch is None:
+            self._drain_watch = asyncio.ensure_future(end_idle_channels_when_draining(self.outboxes))
         async for item in serve_channel(self.outboxes, self.replica_id, request, self._cut_off):
             yield item
 
@@ -147,6 +150,11 @@ class EngineReplica:
         """Engine stats, and how requests streamed (on a delta channel or their own call)."""
         return {**await self.engine.stats(), **self._requests_by_path,
                 "open_channels": len(self.outboxes)}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics: the open delta channels, which Serve counts as
+        ongoing requests and deployments/autoscaling.py takes back out."""
+        return {"open_channels": float(len(self.outboxes))}
 
     async def replica_stats(self) -> dict:
         """This replica's id and stats (the ingress broadcasts it for /v1/stats)."""

@@ -39,6 +39,56 @@ def start_ray() -> None:
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_local_cluster(request, head: dict, *workers: dict) -> tuple[object, int]:
+    """A multi-node Ray cluster on this machine (`ray.cluster_utils.Cluster`: one raylet per
+    node), connected, with Serve started on a free port behind one proxy (every node shares
+    this machine's ports). `head`, `workers`: each node's `add_node` arguments. Torn down by
+    the test's finalizer. Returns (cluster, port)."""
+    import ray
+    import ray._private.utils
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Cluster records its head as "the latest cluster" (/tmp/ray/ray_current_cluster), which
+    # a plain ray.init() elsewhere on this machine would then join: put the old one back.
+    address_file = Path(ray._private.utils.get_ray_address_file(None))
+    previous = address_file.read_text() if address_file.exists() else None
+    cluster = Cluster(initialize_head=True, head_node_args={**head, "include_dashboard": False})
+
+    def restore_address_file() -> None:
+        if previous is None:
+            address_file.unlink(missing_ok=True)
+        else:
+            address_file.write_text(previous)
+
+    restore_address_file()
+
+    def finish() -> None:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+            restore_address_file()
+
+    request.addfinalizer(finish)
+    for worker in workers:
+        cluster.add_node(**worker)
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    port = free_port()  # not 8000: other test runs on this machine may hold it
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    return cluster, port
+
+
 def run_app(args: dict, name: str = "radixserve", route_prefix: str = "/") -> None:
     from ray import serve
 

@@ -1,9 +1,12 @@
-"""cluster_configs/: KubeRay manifests (fields KubeRay requires, the embedded Serve config
-valid for Ray and in sync with serve_config.yaml), the VM cluster launcher config (Ray's
-own schema), and the local multi-node script."""
+"""cluster_configs/: KubeRay manifests (strictly valid against KubeRay's RayService CRD
+schema, the fields and choices docs/deploy.md explains, the embedded Serve config valid for
+Ray and in sync with serve_config.yaml), the VM cluster launcher config (Ray's own schema),
+and the local multi-node script."""
 from __future__ import annotations
 
 import copy
+import json
+import math
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "cluster_configs"
 APP = "applications.0.args."
+CRD_SCHEMA = ROOT / "tests" / "data" / "kuberay" / "ray.io_rayservices.v1.schema.json"
 
 # Where each RayService's serveConfigV2 may differ from serve_config.yaml (dotted paths;
 # everything below a listed path is free). Each manifest's header comment says why.
@@ -21,11 +25,13 @@ DECLARED_OVERRIDES: dict[str, set[str]] = {
     "rayservice-gpu.yaml": {
         APP + "model", APP + "served_model_name", APP + "num_replicas",
         APP + "autoscaling_config", APP + "ray_actor_options", APP + "engine.mem_fraction_static",
+        APP + "ingress_ray_actor_options", APP + "engine.max_queued_requests",
     },
     "rayservice-gpu-tp2.yaml": {
         APP + "model", APP + "served_model_name", APP + "num_replicas",
         APP + "autoscaling_config", APP + "ray_actor_options", APP + "engine.mem_fraction_static",
-        APP + "engine.tp_size", APP + "placement_group_strategy",
+        APP + "ingress_ray_actor_options", APP + "engine.max_queued_requests",
+        APP + "engine.tp_size",
     },
 }
 # App args written ahead of the issue that adds them (tensor parallelism): validated once
@@ -84,7 +90,8 @@ def test_rayservice_has_the_fields_kuberay_requires(name):
         assert group["groupName"] and isinstance(group["rayStartParams"], dict)
         replicas = group.get("replicas", group["minReplicas"])
         assert 0 <= group["minReplicas"] <= replicas <= group["maxReplicas"]
-        check_pod_template(group["template"], gpus=1)
+        tp = yaml.safe_load(spec["serveConfigV2"])["applications"][0]["args"]["engine"].get("tp_size", 1)
+        check_pod_template(group["template"], gpus=tp)  # a replica's ranks share one pod
     # rayStartParams values are strings in the CRD (map[string]string).
     for params in [head["rayStartParams"]] + [g["rayStartParams"] for g in cluster["workerGroupSpecs"]]:
         assert all(isinstance(v, str) for v in params.values()), params
@@ -98,8 +105,100 @@ def check_pod_template(template: dict[str, Any], gpus: int) -> None:
     limits, requests = ray["resources"]["limits"], ray["resources"]["requests"]
     assert limits.get("nvidia.com/gpu", 0) == gpus and requests.get("nvidia.com/gpu", 0) == gpus
     assert limits["cpu"] and limits["memory"]
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert ray[probe]["exec"]["command"], probe
+    # KubeRay injects its own probes only where the container has none; its Serve readiness
+    # probe on workers (failureThreshold 1) takes a pod out of the Service at once.
+    assert "readinessProbe" not in ray and "livenessProbe" not in ray
+
+
+def strict(schema: Any) -> Any:
+    """The CRD schema with unknown fields rejected: every object schema that lists its
+    properties and allows no extra ones (no additionalProperties, no
+    x-kubernetes-preserve-unknown-fields) gets additionalProperties: false, as the API
+    server's strict field validation (kubectl apply --validate=strict) does."""
+    if isinstance(schema, list):
+        return [strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict(v) for k, v in schema.items()}
+    if ("properties" in schema and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")):
+        out["additionalProperties"] = False
+    return out
+
+
+@pytest.fixture(scope="module")
+def crd_validator():
+    import jsonschema
+
+    schema = strict(json.loads(CRD_SCHEMA.read_text()))
+    return jsonschema.Draft7Validator(schema)
+
+
+@pytest.mark.parametrize("name", RAYSERVICES)
+def test_rayservice_is_strictly_valid_against_kuberays_crd(name, crd_validator):
+    errors = sorted(crd_validator.iter_errors(manifest(name)), key=lambda e: list(e.path))
+    assert not errors, [f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors]
+
+
+def test_strict_crd_validation_rejects_unknown_and_mistyped_fields(crd_validator):
+    doc = manifest("rayservice-gpu.yaml")
+    bad = copy.deepcopy(doc)
+    bad["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["minReplica"] = 1  # typo
+    assert not crd_validator.is_valid(bad)
+    bad = copy.deepcopy(doc)
+    bad["spec"]["upgradeStrategy"]["type"] = 3
+    assert not crd_validator.is_valid(bad)
+    bad = copy.deepcopy(doc)
+    bad["spec"]["rayClusterConfig"]["autoscalerOptions"]["version"] = "v3"
+    assert not crd_validator.is_valid(bad)
+    bad = copy.deepcopy(doc)
+    bad["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["imag"] = "x"
+    assert not crd_validator.is_valid(bad)
+
+
+@pytest.mark.parametrize("name", RAYSERVICES)
+def test_rayservice_upgrade_strategy_and_autoscaler_v2(name):
+    spec = manifest(name)["spec"]
+    assert spec["upgradeStrategy"]["type"] in ("NewCluster", "NewClusterWithIncrementalUpgrade", "None")
+    cluster = spec["rayClusterConfig"]
+    assert cluster["autoscalerOptions"]["version"] == "v2"
+    for group in cluster["workerGroupSpecs"]:  # autoscaler v2: a pod is one Ray node's life
+        assert group["template"]["spec"]["restartPolicy"] == "Never"
+
+
+@pytest.mark.parametrize("name", RAYSERVICES)
+def test_concurrency_limits_in_a_sane_ratio_to_the_target(name):
+    """Serve adds replicas at target_ongoing_requests; a replica takes up to
+    max_ongoing_requests. Far above the target, a burst piles into the old replicas' engine
+    queues while new ones start; at or below the engine's batch, the target is reached only
+    with requests queued."""
+    from deployments.config import AppArgs
+
+    args = AppArgs.model_validate(serve_config(name)["applications"][0]["args"])
+    target = args.autoscaling_config["target_ongoing_requests"]
+    running = args.engine["max_running_requests"]
+    assert target <= running
+    assert target < args.engine_max_ongoing() <= 2.5 * target
+    # Two ingress replicas per engine replica, autoscaled with it, never fewer than two.
+    ingress = args.ingress_scaling()
+    assert ingress["num_replicas"] == "auto"
+    auto = ingress["autoscaling_config"]
+    assert auto["min_replicas"] >= 2 and auto["max_replicas"] == 2 * args.autoscaling_config["max_replicas"]
+    assert args.ingress_ray_actor_options["num_cpus"] >= 1
+    # The router's imbalance threshold sits below the target (deployments/config.py).
+    assert args.router.request_router_kwargs["abs_threshold"] < target
+
+
+@pytest.mark.parametrize("name", RAYSERVICES)
+def test_worker_pods_have_room_for_the_ingress_replicas(name):
+    args = serve_config(name)["applications"][0]["args"]
+    container = manifest(name)["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    cpus = float(container["resources"]["limits"]["cpu"])
+    tp = args["engine"].get("tp_size", 1)
+    # The head runs no replicas (num-cpus 0): per engine replica, its ranks' CPUs (rank 0's
+    # ray_actor_options, 1 for every other rank) and two ingress replicas fit in its pod.
+    need = args["ray_actor_options"]["num_cpus"] + (tp - 1) + 2 * args["ingress_ray_actor_options"]["num_cpus"]
+    assert need <= cpus and math.isfinite(need)
 
 
 @pytest.mark.parametrize("name", RAYSERVICES)
@@ -148,9 +247,12 @@ def test_gpu_pods_fit_the_engine_replicas(name):
     assert group["minReplicas"] * gpus_per_pod >= auto["min_replicas"] * tp
 
 
-def test_tp_variant_spreads_two_ranks():
+def test_tp_variant_keeps_a_replicas_ranks_in_one_pod():
     args = serve_config("rayservice-gpu-tp2.yaml")["applications"][0]["args"]
-    assert args["engine"]["tp_size"] == 2 and args["placement_group_strategy"] == "SPREAD"
+    assert args["engine"]["tp_size"] == 2
+    assert args.get("placement_group_strategy", "STRICT_PACK") == "STRICT_PACK"
+    group = manifest("rayservice-gpu-tp2.yaml")["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2
 
 
 def test_vm_cluster_config_validates_with_rays_schema():

@@ -713,3 +713,106 @@ def test_router_withdraws_a_pick_serve_did_not_take():
         clock[0] += 10
         assert router._load(ranks[0][0]) == 0
     asyncio.run(scenario())
+
+
+# ---------------------------------------------------------------------------------------
+# Replicas joining and leaving (autoscaling; tests/test_autoscaling.py runs it for real)
+# ---------------------------------------------------------------------------------------
+
+def test_router_new_replica_takes_load_until_balanced_then_affinity_shares():
+    """A replica that joins empty while its peer holds the hot prefix gets requests by load
+    (not starved by its empty index), but only until loads are balanced (not flooded)."""
+    async def scenario():
+        router = make_router()  # abs_threshold 4
+        a = FakeReplica("a")
+        router.update_replicas([a])
+        prefix = toks(1, 2, 3, 4)
+        for i in range(6):  # six requests of the prefix in flight on a
+            router.on_request_routed(pending(Req(prefix + toks(20 + i))), a.replica_id, None)
+        b = FakeReplica("b")
+        router.update_replicas([a, b])  # scaled out
+        picks = []
+        for i in range(8):
+            _, chosen = await route(router, [a, b], pending(Req(prefix + toks(40 + i))))
+            picks.append(chosen.replica_id.unique_id)
+            loads = router._load(a), router._load(b)
+            assert loads[1] <= loads[0] + 1, (picks, loads)  # never flooded past its peer
+        # 6 vs 0, 6 vs 1: imbalanced -> b; then b holds the prefix too and the tie on
+        # matched blocks goes to the less loaded, until both carry 6; then they share.
+        assert picks[:6] == ["b"] * 6 and "a" in picks[6:], picks
+        assert abs(router._load(a) - router._load(b)) <= 1
+        assert router.router_stats()["load_fallbacks"] == 2
+    asyncio.run(scenario())
+
+
+def test_router_empty_new_replica_does_not_take_a_cached_prefix_below_the_threshold():
+    async def scenario():
+        router = make_router()
+        a, b = FakeReplica("a"), FakeReplica("b")
+        router.update_replicas([a])
+        prefix = toks(1, 2, 3, 4)
+        for i in range(3):
+            router.on_request_routed(pending(Req(prefix + toks(20 + i))), a.replica_id, None)
+        router.update_replicas([a, b])
+        # 3 vs 0 is within abs_threshold 4: the cache hit is worth more than the idle peer.
+        ranks, _ = await route(router, [a, b], pending(Req(prefix)))
+        assert ranks == [["a"], ["b"]]
+        # A prompt nobody holds goes to the idle newcomer.
+        ranks, _ = await route(router, [a, b], pending(Req(toks(7, 8))))
+        assert ranks[0] == ["b"]
+    asyncio.run(scenario())
+
+
+def test_router_join_leave_sequence_forgets_everything_of_removed_replicas():
+    async def scenario():
+        clock = [1000.0]
+        router = make_router(clock, digest_grace_s=0.0)
+        a, b = FakeReplica("a"), FakeReplica("b")
+        router.update_replicas([a, b])
+        prefix = toks(1, 2, 3)
+        on_b = pending(Req(prefix))
+        router.on_request_routed(on_b, b.replica_id, None)  # in flight on b
+        c, d = FakeReplica("c"), FakeReplica("d")
+        router.update_replicas([a, b, c])
+        router.update_replicas([a, b, c, d])
+        assert router.router_stats()["replicas_tracked"] == 4
+        # A pick for c that Serve has not sent yet, then c and b go (scale-in; c's actor
+        # dies, b is removed by an update).
+        chosen_for_c = pending(Req(toks(9, 9)))
+        await router.choose_replicas([c], chosen_for_c)
+        assert router._load(c) == 1
+        router.on_replica_actor_died(c.replica_id)
+        router.update_replicas([a, d])
+        assert set(router._index.replicas()) == {a.replica_id, d.replica_id}
+        assert router._load(b) == 0 and router._load(c) == 0
+        assert b.replica_id not in router._in_flight and not router._tentative
+        # b's request completes after b left: nothing goes negative or comes back.
+        router.on_request_completed(b.replica_id, on_b.metadata.internal_request_id)
+        assert set(router._index.replicas()) == {a.replica_id, d.replica_id}
+        # b's prefix is now nowhere: a fresh prompt goes by load among the survivors.
+        ranks, _ = await route(router, [a, d], pending(Req(prefix)))
+        assert {r for rank in ranks for r in rank} == {"a", "d"}
+        assert router.router_stats()["replicas_tracked"] == 2
+        # A late digest from the removed b (stats broadcast racing the removal) is not
+        # merged: only replicas in the update are read.
+        truth = CacheDigest(block_size=4, clock=lambda: clock[0])
+        truth.insert(toks(5, 6))
+        b.routing_stats = {"cache_digest": truth.encode()}
+        router.update_replicas([a, d])
+        assert b.replica_id not in router._index.replicas()
+    asyncio.run(scenario())
+
+
+def test_router_sends_a_channel_only_to_its_replica_and_nowhere_once_it_left():
+    from deployments.channel import ChannelOpen
+
+    async def scenario():
+        router = make_router()
+        a, b = FakeReplica("a"), FakeReplica("b")
+        router.update_replicas([a, b])
+        ranks = await router.choose_replicas([a, b], pending(ChannelOpen("ingress", "b")))
+        assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["b"]]
+        router.update_replicas([a])  # b scaled in: a channel for it waits, never lands on a
+        ranks = await router.choose_replicas([a], pending(ChannelOpen("ingress", "b")))
+        assert all(not rank for rank in ranks)
+    asyncio.run(scenario())

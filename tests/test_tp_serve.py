@@ -6,16 +6,13 @@ equals tp=1 offline; killing the worker fails the replica's health check, Serve 
 the replica (fresh ranks) and requests succeed again."""
 from __future__ import annotations
 
-import os
-import socket
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from engine import LLM, SamplingParams
-from serve_helpers import ROOT, serve_config_args
+from serve_helpers import serve_config_args, start_local_cluster
 
 GPU = "fake_gpu"
 MODEL = "radixserve-demo"  # serve_config.yaml's served_model_name
@@ -24,58 +21,16 @@ MAX_TOKENS = 8
 DIST_TIMEOUT_S = 20.0  # rank start-up and every model collective; a dead rank fails fast
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def ray_address_file() -> Path:
-    import ray._private.utils
-
-    return Path(ray._private.utils.get_ray_address_file(None))
-
-
 @pytest.fixture(scope="module")
 def cluster(request, tiny_llama):
     """Head (2 CPUs) + worker node (1 CPU), one fake GPU each; the app deployed on it.
     Yields the HTTP base URL."""
-    import ray
     from ray import serve
-    from ray.cluster_utils import Cluster
 
     from deployments.app import build_app
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # Cluster records its head as "the latest cluster" (/tmp/ray/ray_current_cluster), which
-    # a plain ray.init() elsewhere on this machine would then join: put the old one back.
-    address_file = ray_address_file()
-    previous = address_file.read_text() if address_file.exists() else None
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "resources": {GPU: 1}, "include_dashboard": False})
-
-    def restore_address_file() -> None:
-        if previous is None:
-            address_file.unlink(missing_ok=True)
-        else:
-            address_file.write_text(previous)
-
-    restore_address_file()
-
-    def finish() -> None:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
-            restore_address_file()
-
-    request.addfinalizer(finish)
-    cluster.add_node(num_cpus=1, resources={GPU: 1})
-    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    port = free_port()  # not 8000: other test runs on this machine may hold it
-    # One proxy: every node of this cluster shares the machine's ports.
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    cluster, port = start_local_cluster(request, {"num_cpus": 2, "resources": {GPU: 1}},
+                                        {"num_cpus": 1, "resources": {GPU: 1}})
     args = serve_config_args(
         model=tiny_llama,
         engine={"tp_size": 2, "dist_timeout_s": DIST_TIMEOUT_S, "max_total_tokens": 1024,
