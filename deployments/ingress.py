@@ -20,6 +20,7 @@ from deployments.chat_request import ChatFeatures
 from deployments.engine_replica import EngineCall, resolve_model
 from deployments.errors import APIError, as_api_error, install_error_handlers
 from deployments.prompt_encoder import PromptEncoder
+from deployments.sampling_defaults import model_sampling_defaults, with_defaults
 from deployments.request_body import DEFAULT_MAX_BODY_BYTES, read_json_body
 from deployments.metrics import install_http_metrics
 from deployments.stats import summary
@@ -63,6 +64,7 @@ class OpenAIIngress:
         auth.configure(api_key, admin_api_key)
         path = resolve_model(model)
         self.model_path, self.tokenizer_path = path, tokenizer or path
+        self.sampling_defaults = model_sampling_defaults(path)  # generation_config.json
         self.engine = engine_handle.options(stream=True)
         self.control = engine_handle
         self.hub = ChannelHub(self.engine)
@@ -178,7 +180,7 @@ class OpenAIIngress:
     @api.get("/model_info")
     async def sglang_model_info(self) -> JSONResponse:
         return JSONResponse(sglang_api.model_info(self.model_path, self.tokenizer_path,
-                                                  self.model_name, None))
+                                                  self.model_name, self.sampling_defaults or None))
 
     @api.get("/get_server_info")
     @api.get("/server_info")
@@ -288,6 +290,7 @@ class OpenAIIngress:
     def _calls(self, prompts: list[list[int]], kwargs: dict[str, Any], n: int,
                prefix: str) -> tuple[list[EngineCall], list[ChoiceState]]:
         """One engine call per (prompt, choice), and the state its stream fills in."""
+        kwargs = with_defaults(kwargs, self.sampling_defaults)
         try:
             params = SamplingParams(**kwargs)
             for ids in prompts:

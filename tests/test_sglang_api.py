@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import httpx
 import pytest
@@ -15,10 +16,21 @@ from serve_helpers import BASE, run_app, serve_config_args, start_ray, stop_ray
 pytestmark = pytest.mark.slow
 
 
+MODEL_DEFAULTS = {"temperature": 0.7, "top_k": 1}  # top_k 1: unset requests decode greedily
+
+
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
+    """The demo model, with sampling defaults in its generation_config.json."""
+    model = tmp_path_factory.mktemp("model")
+    demo = Path(ensure_demo_model())
+    for f in demo.iterdir():
+        (model / f.name).symlink_to(f)
+    (model / "generation_config.json").unlink()
+    gen = json.loads((demo / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**gen, **MODEL_DEFAULTS}))
     start_ray()
-    run_app(serve_config_args(engine={"max_running_requests": 16, "chunked_prefill_size": 128,
+    run_app(serve_config_args(model=str(model), served_model_name="radixserve-demo", engine={"max_running_requests": 16, "chunked_prefill_size": 128,
                                       "max_total_tokens": 4096, "max_queued_requests": 64}))
     yield
     stop_ray()
@@ -43,6 +55,23 @@ def test_model_info_server_info_and_health_generate(server):
         body = httpx.get(f"{BASE}{path}", timeout=30).json()
         assert body["internal_states"][0]["total_slots"] > 0
     assert httpx.get(f"{BASE}/health_generate", timeout=30).status_code == 200
+
+
+def test_generation_config_defaults_apply_when_the_request_leaves_them_unset(server):
+    info = httpx.get(f"{BASE}/get_model_info", timeout=30).json()
+    assert info["preferred_sampling_params"] == MODEL_DEFAULTS
+    body = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}
+    greedy = generate({**body, "sampling_params": {**body["sampling_params"], "temperature": 0}})
+    seeded = [generate({**body, "sampling_params": {**body["sampling_params"], "sampling_seed": s}})
+              for s in (1, 2, 3)]
+    assert all(o["text"] == greedy["text"] for o in seeded)  # top_k=1 from the model
+    free = [generate({**body, "sampling_params": {**body["sampling_params"], "sampling_seed": s,
+                                                  "top_k": -1, "temperature": 1.5}})["text"]
+            for s in (1, 2, 3)]
+    assert len(set(free)) > 1  # the request's own values win
+    plain = httpx.post(f"{BASE}/v1/completions", timeout=60, json={
+        "prompt": "Once upon a time", "max_tokens": 8, "ignore_eos": True, "seed": 5}).json()
+    assert plain["choices"][0]["text"] == greedy["text"]  # the OpenAI routes too
 
 
 def test_generate_text_equals_offline(server, offline):
