@@ -36,6 +36,14 @@ class EngineConfig:
     mem_fraction_static: float = 0.85
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
 
+    # FP8 (engine/quantization/): "fp8" quantizes bf16/fp32 weights at load (per-output-channel
+    # scales, dynamic per-token activation scales). A checkpoint whose config.json has an FP8
+    # quantization_config loads as FP8 whatever this says.
+    quantization: Literal["fp8"] | None = None
+    # "fp8_e4m3": the KV pool stores float8 (half of bf16's bytes, so twice the tokens);
+    # torch attention backend only for now.
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
+
     # Kernels
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     enable_cuda_graph: bool = True
@@ -90,6 +98,10 @@ class EngineConfig:
             raise ValueError("tp_size must be >= 1")
         if self.dist_timeout_s <= 0:
             raise ValueError("dist_timeout_s must be > 0")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
         if self.moe_parallel not in ("tp", "ep"):
             raise ValueError(f"moe_parallel must be 'tp' or 'ep', got {self.moe_parallel!r}")
         self._validate_speculative()

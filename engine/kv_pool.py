@@ -3,21 +3,39 @@ from __future__ import annotations
 
 import torch
 
+from engine.quantization.fp8 import FP8, to_fp8
+
 
 class KVPool:
     """Per-layer K and V tensors of shape [num_slots + 1, kv_heads, head_dim].
 
     Slot 0 is never handed out: padded batch entries (CUDA graphs) write their
     garbage there. Usable slots are 1..num_slots.
+
+    A float8 pool (kv_cache_dtype="fp8_e4m3") stores value / scale, saturated to the float8
+    range; `encode` and `decode` convert. One scale for the whole pool: e4m3 keeps the same
+    relative precision from 2^-6 to 448, so the scale only has to keep K/V inside that range,
+    and 1.0 does for the models we run (no calibrated scales are read from checkpoints).
     """
 
     def __init__(self, num_slots: int, num_layers: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, scale: float = 1.0) -> None:
         self.num_slots = num_slots
+        self.dtype = dtype
+        self.fp8 = dtype == FP8
+        self.scale = scale
         shape = (num_slots + 1, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.allocator = SlotAllocator(num_slots)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """New K or V -> what the pool stores."""
+        return to_fp8(x / self.scale) if self.fp8 else x.to(self.dtype)
+
+    def decode(self, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Gathered pool rows -> values in the model's `dtype`."""
+        return stored.to(dtype) * self.scale if self.fp8 else stored
 
     @staticmethod
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

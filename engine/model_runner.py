@@ -15,6 +15,7 @@ from engine.layers import set_fused_kernels
 from engine.layers.parallel import TPContext
 from engine.models import load_hf_config, load_model, resolve_device, resolve_dtype
 from engine.models.llama import head_dim_of
+from engine.quantization.fp8 import FP8
 from engine.request import Request
 from engine.scheduler import StepPlan
 
@@ -68,7 +69,8 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.model = load_model(config.model, dtype=self.dtype, device=self.device,
                                 load_format=config.load_format, seed=config.seed, tp=self.tp,
-                                hf_config=self.hf_config, moe_parallel=config.moe_parallel)
+                                hf_config=self.hf_config, moe_parallel=config.moe_parallel,
+                                quantization=config.quantization)
         set_fused_kernels(self.model, config.enable_fused_kernels and self.device.type == "cuda")
         self.vocab_size = self.hf_config.vocab_size
         self.max_context = config.max_model_len or self.hf_config.max_position_embeddings
@@ -118,13 +120,14 @@ class ModelRunner:
 
     def _make_kv_pool(self) -> KVPool:
         layers, kv_heads, head_dim = self._kv_shape()
-        per_token = KVPool.bytes_per_token(layers, kv_heads, head_dim, self.dtype)
+        kv_dtype = FP8 if self.config.kv_cache_dtype == "fp8_e4m3" else self.dtype
+        per_token = KVPool.bytes_per_token(layers, kv_heads, head_dim, kv_dtype)
         num_slots = self.config.max_total_tokens
         if num_slots is None:
             # Ranks' free memory differs; all must hold the same slots, so take the least.
             num_slots = self.tp.min_over_ranks(self._slots_from_memory(per_token))
         logger.info("KV pool: %d slots (%.1f MiB)", num_slots, num_slots * per_token / 2**20)
-        return KVPool(num_slots, layers, kv_heads, head_dim, self.dtype, self.device)
+        return KVPool(num_slots, layers, kv_heads, head_dim, kv_dtype, self.device)
 
     def _slots_from_memory(self, per_token: int) -> int:
         if self.device.type != "cuda":
@@ -144,6 +147,9 @@ class ModelRunner:
             name = "triton" if self.device.type == "cuda" else "torch"
         scale = head_dim_of(self.hf_config) ** -0.5
         if name == "triton":
+            if self.kv_pool.fp8:
+                raise ValueError("kv_cache_dtype='fp8_e4m3' is not supported by the Triton attention "
+                                 "kernels yet; use attention_backend='torch'")
             from engine.attention.triton_backend import TritonAttentionBackend
 
             graphs = self.config.enable_cuda_graph and self.device.type == "cuda"

@@ -46,6 +46,17 @@ def iterate_safetensors(model_dir: str | Path, lazy: bool = False) -> Iterator[t
                 yield name, (f.get_slice(name) if lazy else f.get_tensor(name))
 
 
+def tensor_shapes(model: str) -> dict[str, tuple[int, ...]]:
+    """Every safetensors tensor's shape, from the file headers (no tensor data is read)."""
+    from engine.model_source import resolve_model_path
+
+    shapes = {}
+    for path in safetensors_files(resolve_model_path(model)):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    return shapes
+
+
 def checkpoint_weights(model: str, hf_config, lazy: bool = False) -> Iterator[tuple[str, Loadable]]:
     """(name, tensor) for `model` in any format: a GGUF file (dequantized) or safetensors."""
     from engine.model_source import resolve_model_path

@@ -20,17 +20,18 @@ class TorchAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch) -> torch.Tensor:
-        k_cache, v_cache = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
-        k_cache[batch.out_slots] = k.to(k_cache.dtype)
-        v_cache[batch.out_slots] = v.to(v_cache.dtype)
+        pool = self.kv_pool
+        k_cache, v_cache = pool.k[layer_id], pool.v[layer_id]
+        k_cache[batch.out_slots] = pool.encode(k)
+        v_cache[batch.out_slots] = pool.encode(v)
         out = torch.empty_like(q)
         group = q.shape[1] // k.shape[1]
         start = 0
         for i, (seq_len, n_new) in enumerate(zip(batch.seq_lens_cpu, batch.extend_lens_cpu)):
             slots = batch.req_to_token[batch.req_rows[i], :seq_len].long()
             qi = q[start:start + n_new].transpose(0, 1)  # [Hq, n_new, D]
-            ki = k_cache[slots].transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, S, D]
-            vi = v_cache[slots].transpose(0, 1).repeat_interleave(group, dim=0)
+            ki = pool.decode(k_cache[slots], q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
+            vi = pool.decode(v_cache[slots], q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
             out[start:start + n_new] = attend(qi, ki, vi, seq_len - n_new, self.scale).transpose(0, 1)
             start += n_new
         return out

@@ -4,7 +4,8 @@ Column parallel splits the output features (each rank computes a slice of the ou
 row parallel splits the input features (each rank computes a partial sum, all-reduced).
 Parameters are created with the ambient default dtype and device, and each parameter
 carries a `weight_loader` that copies this rank's shard out of a full checkpoint tensor.
-At tp size 1 every layer is one `F.linear` call.
+At tp size 1 every layer is one `F.linear` call; an FP8 layer (engine/quantization/) holds
+a float8 `weight` and its `weight_scale`, and `matmul` runs the FP8 GEMM instead.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.parallel import Loadable, TPContext, copy_into, divide, materialize, narrow
+from engine.quantization.fp8 import fp8_linear
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -32,12 +34,19 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.register_parameter("weight_scale", None)  # set when the layer is FP8
+        self.quantize_input = True  # FP8 layers: dynamic per-token activation scales
 
     def weight_loader(self, param: nn.Parameter, loaded: Loadable) -> None:
         raise NotImplementedError
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_scale is None:
+            return F.linear(x, self.weight, bias)
+        return fp8_linear(x, self.weight, self.weight_scale, bias, self.quantize_input)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -69,7 +78,7 @@ class ColumnParallelLinear(LinearBase):
         copy_into(param, narrow(loaded, 0, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.bias)
         if self.gather_output and self.tp.size > 1:
             y = self.tp.all_gather(y, dim=-1)
         return y
@@ -154,8 +163,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)
+            return self.matmul(x, self.bias)
+        y = self.matmul(x, None)
         if self.reduce_results:
             y = self.tp.all_reduce(y)
         # Unreduced partial sums get the bias on one rank only, so the later sum adds it once.

@@ -89,33 +89,57 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def load_model(model_dir: str, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
                load_format: str = "safetensors", seed: int = 0, tp: TPContext | None = None,
-               hf_config: Any = None, moe_parallel: str = "tp") -> nn.Module:
+               hf_config: Any = None, moe_parallel: str = "tp",
+               quantization: str | None = None) -> nn.Module:
     """Build the model for `model_dir`'s config.json directly on `device` in `dtype`, then
     fill it from the safetensors shards (this rank's slices only) or with dummy weights.
     `moe_parallel` ("tp" or "ep") splits an MoE model's experts across TP ranks (see
-    engine/layers/moe.py)."""
-    from engine.weights import checkpoint_weights, dummy_init_
+    engine/layers/moe.py). FP8: a checkpoint's `quantization_config`, or `quantization="fp8"`
+    (quantize after loading); see engine/quantization/."""
+    from engine.quantization.checkpoint_formats import fp8_scheme
+    from engine.weights import dummy_init_
 
     tp = tp or TPContext()
     hf_config = hf_config if hf_config is not None else load_hf_config(model_dir)
     model_cls = get_model_class(hf_config)
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, hf_config, device)
+    scheme = fp8_scheme(hf_config, quantization)
+    if scheme is not None and issubclass(model_cls, MoEForCausalLM):
+        raise ValueError(f"FP8 weights are not supported for MoE models ({model_cls.__name__}) yet")
     with _default_dtype(torch_dtype), device:
         options = {"moe_parallel": moe_parallel} if issubclass(model_cls, MoEForCausalLM) else {}
         model = model_cls(hf_config, None, tp, **options)
     if load_format == "dummy":
         dummy_init_(model, seed)
     elif load_format == "safetensors":
-        loaded = model.load_weights(checkpoint_weights(model_dir, hf_config, lazy=tp.size > 1))
-        missing = model.missing_weights(loaded)
-        if missing:
-            raise ValueError(f"checkpoint in {model_dir} lacks weights: {', '.join(missing[:8])}"
-                             + (" ..." if len(missing) > 8 else ""))
+        _load_checkpoint(model, model_dir, hf_config, tp, scheme)
     else:
         raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {load_format!r}")
+    if scheme is not None and not (scheme.prequantized and load_format == "safetensors"):
+        from engine.quantization.fp8_layers import quantize_linears_
+
+        quantize_linears_(model)  # on-the-fly (or dummy weights standing in for an FP8 checkpoint)
     logger.info("loaded %s (%s, %s) from %s", model_cls.__name__, torch_dtype, device, model_dir)
     return model.eval()
+
+
+def _load_checkpoint(model: nn.Module, model_dir: str, hf_config: Any, tp: TPContext,
+                     scheme: Any) -> None:
+    from engine.quantization.checkpoint_formats import read_fp8_checkpoint, reject_float8
+    from engine.quantization.fp8_layers import make_fp8_linears_
+    from engine.weights import checkpoint_weights, tensor_shapes
+
+    weights = checkpoint_weights(model_dir, hf_config, lazy=tp.size > 1)
+    if scheme is not None and scheme.prequantized:
+        make_fp8_linears_(model, scheme.block[1] if scheme.block else None, scheme.quantize_input)
+        weights = read_fp8_checkpoint(weights, scheme, tensor_shapes(model_dir))
+    else:
+        weights = reject_float8(weights)
+    missing = model.missing_weights(model.load_weights(weights))
+    if missing:
+        raise ValueError(f"checkpoint in {model_dir} lacks weights: {', '.join(missing[:8])}"
+                         + (" ..." if len(missing) > 8 else ""))
 
 
 __all__ = ["LlamaForCausalLM", "MixtralForCausalLM", "MODEL_CLASSES", "Qwen2MoeForCausalLM",

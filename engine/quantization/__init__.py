@@ -1,0 +1,1 @@
+"""FP8 quantization: weights (on-the-fly or pre-quantized checkpoints) and the KV cache."""

@@ -1,0 +1,64 @@
+"""FP8 (float8_e4m3fn) math: quantizing weights and activations, and the FP8 linear.
+
+A quantized weight is `weight` [out, in] in float8 plus `weight_scale` [out, G] float32:
+row r's input features fall in G equal groups, group g dequantizes as
+`weight[r, group g] * weight_scale[r, g]`. G = 1 is a per-output-channel scale (what
+on-the-fly quantization and per-tensor/per-channel checkpoints give); G > 1 holds a
+checkpoint's block scales expanded along the rows (engine/quantization/checkpoint_formats.py).
+
+Activations get a dynamic scale per token (row), computed in the forward, so the GEMM is
+`(x_q * sx) @ (w_q * sw)^T = sx * (x_q @ w_q^T) * sw^T`: one `torch._scaled_mm` with
+row-wise scales (Hopper's FP8 tensor cores; PyTorch's CPU build runs the same op, which is
+how the CPU tests exercise this exact code path).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+_MIN_SCALE = 1e-12  # an all-zero row still gets a finite, non-zero scale
+
+
+def to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """Saturating cast: e4m3fn has no infinity, and an out-of-range cast may give NaN."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, K] -> (float8 [N, K], float32 scale [N, 1]) with one scale per row, chosen so
+    the row's largest magnitude maps to FP8_MAX."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=_MIN_SCALE) / FP8_MAX
+    return to_fp8(x.float() / scale), scale
+
+
+def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float8 [out, in] with scale [out, G] -> `dtype` [out, in]."""
+    out, groups = weight_scale.shape
+    w = weight.float().view(out, groups, -1) * weight_scale.unsqueeze(-1)
+    return w.view(weight.shape).to(dtype)
+
+
+def _scaled_mm_ok(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
+    # torch._scaled_mm wants both GEMM dims of the weight in multiples of 16, and one scale per row.
+    return weight_scale.shape[1] == 1 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None, quantize_input: bool = True) -> torch.Tensor:
+    """y = x W^T (+ bias) for an FP8 weight; output in x's dtype.
+
+    Per-channel weights with dynamic per-token activations run as one `torch._scaled_mm`.
+    Block-scaled weights, weight-only checkpoints (no activation quantization) and shapes
+    `_scaled_mm` refuses dequantize the weight and run a plain matmul: the same math, slower.
+    """
+    if not (quantize_input and _scaled_mm_ok(weight, weight_scale)):
+        return F.linear(x, dequantize(weight, weight_scale, x.dtype), bias)
+    shape = x.shape
+    x_q, x_scale = quantize_rows(x.reshape(-1, shape[-1]))
+    y = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.t(),
+                         out_dtype=x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*shape[:-1], weight.shape[0])
