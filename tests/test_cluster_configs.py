@@ -26,12 +26,13 @@ DECLARED_OVERRIDES: dict[str, set[str]] = {
         APP + "model", APP + "served_model_name", APP + "num_replicas",
         APP + "autoscaling_config", APP + "ray_actor_options", APP + "engine.mem_fraction_static",
         APP + "ingress_ray_actor_options", APP + "engine.max_queued_requests",
+        "http_options.host",  # 0.0.0.0 in the pod; serve_config.yaml: this machine only
     },
     "rayservice-gpu-tp2.yaml": {
         APP + "model", APP + "served_model_name", APP + "num_replicas",
         APP + "autoscaling_config", APP + "ray_actor_options", APP + "engine.mem_fraction_static",
         APP + "ingress_ray_actor_options", APP + "engine.max_queued_requests",
-        APP + "engine.tp_size",
+        APP + "engine.tp_size", "http_options.host",
     },
 }
 # App args written ahead of the issue that adds them (tensor parallelism): validated once
