@@ -85,6 +85,7 @@ class Result:
     error: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    ttft: float = 0.0  # seconds to the first token event
     end: float = 0.0
 
 
@@ -95,6 +96,7 @@ def stream_one(client: httpx.Client, rng: random.Random, prefixes: list[list[int
     prompt = prefixes[k] + [rng.randrange(10, 760) for _ in range(16)]
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.monotonic()
     try:
         with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -108,6 +110,8 @@ def stream_one(client: httpx.Client, rng: random.Random, prefixes: list[list[int
                     result.done = True
                     break
                 event = json.loads(data)
+                if not result.ttft and event.get("choices"):
+                    result.ttft = time.monotonic() - start
                 if "error" in event:
                     result.error = str(event["error"])
                 if event.get("usage"):
@@ -159,6 +163,10 @@ class Load:
     def hit_rate(self, since: float, until: float = float("inf")) -> float:
         done = [r for r in self.results if since <= r.end < until and r.done]
         return sum(r.cached_tokens for r in done) / max(1, sum(r.prompt_tokens for r in done))
+
+    def ttft_p50(self, since: float, until: float = float("inf")) -> float:
+        ttfts = sorted(r.ttft for r in self.results if since <= r.end < until and r.done)
+        return ttfts[len(ttfts) // 2] if ttfts else float("nan")
 
 
 class Watcher(threading.Thread):
@@ -236,6 +244,7 @@ def test_scale_out_and_in_under_streaming_load(base):
         assert wait_until(lambda: len([r for r in load.results if r.end >= before_since]) >= 2 * PREFIXES,
                           timeout=60)
         hit_before = load.hit_rate(before_since)
+        ttft_before = load.ttft_p50(before_since)
         assert running() == {first}, "scaled out under one client"
 
         # High load: Serve adds replicas up to max_replicas.
@@ -250,6 +259,8 @@ def test_scale_out_and_in_under_streaming_load(base):
         served_before_hold = finished_by_replica()
         time.sleep(8.0)
         hit_after = load.hit_rate(hold_since)
+        ttft_rise = load.ttft_p50(rise, scaled_out)  # 8 clients on one replica
+        ttft_hold = load.ttft_p50(hold_since)  # 8 clients on three
         served_in_hold = {rid: n - served_before_hold.get(rid, 0) for rid, n in finished_by_replica().items()}
         assert all(served_in_hold[rid] > 0 for rid in new), served_in_hold
         # Seconds from RUNNING to the first request seen running there (polled every 0.2 s).
@@ -295,6 +306,9 @@ def test_scale_out_and_in_under_streaming_load(base):
 
     rows = [("requests streamed", len(results)), ("hit rate before scale-out", f"{hit_before:.3f}"),
             ("hit rate during hold (3 replicas)", f"{hit_after:.3f}"),
+            ("TTFT p50: 1 client, 1 replica (s)", f"{ttft_before:.2f}"),
+            ("TTFT p50: 8 clients, while scaling out (s)", f"{ttft_rise:.2f}"),
+            ("TTFT p50: 8 clients, 3 replicas (s)", f"{ttft_hold:.2f}"),
             ("1 -> 3 replicas after high load began (s)", f"{scaled_out - rise:.1f}"),
             *((f"replica {rid[:8]} RUNNING -> first request (s)", f"{s:.1f}") for rid, s in first_request_s.items()),
             *((f"replica {rid[:8]} served in 8 s hold", n) for rid, n in served_in_hold.items()),
