@@ -82,6 +82,7 @@ class EngineReplica:
         with self._stats_lock:
             self._stats = stats
         self.metrics.on_step(stats)
+        self.metrics.on_grammar_compiles(engine.grammars.drain_compile_times())
 
     async def generate(self, call: EngineCall) -> AsyncIterator[dict]:
         """Stream one request: deltas (`wire_delta`) here or on the caller's delta channel
@@ -98,7 +99,7 @@ class EngineReplica:
             if call.channel:
                 yield {"open_channel": self.replica_id}
             async for delta in self.engine.generate(call.prompt_token_ids, params, call.request_id):
-                timer.on_delta(len(delta.token_ids), delta.finished, delta.finish_reason)
+                _time_delta(timer, delta)
                 yield wire_delta(delta)
         except ChannelClosed as e:
             timer.close("cancelled")
@@ -115,7 +116,7 @@ class EngineReplica:
     async def _generate_on_channel(self, call: EngineCall, params: SamplingParams,
                                    outbox: Outbox, timer) -> None:
         def put(delta: StreamDelta) -> None:
-            timer.on_delta(len(delta.token_ids), delta.finished, delta.finish_reason)
+            _time_delta(timer, delta)
             outbox.put(call.request_id, wire_delta(delta))
 
         run = asyncio.ensure_future(
@@ -197,6 +198,11 @@ class EngineReplica:
 
 class ChannelClosed(RuntimeError):
     """The delta channel a request streamed on went away before the request finished."""
+
+
+def _time_delta(timer, delta: StreamDelta) -> None:
+    timer.on_delta(len(delta.token_ids), delta.finished, delta.finish_reason,
+                   delta.prompt_tokens, delta.completion_tokens, delta.queue_time)
 
 
 def wire_delta(delta: StreamDelta) -> dict[str, Any]:

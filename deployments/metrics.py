@@ -91,6 +91,13 @@ ENGINE_REQUESTS = "radixserve_engine_requests"
 TIME_TO_FIRST_TOKEN = "radixserve_time_to_first_token_seconds"
 INTER_TOKEN_LATENCY = "radixserve_inter_token_latency_seconds"
 E2E_REQUEST_LATENCY = "radixserve_e2e_request_latency_seconds"
+QUEUE_TIME = "radixserve_queue_time_seconds"
+PREFILL_TIME = "radixserve_prefill_time_seconds"
+DECODE_TIME = "radixserve_decode_time_seconds"
+TIME_PER_OUTPUT_TOKEN = "radixserve_time_per_output_token_seconds"
+REQUEST_PROMPT_LENGTH = "radixserve_request_prompt_tokens"
+REQUEST_GENERATION_LENGTH = "radixserve_request_generation_tokens"
+GRAMMAR_COMPILE_TIME = "radixserve_grammar_compile_seconds"
 ENGINE_PROMPT_TOKENS = "radixserve_engine_prompt_tokens"
 ENGINE_CACHED_TOKENS = "radixserve_engine_cached_tokens"
 ENGINE_GENERATED_TOKENS = "radixserve_engine_generated_tokens"
@@ -111,11 +118,16 @@ ROUTER_PREDICTED_MATCHED_TOKENS = "radixserve_router_predicted_matched_tokens"
 INGRESS, REPLICA, ROUTER = "ingress", "engine replica", "router (in the ingress)"
 CLIENT_CLOSED = "499"  # HTTP status label when the client left before the response ended
 
+# Up to 10 min (a long prompt queued behind long ones) and 1 h end to end (a long reasoning
+# answer): past the last bound a sample only says "more", and quantiles flatten there.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                    7.5, 10.0, 20.0, 30.0, 60.0)
+                    7.5, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
-_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+                600.0, 1200.0, 1800.0, 3600.0)
+_LENGTH_BUCKETS = tuple(float(2 ** i) for i in range(18))  # 1 .. 131072 tokens
+_COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # Ray exports a histogram's _sum as bucket midpoints times counts (not the observed values):
 # half-integer bounds put small batch sizes at the exact midpoint of their own bucket.
 _BATCH_BUCKETS = (0.5, 1.5, 2.5, 4.5, 8.5, 16.5, 32.5, 64.5, 128.5, 256.5, 512.5, 1024.5)
@@ -169,6 +181,19 @@ METRICS: tuple[MetricSpec, ...] = (
                _ITL_BUCKETS),
     _histogram(E2E_REQUEST_LATENCY, "Time from the engine call reaching the replica to its "
                "last token.", REPLICA, _E2E_BUCKETS),
+    _histogram(QUEUE_TIME, "Time an engine call waited in the engine's queue before its "
+               "first admission.", REPLICA, _LATENCY_BUCKETS),
+    _histogram(PREFILL_TIME, "Time from first admission to the first token (prefill, "
+               "chunked and cached included).", REPLICA, _LATENCY_BUCKETS),
+    _histogram(DECODE_TIME, "Time from the first token to the last.", REPLICA, _E2E_BUCKETS),
+    _histogram(TIME_PER_OUTPUT_TOKEN, "Per finished engine call: (last token - first token) "
+               "/ (output tokens - 1).", REPLICA, _ITL_BUCKETS),
+    _histogram(REQUEST_PROMPT_LENGTH, "Prompt tokens per finished engine call.", REPLICA,
+               _LENGTH_BUCKETS),
+    _histogram(REQUEST_GENERATION_LENGTH, "Output tokens per finished engine call.", REPLICA,
+               _LENGTH_BUCKETS),
+    _histogram(GRAMMAR_COMPILE_TIME, "Structured-output grammar compile time (cache misses "
+               "only).", REPLICA, _COMPILE_BUCKETS),
     # The engine's own counters, folded in by the step hook.
     _counter(ENGINE_PROMPT_TOKENS, "Prompt tokens admitted by the engine.", REPLICA),
     _counter(ENGINE_CACHED_TOKENS, "Admitted prompt tokens found in the radix cache (cache "
@@ -280,7 +305,9 @@ _STAT_GAUGES = {  # engine.stats() key -> gauge
     "kv_usage": KV_CACHE_USAGE,
     "cached_slots": RADIX_CACHE_TOKENS,
 }
-_REQUEST_METRICS = (ENGINE_REQUESTS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY)
+_REQUEST_METRICS = (ENGINE_REQUESTS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY,
+                    QUEUE_TIME, PREFILL_TIME, DECODE_TIME, TIME_PER_OUTPUT_TOKEN,
+                    REQUEST_PROMPT_LENGTH, REQUEST_GENERATION_LENGTH)
 
 
 class EngineMetrics:
@@ -296,7 +323,8 @@ class EngineMetrics:
 
     def __init__(self, factory: MetricFactory = ray_metric, flush_interval_s: float = 0.5,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        names = [*_STAT_COUNTERS.values(), *_STAT_GAUGES.values(), BATCH_SIZE, *_REQUEST_METRICS]
+        names = [*_STAT_COUNTERS.values(), *_STAT_GAUGES.values(), BATCH_SIZE, GRAMMAR_COMPILE_TIME,
+                 *_REQUEST_METRICS]
         self.metrics = MetricSet(names, factory)
         self._flush_interval_s = flush_interval_s
         self._clock = clock
@@ -334,13 +362,19 @@ class EngineMetrics:
             if key in stats:
                 self.metrics.set(name, stats[key])
 
+    def on_grammar_compiles(self, seconds: list[float]) -> None:
+        for s in seconds:
+            self.metrics.observe(GRAMMAR_COMPILE_TIME, s)
+
     def track_request(self) -> RequestTimer:
         return RequestTimer(self.metrics, self._clock)
 
 
 class RequestTimer:
     """Times one engine call from its arrival at the replica: TTFT at the first delta with
-    tokens, inter-token latency, end-to-end latency and the outcome at the end.
+    tokens (split into queue and prefill time by the engine's queue time), inter-token
+    latency; at the end: end-to-end latency, decode time, time per output token, prompt and
+    output lengths, and the outcome.
 
     Inter-token latency is one sample per `itl_window_s` of a stream (the mean gap over the
     window), not one per delta: a Ray Histogram.observe costs tens of microseconds under
@@ -354,15 +388,16 @@ class RequestTimer:
         self._window_tokens = 0
         self._itl_window_s = itl_window_s
         self._got_tokens = False
+        self._first_token_at = 0.0
         self._done = False
 
-    def on_delta(self, num_tokens: int, finished: bool, finish_reason: str | None) -> None:
+    def on_delta(self, num_tokens: int, finished: bool, finish_reason: str | None,
+                 prompt_tokens: int = 0, completion_tokens: int = 0,
+                 queue_time: float | None = None) -> None:
         now = self._clock()
         if num_tokens:
             if not self._got_tokens:
-                self._metrics.observe(TIME_TO_FIRST_TOKEN, now - self._start)
-                self._got_tokens = True
-                self._window_start = now
+                self._first_token(now, queue_time)
             else:
                 self._window_tokens += num_tokens
                 if now - self._window_start >= self._itl_window_s or finished:
@@ -371,7 +406,28 @@ class RequestTimer:
                     self._window_start, self._window_tokens = now, 0
         if finished:
             self._metrics.observe(E2E_REQUEST_LATENCY, now - self._start)
+            if self._got_tokens:
+                self._finished(now, prompt_tokens, completion_tokens)
             self.close(finish_reason or "unknown")
+
+    def _first_token(self, now: float, queue_time: float | None) -> None:
+        ttft = now - self._start
+        self._metrics.observe(TIME_TO_FIRST_TOKEN, ttft)
+        if queue_time is not None:
+            self._metrics.observe(QUEUE_TIME, queue_time)
+            self._metrics.observe(PREFILL_TIME, max(0.0, ttft - queue_time))
+        self._got_tokens = True
+        self._first_token_at = self._window_start = now
+
+    def _finished(self, now: float, prompt_tokens: int, completion_tokens: int) -> None:
+        decode = now - self._first_token_at
+        self._metrics.observe(DECODE_TIME, decode)
+        if completion_tokens > 1:
+            self._metrics.observe(TIME_PER_OUTPUT_TOKEN, decode / (completion_tokens - 1))
+        if prompt_tokens:  # (0: the caller did not say)
+            self._metrics.observe(REQUEST_PROMPT_LENGTH, prompt_tokens)
+        if completion_tokens:
+            self._metrics.observe(REQUEST_GENERATION_LENGTH, completion_tokens)
 
     def close(self, outcome: str = "cancelled") -> None:
         """Count the call once: with `outcome` unless it already finished."""

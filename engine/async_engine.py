@@ -256,6 +256,7 @@ class AsyncEngine:
             prompt_tokens=req.num_prompt, cached_tokens=req.cached_tokens,
             completion_tokens=req.num_known_output,
             prompt_logprobs=req.prompt_logprobs if req.num_known_output == n else None,
+            queue_time=_queue_time(req) if req.num_known_output == n else None,
             logprobs=req.output_logprobs[len(req.output_logprobs) - n:] if req.params.logprobs and n else None,
             top_logprobs=(req.output_top_logprobs[len(req.output_top_logprobs) - n:]
                           if req.params.top_logprobs and n else None))
@@ -284,3 +285,7 @@ def _set_result(fut: asyncio.Future, value: Any) -> None:
 def _set_exception(fut: asyncio.Future, error: BaseException) -> None:
     if not fut.done():
         fut.set_exception(error)
+
+
+def _queue_time(req: Request) -> float | None:
+    return None if req.scheduled_at is None else max(0.0, req.scheduled_at - req.arrival)

@@ -33,6 +33,7 @@ class StreamDelta:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[float | None] | None = None  # in the first delta only
+    queue_time: float | None = None  # seconds from arrival to first admission; first delta only
 
     def then(self, later: "StreamDelta") -> "StreamDelta":
         """This delta followed by `later`, as one (a consumer that fell behind sends fewer,
@@ -45,7 +46,8 @@ class StreamDelta:
             logprobs=_joined(self.logprobs, later.logprobs),
             top_logprobs=_joined(self.top_logprobs, later.top_logprobs),
             prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None
-            else later.prompt_logprobs)
+            else later.prompt_logprobs,
+            queue_time=self.queue_time if self.queue_time is not None else later.queue_time)
 
 
 def _joined(a: list | None, b: list | None) -> list | None:

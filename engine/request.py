@@ -32,6 +32,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     arrival: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None  # first admission: queue time = scheduled_at - arrival
     token_ids: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     locked_len: int = 0

@@ -10,6 +10,7 @@ tokens kept) and re-queued at the front, so they later finish with the same outp
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -184,6 +185,8 @@ class Scheduler:
         return False
 
     def _admit(self, req: Request) -> None:
+        if req.scheduled_at is None:
+            req.scheduled_at = time.monotonic()
         reusable = len(req.token_ids) - 1
         if req.prompt_logprobs_from is not None:  # the logits before it must be computed
             reusable = min(reusable, req.prompt_logprobs_from - 1)

@@ -142,6 +142,26 @@ def engine_panels() -> list[dict[str, Any]]:
     ]
 
 
+def request_phase_panels() -> list[dict[str, Any]]:
+    """Where an engine call's time goes, and how long its prompt and answer are."""
+    return [
+        timeseries("Queue, prefill and decode time p95", [
+            target(quantile(0.95, m.QUEUE_TIME), "queue"),
+            target(quantile(0.95, m.PREFILL_TIME), "prefill"),
+            target(quantile(0.95, m.DECODE_TIME), "decode"),
+        ], "s", "Per engine call: waiting for admission, admission to first token, first to "
+                "last token."),
+        percentiles("Time per output token", m.TIME_PER_OUTPUT_TOKEN),
+        timeseries("Prompt and output length", [
+            *[target(quantile(q, m.REQUEST_PROMPT_LENGTH), f"prompt p{round(q * 100)}")
+              for q in (0.5, 0.95)],
+            *[target(quantile(q, m.REQUEST_GENERATION_LENGTH), f"output p{round(q * 100)}")
+              for q in (0.5, 0.95)],
+        ], "short", "Tokens per finished engine call."),
+        percentiles("Grammar compile time", m.GRAMMAR_COMPILE_TIME),
+    ]
+
+
 def routing_panels() -> list[dict[str, Any]]:
     hits, misses = rate(m.ROUTER_ROUTED_WITH_MATCH), rate(m.ROUTER_ROUTED_WITHOUT_MATCH)
     return [
@@ -179,6 +199,7 @@ def per_replica_panels() -> list[dict[str, Any]]:
 
 
 ROWS = (("Overview", overview_panels), ("Engine", engine_panels),
+        ("Request phases", request_phase_panels),
         ("Routing", routing_panels), ("Per replica", per_replica_panels))
 
 

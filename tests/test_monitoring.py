@@ -140,7 +140,7 @@ def test_request_timer_records_ttft_itl_e2e_and_one_outcome():
     got = [(n, round(v, 6), t) for n, op, v, t in log]
     # one inter-token sample for the window (0.3 s >= 0.25 s): the mean gap of its 3 tokens
     assert got == [(m.TIME_TO_FIRST_TOKEN, 0.5, None), (m.INTER_TOKEN_LATENCY, 0.1, None),
-                   (m.E2E_REQUEST_LATENCY, 0.8, None),
+                   (m.E2E_REQUEST_LATENCY, 0.8, None), (m.DECODE_TIME, 0.3, None),
                    (m.ENGINE_REQUESTS, 1, {"finish_reason": "length"})]
     log.clear()
     busy = em.track_request()
@@ -157,6 +157,32 @@ def test_request_timer_records_ttft_itl_e2e_and_one_outcome():
     left.close()
     left.close()
     assert log == [(m.ENGINE_REQUESTS, "inc", 1, {"finish_reason": "cancelled"})]
+
+
+def test_request_timer_splits_phases_and_records_lengths():
+    """Queue time comes from the engine; prefill is the rest of TTFT; decode and time per
+    output token run from the first token to the last; lengths at the end."""
+    log: list = []
+    clock = Clock()
+    em = m.EngineMetrics(fake_factory(log), clock=clock)
+    timer = em.track_request()
+    clock.now += 0.5
+    timer.on_delta(1, False, None, prompt_tokens=40, completion_tokens=1, queue_time=0.2)
+    clock.now += 0.9
+    timer.on_delta(9, True, "stop", prompt_tokens=40, completion_tokens=10)
+    got = {n: round(v, 6) for n, op, v, _ in log if op == "observe"}
+    assert got[m.QUEUE_TIME] == 0.2 and got[m.PREFILL_TIME] == 0.3
+    assert got[m.DECODE_TIME] == 0.9 and got[m.TIME_PER_OUTPUT_TOKEN] == 0.1
+    assert got[m.REQUEST_PROMPT_LENGTH] == 40 and got[m.REQUEST_GENERATION_LENGTH] == 10
+    log.clear()
+    em.on_grammar_compiles([0.05, 0.2])
+    assert [(n, v) for n, _, v, _ in log] == [(m.GRAMMAR_COMPILE_TIME, 0.05), (m.GRAMMAR_COMPILE_TIME, 0.2)]
+
+
+def test_long_requests_do_not_overflow_the_latency_buckets():
+    assert m.BY_NAME[m.E2E_REQUEST_LATENCY].boundaries[-1] >= 3600
+    assert m.BY_NAME[m.HTTP_REQUEST_DURATION].boundaries[-1] >= 3600
+    assert m.BY_NAME[m.TIME_TO_FIRST_TOKEN].boundaries[-1] >= 300
 
 
 def test_metrics_never_break_the_caller():
@@ -451,6 +477,8 @@ def shared_prefix_traffic(base: str) -> None:
                 "max_tokens": 4, "temperature": 0})
             assert r.status_code == 200, r.text
         assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": -1}).status_code == 400
+        r = client.post("/v1/completions", json={"prompt": "Year:", "max_tokens": 4, "regex": "[0-9]{4}"})
+        assert r.status_code == 200, r.text  # a grammar compile
 
 
 @pytest.mark.slow
@@ -477,7 +505,9 @@ def test_prometheus_scrapes_ray_metrics_and_computes_cache_hit_rate(monitored_ap
     assert names <= m.exported_series(), names - m.exported_series()
     must_have = {m.TIME_TO_FIRST_TOKEN, m.INTER_TOKEN_LATENCY, m.E2E_REQUEST_LATENCY, m.BATCH_SIZE,
                  m.NUM_RUNNING, m.KV_CACHE_USAGE, m.HTTP_REQUESTS, m.ENGINE_REQUESTS,
-                 m.ROUTER_ROUTED_WITH_MATCH, m.ACTUAL_CACHED_TOKENS}
+                 m.ROUTER_ROUTED_WITH_MATCH, m.ACTUAL_CACHED_TOKENS, m.QUEUE_TIME, m.PREFILL_TIME,
+                 m.DECODE_TIME, m.TIME_PER_OUTPUT_TOKEN, m.REQUEST_PROMPT_LENGTH,
+                 m.REQUEST_GENERATION_LENGTH, m.GRAMMAR_COMPILE_TIME}
     missing = {n for n in must_have if not set(m.BY_NAME[n].series()) <= names}
     assert not missing
     http = m.BY_NAME[m.HTTP_REQUESTS].series()[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -52,6 +53,7 @@ class Grammars:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar")
         self._shifts = torch.arange(32, dtype=torch.int32, device=device)
         self.num_compiles = 0
+        self._compile_times: list[float] = []  # seconds, since the last drain_compile_times()
 
     # -- compiling ------------------------------------------------------------------------
 
@@ -75,7 +77,21 @@ class Grammars:
         if params.has_constraint:
             self.submit(params).result()
 
+    def drain_compile_times(self) -> list[float]:
+        """Durations of the compiles finished since the last call (for metrics)."""
+        # One swap, no lock: compiles run in pool threads, and a duration appended while the
+        # caller reads the old list is at worst not recorded (metrics are best effort).
+        times, self._compile_times = self._compile_times, []
+        return times
+
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        started = time.perf_counter()
+        try:
+            return self._compile_now(spec)
+        finally:
+            self._compile_times.append(time.perf_counter() - started)
+
+    def _compile_now(self, spec: GrammarSpec) -> CompiledGrammar:
         if self.backend_name == "none":
             raise ValueError("structured output (regex, json_schema, ebnf, response_format) is "
                              "disabled on this server (grammar_backend='none')")
