@@ -108,10 +108,10 @@ class _SamplingFields(_Request):
     # OpenAI's structured output (chat; accepted on completions too, as vLLM/SGLang do)
     response_format: ResponseFormat | None = None
 
+    logit_bias: dict[str, Any] | None = None  # token id -> bias in [-100, 100]
+    min_tokens: int | None = None  # no EOS / stop_token_ids before this many tokens (vLLM's)
     # Fields other servers take that radixserve does not honour: a 400 when set to anything
     # but their "off" value, never a silent 200 (vLLM refuses what it does not support).
-    logit_bias: dict[str, Any] | None = None
-    min_tokens: int = 0
     include_stop_str_in_output: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -143,14 +143,14 @@ class _SamplingFields(_Request):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-_OFF_VALUES = {"logit_bias": (None, {}), "min_tokens": (0, None), "include_stop_str_in_output": (False,),
+_OFF_VALUES = {"include_stop_str_in_output": (False,),
                "best_of": (None,), "suffix": (None, ""), "echo": (False,)}
 
 # Request field name -> SamplingParams field name, copied only when not None.
 _PASSTHROUGH = (
     "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k",
     "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "regex", "json_schema",
-    "ebnf", "skip_special_tokens",
+    "ebnf", "skip_special_tokens", "logit_bias", "min_tokens",
 )
 
 

@@ -110,6 +110,9 @@ def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: 
     bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
     if bad is not None:  # it could never be generated: the stop would silently never happen
         raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary [0, {vocab_size})")
+    bad = next((t for t in params.logit_bias or () if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias: token {bad} is outside the vocabulary [0, {vocab_size})")
     total = len(prompt_ids) + params.max_tokens
     if total > max_context:
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "

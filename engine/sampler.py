@@ -17,8 +17,9 @@ class SampleOutput:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, device: torch.device, seed: int = 0, eos_token_ids=()) -> None:
         self.device = device
+        self.eos_token_ids = sorted(eos_token_ids)  # barred before a request's min_tokens
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -107,6 +108,13 @@ class Sampler:
                 out = torch.tensor(req.output_ids, device=self.device, dtype=torch.long)
                 counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), device=self.device, dtype=torch.long)
+                logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=self.device,
+                                               dtype=logits.dtype)
+            if len(req.output_ids) < p.min_tokens:
+                barred = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
+                logits[i, torch.tensor(barred, device=self.device, dtype=torch.long)] = float("-inf")
         return logits
 
     @staticmethod

@@ -21,6 +21,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's)
     skip_special_tokens: bool = True
     logprobs: bool = False
     top_logprobs: int = 0
@@ -40,6 +42,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        if self.logit_bias:  # JSON object keys are strings
+            try:
+                self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError("logit_bias maps token ids to numbers") from None
         self.validate()
 
     def validate(self) -> None:
@@ -66,6 +73,10 @@ class SamplingParams:
         need(len(self.stop) <= 16, "at most 16 stop strings")
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids must be non-negative integers")
+        need(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        need(all(t >= 0 and -100.0 <= b <= 100.0 for t, b in (self.logit_bias or {}).items()),
+             "logit_bias maps token ids >= 0 to biases in [-100, 100]")
         need(isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= _MAX_TOP_LOGPROBS,
              f"top_logprobs must be in [0, {_MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
         need(self.prompt_logprobs_start is None
@@ -92,5 +103,7 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
+        """Anything that edits the logits from the request's own tokens (so overlap
+        scheduling waits for them, and speculative decoding leaves the request alone)."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
-                or self.presence_penalty != 0.0)
+                or self.presence_penalty != 0.0 or bool(self.logit_bias) or self.min_tokens > 0)

@@ -140,6 +140,23 @@ def test_echo_scores_the_prompt_like_offline(client, offline):
     assert r.choices[0].text.startswith(offline.tokenizer.decode(prompt))
 
 
+def test_logit_bias_and_min_tokens_match_offline(client, offline):
+    kw = dict(model=MODEL, prompt="The quick brown fox", temperature=0)
+    biased = client.completions.create(max_tokens=4, extra_body={"ignore_eos": True,
+                                                                 "logit_bias": {"100": 100}}, **kw)
+    ref = offline.generate(["The quick brown fox"], SamplingParams(
+        max_tokens=4, temperature=0, ignore_eos=True, logit_bias={100: 100.0}))[0]
+    assert ref.token_ids == [100] * 4 and biased.choices[0].text == ref.text
+    # Stop at the second greedy token, unless min_tokens bars it until 5 tokens are out.
+    plain = offline.generate(["The quick brown fox"], SamplingParams(max_tokens=8, temperature=0,
+                                                                     ignore_eos=True))[0]
+    stop = {"stop_token_ids": [plain.token_ids[1]], "ignore_eos": True}
+    early = client.completions.create(max_tokens=8, extra_body=stop, **kw)
+    assert early.usage.completion_tokens == 2 and early.choices[0].finish_reason == "stop"
+    held = client.completions.create(max_tokens=8, extra_body={**stop, "min_tokens": 5}, **kw)
+    assert held.usage.completion_tokens >= 5
+
+
 def test_echo_text_offsets_point_into_the_text(client):
     """The prompt's tokens include <s>, which the echoed text does not: it takes no room."""
     r = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=6,
@@ -286,8 +303,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "prompt_logprobs_start": -2}, 400),
     ("/v1/completions", {"model": "no-such-model", "prompt": "x"}, 404),
     # Not honoured: a 400, never a silent 200
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 10}}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "min_tokens": 4}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 500}}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"five": 1}}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"1000000": 1}}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "end"}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "include_stop_str_in_output": True}, 400),
