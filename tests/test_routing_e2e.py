@@ -29,6 +29,10 @@ BLOCK = 16
 LONG = 400  # max_tokens of a long-running request (the demo model's context is 512)
 ARGS = {
     "num_replicas": 3,
+    # One ingress, so one router instance decides: these tests pin down its choices. (With
+    # the default two, each ingress's router learns the other's routings only from the
+    # replicas' digests, a stats period later, and on a loaded machine the tests flaked.)
+    "ingress_replicas": 1,
     "ray_actor_options": {"num_cpus": 0.2},
     "graceful_shutdown_timeout_s": 5.0,
     "engine": {"max_total_tokens": 1600, "max_running_requests": 16, "chunked_prefill_size": 256},
