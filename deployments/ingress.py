@@ -306,7 +306,8 @@ class OpenAIIngress:
                 if params.seed is not None:
                     sampling["seed"] = params.seed + j  # n seeded choices must differ
                 calls.append(EngineCall(f"{rid}-{i}-{j}", ids, sampling, prompt=text))
-                detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
+                detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens,
+                                               params.include_stop_str_in_output)
                 choices.append(ChoiceState(index=len(choices), prompt_index=i, detok=detok))
         return calls, choices
 

@@ -110,9 +110,9 @@ class _SamplingFields(_Request):
 
     logit_bias: dict[str, Any] | None = None  # token id -> bias in [-100, 100]
     min_tokens: int | None = None  # no EOS / stop_token_ids before this many tokens (vLLM's)
+    include_stop_str_in_output: bool | None = None  # the text keeps the stop string it hit
     # Fields other servers take that radixserve does not honour: a 400 when set to anything
     # but their "off" value, never a silent 200 (vLLM refuses what it does not support).
-    include_stop_str_in_output: bool = False
     best_of: int | None = None
     suffix: str | None = None
     echo: bool = False
@@ -143,14 +143,13 @@ class _SamplingFields(_Request):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-_OFF_VALUES = {"include_stop_str_in_output": (False,),
-               "best_of": (None,), "suffix": (None, ""), "echo": (False,)}
+_OFF_VALUES = {"best_of": (None,), "suffix": (None, ""), "echo": (False,)}
 
 # Request field name -> SamplingParams field name, copied only when not None.
 _PASSTHROUGH = (
     "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k",
     "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "regex", "json_schema",
-    "ebnf", "skip_special_tokens", "logit_bias", "min_tokens",
+    "ebnf", "skip_special_tokens", "logit_bias", "min_tokens", "include_stop_str_in_output",
 )
 
 

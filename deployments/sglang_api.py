@@ -25,7 +25,8 @@ from deployments.streams import ChoiceState, error_of, merge_deltas
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when sampling_params leaves it out
 
 # SGLang sampling_params names that differ from SamplingParams' (the rest are the same).
-_RENAMED = {"max_new_tokens": "max_tokens", "sampling_seed": "seed", "min_new_tokens": "min_tokens"}
+_RENAMED = {"max_new_tokens": "max_tokens", "sampling_seed": "seed", "min_new_tokens": "min_tokens",
+            "no_stop_trim": "include_stop_str_in_output"}
 
 
 class _Lenient(BaseModel):
@@ -61,9 +62,9 @@ class SGLSamplingParams(_Lenient):
     sampling_seed: int | None = None
     min_new_tokens: int | None = None
     logit_bias: dict[str, float] | None = None
+    no_stop_trim: bool | None = None  # keep the stop string in the text
     # Accepted at their "off" values (SGLang's clients send them), refused otherwise.
     stop_regex: str | list[str] | None = None
-    no_stop_trim: bool = False
     spaces_between_special_tokens: bool = True
 
     @model_validator(mode="after")
@@ -71,8 +72,6 @@ class SGLSamplingParams(_Lenient):
         self.refuse_set_extras("sampling_params.")
         if self.stop_regex:
             raise ValueError("sampling_params.stop_regex is not supported; use stop or regex")
-        if self.no_stop_trim:
-            raise ValueError("sampling_params.no_stop_trim is not supported")
         if not self.spaces_between_special_tokens:
             raise ValueError("sampling_params.spaces_between_special_tokens=false is not supported")
         return self
@@ -82,7 +81,7 @@ class SGLSamplingParams(_Lenient):
         names = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
                  "presence_penalty", "repetition_penalty", "stop_token_ids", "ignore_eos",
                  "skip_special_tokens", "regex", "json_schema", "ebnf", "sampling_seed",
-                 "min_new_tokens", "logit_bias")
+                 "min_new_tokens", "logit_bias", "no_stop_trim")
         kwargs = {_RENAMED.get(n, n): getattr(self, n) for n in names if getattr(self, n) is not None}
         if self.stop:
             kwargs["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)

@@ -100,7 +100,7 @@ class Engine:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting (limit {limit})")
         req = Request(request_id, prompt_ids, params, grammar=grammar)
         req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop,
-                                           params.skip_special_tokens)
+                                           params.skip_special_tokens, params.include_stop_str_in_output)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req

@@ -19,6 +19,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # the output text keeps the stop string it hit
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens

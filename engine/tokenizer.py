@@ -79,7 +79,7 @@ class IncrementalDetokenizer:
     _CONTEXT = 5  # prompt tokens decoded along, so leading spaces come out right
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str],
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, include_stop: bool = False) -> None:
         self.tokenizer = tokenizer
         self.ids = list(prompt_ids[-self._CONTEXT:])
         self.prefix_offset = 0
@@ -87,6 +87,7 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.skip_special_tokens = skip_special_tokens
+        self.include_stop = include_stop  # the text ends after the stop string, not before
         self.text = ""
         self.emitted = 0
         self.stopped = False
@@ -108,9 +109,10 @@ class IncrementalDetokenizer:
             self._find_stop(max(0, before - self.holdback))
 
     def _find_stop(self, search_from: int) -> None:
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        hits = [(i, s) for s, i in ((s, self.text.find(s, search_from)) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            at, stop = min(hits, key=lambda h: (h[0], len(h[1])))  # earliest; of two there, shorter
+            self.text = self.text[:at + len(stop) if self.include_stop else at]
             self.stopped = True
 
     def take_delta(self, final: bool = False) -> str:

@@ -114,6 +114,9 @@ def test_stop_strings(client):
     assert cut.finish_reason == "stop" and cut.text == full[:full.index(stop)]
     streamed = list(client.completions.create(stop=[stop], stream=True, **kw))
     assert "".join(c.choices[0].text for c in streamed if c.choices) == cut.text
+    kept = client.completions.create(stop=[stop], **{**kw, "extra_body": {
+        "ignore_eos": True, "include_stop_str_in_output": True}}).choices[0]
+    assert kept.finish_reason == "stop" and kept.text == full[:full.index(stop) + len(stop)]
 
 
 def test_logprobs(client):
@@ -309,7 +312,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "end"}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "include_stop_str_in_output": True}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "include_stop_str_in_output": "yes"}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [10**6]}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "echo": True}, 400),

@@ -145,7 +145,7 @@ def test_max_new_tokens_zero_scores_the_prompt_only(server):
 @pytest.mark.parametrize("body", [
     {"text": "x", "sampling_params": {"stop_regex": "a+"}},
     {"text": "x", "sampling_params": {"min_new_tokens": 3, "max_new_tokens": 2}},
-    {"text": "x", "sampling_params": {"no_stop_trim": True}},
+    {"text": "x", "sampling_params": {"no_stop_trim": "yes"}},
     {"text": "x", "sampling_params": {"max_new_tokens": "many"}},
     {"text": "x", "sampling_params": {"some_future_knob": 1}},
     {"text": "x", "lora_path": "my-adapter"},

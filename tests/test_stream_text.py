@@ -51,6 +51,18 @@ def test_multibyte_text_is_exact_under_any_split(tokenizer):
         assert not any("\ufffd" in p for p in pieces)
 
 
+def test_include_stop_keeps_the_earliest_stop_string(tokenizer):
+    tokens = tokenizer.encode(TEXT)[1:]
+    for include, end in ((True, TEXT.index("STOP") + len("STOP")), (False, TEXT.index("STOP"))):
+        detok = IncrementalDetokenizer(tokenizer, [1, 2, 3], ["here", "STOP", "ST"], include_stop=include)
+        choice = ChoiceState(0, 0, detok)
+        for k, t in enumerate(tokens):
+            if not detok.stopped:
+                choice.add(_delta([t], finished=k == len(tokens) - 1))
+        # "ST" and "STOP" start at the same place: the shorter one is what was hit first
+        assert "".join(choice.text) == TEXT[:end - (2 if include else 0)]
+
+
 def test_stop_string_across_chunk_borders(tokenizer):
     tokens = tokenizer.encode(TEXT)[1:]
     expected = TEXT[:TEXT.index("STOP")]
