@@ -212,7 +212,7 @@ def wire_delta(delta: StreamDelta) -> dict[str, Any]:
     out = {"token_ids": delta.token_ids, "finished": delta.finished,
            "finish_reason": delta.finish_reason, "prompt_tokens": delta.prompt_tokens,
            "cached_tokens": delta.cached_tokens, "completion_tokens": delta.completion_tokens}
-    for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+    for name in ("logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs"):
         value = getattr(delta, name)
         if value is not None:
             out[name] = value

@@ -87,20 +87,24 @@ def completion_response(model: str, choices: list[ChoiceState], want_logprobs: b
             prompt_ids, prompt_text = echo[c.index]
             text = prompt_text + text
             if lp is not None:
-                lp = _with_prompt(lp, prompt_ids, prompt_text, c.prompt_logprobs, name)
+                lp = _with_prompt(lp, prompt_ids, prompt_text, c.prompt_logprobs,
+                                  c.prompt_top_logprobs, name)
         out.append(CompletionChoice(index=c.index, text=text, logprobs=lp,
                                     finish_reason=c.finish_reason))
     return CompletionResponse(model=model, choices=out, usage=usage_of(choices))
 
 
 def _with_prompt(lp: CompletionLogprobs, prompt_ids: list[int], prompt_text: str,
-                 prompt_logprobs, name: TokenNamer) -> CompletionLogprobs:
+                 prompt_logprobs, prompt_top, name: TokenNamer) -> CompletionLogprobs:
+    """The prompt's tokens ahead of the completion's (the first has no score: null)."""
     head = completion_logprobs(prompt_ids, [], [], name, text=prompt_text)
+    tops = [None if alts is None else {name(t): v for t, v in alts}
+            for alts in (prompt_top or [None] * len(prompt_ids))]
     scores = list(prompt_logprobs or [None] * len(prompt_ids))
     shift = len(prompt_text)
     return CompletionLogprobs(
         tokens=head.tokens + lp.tokens, token_logprobs=scores + lp.token_logprobs,
-        top_logprobs=[None] * len(prompt_ids) + lp.top_logprobs,
+        top_logprobs=tops + lp.top_logprobs,
         text_offset=head.text_offset + [o + shift for o in lp.text_offset])
 
 

@@ -204,8 +204,10 @@ class OutputBuilder:
         outputs = [self._triple(lp, t) for lp, t in zip(c.logprobs[:kept], c.token_ids[:kept])]
         meta = {"input_token_logprobs": inputs, "output_token_logprobs": outputs}
         if plan.top_logprobs_num:
-            # The engine ranks alternatives for generated tokens only.
-            meta["input_top_logprobs"] = [None] * len(inputs)
+            tops = c.prompt_top_logprobs or [None] * len(prompt_ids)
+            meta["input_top_logprobs"] = [None if tops[j] is None else
+                                          [self._triple(lp, t) for t, lp in tops[j]]
+                                          for j in range(start, len(prompt_ids))]
             meta["output_top_logprobs"] = [[self._triple(lp, t) for t, lp in alts]
                                            for alts in c.top_logprobs[:kept]]
         return meta

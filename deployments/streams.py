@@ -35,6 +35,7 @@ class ChoiceState:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list | None = None  # per prompt token: [(token, logprob)] or None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -51,6 +52,7 @@ class ChoiceState:
         self.top_logprobs += delta.get("top_logprobs") or []
         if delta.get("prompt_logprobs") is not None:
             self.prompt_logprobs = delta["prompt_logprobs"]
+            self.prompt_top_logprobs = delta.get("prompt_top_logprobs")
         self.prompt_tokens = delta["prompt_tokens"]
         self.cached_tokens = delta["cached_tokens"]
         self.completion_tokens = delta["completion_tokens"]
@@ -162,6 +164,7 @@ def _joined_delta(a: dict, b: dict) -> dict:
     for name in ("logprobs", "top_logprobs"):
         if name in a or name in b:
             out[name] = a.get(name, []) + b.get(name, [])
-    if "prompt_logprobs" in a:
-        out["prompt_logprobs"] = a["prompt_logprobs"]
+    for name in ("prompt_logprobs", "prompt_top_logprobs"):
+        if name in a:
+            out[name] = a[name]
     return out

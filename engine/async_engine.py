@@ -257,6 +257,7 @@ class AsyncEngine:
             completion_tokens=req.num_known_output,
             prompt_logprobs=req.prompt_logprobs if req.num_known_output == n else None,
             queue_time=_queue_time(req) if req.num_known_output == n else None,
+            prompt_top_logprobs=req.prompt_top_logprobs if req.num_known_output == n else None,
             logprobs=req.output_logprobs[len(req.output_logprobs) - n:] if req.params.logprobs and n else None,
             top_logprobs=(req.output_top_logprobs[len(req.output_top_logprobs) - n:]
                           if req.params.top_logprobs and n else None))

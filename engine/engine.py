@@ -131,8 +131,10 @@ class Engine:
             return []
         self.num_steps += 1
         logits, prompt_logprobs = self.runner.forward(plan)
-        for req, pos, value in prompt_logprobs:
+        for req, pos, value, top in prompt_logprobs:
             req.prompt_logprobs[pos] = value
+            if top is not None:
+                req.prompt_top_logprobs[pos] = top
             req.prompt_logprobs_next = pos + 1
         return self._process(plan, logits)
 
@@ -255,7 +257,7 @@ class Engine:
             request_id=req.request_id, prompt_token_ids=req.prompt_ids, token_ids=req.output_ids,
             text=req.detok.text, finish_reason=req.finish_reason, cached_tokens=req.cached_tokens,
             logprobs=req.output_logprobs if req.params.logprobs else None,
-            prompt_logprobs=req.prompt_logprobs,
+            prompt_logprobs=req.prompt_logprobs, prompt_top_logprobs=req.prompt_top_logprobs,
             top_logprobs=req.output_top_logprobs if req.params.top_logprobs else None,
             speculative=req.spec_stats.as_dict() if self.speculator else None)
 

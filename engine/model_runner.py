@@ -277,10 +277,11 @@ class ModelRunner:
         return flat
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[tuple[Request, int, float]]]:
+    def forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[tuple[Request, int, float, list | None]]]:
         """Logits [num_chunks, vocab] (float32) of each chunk's last new token (of every
         position of a chunk with a draft, in order: 1 + len(draft) rows), and the
-        prompt-token logprobs the step's requests asked for, as (request, position, value).
+        prompt-token logprobs the step's requests asked for, as (request, position, value,
+        top): `top` is the position's params.top_logprobs best (token, logprob), or None.
         At tp > 1 (this is rank 0) the other ranks get the step first and run it alongside."""
         rows, targets, owners = _prompt_logprob_targets(plan)
         step = self._step_input(plan, rows)
@@ -292,7 +293,8 @@ class ModelRunner:
         logprobs = torch.log_softmax(prompt_logits, dim=-1)
         index = torch.tensor(targets, device=logprobs.device).unsqueeze(1)
         values = logprobs.gather(1, index).squeeze(1).tolist()
-        return logits, [(req, pos, v) for (req, pos), v in zip(owners, values)]
+        return logits, [(req, pos, v, top) for (req, pos), v, top
+                        in zip(owners, values, _prompt_top(logprobs, owners))]
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -320,6 +322,16 @@ def _indptr(lengths: list[int]) -> list[int]:
     for n in lengths:
         out.append(out[-1] + n)
     return out
+
+
+def _prompt_top(logprobs: torch.Tensor, owners: list[tuple[Request, int]]) -> list[list | None]:
+    """Each prompt row's top-k (token, logprob), k = its request's top_logprobs (0: None)."""
+    ks = [req.params.top_logprobs for req, _ in owners]
+    if not any(ks):
+        return [None] * len(owners)
+    values, ids = logprobs.topk(max(ks), dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [list(zip(ids[i][:k], values[i][:k])) if k else None for i, k in enumerate(ks)]
 
 
 def _prompt_logprob_targets(plan: StepPlan) -> tuple[list[int], list[int], list[tuple[Request, int]]]:

@@ -15,6 +15,7 @@ class RequestOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[float | None] | None = None  # per prompt token (params.prompt_logprobs_start)
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None  # with top_logprobs
     speculative: dict | None = None  # the request's drafted / accepted counts (SpecStats.as_dict)
 
 
@@ -34,6 +35,7 @@ class StreamDelta:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[float | None] | None = None  # in the first delta only
     queue_time: float | None = None  # seconds from arrival to first admission; first delta only
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None  # first delta only
 
     def then(self, later: "StreamDelta") -> "StreamDelta":
         """This delta followed by `later`, as one (a consumer that fell behind sends fewer,
@@ -47,7 +49,9 @@ class StreamDelta:
             top_logprobs=_joined(self.top_logprobs, later.top_logprobs),
             prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None
             else later.prompt_logprobs,
-            queue_time=self.queue_time if self.queue_time is not None else later.queue_time)
+            queue_time=self.queue_time if self.queue_time is not None else later.queue_time,
+            prompt_top_logprobs=self.prompt_top_logprobs if self.prompt_top_logprobs is not None
+            else later.prompt_top_logprobs)
 
 
 def _joined(a: list | None, b: list | None) -> list | None:

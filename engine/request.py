@@ -46,6 +46,7 @@ class Request:
     num_preemptions: int = 0
     prompt_logprobs: list[float | None] | None = None  # when params.prompt_logprobs_start is set
     prompt_logprobs_next: int = 0  # prompt_logprobs are filled in order up to here
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None  # and top_logprobs > 0
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     grammar: Any = None  # structured output: grammar.Matcher (a Future while compiling)
@@ -59,6 +60,8 @@ class Request:
             self.token_ids = list(self.prompt_ids)
         if self.params.prompt_logprobs_start is not None:
             self.prompt_logprobs = [None] * len(self.prompt_ids)
+            if self.params.top_logprobs:
+                self.prompt_top_logprobs = [None] * len(self.prompt_ids)
             self.prompt_logprobs_next = max(self.params.prompt_logprobs_start, 1)
 
     @property

@@ -170,6 +170,10 @@ def test_echo_text_offsets_point_into_the_text(client):
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(text)
     found = [text.startswith(t, o) for t, o in zip(lp.tokens[1:], lp.text_offset[1:]) if t.strip()]
     assert all(found), list(zip(lp.tokens, lp.text_offset))
+    # Prompt tokens have their alternatives too (only the first, unscored, has none).
+    assert lp.top_logprobs[0] is None and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    assert all(max(top.values()) >= score - 1e-5
+               for top, score in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]))
 
 
 def test_cached_tokens_in_usage(client):

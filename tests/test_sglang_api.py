@@ -127,6 +127,9 @@ def test_logprobs_from_logprob_start_len(server, offline):
     assert [t[1] for t in inputs] == prompt[2:]
     assert [t[0] for t in inputs] == pytest.approx(ref.prompt_logprobs[2:], abs=1e-4)
     assert all(isinstance(t[2], str) for t in inputs)
+    tops = meta["input_top_logprobs"]
+    assert [[a[1] for a in alts] for alts in tops] == [[t for t, _ in alts] for alts in
+                                                       ref.prompt_top_logprobs[2:]]
     outputs = meta["output_token_logprobs"]
     assert [t[1] for t in outputs] == out["output_ids"] == ref.token_ids
     assert [len(alts) for alts in meta["output_top_logprobs"]] == [2, 2, 2]
