@@ -55,7 +55,11 @@ def build_app_with(args: dict[str, Any] | None, replica_class: type = EngineRepl
     engine = engine_deployment(app_args, replica_class)
     ingress = serve.deployment(OpenAIIngress).options(
         name="OpenAIIngress", max_ongoing_requests=app_args.ingress_max_ongoing_requests,
-        ray_actor_options=app_args.ingress_ray_actor_options, **app_args.ingress_scaling())
+        ray_actor_options=app_args.ingress_ray_actor_options,
+        # An ingress removed by scale-in drains its streams too (Serve's default is 20 s:
+        # longer streams were cut when it went, their channels with it).
+        graceful_shutdown_timeout_s=app_args.graceful_shutdown_timeout_s,
+        **app_args.ingress_scaling())
     router_reads_text = app_args.router.request_router_class not in ("prefix", "default")
     return ingress.bind(engine, app_args.model, app_args.model_name(),
                         app_args.engine.get("max_model_len"), app_args.engine.get("tokenizer"),

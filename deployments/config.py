@@ -65,6 +65,8 @@ class AppArgs(BaseModel):
     # deployments/reasoning.py).
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # How long a replica removed by scale-in (engine or ingress) may take to finish its
+    # streams; keep it above the longest generation you serve.
     graceful_shutdown_timeout_s: float = 30.0
     # Serve health-checks each engine replica (`EngineReplica.check_health`: the engine loop
     # and, at tp_size > 1, every rank); after 3 failures in a row it restarts the replica.
@@ -166,11 +168,19 @@ class AppArgs(BaseModel):
             return {"num_replicas": self.ingress_replicas}
         if self.autoscaling_config is None:
             return {"num_replicas": max(2, INGRESS_PER_ENGINE * (self.num_replicas or 1))}
-        lo = self.autoscaling_config.get("min_replicas", 1)
-        hi = self.autoscaling_config.get("max_replicas", lo)
+        auto = self.autoscaling_config
+        lo = auto.get("min_replicas", 1)
+        hi = auto.get("max_replicas", lo)
+        # An ingress replica's ongoing requests are HTTP requests, about the engine calls it
+        # makes: at half the engine's target, the ingress count follows two per engine
+        # replica under the same load (a target of the engine's capacity kept it at its
+        # minimum until the engine replicas were far past their own target).
+        target = auto.get("target_ongoing_requests", SERVE_DEFAULT_TARGET) / INGRESS_PER_ENGINE
+        timing = {k: auto[k] for k in ("upscale_delay_s", "downscale_delay_s", "look_back_period_s",
+                                       "metrics_interval_s") if k in auto}
         return {"num_replicas": "auto", "autoscaling_config": {
             "min_replicas": max(2, INGRESS_PER_ENGINE * lo), "max_replicas": max(2, INGRESS_PER_ENGINE * hi),
-            "target_ongoing_requests": self.engine_capacity}}
+            "target_ongoing_requests": target, **timing}}
 
     @property
     def tp_size(self) -> int:

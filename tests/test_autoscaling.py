@@ -59,19 +59,19 @@ def base(request):
     return f"http://127.0.0.1:{port}"
 
 
-def replica_states() -> dict[str, str]:
+def replica_states(deployment: str = DEPLOYMENT) -> dict[str, str]:
     """{replica id: Serve state (STARTING, RUNNING, STOPPING, ...)} from the controller."""
     import ray
     from ray import serve
 
     controller = serve.context._get_global_client()._controller
     details = ray.get(controller.get_serve_instance_details.remote(), timeout=10)
-    deployment = details["applications"][APP]["deployments"][DEPLOYMENT]
-    return {r["replica_id"]: r["state"] for r in deployment["replicas"]}
+    replicas = details["applications"][APP]["deployments"][deployment]["replicas"]
+    return {r["replica_id"]: r["state"] for r in replicas}
 
 
-def running() -> set[str]:
-    return {rid for rid, state in replica_states().items() if state == "RUNNING"}
+def running(deployment: str = DEPLOYMENT) -> set[str]:
+    return {rid for rid, state in replica_states(deployment).items() if state == "RUNNING"}
 
 
 @dataclass
@@ -259,6 +259,9 @@ def test_scale_out_and_in_under_streaming_load(base):
         served_before_hold = finished_by_replica()
         time.sleep(8.0)
         hit_after = load.hit_rate(hold_since)
+        # The ingress autoscales with the engine (two per engine replica at the same load).
+        ingress_high = len(running("OpenAIIngress"))
+        assert ingress_high > 2, ingress_high
         ttft_rise = load.ttft_p50(rise, scaled_out)  # 8 clients on one replica
         ttft_hold = load.ttft_p50(hold_since)  # 8 clients on three
         served_in_hold = {rid: n - served_before_hold.get(rid, 0) for rid, n in finished_by_replica().items()}
@@ -270,6 +273,8 @@ def test_scale_out_and_in_under_streaming_load(base):
         fall = time.monotonic()
         load.set_clients(LOW, max_tokens=200)
         assert wait_until(lambda: len(running()) == 1, timeout=90, interval=0.5), replica_states()
+        # The watcher polls (and asks each stopping replica for its load): let it catch up.
+        wait_until(lambda: len(watcher.stopping_at) >= 2, timeout=30)
         removed = set(watcher.stopping_at)
         assert len(removed) == 2, (watcher.gone_at, watcher.errors[-3:], watcher.states_seen)
         assert wait_until(lambda: removed <= set(watcher.gone_at), timeout=SHUTDOWN_TIMEOUT_S)
@@ -309,6 +314,8 @@ def test_scale_out_and_in_under_streaming_load(base):
             ("TTFT p50: 1 client, 1 replica (s)", f"{ttft_before:.2f}"),
             ("TTFT p50: 8 clients, while scaling out (s)", f"{ttft_rise:.2f}"),
             ("TTFT p50: 8 clients, 3 replicas (s)", f"{ttft_hold:.2f}"),
+            ("ingress replicas at the end of the hold (min 2, max 6)", ingress_high),
+            ("ingress replicas at the end", len(running("OpenAIIngress"))),
             ("1 -> 3 replicas after high load began (s)", f"{scaled_out - rise:.1f}"),
             *((f"replica {rid[:8]} RUNNING -> first request (s)", f"{s:.1f}") for rid, s in first_request_s.items()),
             *((f"replica {rid[:8]} served in 8 s hold", n) for rid, n in served_in_hold.items()),
@@ -371,6 +378,20 @@ def test_app_sets_the_policy_and_keeps_the_router_threshold_below_the_target():
             "request_router_kwargs": {"abs_threshold": 8}}})
     fixed = AppArgs.model_validate({"num_replicas": 2})  # no autoscaling: untouched
     assert "abs_threshold" not in fixed.router.request_router_kwargs
+
+
+def test_ingress_autoscales_two_per_engine_replica_and_drains_like_it():
+    from deployments.app import build_app
+
+    auto = {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8, "downscale_delay_s": 5}
+    ingress = build_app({"autoscaling_config": auto, "graceful_shutdown_timeout_s": 90})._bound_deployment
+    config = ingress._deployment_config
+    assert ingress.name == "OpenAIIngress"
+    assert (config.autoscaling_config.min_replicas, config.autoscaling_config.max_replicas) == (2, 6)
+    assert config.autoscaling_config.target_ongoing_requests == 4  # half the engine's
+    assert config.autoscaling_config.downscale_delay_s == 5
+    # Not Serve's 20 s: an ingress removed by scale-in may take as long as an engine replica.
+    assert config.graceful_shutdown_timeout_s == 90
 
 
 def test_draining_replica_ends_idle_channels_and_busy_ones_after_their_last_request():
