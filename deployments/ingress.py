@@ -216,7 +216,7 @@ class OpenAIIngress:
 
         def output(c: ChoiceState) -> dict:
             return builder.output(c, plans[c.prompt_index], prompts[c.prompt_index],
-                                  calls[c.index].request_id)
+                                  plans[c.prompt_index].rid or calls[c.index].request_id)
 
         if req.stream:
             batches, stream = await self._open(calls)

@@ -141,6 +141,7 @@ class PromptPlan(BaseModel):
     return_logprob: bool
     logprob_start_len: int
     top_logprobs_num: int
+    rid: str | None  # the client's id for this prompt's outputs (meta_info.id)
 
 
 def plan_prompt(req: GenerateRequest, i: int, prompt_len: int) -> PromptPlan:
@@ -160,7 +161,7 @@ def plan_prompt(req: GenerateRequest, i: int, prompt_len: int) -> PromptPlan:
             kwargs["prompt_logprobs_start"] = start
     return PromptPlan(kwargs=kwargs, n=params.n, score_only=score_only, return_logprob=want,
                       logprob_start_len=start if 0 <= start < prompt_len else prompt_len,
-                      top_logprobs_num=top)
+                      top_logprobs_num=top, rid=req.per_prompt("rid", i))
 
 
 class OutputBuilder:

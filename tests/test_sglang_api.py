@@ -87,8 +87,9 @@ def test_generate_text_equals_offline(server, offline):
 
 def test_generate_batch_of_input_ids_with_n(server, offline):
     prompts = [[5, 6, 7, 8], [100, 200, 300]]
-    outs = generate({"input_ids": prompts, "sampling_params": {
+    outs = generate({"input_ids": prompts, "rid": ["first", "second"], "sampling_params": {
         "max_new_tokens": 5, "temperature": 0, "ignore_eos": True, "n": 2}})
+    assert [o["meta_info"]["id"] for o in outs] == ["first"] * 2 + ["second"] * 2
     refs = offline.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     assert [o["text"] for o in outs] == [refs[0].text] * 2 + [refs[1].text] * 2
     assert [o["meta_info"]["prompt_tokens"] for o in outs] == [4, 4, 3, 3]
