@@ -124,6 +124,8 @@ class _SamplingFields(_Request):
                    if name not in self._honoured and getattr(self, name) not in off]
         if self.best_of is not None and self.best_of == self.n:
             refused.remove("best_of")  # n of n: exactly what n alone gives
+        elif "best_of" in refused:
+            refused[refused.index("best_of")] = "best_of (other than n)"
         if refused:
             raise ValueError(f"{', '.join(refused)}: not supported by this server; leave "
                              f"{'it' if len(refused) == 1 else 'them'} unset")
