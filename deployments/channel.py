@@ -105,7 +105,12 @@ class ChannelHub:
     def open(self, replica_id: str) -> None:
         """Open a channel to `replica_id` unless one is open or opening."""
         if replica_id not in self._channels:
-            self._channels[replica_id] = asyncio.create_task(self._pump(replica_id))
+            # In a fresh context: called while serving one HTTP request, a task would inherit
+            # that request's Ray task context, so the channel call became a child of that
+            # request and was cancelled with it when its client disconnected, cutting every
+            # other request streaming on the channel (seen in tests/test_autoscaling.py).
+            self._channels[replica_id] = asyncio.create_task(
+                self._pump(replica_id), context=contextvars.Context())
 
     async def _pump(self, replica_id: str) -> None:
         stream = submit(self._handle.channel, ChannelOpen(self.ingress_id, replica_id))

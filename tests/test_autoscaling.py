@@ -136,6 +136,7 @@ class Load:
     results: list[Result] = field(default_factory=list)
     threads: list[threading.Thread] = field(default_factory=list)
     stop: bool = False
+    fresh: bool = False  # prompts nobody caches: routed by load alone, so they spread
 
     def set_clients(self, n: int, max_tokens: int | None = None) -> None:
         if max_tokens is not None:
@@ -153,7 +154,8 @@ class Load:
                 if index >= self.clients:
                     time.sleep(0.05)
                     continue
-                self.results.append(stream_one(client, rng, self.prefixes, self.max_tokens))
+                prefixes = [[rng.randrange(10, 760) for _ in range(PREFIX_LEN)]] if self.fresh else self.prefixes
+                self.results.append(stream_one(client, rng, prefixes, self.max_tokens))
 
     def finish(self) -> None:
         self.stop = True
@@ -228,6 +230,46 @@ def finished_by_replica() -> dict[str, int]:
 
 
 @pytest.mark.slow
+def test_client_leaving_the_request_that_opened_a_channel_does_not_close_it(base):
+    """The first request an ingress sends to a replica asks it to open the delta channel.
+    When that request's client leaves, the channel must stay: other requests stream on it."""
+    rng = random.Random(5)
+    body = {"model": MODEL, "max_tokens": 120, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    def prompt() -> list[int]:
+        return [rng.randrange(10, 760) for _ in range(20)]
+
+    # One ingress in this app serves both: try until both requests meet the same ingress
+    # (two are running) and the second one streams on the channel the first one opened.
+    for _ in range(6):
+        with httpx.Client(base_url=base, timeout=120) as first_client, \
+                httpx.Client(base_url=base, timeout=120) as second_client:
+            before = call_each(list_replicas(APP, DEPLOYMENT), "stats")
+            opened_before = sum(s["open_channels"] for s in before.values())
+            opening = first_client.stream("POST", "/v1/completions", json={**body, "prompt": prompt()})
+            next(opening.__enter__().iter_lines())  # streaming: the channel is being opened
+            assert wait_until(lambda: sum(s["open_channels"] for s in call_each(
+                list_replicas(APP, DEPLOYMENT), "stats").values()) > opened_before, timeout=20), (
+                before, call_each(list_replicas(APP, DEPLOYMENT), "stats"))
+            on_channel_before = sum(s["requests_on_channel"] for s in before.values())
+            result: list[Result] = []
+            t = threading.Thread(target=lambda: result.append(
+                stream_one(second_client, rng, [prompt()], 120)))
+            t.start()
+            wait_until(lambda: sum(s["requests_on_channel"] for s in call_each(
+                list_replicas(APP, DEPLOYMENT), "stats").values()) > on_channel_before, timeout=20)
+            opening.__exit__(None, None, None)  # the first client leaves mid-stream
+            t.join(timeout=120)
+        after = call_each(list_replicas(APP, DEPLOYMENT), "stats")
+        if sum(s["requests_on_channel"] for s in after.values()) > on_channel_before:
+            break
+    else:
+        pytest.skip("the second request never streamed on the first one's channel")
+    [second] = result
+    assert second.done and not second.error and second.tokens == 120, second
+
+
+@pytest.mark.slow
 def test_scale_out_and_in_under_streaming_load(base):
     rng = random.Random(0)
     prefixes = [[rng.randrange(10, 760) for _ in range(PREFIX_LEN)] for _ in range(PREFIXES)]
@@ -269,8 +311,10 @@ def test_scale_out_and_in_under_streaming_load(base):
         # Seconds from RUNNING to the first request seen running there (polled every 0.2 s).
         first_request_s = {rid: watcher.first_busy_at[rid] - watcher.running_at[rid] for rid in new}
 
-        # Fall: fewer, longer streams, so that scale-in picks replicas that are streaming.
+        # Fall: two long streams on fresh prompts, which the router spreads by load over two
+        # replicas: whichever two of the three scale-in removes, one of them is streaming.
         fall = time.monotonic()
+        load.fresh = True
         load.set_clients(LOW, max_tokens=200)
         assert wait_until(lambda: len(running()) == 1, timeout=90, interval=0.5), replica_states()
         # The watcher polls (and asks each stopping replica for its load): let it catch up.
