@@ -94,7 +94,6 @@ class ChannelHub:
         self._handle = stream_handle
         self._listeners: dict[str, Callable[[dict], None]] = {}
         self._channels: dict[str, asyncio.Task] = {}
-        self.open_replicas: set[str] = set()  # channels whose replica has answered
 
     def listen(self, request_id: str, on_delta: Callable[[dict], None]) -> None:
         self._listeners[request_id] = on_delta
@@ -118,7 +117,6 @@ class ChannelHub:
             # The router waits for that replica; if it is gone, give up (the next request
             # that lands on a replica without our channel asks again).
             await asyncio.wait_for(stream.__anext__(), CHANNEL_OPEN_TIMEOUT_S)
-            self.open_replicas.add(replica_id)
             async for batch in stream:
                 for request_id, delta in batch:
                     listener = self._listeners.get(request_id)
@@ -130,7 +128,6 @@ class ChannelHub:
             logger.warning("delta channel to replica %s ended: %s", replica_id, type(e).__name__)
         finally:
             stream.cancel()
-            self.open_replicas.discard(replica_id)
             self._channels.pop(replica_id, None)
 
 

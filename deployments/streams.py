@@ -120,7 +120,7 @@ async def merged_stream(handle, calls: list[EngineCall],
             logger.exception("engine call %s failed", calls[i].request_id)
             await queue.put((i, {"error": f"engine replica failed: {type(e).__name__}", "status": 500}))
         finally:
-            await queue.put((i, None))
+            queue.put_nowait((i, None))  # unbounded: never waits, even while cancelled
 
     tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(responses)]
     try:

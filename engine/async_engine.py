@@ -169,10 +169,6 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting)
-
     def shutdown(self) -> None:
         self._stopped.set()
         self._commands.put(lambda: None)
