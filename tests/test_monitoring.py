@@ -449,7 +449,9 @@ def monitored_app(tmp_path_factory):
     prometheus = None
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        args = serve_config_args(num_replicas=2, ray_actor_options={"num_cpus": 0.1})
+        # One ingress: /v1/stats reports the router of the ingress that answers it, and each
+        # ingress replica has its own router (the default is two per engine replica).
+        args = serve_config_args(num_replicas=2, ingress_replicas=1, ray_actor_options={"num_cpus": 0.1})
         args["router"]["request_routing_stats_period_s"] = 0.5
         serve.run(build_app(args), name="radixserve", route_prefix="/")
         prometheus, prom_url = start_prometheus(tmp_path_factory.mktemp("prometheus"), metrics_port)
