@@ -50,6 +50,10 @@ class EngineConfig:
     # RMSNorm (+ residual add), RoPE and SiLU-and-mul as one Triton kernel each (GPU only).
     enable_fused_kernels: bool = True
     cuda_graph_max_bs: int = 256
+    # Prefill/extend steps of at most this many new tokens over at most _bs requests replay
+    # a CUDA graph (engine/extend_graphs.py): short prompts are launch-bound. 0 disables.
+    cuda_graph_max_extend_tokens: int = 512
+    cuda_graph_max_extend_bs: int = 16
     enable_overlap_schedule: bool = True
     # Decode attention reads a cached prefix shared by several running requests once for
     # all of them (Triton backend; engine/prefix_groups.py), when it is at least this long.
@@ -92,6 +96,9 @@ class EngineConfig:
             raise ValueError("max_total_tokens must be >= 2")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("mem_fraction_static must be in (0, 1)")
+        if self.cuda_graph_max_extend_tokens < 0 or self.cuda_graph_max_extend_bs < 1:
+            raise ValueError("cuda_graph_max_extend_tokens must be >= 0 (0 disables) and "
+                             "cuda_graph_max_extend_bs >= 1")
         if self.prefix_group_min_tokens < 1:
             raise ValueError("prefix_group_min_tokens must be >= 1")
         if self.tp_size < 1:

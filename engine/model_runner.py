@@ -87,6 +87,7 @@ class ModelRunner:
         self.placeholder_tokens: torch.Tensor | None = None  # set by the overlap scheduler
         self.prefix_grouper = self._make_prefix_grouper()
         self.graphs = self._capture_graphs()
+        self.extend_graphs = self._capture_extend_graphs()
 
     def _capture_graphs(self):
         if not (self.config.enable_cuda_graph and self.device.type == "cuda"):
@@ -96,6 +97,20 @@ class ModelRunner:
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
         return DecodeGraphs(self.model, self.attn_backend, self.req_to_token, max_bs,
                             grouped=self.prefix_grouper is not None)
+
+    def _capture_extend_graphs(self):
+        """Graphs for short prefill/extend steps (engine/extend_graphs.py), after the
+        decode graphs so both share one memory pool."""
+        cfg = self.config
+        if not (cfg.enable_cuda_graph and self.device.type == "cuda"
+                and cfg.cuda_graph_max_extend_tokens > 0):
+            return None
+        from engine.extend_graphs import ExtendGraphs
+
+        return ExtendGraphs(self.model, self.attn_backend, self.req_to_token,
+                            cfg.cuda_graph_max_extend_tokens,
+                            min(cfg.cuda_graph_max_extend_bs, cfg.max_running_requests),
+                            pool=self.graphs.pool if self.graphs is not None else None)
 
     def _make_prefix_grouper(self):
         """Radix-grouped decode (engine/prefix_groups.py), when the backend runs it."""
@@ -304,6 +319,8 @@ class ModelRunner:
         has_prompt_rows = step.lengths[_PROMPT_ROWS] > 0  # (graphs compute no prompt rows)
         if self.graphs is not None and not has_prompt_rows and self.graphs.can_run(batch):
             return self.graphs.run(batch), None
+        if self.extend_graphs is not None and not has_prompt_rows and self.extend_graphs.can_run(batch):
+            return self.extend_graphs.run(batch), None
         self.attn_backend.prepare(batch)
         hidden = self.model(batch)
         logits = self.model.compute_logits(hidden[batch.logits_indices])

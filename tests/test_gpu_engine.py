@@ -133,3 +133,29 @@ def test_gpu_overlap_with_structured_output(tiny_llama):
         outs[overlap] = llm.generate(prompts, params)
     for a, b in zip(outs[True], outs[False]):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+
+
+def test_extend_graphs_match_eager(tiny_llama):
+    """Short prefills replay CUDA graphs (padded tokens and requests) and give the same
+    tokens and logprobs as eager prefill: fresh prompts, prompts extending a cached
+    prefix, several requests per step, and steps too large for any graph (eager)."""
+    base = prompts(1, 70, 70, seed=7)[0]
+    ps = prompts(6, 1, 40, seed=8) + [base + p for p in prompts(6, 1, 20, seed=9)]
+    ps += prompts(2, 300, 400, seed=10)  # over the 256-token limit below: eager
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=True)
+    runs = {}
+    for limit in (256, 0):
+        llm = LLM(model=tiny_llama, dtype="float32", device="cuda", max_total_tokens=8192,
+                  cuda_graph_max_bs=16, cuda_graph_max_extend_tokens=limit,
+                  cuda_graph_max_extend_bs=4, chunked_prefill_size=512)
+        runs[limit] = (llm.generate([base], params) + llm.generate(ps[:6], params)
+                       + llm.generate(ps[6:], params))
+        graphs = llm.engine.runner.extend_graphs
+        if limit:
+            assert graphs.replays >= 3
+        else:
+            assert graphs is None
+    for a, b in zip(runs[256], runs[0]):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert abs(x - y) < 1e-4
