@@ -47,12 +47,47 @@ def packed_len(cap: int) -> int:
 
 
 @dataclass
+class Group:
+    """Batch entries that share the KV slots of their first `prefix_len` tokens."""
+
+    prefix_len: int
+    members: list[int]  # batch indices
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Up to `members_per_tile` members of one group: the prefix kernel reads the prefix
+    once per tile."""
+
+    row: int  # req_to_token row holding the prefix slots (any member's row)
+    prefix_len: int
+    member_start: int  # first member of the tile in `GroupPlan.members`
+    member_count: int
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A request's ancestors ending at a depth >= min_tokens, deepest first (its locked
+    node included), with what they looked like when the chain was built."""
+
+    last_node: object  # the request's locked radix node the chain starts from
+    nodes: tuple  # radix nodes, deepest first
+    depths: tuple[int, ...]  # end depth (prefix length) of each node
+    parents: tuple  # each node's parent then: a split since then changed it
+
+    def is_current(self, last_node) -> bool:
+        """Still the request's chain: same locked node, and no node on it was split."""
+        return self.last_node is last_node and all(
+            node.parent is parent for node, parent in zip(self.nodes, self.parents))
+
+
+@dataclass
 class GroupPlan:
     """One decode step's groups, on the host."""
 
     cap: int
     pfx_len: list[int]  # per batch entry
-    tiles: list[tuple[int, int, int, int]]  # (row, prefix_len, member_start, member_count)
+    tiles: list[Tile]
     members: list[int]
     num_splits: int
     num_groups: int
@@ -67,8 +102,10 @@ class GroupPlan:
         out = [n, self.num_splits]
         out += self.pfx_len + [0] * (cap - len(self.pfx_len))
         pad = [0] * (cap - n)
-        for f in range(4):
-            out += [t[f] for t in self.tiles] + pad
+        out += [t.row for t in self.tiles] + pad
+        out += [t.prefix_len for t in self.tiles] + pad
+        out += [t.member_start for t in self.tiles] + pad
+        out += [t.member_count for t in self.tiles] + pad
         out += self.members + [0] * (cap - len(self.members))
         return out
 
@@ -146,8 +183,7 @@ class PrefixGrouper:
         self.min_tokens = max(1, int(min_tokens))
         self.members_per_tile = max(1, int(members_per_tile))
         self.min_saved_tokens = int(min_saved_tokens)
-        # request -> (last_node, nodes deepest first, their end depths, their parents)
-        self._chains: dict = {}
+        self._chains: dict = {}  # request -> its Chain
         # Counters over all decode steps planned (for benchmarks).
         self.steps = 0
         self.grouped_steps = 0
@@ -158,29 +194,23 @@ class PrefixGrouper:
         self.steps = self.grouped_steps = self.kv_tokens_plain = self.kv_tokens_read = 0
 
     # -- chains -------------------------------------------------------------------------
-    def chain(self, req) -> tuple[tuple, tuple]:
-        """(nodes, depths): the request's ancestors (its last_node included) ending at a
-        depth >= min_tokens, deepest first."""
-        node = req.last_node
-        ent = self._chains.get(req)
-        if ent is not None and ent[0] is node:
-            nodes, parents = ent[1], ent[3]
-            for i in range(len(nodes)):
-                if nodes[i].parent is not parents[i]:
-                    break
-            else:
-                return nodes, ent[2]
-        nodes, depths, parents = [], [], []
-        d = req.locked_len
+    def chain(self, req) -> Chain:
+        """The request's ancestors (its last_node included) ending at a depth >=
+        min_tokens, deepest first; cached until its last_node changes or a node is split."""
+        cached = self._chains.get(req)
+        if cached is not None and cached.is_current(req.last_node):
+            return cached
+        nodes, depths = [], []
+        node, d = req.last_node, req.locked_len
         while node is not None and node.parent is not None and d >= self.min_tokens:
             nodes.append(node)
             depths.append(d)
-            parents.append(node.parent)
             d -= len(node.key)
             node = node.parent
-        ent = (req.last_node, tuple(nodes), tuple(depths), tuple(parents))
-        self._chains[req] = ent
-        return ent[1], ent[2]
+        chain = Chain(req.last_node, tuple(nodes), tuple(depths),
+                      tuple(n.parent for n in nodes))
+        self._chains[req] = chain
+        return chain
 
     # -- per step -----------------------------------------------------------------------
     def plan(self, reqs: list, seq_lens: list[int], cap: int,
@@ -212,57 +242,54 @@ class PrefixGrouper:
     def _plan(self, reqs, seq_lens, cap, choose_splits, plain) -> GroupPlan | None:
         chains = [self.chain(r) for r in reqs]
         counts: dict = {}
-        for nodes, _ in chains:
-            for node in nodes:
+        for chain in chains:
+            for node in chain.nodes:
                 counts[node] = counts.get(node, 0) + 1
         if not counts or max(counts.values()) < 2:
             return None
-        groups: dict = {}  # node -> [prefix_len, [batch indices]]
-        for i, (nodes, depths) in enumerate(chains):
-            for node, d in zip(nodes, depths):
+        groups: dict = {}  # node -> Group: each request at its deepest node shared with another
+        for i, chain in enumerate(chains):
+            for node, d in zip(chain.nodes, chain.depths):
                 if counts[node] >= 2:
-                    g = groups.get(node)
-                    if g is None:
-                        groups[node] = g = [d, []]
-                    g[1].append(i)
+                    groups.setdefault(node, Group(d, [])).members.append(i)
                     break
         # A request left alone at its deepest shared node joins a shallower group.
-        for node in [nd for nd, g in groups.items() if len(g[1]) == 1]:
+        for node in [nd for nd, g in groups.items() if len(g.members) == 1]:
             g = groups[node]
-            if len(g[1]) != 1:
+            if len(g.members) != 1:
                 continue
-            i = g[1][0]
-            nodes = chains[i][0]
+            i = g.members[0]
+            nodes = chains[i].nodes
             for other in nodes[nodes.index(node) + 1:]:
                 og = groups.get(other)
-                if og is not None and len(og[1]) >= 1:
-                    og[1].append(i)
+                if og is not None and og.members:
+                    og.members.append(i)
                     del groups[node]
                     break
-        plan = build_plan([(plen, idx) for plen, idx in groups.values()],
-                          [r.row for r in reqs], seq_lens, cap, self.members_per_tile,
-                          choose_splits)
+        plan = build_plan(list(groups.values()), [r.row for r in reqs], seq_lens, cap,
+                          self.members_per_tile, choose_splits)
         if plan is None or plan.kv_tokens_plain - plan.kv_tokens_read < self.min_saved_tokens:
             return None
         return plan
 
 
-def build_plan(groups: list[tuple[int, list[int]]], rows: list[int], seq_lens: list[int],
+def build_plan(groups: list[Group], rows: list[int], seq_lens: list[int],
                cap: int, members_per_tile: int,
                choose_splits: Callable[[int, int], int]) -> GroupPlan | None:
-    """Tiles from groups [(prefix_len, batch indices)]; groups of fewer than two members are
-    dropped (those requests attend alone). `rows[i]` is batch entry i's req_to_token row;
-    members of a group must hold the same slots in [0, prefix_len) and prefix_len must be
-    below their seq_len."""
+    """Tiles from groups; groups of fewer than two members are dropped (those requests
+    attend alone). `rows[i]` is batch entry i's req_to_token row; members of a group must
+    hold the same slots in [0, prefix_len) and prefix_len must be below their seq_len."""
     pfx_len = [0] * len(seq_lens)
-    tiles: list[tuple[int, int, int, int]] = []
+    tiles: list[Tile] = []
     members: list[int] = []
     prefix_tokens = 0
     num_groups = 0
     max_prefix = 0
     per = max(1, members_per_tile)
-    for plen, idx in groups:
-        idx = [i for i in idx if plen < seq_lens[i]]  # the new token is always in the suffix
+    for group in groups:
+        plen = group.prefix_len
+        # the new token is always in the suffix
+        idx = [i for i in group.members if plen < seq_lens[i]]
         m = len(idx)
         if m < 2 or plen <= 0:
             continue
@@ -276,7 +303,7 @@ def build_plan(groups: list[tuple[int, list[int]]], rows: list[int], seq_lens: l
         pos = 0
         for t in range(nt):
             cnt = base + (1 if t < extra else 0)
-            tiles.append((row, plen, len(members) + pos, cnt))
+            tiles.append(Tile(row, plen, len(members) + pos, cnt))
             pos += cnt
         members += idx
         prefix_tokens += nt * plen

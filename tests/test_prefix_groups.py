@@ -7,6 +7,7 @@ through Triton's interpreter with TRITON_INTERPRET=1 (small shapes).
 """
 from __future__ import annotations
 
+import copy
 import math
 import random
 
@@ -15,7 +16,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv_pool import SlotAllocator
-from engine.prefix_groups import (PrefixGroupBatch, PrefixGrouper, build_plan, packed_len)
+from engine.prefix_groups import (Group, PrefixGroupBatch, PrefixGrouper, build_plan,
+                                  packed_len)
 from engine.radix_cache import RadixCache
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -90,23 +92,37 @@ def test_groups_from_radix_tree():
     assert gp.pfx_len[pos[alone]] == 0 and all(gp.pfx_len[pos[r]] == 0 for r in short)
     assert gp.num_groups == 2
     # group a (5 members, 4 per tile) -> tiles of 3 + 2; group b -> one tile of 3
-    sizes = sorted(t[3] for t in gp.tiles)
+    sizes = sorted(t.member_count for t in gp.tiles)
     assert sizes == [2, 3, 3]
-    for row, plen, ms, mc in gp.tiles:
-        idx = gp.members[ms:ms + mc]
-        assert {gp.pfx_len[i] for i in idx} == {plen}
+    for t in gp.tiles:
+        idx = gp.members[t.member_start:t.member_start + t.member_count]
+        assert {gp.pfx_len[i] for i in idx} == {t.prefix_len}
         # every member holds the tile row's slots for the whole prefix
-        ref = next(r for r in reqs if r.row == row).slots[:plen]
-        assert all(reqs[i].slots[:plen] == ref for i in idx)
+        ref = next(r for r in reqs if r.row == t.row).slots[:t.prefix_len]
+        assert all(reqs[i].slots[:t.prefix_len] == ref for i in idx)
     assert sorted(gp.members) == sorted(pos[r] for r in a + b)
     seq = [len(r.slots) for r in reqs]
     assert gp.kv_tokens_plain == sum(seq)
     assert gp.kv_tokens_read == sum(seq) - 5 * 300 - 3 * 200 + 2 * 300 + 200
     packed = gp.packed()
     assert len(packed) == packed_len(gp.cap) and packed[:2] == [3, 2]
-    # the cache: a second step reuses the chains (same objects)
+    # the device views read back what the plan holds, field by field
+    host = torch.tensor(packed, dtype=torch.int64)
+    views = PrefixGroupBatch.from_packed(host, host, seq)
+    n = len(gp.tiles)
+    assert views.pfx_len[:len(reqs)].tolist() == gp.pfx_len
+    assert views.tile_row[:n].tolist() == [t.row for t in gp.tiles]
+    assert views.tile_len[:n].tolist() == [t.prefix_len for t in gp.tiles]
+    assert views.tile_mstart[:n].tolist() == [t.member_start for t in gp.tiles]
+    assert views.tile_mcount[:n].tolist() == [t.member_count for t in gp.tiles]
+    assert views.members[:len(gp.members)].tolist() == gp.members
+    assert (views.num_tiles, views.num_splits, views.max_suffix) == (3, 2, gp.max_suffix)
+    # the cache: a second step reuses the chain (the same object), which ends at the
+    # request's locked node and passes through the shared 300-token node
     c1 = grouper.chain(a[0])
-    assert grouper.chain(a[0]) is not None and grouper.chain(a[0])[0] is c1[0]
+    assert grouper.chain(a[0]) is c1
+    assert c1.nodes[0] is a[0].last_node and 300 in c1.depths
+    assert c1.depths[0] == a[0].locked_len
 
 
 def test_split_above_a_chain_node_is_noticed():
@@ -119,13 +135,12 @@ def test_split_above_a_chain_node_is_noticed():
     grouper = PrefixGrouper(min_tokens=128, members_per_tile=16, min_saved_tokens=0)
     _, gp = _plan(grouper, plan)
     assert gp is None  # alone
-    nodes, depths = grouper.chain(first)
-    assert depths == (272,)  # one node: the whole prompt
+    assert grouper.chain(first).depths == (272,)  # one node: the whole prompt
     second = sim.add(system + _rand(16, 7))
     plan = sim.run_until_decode()
     reqs, gp = _plan(grouper, plan)
     assert gp is not None and gp.pfx_len == [256, 256]
-    assert grouper.chain(first)[1] == (272, 256)
+    assert grouper.chain(first).depths == (272, 256)
     assert second in reqs
 
 
@@ -138,7 +153,7 @@ def test_chunked_prefill_nodes():
     grouper = PrefixGrouper(min_tokens=100, members_per_tile=16, min_saved_tokens=0)
     _, gp = _plan(grouper, plan)
     assert gp.pfx_len == [256] * 3
-    assert grouper.chain(reqs[0])[1][0] == 272
+    assert grouper.chain(reqs[0]).depths[0] == 272
 
 
 def test_no_groups_without_sharing_or_below_threshold():
@@ -156,7 +171,7 @@ def test_no_groups_without_sharing_or_below_threshold():
         sim.add(system + _rand(10, 50 + i))
     plan = sim.run_until_decode()
     assert _plan(PrefixGrouper(64, 16, min_saved_tokens=10_000), plan)[1] is None
-    assert _plan(PrefixGrouper(64, 16, min_saved_tokens=0), plan)[1] is not None
+    assert _plan(PrefixGrouper(64, 16, min_saved_tokens=0), plan)[1].pfx_len == [200, 200]
     assert _plan(PrefixGrouper(300, 16, min_saved_tokens=0), plan)[1] is None
 
 
@@ -216,7 +231,7 @@ def make_grouped_case(groups: list[tuple[int, list[int]]], singles: list[int], h
             first = rows[idx[0]]
             for i in idx[1:]:
                 r2t[rows[i], :plen] = r2t[first, :plen]
-        spec.append((plen, idx))
+        spec.append(Group(plen, idx))
     return case, spec
 
 
@@ -264,10 +279,7 @@ def check_grouped(groups, singles, hq, hkv, d, dtype, *, seed, splits=2, pad_to=
 
 
 def _clone_pool(pool):
-    from engine.kv_pool import KVPool
-
-    p = KVPool.__new__(KVPool)
-    p.num_slots = pool.num_slots
+    p = copy.copy(pool)  # every setting (dtype, fp8 scale, ...) as the original's
     p.k = [t.clone() for t in pool.k]
     p.v = [t.clone() for t in pool.v]
     return p
