@@ -29,7 +29,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from ray.serve import context as serve_context
+from router import ray_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def submit(method, arg):
     copied context so the HTTP request's own context is untouched, keeps them apart.
     """
     def call():
-        serve_context._set_request_context(_internal_request_id=uuid.uuid4().hex)
+        ray_adapter.set_fresh_request_id()
         return method.remote(arg)
 
     return contextvars.copy_context().run(call)
@@ -160,20 +160,10 @@ def _close(outbox: Outbox, abort: Callable[[str], None]) -> None:
 
 
 def replica_draining() -> bool:
-    """Has Serve started this replica's graceful shutdown?
-
-    Serve (2.60) has no public hook for it: the replica actor sets `_shutting_down` on its
-    implementation object when the controller asks it to stop, before it waits for ongoing
-    requests. Read through Ray's worker (internal; False wherever it is not there, e.g.
-    outside Serve, so a newer Ray degrades to waiting out graceful_shutdown_timeout_s).
-    """
-    try:
-        from ray._private import worker
-
-        actor = worker.global_worker.actors.get(worker.global_worker.actor_id)
-        return bool(actor._replica_impl._shutting_down)
-    except Exception:  # noqa: BLE001
-        return False
+    """Has Serve started this replica's graceful shutdown? Serve (2.60) has no public hook
+    for it: read through Ray internals (router/ray_adapter.py; False outside Serve, so a
+    newer Ray that moved them degrades to waiting out graceful_shutdown_timeout_s)."""
+    return ray_adapter.replica_shutting_down()
 
 
 async def end_idle_channels_when_draining(outboxes: dict[str, Outbox],

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from router.ray_adapter import handle_request_router
+
 logger = logging.getLogger(__name__)
 
 BROADCAST_TIMEOUT_S = 10.0
@@ -54,12 +56,11 @@ async def replica_stats(handle: Any) -> tuple[dict[str, dict[str, Any]], int]:
 def router_stats(handle: Any) -> dict[str, Any] | None:
     """The prefix router's counters (`router_stats()`), if this handle's router has them.
 
-    Reaches through Serve internals (`handle._router._asyncio_router.request_router`, the
-    path Ray's own LLM broadcast helper uses): any change there only drops "router".
+    Serve does not expose the handle's router publicly (router/ray_adapter.py reaches it):
+    a Ray that moved it only drops "router".
     """
     try:
-        request_router = handle._router._asyncio_router.request_router
-        return dict(request_router.router_stats())
+        return dict(handle_request_router(handle).router_stats())
     except Exception:  # noqa: BLE001 - not reachable, or not our router
         return None
 

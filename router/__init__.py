@@ -5,8 +5,9 @@ in the router). The Serve router itself lives in `router.request_router` (it imp
 `request_router_class: "router.request_router:PrefixAwareRequestRouter"`.
 """
 from router.cache_digest import CacheDigest, CacheEventLike, Digest, decode_digest
+from router.hashing import block_hashes
 from router.policy import Candidate, Choice, Decision, PolicyConfig, choose
-from router.prefix_index import PrefixIndex, block_hashes
+from router.prefix_index import PrefixIndex
 
 __all__ = [
     "CacheDigest",

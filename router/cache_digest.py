@@ -2,7 +2,7 @@
 
 `CacheDigest` consumes the engine's radix-cache events (`engine.radix_cache.CacheEvent`,
 matched structurally by `CacheEventLike` so this module does not import the engine) and
-keeps the set of chained block hashes (see `router.prefix_index.block_hashes`) of every
+keeps the set of chained block hashes (see `router.hashing.block_hashes`) of every
 full block the cache holds. `encode()` turns it into compact bytes that the replica
 publishes through Serve's `record_routing_stats`; the router `decode`s them and replaces
 its guess of that replica's cache with the truth.
@@ -34,7 +34,7 @@ from typing import Protocol
 
 import msgpack
 
-from router.prefix_index import DEFAULT_BLOCK_SIZE, block_hashes
+from router.hashing import DEFAULT_BLOCK_SIZE, block_hashes
 
 FORMAT_VERSION = 1
 # 16k hashes = 128 KiB per digest; at B=16 that covers 256k cached tokens. The digest

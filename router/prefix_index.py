@@ -1,10 +1,10 @@
 """Which token prefixes each replica is believed to hold, as chained block hashes.
 
 A prompt's token ids are cut into blocks of `block_size` tokens; block i's hash is
-computed over block i-1's hash plus block i's tokens, so one hash names the whole prefix
-up to the end of that block. Two prompts share a leading run of hashes exactly as long as
-they share leading full blocks, and "longest cached prefix" becomes "number of leading
-hashes present in a set".
+computed over block i-1's hash plus block i's tokens (`router.hashing`), so one hash names
+the whole prefix up to the end of that block. Two prompts share a leading run of hashes
+exactly as long as they share leading full blocks, and "longest cached prefix" becomes
+"number of leading hashes present in a set".
 
 The router keeps one such set per replica (`PrefixIndex`): it adds the hashes of every
 request it routes there, and periodically replaces the set with the replica's own truth
@@ -12,53 +12,19 @@ request it routes there, and periodically replaces the set with the replica's ow
 """
 from __future__ import annotations
 
-import hashlib
-import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Container, Hashable, Iterable, Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from router.cache_digest import Digest
+from router.cache_digest import Digest
+from router.hashing import DEFAULT_BLOCK_SIZE, block_hashes
 
-DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_BLOCKS_PER_REPLICA = 1 << 18  # 256k blocks: ~4M tokens at B=16, ~40 MB
-
-# The chain starts from a fixed 8-byte seed, so the first block is hashed like any other.
-_ROOT = bytes(8)
 
 ReplicaKey = Hashable
 
 # "Routed at" of an entry known only from a replica's digest: never counts as in flight.
 _FROM_DIGEST = float("-inf")
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE) -> list[int]:
-    """Chained 64-bit hashes of the full blocks of `token_ids` (a trailing partial block
-    is ignored: it cannot be shared at block granularity).
-
-    blake2b with an explicit little-endian packing makes the values identical across
-    processes, machines and Python runs, unlike the salted built-in `hash()`; replicas
-    and routers compare them.
-    """
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    n_blocks = len(token_ids) // block_size
-    if n_blocks == 0:
-        return []
-    n_tokens = n_blocks * block_size
-    # Pack all tokens once (C speed), then hash fixed-width slices of the buffer.
-    packed = struct.pack(f"<{n_tokens}i", *token_ids[:n_tokens])
-    stride = 4 * block_size
-    out: list[int] = []
-    prev = _ROOT
-    for i in range(n_blocks):
-        h = hashlib.blake2b(prev, digest_size=8)
-        h.update(packed[i * stride:(i + 1) * stride])
-        prev = h.digest()
-        out.append(int.from_bytes(prev, "little"))
-    return out
 
 
 def leading_matches(hashes: Sequence[int], held: Container[int]) -> int:

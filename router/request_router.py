@@ -57,7 +57,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from router import policy
+from router import policy, ray_adapter
 from router.cache_digest import decode_digest
 from router.policy import Candidate, Decision, PolicyConfig
 from router.prefix_index import (
@@ -165,7 +165,8 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._counters = _Counters(self._deployment_id.name)
+        self._counters = _Counters(ray_adapter.router_deployment_name(self))
+        self._clock = ray_adapter.router_clock(self)  # Serve's clock (a test's, in tests)
         self.initialize_state()  # defaults; Serve calls it again with the user's kwargs
 
     def initialize_state(
@@ -184,7 +185,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             min_match_ratio=min_match_ratio,
             kv_high_water=kv_high_water,
         )
-        self._index = PrefixIndex(block_size, max_blocks_per_replica, self._get_curr_time_s)
+        self._index = PrefixIndex(block_size, max_blocks_per_replica, self._clock)
         self._digest_grace_s = digest_grace_s
         self._stats = RouterStats()
         self._routings: OrderedDict[str, _Routing] = OrderedDict()
@@ -260,7 +261,7 @@ class PrefixAwareRequestRouter(RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         for rid in self._index.replicas():
-            if rid not in self._replica_id_set:
+            if rid not in self.curr_replicas:
                 self._forget(rid)
         for replica in replicas:
             self._index.add_replica(replica.replica_id)
@@ -295,7 +296,7 @@ class PrefixAwareRequestRouter(RequestRouter):
                           replica_id: ReplicaID) -> None:
         """The request will most likely run on `replica_id`: believe so now."""
         request_id = pending_request.metadata.internal_request_id
-        now = self._get_curr_time_s()
+        now = self._clock()
         self._tentative.pop(request_id, None)
         self._tentative[request_id] = (replica_id, now)
         while self._tentative:  # oldest first: drop the expired (cancelled, never routed)
@@ -316,7 +317,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         routing.tentative = None
 
     def _tentative_load(self, replica_id: ReplicaID) -> int:
-        cutoff = self._get_curr_time_s() - _TENTATIVE_TTL_S
+        cutoff = self._clock() - _TENTATIVE_TTL_S
         return sum(1 for rid, t in self._tentative.values() if rid == replica_id and t >= cutoff)
 
     def _new_routing(self, pending_request: PendingRequest) -> _Routing:
@@ -347,8 +348,8 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     def _load(self, replica: RunningReplica) -> float:
         known: float | None = None
-        if self._use_replica_queue_len_cache:
-            known = self._replica_queue_len_cache.get(replica.replica_id)
+        if ray_adapter.router_uses_queue_len_cache(self):
+            known = self.replica_queue_len_cache.get(replica.replica_id)
         if known is None:
             stats = replica.routing_stats or {}
             if STAT_NUM_RUNNING in stats or STAT_NUM_WAITING in stats:

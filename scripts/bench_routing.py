@@ -7,8 +7,8 @@ W2-style workload through the HTTP API (`scripts/bench_serving.py`: `num_groups`
 prompts of `system_len` tokens, `per_group` distinct questions each, shuffled with a fixed
 seed, fixed output lengths with ignore_eos; like BENCHMARKS.md's W2 all requests are sent at
 once unless `--concurrency` caps the requests in flight), and reads every engine replica's
-own counters before and after (`router.replicas`), so the hit rate is what the radix caches
-really served.
+own counters before and after (`scripts/serve_replicas.py`), so the hit rate is what the
+radix caches really served.
 
 Evidence that each router really routed: Ray's router keeps its prefix tree in a detached
 actor; the run reads the characters it recorded per replica (`ray_tree_chars`), and fails
@@ -152,7 +152,7 @@ def app_args(run: str, opts: argparse.Namespace, model: str) -> dict[str, Any]:
 def replica_counters() -> dict[str, dict]:
     """Each engine replica's own counters, plus the CPU seconds its process has used
     (the work the routing caused, which other load on a shared machine does not inflate)."""
-    from router.replicas import call_each, list_replicas, replica_pids
+    from serve_replicas import call_each, list_replicas, replica_pids
 
     replicas = list_replicas(APP, DEPLOYMENT)
     out = call_each(replicas, "stats", timeout=120)
@@ -178,7 +178,7 @@ def warm_every_replica(base_url: str, rounds: int = 8) -> int:
     number of warm-up requests sent."""
     import httpx
 
-    from router.replicas import call_each, list_replicas
+    from serve_replicas import call_each, list_replicas
 
     replicas = list_replicas(APP, DEPLOYMENT)
     rng = random.Random(12345)

@@ -1,5 +1,9 @@
 """Look inside one Serve deployment's replicas, one by one (tests, benchmarks, debugging).
 
+Tooling, not part of the shipped package (it was router/replicas.py): tests import it as
+`scripts.serve_replicas`, scripts as `serve_replicas`. Its hand-built Serve request uses
+a Ray internal (RequestMetadata); tests/test_ray_adapter.py checks it with the adapter's.
+
 A deployment handle lets the router pick the replica; sometimes we need a particular one:
 to see which prompts its radix cache holds (its routing stats carry the `CacheDigest`) or
 to read its engine counters. Serve names every replica actor

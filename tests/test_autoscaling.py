@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from router.replicas import call_each, list_replicas, routing_stats
+from scripts.serve_replicas import call_each, list_replicas, routing_stats
 from serve_helpers import serve_config_args, start_local_cluster, wait_until
 
 APP, DEPLOYMENT, MODEL = "radixserve", "EngineReplica", "radixserve-demo"

@@ -2,7 +2,7 @@
 model, requests through the real HTTP API (token-id prompts), and the replicas' own view.
 
 Where a request was served is read from the replicas themselves: each replica's routing
-stats carry the cache digest of its radix cache (`router.replicas`), so "which replica
+stats carry the cache digest of its radix cache (`scripts/serve_replicas.py`), so "which replica
 holds this prompt's blocks" is the replica's truth, not the router's belief; the
 `cached_tokens` of each response is the serving replica's actual radix-cache hit.
 
@@ -21,7 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from router.replicas import cached_blocks, call_each, holds_prefix, list_replicas, routing_stats
+from scripts.serve_replicas import (
+    cached_blocks, call_each, holds_prefix, list_replicas, routing_stats,
+)
 from serve_helpers import start_ray, stop_ray, wait_until
 
 APP, DEPLOYMENT, MODEL = "radixserve", "EngineReplica", "radixserve-demo"
