@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from deployments.request_body import DEFAULT_MAX_BODY_BYTES
-from engine.config import EngineConfig
+from engine import EngineConfig
 from router.policy import PolicyConfig
 
 DEFAULT_ROUTER_CLASS = "router.request_router:PrefixAwareRequestRouter"

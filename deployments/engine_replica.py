@@ -13,10 +13,10 @@ from deployments.channel import ChannelOpen, Outbox, end_idle_channels_when_drai
 from deployments.errors import OVERLOADED_MESSAGE
 from deployments.metrics import EngineMetrics
 from deployments.tp_workers import TPWorkers
-from engine import AsyncEngine, EngineConfig, QueueFullError, SamplingParams
-from engine.demo_model import ensure_demo_model
-from engine.engine import Engine
-from engine.outputs import StreamDelta
+from engine import (
+    AsyncEngine, Engine, EngineConfig, QueueFullError, SamplingParams, StreamDelta,
+    ensure_demo_model,
+)
 from router.cache_digest import CacheDigest
 
 logger = logging.getLogger(__name__)
@@ -77,12 +77,12 @@ class EngineReplica:
     def _after_step(self, engine) -> None:
         """Runs on the engine thread between steps: fold cache events into the digest and
         snapshot the stats that routing and health checks read without a round trip."""
-        self.digest.apply_all(engine.cache.drain_events())
+        self.digest.apply_all(engine.drain_cache_events())
         stats = engine.stats()
         with self._stats_lock:
             self._stats = stats
         self.metrics.on_step(stats)
-        self.metrics.on_grammar_compiles(engine.grammars.drain_compile_times())
+        self.metrics.on_grammar_compiles(engine.drain_grammar_compile_times())
 
     async def generate(self, call: EngineCall) -> AsyncIterator[dict]:
         """Stream one request: deltas (`wire_delta`) here or on the caller's delta channel
@@ -173,7 +173,7 @@ class EngineReplica:
                 "workers": list(self.tp_workers.actors)}
 
     async def flush_cache(self) -> None:
-        await self.engine.call(lambda engine: engine.cache.reset())
+        await self.engine.flush_cache()
 
     def record_routing_stats(self) -> dict[str, Any]:
         with self._stats_lock:

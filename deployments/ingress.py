@@ -34,10 +34,9 @@ from deployments.responses import (
     TokenNamer, chat_chunk, chat_response, completion_chunk, completion_response, usage_of,
 )
 from deployments.streams import ChoiceState, error_of, merge_deltas, merged_stream
-from engine import SamplingParams
-from engine.models import load_hf_config
-from engine.request import validate_request
-from engine.tokenizer import DEFAULT_CHAT_TEMPLATE, IncrementalDetokenizer, Tokenizer
+from engine import (
+    ChatPrompt, IncrementalDetokenizer, SamplingParams, Tokenizer, load_hf_config, validate_request,
+)
 
 api = FastAPI(title="radixserve", description="OpenAI-compatible API over radixserve engines")
 install_error_handlers(api)
@@ -127,10 +126,9 @@ class OpenAIIngress:
             return JSONResponse({"tokens": [await self._encode(p) for p in req.prompt],
                                  "max_model_len": self.max_context})
         messages = [m.as_template_dict() for m in req.messages]
-        text = await asyncio.to_thread(self._chat_text, messages, req.add_generation_prompt)
-        ids = await self._encode(text)
-        return JSONResponse({"tokens": ids, "count": len(ids), "prompt": text,
-                             "max_model_len": self.max_context})
+        chat = await self._render_chat(messages, add_generation_prompt=req.add_generation_prompt)
+        return JSONResponse({"tokens": chat.token_ids, "count": len(chat.token_ids),
+                             "prompt": chat.text, "max_model_len": self.max_context})
 
     # -- generation ---------------------------------------------------------------------
 
@@ -161,7 +159,8 @@ class OpenAIIngress:
             plan = self.chat_features.plan(req)
         except ValueError as e:
             raise APIError.bad_request(str(e)) from None
-        prompt = await self._encode_chat(plan.messages, plan.tools, plan.template_kwargs)
+        chat = await self._render_chat(plan.messages, plan.tools, plan.template_kwargs)
+        prompt = chat.token_ids
         kwargs = chat_sampling_kwargs(req, default_max_tokens=max(1, self.max_context - len(prompt)))
         kwargs.update(plan.sampling)
         calls, choices = self._calls([prompt], kwargs, req.n, "chatcmpl")
@@ -257,10 +256,12 @@ class OpenAIIngress:
         except ValueError as e:
             raise APIError.bad_request(str(e), param="prompt") from None
 
-    async def _encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                           template_kwargs: dict | None = None) -> list[int]:
+    async def _render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                           template_kwargs: dict | None = None,
+                           add_generation_prompt: bool = True) -> ChatPrompt:
         try:
-            return await self.encoder.encode_chat(messages, tools, **(template_kwargs or {}))
+            return await self.encoder.render_chat(messages, tools, add_generation_prompt,
+                                                  **(template_kwargs or {}))
         except ValueError as e:
             raise APIError.bad_request(str(e), param="messages") from None
         except Exception as e:  # noqa: BLE001 - the template is the model's code; its errors are the client's
@@ -270,19 +271,6 @@ class OpenAIIngress:
         if model is not None and model != self.model_name:
             raise APIError.not_found(f"The model '{model}' does not exist; this server serves "
                                      f"'{self.model_name}'", param="model")
-
-    def _chat_text(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-        hf = self.tokenizer.hf
-        template = None if hf.chat_template else DEFAULT_CHAT_TEMPLATE  # as Tokenizer does
-        try:
-            text = hf.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                          add_generation_prompt=add_generation_prompt)
-        except Exception as e:  # noqa: BLE001 - the template is the model's code; its errors are the client's
-            raise APIError.bad_request(f"chat template error: {e}", param="messages") from None
-        bos = hf.bos_token
-        if bos and text.startswith(bos) and self.tokenizer.encode(text)[:2] == [hf.bos_token_id] * 2:
-            text = text[len(bos):]  # encoding text adds the BOS itself; the template's would double it
-        return text
 
     async def _token_ids(self, prompt: str | list[int]) -> list[int]:
         return await self._encode(prompt) if isinstance(prompt, str) else list(prompt)

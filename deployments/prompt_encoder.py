@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.tokenizer import Tokenizer
+from engine import ChatPrompt, Tokenizer
 
 NORMALIZER_SLACK = 4  # NFKC and friends merge at most a few characters into one
 
@@ -33,8 +33,8 @@ class PromptEncoder:
         self.check_length(text)
         return await asyncio.to_thread(self.tokenizer.encode, text)
 
-    async def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                          **template_kwargs) -> list[int]:
+    async def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                          add_generation_prompt: bool = True, **template_kwargs) -> ChatPrompt:
         self.check_length("".join(str(m.get("content") or "") for m in messages) + str(tools or ""))
-        return await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, tools,
-                                       **template_kwargs)
+        return await asyncio.to_thread(self.tokenizer.render_chat, messages, tools,
+                                       add_generation_prompt, **template_kwargs)

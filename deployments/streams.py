@@ -13,7 +13,7 @@ from deployments.channel import ChannelHub, submit
 from deployments.engine_replica import EngineCall
 from deployments.errors import OVERLOADED_MESSAGE, APIError
 from deployments.metrics import record_finished_engine_call
-from engine.tokenizer import IncrementalDetokenizer
+from engine import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engine.config import EngineConfig
-from engine.distributed import init_tp, open_rendezvous
-from engine.models import resolve_device
-from engine.tp_worker import run_worker
+from engine import EngineConfig, init_tp, open_rendezvous, resolve_device, run_worker
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,29 @@
-"""radixserve's inference engine: no Ray, no HTTP; usable alone."""
+"""radixserve's inference engine: no Ray, no HTTP; usable alone.
+
+`__all__` is the engine's public API: what the serving layer (deployments/) may import,
+as `from engine import <name>` (tests/test_layering.py checks it). Everything else in the
+package is internal to the engine.
+"""
 from engine.async_engine import AsyncEngine, EngineStepError
 from engine.config import EngineConfig
+from engine.demo_model import ensure_demo_model
+from engine.distributed import init_tp, open_rendezvous
 from engine.engine import LLM, Engine, QueueFullError
+from engine.models import load_hf_config, resolve_device
 from engine.outputs import RequestOutput, StreamDelta
+from engine.request import validate_request
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import ChatPrompt, IncrementalDetokenizer, Tokenizer
+from engine.tp_worker import run_worker
 
-__all__ = ["LLM", "AsyncEngine", "Engine", "EngineConfig", "EngineStepError", "QueueFullError",
-           "RequestOutput", "SamplingParams", "StreamDelta"]
+__all__ = [
+    # running the engine
+    "LLM", "AsyncEngine", "Engine", "EngineConfig", "EngineStepError", "QueueFullError",
+    "ensure_demo_model",
+    # requests and outputs
+    "RequestOutput", "SamplingParams", "StreamDelta", "validate_request",
+    # text: tokenizer, chat rendering (`Tokenizer.render_chat`), streamed detokenizing
+    "ChatPrompt", "IncrementalDetokenizer", "Tokenizer", "load_hf_config",
+    # tensor parallelism across processes the caller starts (deployments/tp_workers.py)
+    "init_tp", "open_rendezvous", "resolve_device", "run_worker",
+]

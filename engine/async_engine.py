@@ -147,6 +147,10 @@ class AsyncEngine:
     async def stats(self) -> dict:
         return await self.call(lambda engine: engine.stats())
 
+    async def flush_cache(self) -> None:
+        """`Engine.flush_cache` between steps."""
+        await self.call(lambda engine: engine.flush_cache())
+
     def add_step_hook(self, hook: Callable[[Engine], None]) -> None:
         """Call `hook(engine)` on the engine thread after every step and command batch."""
         self._step_hooks.append(hook)

@@ -277,6 +277,21 @@ class Engine:
             **(self.speculator.stats.as_dict() if self.speculator else {}),
         }
 
+    # -- for the serving layer (deployments/ reads the engine only through these) ---------
+
+    def flush_cache(self) -> None:
+        """Drop every cached prefix (the radix tree), as SGLang's /flush_cache."""
+        self.cache.reset()
+
+    def drain_cache_events(self) -> list:
+        """The radix cache's insert/evict events since the last call, oldest first (with
+        `enable_cache_events`; the replica folds them into its routing digest)."""
+        return self.cache.drain_events()
+
+    def drain_grammar_compile_times(self) -> list[float]:
+        """Seconds each structured-output grammar compile took since the last call."""
+        return self.grammars.drain_compile_times()
+
 
 def overlap_enabled(config: EngineConfig, device_type: str, tp_size: int) -> bool:
     """Overlap scheduling runs on CUDA at tp 1 (it resolves the next step's placeholder

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
+from functools import cached_property
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -11,6 +13,16 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+
+
+@dataclass
+class ChatPrompt:
+    """One conversation rendered by the chat template: `token_ids` are what a chat request
+    runs on; `text`, sent as a plain prompt (encoded with the tokenizer's own special
+    tokens, as /v1/completions does), encodes to the same ids."""
+
+    text: str
+    token_ids: list[int]
 
 
 class Tokenizer:
@@ -32,17 +44,40 @@ class Tokenizer:
     def token_str(self, token_id: int) -> str:
         return self.hf.decode([token_id])
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            **template_kwargs) -> list[int]:
-        """Token ids of the conversation, ending with the assistant's turn opening. Message
-        keys besides role and content (tool_calls, tool_call_id, ...), `tools` and
-        `template_kwargs` (e.g. enable_thinking=False) go to the template as HF passes them."""
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True, **template_kwargs) -> ChatPrompt:
+        """The conversation through the model's chat template (ours when it has none),
+        ending with the assistant's turn opening unless `add_generation_prompt` is False.
+        Message keys besides role and content (tool_calls, tool_call_id, ...), `tools` and
+        `template_kwargs` (e.g. enable_thinking=False) go to the template as HF passes them.
+
+        BOS, the one rule: the template writes any BOS itself, so its text is encoded
+        without adding special tokens. `text` drops that leading BOS when plain encoding
+        adds one, so the completions route does not double it."""
         flat = [dict(m, content=_flatten_content(m.get("content"))) for m in messages]
         template = None if self.hf.chat_template else DEFAULT_CHAT_TEMPLATE
-        text = self.hf.apply_chat_template(flat, tools=tools, chat_template=template, tokenize=False,
-                                           add_generation_prompt=True, **template_kwargs)
-        # The template writes any BOS itself; do not add it twice.
-        return self.hf.encode(text, add_special_tokens=False)
+        rendered = self.hf.apply_chat_template(flat, tools=tools, chat_template=template,
+                                               tokenize=False,
+                                               add_generation_prompt=add_generation_prompt,
+                                               **template_kwargs)
+        ids = self.hf.encode(rendered, add_special_tokens=False)
+        bos = self.hf.bos_token
+        text = rendered
+        if bos and rendered.startswith(bos) and self._encode_adds_bos:
+            text = rendered[len(bos):]
+        return ChatPrompt(text, ids)
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            **template_kwargs) -> list[int]:
+        """Token ids of the conversation, ending with the assistant's turn opening
+        (`render_chat`'s ids)."""
+        return self.render_chat(messages, tools, **template_kwargs).token_ids
+
+    @cached_property
+    def _encode_adds_bos(self) -> bool:
+        """Does plain `encode` put a BOS in front (then a BOS already in the text doubles)?"""
+        bos_id = self.hf.bos_token_id
+        return bos_id is not None and self.hf.encode(self.hf.bos_token)[:2] == [bos_id, bos_id]
 
     @property
     def vocab_size(self) -> int:

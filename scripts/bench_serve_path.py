@@ -66,6 +66,12 @@ class StandInEngine:
     def validate(self, prompt_ids, params) -> None:
         pass
 
+    def drain_cache_events(self) -> list:
+        return []
+
+    def drain_grammar_compile_times(self) -> list[float]:
+        return []
+
     def add_request(self, request_id: str, prompt_ids, params: SamplingParams) -> Request:
         req = Request(request_id, list(prompt_ids), params, status=Status.RUNNING)
         req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, params.stop)

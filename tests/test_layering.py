@@ -1,0 +1,319 @@
+"""The code's shape, checked statically (issue 22): no import cycles, no reaching into
+another module's private names, and each package imports only what its layer allows.
+
+Read from the source with `ast` (nothing is imported), over the shipped packages
+(`PACKAGES`); tests/ and scripts/ are tooling and may poke at internals.
+
+Rules:
+1. No import cycles between modules of the project. Every import statement counts,
+   wherever it is (top level, inside a function, under `TYPE_CHECKING`): an import
+   deferred to call time hides a cycle from Python but not from the reader. `from p import
+   x` depends on module `p.x` when that is a module, else on `p` (a package's __init__);
+   merely being inside package `p` is not a dependency on `p`'s __init__.
+2. No private access across modules, except in the one Ray adapter (`RAY_ADAPTER`):
+   - no import of an underscore name (`from m import _x`) or through an underscore module
+     (`ray._private`, `ray.serve._private.common`);
+   - `obj._x` (also `getattr(obj, "_x")`, `self._x`, `cls._x`) only when this module
+     defines `_x`: at module level, in a class body, or by assigning `self._x` / `cls._x`.
+     So a class's own privates are fine anywhere in its module (including on other
+     instances, `other._x`), while another module's privates are not, whether reached
+     on an object (`engine._step_sync()`, `handle._router`) or inherited from a base class
+     defined elsewhere (`self._replica_queue_len_cache` in a Serve `RequestRouter`
+     subclass). Dunders are not private; namedtuple's documented `_replace`, `_asdict`,
+     `_fields`, `_make` are public API; the few other libraries' underscore names we use
+     are listed, each with why, in `ALLOWED_PRIVATE`.
+3. Layering (docs/architecture.md): engine/ imports none of the other packages; router/
+   imports only the standard library, msgpack, Ray and itself; deployments/ imports from
+   engine/ only `from engine import <name>` with the name in `engine.__all__`.
+"""
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "deployments", "router", "frontend")
+RAY_ADAPTER = "router.ray_adapter"
+PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_fields", "_make"}  # namedtuple's API
+ALLOWED_PRIVATE = {  # `obj._x` as written -> why it is allowed
+    "os._exit": "documented public API despite the underscore",
+    "torch._scaled_mm": "torch's FP8 GEMM has no public name (torch 2.11); used in "
+                        "engine/quantization/fp8.py only",
+}
+ROUTER_MAY_IMPORT = {"msgpack", "ray", "router"}
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str
+    path: Path
+    tree: ast.Module
+
+    @property
+    def is_package(self) -> bool:
+        return self.path.name == "__init__.py"
+
+    @property
+    def where(self) -> str:
+        return str(self.path.relative_to(ROOT))
+
+
+def load_modules() -> dict[str, Module]:
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            name = ".".join(parts)
+            out[name] = Module(name, path, ast.parse(path.read_text(), str(path)))
+    return out
+
+
+MODULES = load_modules()
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def imported_modules(module: Module,
+                     node: ast.Import | ast.ImportFrom) -> Iterator[tuple[str, str | None]]:
+    """(module path, imported name or None) for each thing one import statement imports;
+    relative imports resolved."""
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            yield alias.name, None
+        return
+    base = node.module or ""
+    if node.level:
+        package = module.name.split(".")
+        if not module.is_package:
+            package = package[:-1]
+        package = package[:len(package) - (node.level - 1)]
+        base = ".".join(package + ([base] if base else []))
+    for alias in node.names:
+        yield base, alias.name
+
+
+def dependencies(module: Module) -> set[str]:
+    """The project modules `module` imports (rule 1's edges)."""
+    deps = set()
+    for node in ast.walk(module.tree):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        for path, name in imported_modules(module, node):
+            target = f"{path}.{name}" if name and f"{path}.{name}" in MODULES else path
+            while target and target not in MODULES:  # `import a.b.c` of a non-module c
+                target = target.rpartition(".")[0]
+            if target and target != module.name:
+                deps.add(target)
+    return deps
+
+
+def import_cycles() -> list[list[str]]:
+    """Each group of modules that import each other (Tarjan's strongly connected
+    components of more than one module), as one cycle through the group."""
+    graph = {name: sorted(dependencies(m)) for name, m in MODULES.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [_cycle_through(graph, set(g)) for g in groups]
+
+
+def _cycle_through(graph: dict[str, list[str]], group: set[str]) -> list[str]:
+    """A cycle from the group's first module back to itself, inside the group (for the
+    message: 'a -> b -> a' says which imports to look at)."""
+    start = min(group)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in graph[v]:
+                if w == start:
+                    return paths[v] + [start]
+                if w in group and w not in paths:
+                    paths[w] = paths[v] + [w]
+                    nxt.append(w)
+        frontier = nxt
+    return sorted(group)
+
+
+def own_private_names(module: Module) -> set[str]:
+    """The underscore names `module` defines (rule 2)."""
+    names = set()
+    body_nodes = list(module.tree.body)
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.ClassDef):
+            body_nodes += node.body
+    for node in body_nodes:  # module level and class bodies
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    for node in ast.walk(module.tree):  # self._x = ... / cls._x = ... anywhere
+        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            names.add(node.attr)
+    return {n for n in names if is_private(n)}
+
+
+def private_access(module: Module) -> list[str]:
+    """Rule 2's violations in `module`, as 'file:line: what'."""
+    own = own_private_names(module)
+    found = []
+
+    def report(node: ast.AST, what: str) -> None:
+        found.append(f"{module.where}:{node.lineno}: {what}")
+
+    for node in ast.walk(module.tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for path, name in imported_modules(module, node):
+                if any(is_private(p) for p in path.split(".")):
+                    report(node, f"imports from private module {path}")
+                elif name and is_private(name):
+                    report(node, f"imports private {path}.{name}")
+            continue
+        attr = None
+        if isinstance(node, ast.Attribute):
+            attr, target = node.attr, node.value
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+              and isinstance(node.args[1].value, str)):
+            attr, target = node.args[1].value, node.args[0]
+        if attr is None or not is_private(attr) or attr in own or attr in PUBLIC_UNDERSCORE:
+            continue
+        on = ast.unparse(target)
+        if f"{on}.{attr}" in ALLOWED_PRIVATE:
+            continue
+        if on in ("self", "cls"):
+            report(node, f"{on}.{attr}: inherited from a class defined in another module")
+        else:
+            report(node, f"{on}.{attr}: private to another module")
+    return found
+
+
+def engine_public_names() -> set[str]:
+    tree = MODULES["engine"].tree
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def layering(package: str) -> list[str]:
+    """Rule 3's violations in one package."""
+    public = engine_public_names()
+    found = []
+    for module in MODULES.values():
+        if module.name.split(".")[0] != package:
+            continue
+        for node in ast.walk(module.tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)) or getattr(node, "level", 0):
+                continue
+            for path, name in imported_modules(module, node):
+                top = path.split(".")[0]
+                where = f"{module.where}:{node.lineno}"
+                if package == "engine" and top in PACKAGES and top != "engine":
+                    found.append(f"{where}: engine/ imports {path}")
+                elif package == "router" and not (top in ROUTER_MAY_IMPORT
+                                                   or top in sys.stdlib_module_names):
+                    found.append(f"{where}: router/ imports {path}")
+                elif package == "deployments" and top == "engine" and (
+                        path != "engine" or name not in public):
+                    what = f"{path}.{name}" if name else path
+                    found.append(f"{where}: deployments/ imports {what}, not exported by "
+                                 "engine (add it to engine/__init__.py's __all__ if public)")
+    return found
+
+
+# -- the tests --------------------------------------------------------------------------
+
+# Issue 22: the engine refactor in progress removes engine.engine <-> engine.overlap.
+# Until it lands this one cycle is reported as an expected failure (xfail), and any
+# other cycle fails the test; delete KNOWN_CYCLES and its use below once it has landed.
+KNOWN_CYCLES = [["engine.engine", "engine.overlap", "engine.engine"]]
+
+
+def test_no_import_cycles():
+    cycles = import_cycles()
+    unknown = [c for c in cycles if c not in KNOWN_CYCLES]
+    assert not unknown, "import cycles:\n  " + "\n  ".join(" -> ".join(c) for c in unknown)
+    if cycles:
+        pytest.xfail("issue 22: " + " -> ".join(cycles[0]) + " (engine refactor in progress)")
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_private_access_across_modules(package):
+    found = [line for m in MODULES.values()
+             if m.name.split(".")[0] == package and m.name != RAY_ADAPTER
+             for line in private_access(m)]
+    assert not found, "private access across modules:\n  " + "\n  ".join(found)
+
+
+@pytest.mark.parametrize("package", ["engine", "router", "deployments"])
+def test_layering(package):
+    found = layering(package)
+    assert not found, "\n  ".join(["layering:"] + found)
+
+
+def test_the_checker_sees_violations():
+    """The rules catch what they are for (a checker that never fails checks nothing)."""
+    source = """
+from ray.serve._private.common import RequestMetadata
+from engine.request import validate_request
+from engine import _hidden
+import deployments.app
+
+class Router(Base):
+    def __init__(self):
+        self._mine = 1
+    def go(self, other):
+        return self._mine + other._mine + self._inherited + other._theirs + getattr(other, "_x")
+"""
+    module = Module("deployments.fake", ROOT / "deployments" / "fake.py", ast.parse(source))
+    found = "\n".join(private_access(module))
+    for what in ("private module ray.serve._private.common", "imports private engine._hidden",
+                 "self._inherited", "other._theirs", "other._x"):
+        assert what in found
+    assert "_mine" not in found
+    assert dependencies(module) >= {"engine.request", "engine", "deployments.app"}
