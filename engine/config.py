@@ -55,6 +55,9 @@ class EngineConfig:
     cuda_graph_max_extend_tokens: int = 512
     cuda_graph_max_extend_bs: int = 16
     enable_overlap_schedule: bool = True
+    # Before the engine reports ready, run a few requests that compile every Triton kernel
+    # specialization serving can reach (engine/warmup.py; CUDA only).
+    enable_warmup: bool = True
     # Decode attention reads a cached prefix shared by several running requests once for
     # all of them (Triton backend; engine/prefix_groups.py), when it is at least this long.
     enable_prefix_grouped_decode: bool = True

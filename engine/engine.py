@@ -18,6 +18,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Chunk, Scheduler, StepPlan
 from engine.speculative.speculator import Speculator
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.warmup import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ class Engine:
         self.overlap = None
         if overlap_enabled(config, self.runner.device.type, self.runner.tp.size):
             self.overlap = OverlapStepper(self, config.max_running_requests)
+        # Compile every Triton specialization before serving; logs the start-up phases.
+        self.startup = warm_up(self)
 
     def close(self) -> None:
         """At tp > 1: stop the other ranks (call once the step loop has stopped)."""

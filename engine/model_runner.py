@@ -18,6 +18,7 @@ from engine.models.llama import head_dim_of
 from engine.quantization.fp8 import FP8
 from engine.request import Request
 from engine.scheduler import StepPlan
+from engine.warmup import StartupTimer
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class StepInput:
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPContext | None = None) -> None:
         self.config = config
+        self.startup = StartupTimer()  # per-phase start time (engine/warmup.py)
         self.tp = tp or TPContext()
         if self.tp.size != config.tp_size:
             raise ValueError(f"tp_size={config.tp_size} needs its ranks started and joined first "
@@ -72,9 +74,11 @@ class ModelRunner:
                                 hf_config=self.hf_config, moe_parallel=config.moe_parallel,
                                 quantization=config.quantization)
         set_fused_kernels(self.model, config.enable_fused_kernels and self.device.type == "cuda")
+        self.startup.mark("load")
         self.vocab_size = self.hf_config.vocab_size
         self.max_context = config.max_model_len or self.hf_config.max_position_embeddings
         self.kv_pool = self._make_kv_pool()
+        self.startup.mark("kv_pool")
         # Row r holds the slots of running request r's tokens; row 0 is for padding.
         self.req_to_token = torch.zeros((config.max_running_requests + 1, self.max_context),
                                         dtype=torch.int32, device=self.device)
@@ -88,6 +92,7 @@ class ModelRunner:
         self.prefix_grouper = self._make_prefix_grouper()
         self.graphs = self._capture_graphs()
         self.extend_graphs = self._capture_extend_graphs()
+        self.startup.mark("cuda_graphs")
 
     def _capture_graphs(self):
         if not (self.config.enable_cuda_graph and self.device.type == "cuda"):

@@ -12,6 +12,20 @@ Conventions shared by all kernels:
   interpreter, whose bf16 dot is wrong). Otherwise the dot takes the storage dtype
   (bf16/fp16) with fp32 accumulation.
 
+Specialization (cold start): Triton compiles one binary per distinct launch key. Besides
+the constexprs and num_warps/num_stages, the key holds, for every non-constexpr int, whether
+it == 1 (then it becomes a constant) or is divisible by 16, and for every pointer whether
+its address is 16-byte aligned (Triton 3.6: `native_specialize_impl`, called by the binder
+`create_function_from_signature` builds in runtime/jit.py; the "D" attribute becomes
+tt.divisibility=16). Arguments whose value or address varies from step to step would make a
+fresh replica compile again on its first requests of a new shape, so the kernels below opt
+out with `do_not_specialize` (ints) and `do_not_specialize_on_alignment` (pointers) where
+the hint buys nothing: lengths and split counts only bound loops or feed scalar arithmetic;
+per-request metadata pointers (slices of the step's one flat int64 upload, whose offsets
+depend on the other fields' lengths) are read one scalar at a time. Strides of Q/K/V, the
+KV pool and the output stay specialised: they are fixed per model and their divisibility
+lets the vectorised K/V loads and output stores use 16-byte accesses.
+
 This module imports triton at its top: import it only when the Triton backend is chosen.
 """
 from __future__ import annotations
@@ -66,7 +80,8 @@ def _attend_slots(q, tok, k_base, v_base, start, end, stride_kt, stride_vt, d, d
 # ----------------------------------------------------------------------------------------
 # KV store: cache[slot[t]] = new[t] for K and V in one launch.
 # ----------------------------------------------------------------------------------------
-@triton.jit
+# Slots: a slice of the step's flat upload (offset depends on the token count).
+@triton.jit(do_not_specialize_on_alignment=["Slots"])
 def store_kv_kernel(K, V, KC, VC, Slots,
                     stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_kct, stride_kch, stride_vct, stride_vch,
@@ -96,7 +111,10 @@ def store_kv_kernel(K, V, KC, VC, Slots,
 # past the end do nothing. With DIRECT (num_splits == 1) the program writes the final
 # output; otherwise it writes a normalised partial output and its log2-sum-exp.
 # ----------------------------------------------------------------------------------------
-@triton.jit
+# num_splits and the log-sum-exp strides (multiples of it) vary with batch size and
+# sequence length in eager decode; ReqRows/SeqLens/PfxLens/Ctrl are step metadata.
+@triton.jit(do_not_specialize=["num_splits", "stride_lb", "stride_lh"],
+            do_not_specialize_on_alignment=["ReqRows", "SeqLens", "PfxLens", "Ctrl"])
 def decode_partial_kernel(Q, KC, VC, ReqToToken, ReqRows, SeqLens, Out, MidO, MidLse,
                           PfxLens, PfxO, PfxLse, Ctrl,
                           sm_scale_log2, num_splits,
@@ -164,7 +182,8 @@ def decode_partial_kernel(Q, KC, VC, ReqToToken, ReqRows, SeqLens, Out, MidO, Mi
 # ----------------------------------------------------------------------------------------
 # Decode, stage 2: grid (Hq, B). Merges the non-empty splits of one (request, head).
 # ----------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_lb", "stride_lh"],
+            do_not_specialize_on_alignment=["SeqLens", "PfxLens", "Ctrl"])
 def decode_reduce_kernel(MidO, MidLse, SeqLens, Out, num_splits,
                          stride_mb, stride_mh, stride_ms,
                          stride_lb, stride_lh,
@@ -249,7 +268,9 @@ def _merge_prefix_partials(m_i, l_i, acc, PfxO, PfxLse, Ctrl, b, heads, hmask, d
 # chunk = roundup(cdiv(L, P), BLOCK_N); it writes each member's normalised partial output
 # and its log2-sum-exp, merged later with the member's suffix.
 # ----------------------------------------------------------------------------------------
-@triton.jit
+# Ctrl and the tile/member arrays are slices of the step's packed group metadata.
+@triton.jit(do_not_specialize_on_alignment=["Ctrl", "TileRow", "TileLen", "TileMStart",
+                                             "TileMCount", "Members"])
 def prefix_attn_kernel(Q, KC, VC, ReqToToken, Ctrl, TileRow, TileLen, TileMStart, TileMCount,
                        Members, PfxO, PfxLse, sm_scale_log2,
                        stride_qt, stride_qh,
@@ -335,7 +356,10 @@ def _softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2, mask, MASKED: tl.conste
 # only the diagonal blocks are masked causally. Online softmax in fp32, base 2.
 # The m-block axis is walked from the last block down so the longest programs start first.
 # ----------------------------------------------------------------------------------------
-@triton.jit
+# num_m_blocks only bounds the grid walk (== 1 for prompts up to BLOCK_M tokens, else a
+# multiple of 16 or not); the per-request arrays are step metadata.
+@triton.jit(do_not_specialize=["num_m_blocks"],
+            do_not_specialize_on_alignment=["ReqRows", "SeqLens", "ExtendLens", "QoIndptr"])
 def extend_kernel(Q, K, V, KC, VC, Out, ReqToToken, ReqRows, SeqLens, ExtendLens, QoIndptr,
                   sm_scale_log2, num_m_blocks,
                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,

@@ -17,7 +17,9 @@ import triton.language as tl
 from engine.layers.moe_routing import ExpertBlocks
 
 
-@triton.jit
+# num_pairs (tokens x top-k) changes every step and is only compared against: not
+# specialised (== 1 / divisible by 16 would each compile another binary).
+@triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(A, W, C, SortedPairs, BlockExpert, PairWeights, num_pairs, N, K,
                          stride_am, stride_we, stride_wn, stride_cm,
                          ROWS_PER_A: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr,

@@ -1,0 +1,257 @@
+"""Engine start-up: per-phase timing, and the warm-up that compiles every Triton kernel
+specialization serving can reach before the engine reports ready.
+
+Why: Triton compiles a kernel the first time it is launched with a new launch key
+(constexprs, num_warps/num_stages, and for plain int and pointer arguments whether the value
+== 1, is divisible by 16 / 16-byte aligned). Without a warm-up a fresh replica compiles on its
+first requests of each new shape, 1.7-2.3 s each on an H200 with an empty Triton cache, which
+is exactly when autoscaling has added it under load (issue 14). The kernels opt out of the
+specializations that vary per step (see engine/attention/triton_kernels.py), so what is left
+is a handful of launch configurations chosen by host-side sizes; this module drives a few
+real requests through the engine that reach each of them:
+
+- short prompts, alone (extend CUDA graphs when on) and with prompt logprobs (eager extend:
+  steps that need more than each request's last logits never replay a graph);
+- a prompt longer than one chunk: an eager, many-program extend (the other extend kernel
+  config, and MoE's large expert blocks), then its second chunk extends a cached prefix;
+- a prompt that hits the radix cache (extend over a cached prefix), alone and eager;
+- a mixed step: decoding requests plus a new prompt's prefill in one batch;
+- sampled (temperature, top-p, top-k) as well as greedy requests;
+- eager decode at every (split count, kernel config) the decode heuristics can pick for a
+  batch no decode graph covers (batches above cuda_graph_max_bs, or graphs off), plain and
+  with a shared cached prefix (radix-grouped decode).
+
+Decode steps up to cuda_graph_max_bs and short extends are already compiled by the graph
+capture. The warm-up runs through `Engine.add_request` / `step`, so at tp > 1 the other
+ranks run the same steps; afterwards the radix cache is flushed and the counters reset.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import sys
+import time
+
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+WARMUP_ID = "__warmup__"
+_ids = itertools.count()
+
+
+class StartupTimer:
+    """Wall time of each start-up phase: `mark(name)` closes the phase that started at the
+    previous mark (or at construction)."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def mark(self, name: str) -> float:
+        now = time.perf_counter()
+        took = now - self.last
+        self.phases[name] = self.phases.get(name, 0.0) + took
+        self.last = now
+        return took
+
+    @property
+    def total(self) -> float:
+        return self.last - self.start
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{name} {s:.2f}s" for name, s in self.phases.items())
+        return f"{self.total:.2f}s ({parts})"
+
+
+def compiled_kernels() -> dict[str, int]:
+    """Binaries each launched Triton kernel of the engine holds in memory (per device),
+    by kernel name. Triton 3.6: `JITFunction.device_caches[device]` is (kernel_cache,
+    kernel_key_cache, target, backend, binder) and `kernel_cache` gains one entry per
+    specialization compiled (or loaded from the on-disk cache) in this process. Empty under
+    the interpreter (TRITON_INTERPRET=1), which compiles nothing."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return {}
+    out: dict[str, int] = {}
+    for mod_name, mod in list(sys.modules.items()):
+        if not mod_name.startswith("engine.") or mod is None:
+            continue
+        for attr, fn in list(vars(mod).items()):
+            if isinstance(fn, JITFunction):
+                n = sum(len(caches[0]) for caches in fn.device_caches.values())
+                if n:
+                    out[f"{mod_name}.{attr}"] = n
+    return out
+
+
+def _needs_warmup(engine) -> bool:
+    """Triton kernels run only on CUDA (the CPU path is torch)."""
+    return engine.runner.device.type == "cuda" and engine.config.enable_warmup
+
+
+def warm_up(engine, force: bool = False) -> dict:
+    """Run the warm-up (on CUDA, unless `config.enable_warmup` is off; `force`: on any
+    device, for tests) and leave the engine as it was: no requests, an empty radix cache,
+    zeroed counters. Marks the "warmup" phase of `engine.runner.startup`, logs the
+    per-phase start-up time, and returns what it did."""
+    timer = getattr(engine.runner, "startup", None)
+    report: dict = {"waves": 0, "requests": 0, "steps": 0}
+    if force or _needs_warmup(engine):
+        before = compiled_kernels()
+        for wave in warmup_waves(engine):
+            report["steps"] += _run_wave(engine, wave)
+            report["waves"] += 1
+            report["requests"] += len(wave)
+        after = compiled_kernels()
+        report["kernels_compiled"] = sum(after.values()) - sum(before.values())
+        _reset(engine)
+    if timer is not None:
+        report["warmup_s"] = timer.mark("warmup")
+        report["phases"] = dict(timer.phases)
+        report["total_s"] = timer.total
+        logger.info("engine started in %s; warm-up: %d requests, %d steps, %s Triton binaries",
+                    timer.summary(), report["requests"], report["steps"],
+                    report.get("kernels_compiled", 0))
+    return report
+
+
+# A wave: requests added together (after `delay` engine steps), run until all finish.
+Wave = list[tuple[int, list[int], SamplingParams]]
+
+
+def warmup_waves(engine) -> list[Wave]:
+    """The warm-up's requests (see the module docstring for what each one reaches)."""
+    cfg, runner = engine.config, engine.runner
+    rng = random.Random(1234)
+    vocab = runner.vocab_size
+    lo = min(100, vocab // 2)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(lo, vocab) for _ in range(n)]
+
+    max_prompt = max(1, min(runner.max_context, runner.kv_pool.num_slots // 2) - 16)
+    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+    sampled = SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, top_k=50, ignore_eos=True)
+
+    def eager(n_tokens: int, start: int) -> SamplingParams:
+        # prompt logprobs make the step need more than the last token's logits: no graph
+        return SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True,
+                              prompt_logprobs_start=start)
+
+    waves: list[Wave] = []
+    for n in (1, 37, 300):
+        n = min(n, max_prompt)
+        waves.append([(0, prompt(n), greedy(4))])
+        waves.append([(0, prompt(n), eager(2, max(0, n - 2)))])
+    waves.append([(0, prompt(min(37, max_prompt)), sampled)])
+
+    # Longer than a chunk and than one wave of extend programs: the many-program extend
+    # config, then a chunk extending the cached first chunk.
+    chunk = cfg.chunked_prefill_size if cfg.chunked_prefill_size > 0 else 2048
+    backend = runner.attn_backend
+    heads = max(1, runner.hf_config.num_attention_heads // runner.tp.size)
+    wave_tokens = 64 * (getattr(backend, "num_sms", 132) // heads + 1)
+    long_ids = prompt(min(max_prompt, max(chunk + 300, wave_tokens + 1)))
+    waves.append([(0, long_ids, greedy(2))])
+    waves.append([(0, prompt(len(long_ids)), eager(2, len(long_ids) - 2))])
+    # Radix hits: half of the long prompt is cached now (before the reset at the end).
+    half = long_ids[:max(1, len(long_ids) // 2)]
+    waves.append([(0, half + prompt(37), greedy(2))])
+    waves.append([(0, half + prompt(37), eager(2, len(half) + 35))])
+
+    # Mixed steps: eight requests decoding when a long prompt arrives (an eager mixed batch)
+    # and when a short one does (a graph-sized one), then a batch of 40 varied prompts.
+    n_mix = max(1, min(8, cfg.max_running_requests - 2))
+    mixed: Wave = [(0, prompt(min(37, max_prompt)), greedy(16)) for _ in range(n_mix)]
+    mixed.append((3, prompt(min(600, max_prompt)), greedy(2)))
+    mixed.append((4, prompt(min(20, max_prompt)), greedy(2)))
+    waves.append(mixed)
+    n_batch = max(1, min(40, cfg.max_running_requests))
+    waves.append([(0, prompt(rng.randint(1, min(300, max_prompt))), greedy(8))
+                  for _ in range(n_batch)])
+
+    # Eager decode, plain and (when on) radix-grouped: the batch shares a cached prefix and
+    # each request's own suffix is as long as the plain shape's sequence (the decode kernel
+    # sizes its splits by the suffixes then).
+    grouped = runner.prefix_grouper is not None
+    shared = prompt(cfg.prefix_group_min_tokens) if grouped else []
+    for bs, seq_len in eager_decode_shapes(engine):
+        plen = seq_len - 1  # the first decode step reads prompt + its first output token
+        if bs * (plen + 64) + len(shared) > runner.kv_pool.num_slots // 2:
+            logger.info("warm-up: eager decode at batch %d x %d tokens skipped (KV pool)",
+                        bs, seq_len)
+            continue
+        # decode steps at the full batch once every prompt has been prefilled
+        prefill_steps = -(-bs * plen // max(1, min(chunk, cfg.max_prefill_tokens))) + 1
+        waves.append([(0, prompt(plen), greedy(prefill_steps + 3)) for _ in range(bs)])
+        if grouped and len(shared) + plen + 8 <= max_prompt:
+            waves.append([(0, shared, greedy(1))])  # caches the shared prefix
+            waves.append([(0, shared + prompt(plen), greedy(prefill_steps + 3))
+                          for _ in range(bs)])
+    return waves
+
+
+def eager_decode_shapes(engine) -> list[tuple[int, int]]:
+    """One (batch, sequence length) per distinct launch of the Triton decode kernels that a
+    decode step outside the decode graphs can make, the cheapest in tokens. A launch is set
+    by the split count (DIRECT when 1; the reduce kernel's BLOCK_S = its next power of two)
+    and the config `pick_decode_cfg` takes from the program count. With graphs on, only
+    batches above the largest graph run eagerly and their split count depends on the batch
+    alone (graph_mode); with graphs off it also depends on the longest sequence."""
+    runner, cfg = engine.runner, engine.config
+    backend = runner.attn_backend
+    if not hasattr(backend, "choose_num_splits"):
+        return []
+    graphs = runner.graphs
+    first = graphs.max_bs + 1 if graphs is not None else 1
+    m = backend.decode_split_min_tokens
+    best: dict[tuple, tuple[int, int]] = {}
+    for bs in range(first, cfg.max_running_requests + 1):
+        cap = backend.choose_num_splits(bs, runner.max_context)
+        for s in ([cap] if backend.graph_mode else range(1, cap + 1)):
+            seq_len = max(2, m * (s - 1) + 1)
+            if seq_len + 8 > runner.max_context or backend.choose_num_splits(bs, seq_len) != s:
+                continue
+            conf = backend.pick_decode_cfg(backend.kv_heads * bs * s)
+            key = (s == 1, tuple(sorted(conf.items())), 1 << (s - 1).bit_length() if s > 1 else 0)
+            if key not in best or bs * seq_len < best[key][0] * best[key][1]:
+                best[key] = (bs, seq_len)
+    return sorted(best.values())
+
+
+def _run_wave(engine, wave: Wave) -> int:
+    """Add the wave's requests (each after its delay in steps), step until all finish."""
+    pending = sorted(wave, key=lambda x: x[0])
+    ids = []
+    steps = 0
+    while pending or engine.has_work:
+        while pending and pending[0][0] <= steps:
+            _, prompt_ids, params = pending.pop(0)
+            rid = f"{WARMUP_ID}{next(_ids)}"
+            engine.add_request(rid, prompt_ids, params)
+            ids.append(rid)
+        engine.step()
+        steps += 1
+    for rid in ids:
+        engine.requests.pop(rid, None)
+    return steps
+
+
+def _reset(engine) -> None:
+    """Forget the warm-up: cached KV, cache events, counters."""
+    engine.cache.reset()
+    if engine.cache.record_events:
+        engine.cache.drain_events()
+    engine.scheduler.stats = type(engine.scheduler.stats)()
+    engine.num_steps = 0
+    engine.num_jump_forward_tokens = 0
+    if engine.speculator is not None:
+        engine.speculator.stats = type(engine.speculator.stats)()
+    runner = engine.runner
+    if runner.prefix_grouper is not None:
+        runner.prefix_grouper.reset_stats()
+    if getattr(runner, "extend_graphs", None) is not None:
+        runner.extend_graphs.replays = 0
