@@ -24,7 +24,8 @@ Rules:
      are listed, each with why, in `ALLOWED_PRIVATE`.
 3. Layering (docs/architecture.md): engine/ imports none of the other packages; router/
    imports only the standard library, msgpack, Ray and itself; deployments/ imports from
-   engine/ only `from engine import <name>` with the name in `engine.__all__`.
+   engine/ only `from engine import <name>` with the name in `engine.__all__`; frontend/
+   (a client over HTTP) imports none of the other packages.
 """
 from __future__ import annotations
 
@@ -101,25 +102,25 @@ def imported_modules(module: Module,
         yield base, alias.name
 
 
-def dependencies(module: Module) -> set[str]:
+def dependencies(module: Module, modules: dict[str, Module]) -> set[str]:
     """The project modules `module` imports (rule 1's edges)."""
     deps = set()
     for node in ast.walk(module.tree):
         if not isinstance(node, (ast.Import, ast.ImportFrom)):
             continue
         for path, name in imported_modules(module, node):
-            target = f"{path}.{name}" if name and f"{path}.{name}" in MODULES else path
-            while target and target not in MODULES:  # `import a.b.c` of a non-module c
+            target = f"{path}.{name}" if name and f"{path}.{name}" in modules else path
+            while target and target not in modules:  # `import a.b.c` of a non-module c
                 target = target.rpartition(".")[0]
             if target and target != module.name:
                 deps.add(target)
     return deps
 
 
-def import_cycles() -> list[list[str]]:
+def import_cycles(modules: dict[str, Module] = MODULES) -> list[list[str]]:
     """Each group of modules that import each other (Tarjan's strongly connected
     components of more than one module), as one cycle through the group."""
-    graph = {name: sorted(dependencies(m)) for name, m in MODULES.items()}
+    graph = {name: sorted(dependencies(m, modules)) for name, m in modules.items()}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -253,8 +254,8 @@ def layering(package: str) -> list[str]:
             for path, name in imported_modules(module, node):
                 top = path.split(".")[0]
                 where = f"{module.where}:{node.lineno}"
-                if package == "engine" and top in PACKAGES and top != "engine":
-                    found.append(f"{where}: engine/ imports {path}")
+                if package in ("engine", "frontend") and top in PACKAGES and top != package:
+                    found.append(f"{where}: {package}/ imports {path}")
                 elif package == "router" and not (top in ROUTER_MAY_IMPORT
                                                    or top in sys.stdlib_module_names):
                     found.append(f"{where}: router/ imports {path}")
@@ -290,7 +291,7 @@ def test_no_private_access_across_modules(package):
     assert not found, "private access across modules:\n  " + "\n  ".join(found)
 
 
-@pytest.mark.parametrize("package", ["engine", "router", "deployments"])
+@pytest.mark.parametrize("package", ["engine", "router", "deployments", "frontend"])
 def test_layering(package):
     found = layering(package)
     assert not found, "\n  ".join(["layering:"] + found)
@@ -316,4 +317,15 @@ class Router(Base):
                  "self._inherited", "other._theirs", "other._x"):
         assert what in found
     assert "_mine" not in found
-    assert dependencies(module) >= {"engine.request", "engine", "deployments.app"}
+    assert dependencies(module, MODULES) >= {"engine.request", "engine", "deployments.app"}
+
+
+def test_the_checker_sees_a_cycle():
+    """Even through an import deferred into a function or under TYPE_CHECKING."""
+    sources = {"pkg.a": "from pkg.b import f\n",
+               "pkg.b": "def f():\n    from pkg import c\n",
+               "pkg.c": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.a\n",
+               "pkg.d": "import pkg.a\n"}
+    fake = {name: Module(name, ROOT / (name.replace(".", "/") + ".py"), ast.parse(src))
+            for name, src in sources.items()}
+    assert import_cycles(fake) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
