@@ -18,6 +18,9 @@ fi
 "$PY" -m pip install -q --no-deps "sglang==0.5.23"
 "$PY" -m pip install -q numpy requests tqdm pillow starlette msgspec pydantic pyzmq ipython \
   aiohttp pybase64 orjson packaging
+# ... and what `sglang.bench_serving` imports at load time (its dataset and config modules),
+# for the bench_serving test; scripts/sglang_bench_serving.py covers the CUDA-only torchvision.
+"$PY" -m pip install -q datasets sentencepiece compressed-tensors
 
 # Prometheus (Debian package) for tests/test_monitoring.py's scrape test, which skips
 # without it. Only where apt-get can install as root; elsewhere say so and go on.

@@ -196,3 +196,35 @@ def test_sglang_frontend_program_runs_unchanged(server):
 
     streamed = "".join(story.run(backend=backend, stream=True).text_iter("rest"))
     assert streamed == story.run(backend=backend)["rest"] and streamed
+
+
+def test_sglang_bench_serving_sglang_backend_runs_unchanged(server):
+    """`python -m sglang.bench_serving --backend sglang` (through scripts/sglang_bench_serving.py,
+    which only stands in for the CUDA-only torchvision its imports pull in) on random ids: every
+    request succeeds and the token counts it measured are the ones asked for."""
+    pytest.importorskip("sglang")
+    pytest.importorskip("datasets")  # bench_serving's dataset modules import it at load time
+    import subprocess
+    import sys
+
+    from serve_helpers import ROOT
+
+    n, input_len, output_len = 16, 24, 12
+    result = Path(tmp_dir := ROOT / ".pytest_cache") / "sglang_bench_serving.jsonl"
+    tmp_dir.mkdir(exist_ok=True)
+    result.unlink(missing_ok=True)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "sglang_bench_serving.py"), "--backend", "sglang",
+         "--base-url", BASE, "--dataset-name", "random-ids", "--num-prompts", str(n),
+         "--random-input-len", str(input_len), "--random-output-len", str(output_len),
+         "--random-range-ratio", "1", "--tokenize-prompt",  # ids as sampled, not re-tokenized
+         "--request-rate", "inf", "--disable-tqdm",
+         "--output-file", str(result)],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    print(proc.stdout[-2500:])  # the benchmark's own table, for the record (pytest -s)
+    record = json.loads(result.read_text().splitlines()[-1])
+    assert record["completed"] == n
+    assert record["total_output_tokens"] == n * output_len
+    assert record["total_input_tokens"] == n * input_len
+    assert record["output_throughput"] > 0 and record["median_ttft_ms"] > 0
