@@ -38,7 +38,8 @@ def engine_deployment(args: AppArgs, replica_class: type = EngineReplica):
     if router is not None:
         options["request_router_config"] = router
     block_size = args.router.request_router_kwargs.get("block_size", 16)
-    return serve.deployment(replica_class).options(**options).bind(args.model, args.engine, block_size)
+    return serve.deployment(replica_class).options(**options).bind(
+        args.model, args.engine, block_size, args.gil_switch_interval_ms)
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:

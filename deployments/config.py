@@ -68,6 +68,10 @@ class AppArgs(BaseModel):
     # How long a replica removed by scale-in (engine or ingress) may take to finish its
     # streams; keep it above the longest generation you serve.
     graceful_shutdown_timeout_s: float = 30.0
+    # The engine replica's GIL switch interval (sys.setswitchinterval). Its engine thread
+    # shares the GIL with the event loop that streams deltas; a thread that wants the GIL
+    # waits up to this long for the holder to let go. None: Python's default (5 ms).
+    gil_switch_interval_ms: float | None = None
     # Serve health-checks each engine replica (`EngineReplica.check_health`: the engine loop
     # and, at tp_size > 1, every rank); after 3 failures in a row it restarts the replica.
     health_check_period_s: float = 10.0
@@ -111,6 +115,13 @@ class AppArgs(BaseModel):
     def _positive_seconds(cls, value: float) -> float:
         if value <= 0:
             raise ValueError("must be > 0")
+        return value
+
+    @field_validator("gil_switch_interval_ms")
+    @classmethod
+    def _switch_interval(cls, value: float | None) -> float | None:
+        if value is not None and not 0.01 <= value <= 100:
+            raise ValueError("must be between 0.01 and 100 (milliseconds)")
         return value
 
     @field_validator("num_replicas", "ingress_replicas", "max_request_body_bytes")

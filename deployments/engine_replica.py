@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -45,7 +46,9 @@ class EngineReplica:
     """Serve deployment class (wrapped with `serve.deployment` in `app.py`)."""
 
     def __init__(self, model: str | None, engine_kwargs: dict[str, Any],
-                 digest_block_size: int = 16) -> None:
+                 digest_block_size: int = 16, gil_switch_interval_ms: float | None = None) -> None:
+        if gil_switch_interval_ms is not None:
+            sys.setswitchinterval(gil_switch_interval_ms / 1e3)
         config = EngineConfig(model=resolve_model(model), enable_cache_events=True, **engine_kwargs)
         self.tp_workers = None
         self.engine = self._start_engine(config)

@@ -18,8 +18,9 @@ between a stream's events, and the engine's achieved step time (when the path st
 engine thread of the GIL, steps stretch beyond `step_ms`).
 
 `--admission` instead measures admission control through HTTP: a burst of 256 requests at
-an engine that takes 64 (503 latency, Retry-After, every accepted request complete), and how
-much a 10 MB text prompt delays a small request sent beside it.
+an engine that takes 64 (503 latency, Retry-After, every accepted request complete); single
+requests arriving while 64 long streams fill that engine (their 503 latency: the bound in
+steady state); and how much a 10 MB text prompt delays a small request sent beside it.
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ class StandInEngine:
         self.requests: dict[str, Request] = {}
         self.scheduler = SimpleNamespace(waiting=[], running=[])
         self.cache = SimpleNamespace(drain_events=lambda: [])
+        self.grammars = SimpleNamespace(drain_compile_times=lambda: [])
         self.step_s, self.cpu_s = step_ms / 1e3, step_cpu_ms / 1e3
         self.num_steps, self._next = 0, time.monotonic()
 
@@ -264,6 +266,72 @@ async def run_burst(n: int, capacity: int, tokens: int) -> dict:
             "other_statuses": sorted({r[0] for r in results} - {200, 503})}
 
 
+async def run_probes_when_full(capacity: int, probes: int, gap_s: float) -> dict:
+    """The bound in steady state: `capacity` long streams fill the engine, then `probes`
+    single requests arrive one every `gap_s`; each should get its 503 at once."""
+    import aiohttp
+
+    url = f"http://127.0.0.1:{PORT}/v1/completions"
+    hold = {"prompt": PROMPT, "max_tokens": 470, "ignore_eos": True, "stream": True}
+    probe = {"prompt": PROMPT, "max_tokens": 8}
+
+    async def held(session, started):
+        async with session.post(url, json=hold) as resp:
+            started.append(resp.status)
+            async for _ in resp.content:
+                pass
+
+    async def timed(session):
+        t0 = time.perf_counter()
+        async with session.post(url, json=probe) as resp:
+            await resp.read()
+            return resp.status, time.perf_counter() - t0
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        started: list[int] = []
+        holders = [asyncio.create_task(held(session, started)) for _ in range(capacity)]
+        while len(started) < capacity:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        results = []
+        for _ in range(probes):
+            results.append(await timed(session))
+            await asyncio.sleep(gap_s)
+        for t in holders:
+            t.cancel()
+        await asyncio.gather(*holders, return_exceptions=True)
+    refused = sorted(t for status, t in results if status == 503)
+    return {"holders_accepted": started.count(200), "probes": probes, "refused": len(refused),
+            "refused_p50_ms": 1e3 * _pct(refused, 0.5), "refused_p99_ms": 1e3 * _pct(refused, 0.99),
+            "other_statuses": sorted({s for s, _ in results} - {503})}
+
+
+async def run_intake(n: int, prompt_len: int) -> dict:
+    """`n` requests at once, each a `prompt_len`-token id prompt and one output token (W2's
+    request shape): how fast the path takes requests in (proxy, ingress, router, replica)."""
+    import aiohttp
+
+    url = f"http://127.0.0.1:{PORT}/v1/completions"
+
+    async def one(session, i):
+        body = {"prompt": [20 + (i * 7 + j) % 700 for j in range(prompt_len)], "max_tokens": 1}
+        async with session.post(url, json=body) as resp:
+            text = await resp.read()
+            if resp.status != 200 and not errors:
+                errors.append(text.decode()[:300])
+            return resp.status, time.perf_counter()
+
+    errors: list[str] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await one(session, 0)
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*[one(session, i) for i in range(n)])
+    ends = sorted(t - t0 for _, t in results)
+    return {"requests": n, "prompt_len": prompt_len, "ok": sum(s == 200 for s, _ in results),
+            "wall_s": ends[-1], "requests_per_s": n / ends[-1], "p50_s": _pct(ends, 0.5),
+            "other_statuses": sorted({s for s, _ in results} - {200}), "first_error": errors[:1]}
+
+
 async def run_big_prompt(megabytes: float) -> dict:
     """A small request's latency alone, and while a `megabytes` text prompt is in flight."""
     import aiohttp
@@ -292,7 +360,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def start_serve(step_ms: float, cpu_ms: float, ingress_replicas: int | None,
-                running: int = 4096, queued: int = 4096):
+                running: int = 4096, queued: int = 4096, context: int | None = None):
     import ray
     from ray import serve
 
@@ -301,7 +369,9 @@ def start_serve(step_ms: float, cpu_ms: float, ingress_replicas: int | None,
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.path.abspath(ROOT)}})
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    args = {"engine": {"max_running_requests": running, "max_queued_requests": queued, "device": "cpu"},
+    engine = {"max_running_requests": running, "max_queued_requests": queued, "device": "cpu",
+              "max_model_len": context}
+    args = {"engine": engine,
             "ray_actor_options": {"num_cpus": 0}, "ingress_ray_actor_options": {"num_cpus": 0},
             "ingress_replicas": ingress_replicas}
     serve.run(build_app_with(args, replica_class=stand_in_replica(step_ms, cpu_ms)), name="path",
@@ -323,14 +393,18 @@ async def admission(args) -> None:
     """The bound and the body: a burst 4x over a small engine's capacity, and a big prompt."""
     start_serve(args.step_ms, args.step_cpu_ms, args.ingress_replicas, running=16, queued=48)
     burst = await run_burst(256, 64, 32)
+    await asyncio.sleep(2.0)  # the burst's accepted requests finish
+    full = await run_probes_when_full(64, 50, 0.02)
     big = await run_big_prompt(10.0)
     print("\nburst of 256 at an engine of capacity 64 (16 running + 48 queued):")
     print("  " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in burst.items()))
+    print("engine full (64 streams held), 50 single requests 20 ms apart:")
+    print("  " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in full.items()))
     print("a 10 MB prompt beside a small request:")
     print("  " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in big.items()))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "burst": burst, "big_prompt": big}, f, indent=1)
+            json.dump({"args": vars(args), "burst": burst, "full": full, "big_prompt": big}, f, indent=1)
 
 
 async def main_async(args) -> list[dict]:
@@ -361,10 +435,17 @@ def main() -> None:
     p.add_argument("--ingress-replicas", type=int, default=None, help="default: the app's own")
     p.add_argument("--admission", action="store_true",
                    help="instead: 503 latency of a burst over the bound, and a 10 MB prompt's effect")
+    p.add_argument("--intake", type=int, nargs=2, metavar=("REQUESTS", "PROMPT_LEN"),
+                   help="instead: how fast REQUESTS one-token requests of PROMPT_LEN-token "
+                        "prompts, sent at once, get through the path")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
     if args.admission:
         asyncio.run(admission(args))
+        return
+    if args.intake:
+        start_serve(args.step_ms, args.step_cpu_ms, args.ingress_replicas, context=8192)
+        print(asyncio.run(run_intake(*args.intake)))
         return
     rows = asyncio.run(main_async(args))
     print(f"\nstand-in engine: step {args.step_ms} ms ({args.step_cpu_ms} ms of it Python), "
