@@ -1,12 +1,19 @@
-"""Sampling on the real engine: seeds, top-k=1, penalties, logprobs against HF."""
+"""Sampling on the real engine against HF transformers: seeds, top-k=1, the distributions
+of temperature / top-k / top-p / min-p (statistical, fixed seeds), penalties, logprobs."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
+import torch
+from transformers.generation.logits_process import (MinPLogitsWarper,
+                                                    RepetitionPenaltyLogitsProcessor,
+                                                    TemperatureLogitsWarper, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
 
 from engine import LLM, SamplingParams
-from hf_reference import hf_next_logprobs
+from hf_reference import hf_greedy, hf_next_logprobs
 
 PROMPTS = [[5, 17, 33, 60, 2, 9], [100, 101, 102], [44] * 12]
 
@@ -47,25 +54,147 @@ def test_tiny_top_p_and_high_min_p_equal_greedy(llm):
     assert gen(llm, max_tokens=10, temperature=1.0, min_p=1.0, seed=1) == greedy
 
 
-def test_sampling_is_not_greedy_at_high_temperature(llm):
-    assert gen(llm, max_tokens=10, temperature=2.0, seed=3) != gen(llm, max_tokens=10, temperature=0.0)
+# -- distributions of one sampled token vs Hugging Face's warpers on HF's logits ----------
+N_DRAWS = 1500
 
 
-def test_presence_and_repetition_penalties_reduce_repeats(llm):
-    def repeats(outs):
-        return sum(len(o) - len(set(o)) for o in outs)
-
-    base = repeats(gen(llm, max_tokens=30, temperature=0.0))
-    assert base > 0, "the tiny model should repeat itself greedily"
-    assert repeats(gen(llm, max_tokens=30, temperature=0.0, presence_penalty=2.0)) < base
-    assert repeats(gen(llm, max_tokens=30, temperature=0.0, frequency_penalty=2.0)) < base
-    assert repeats(gen(llm, max_tokens=30, temperature=0.0, repetition_penalty=5.0)) < base
+def first_token_counts(llm, prompt: list[int], **params) -> Counter:
+    """N_DRAWS draws of the token after `prompt`, one request each, seeded 0..N-1 (so the
+    counts do not depend on which tests ran before on the shared engine)."""
+    outs = llm.generate([prompt] * N_DRAWS,
+                        [SamplingParams(max_tokens=1, ignore_eos=True, seed=i, **params)
+                         for i in range(N_DRAWS)])
+    return Counter(o.token_ids[0] for o in outs)
 
 
-def test_negative_presence_penalty_increases_repeats(llm):
-    outs = gen(llm, max_tokens=20, temperature=0.0, presence_penalty=-2.0)
-    base = gen(llm, max_tokens=20, temperature=0.0)
-    assert sum(len(set(o)) for o in outs) <= sum(len(set(o)) for o in base)
+def hf_probs(path: str, prompt: list[int], *warpers) -> torch.Tensor:
+    """The next-token distribution HF `generate` samples from: its logits through its
+    LogitsWarpers, in order."""
+    scores = hf_next_logprobs(path, prompt).unsqueeze(0)
+    for warper in warpers:
+        scores = warper(torch.tensor([prompt]), scores)
+    return torch.softmax(scores, dim=-1)[0]
+
+
+def assert_draws_follow(counts: Counter, probs: torch.Tensor, n: int = N_DRAWS) -> None:
+    """Nothing outside the support, and each likely token's count (the rest pooled)
+    within 4.5 standard deviations of n * p: a fixed-seed run passes with a wide margin,
+    while any of the mix-ups below moves some count by far more."""
+    outside = {t: c for t, c in counts.items() if probs[t] == 0}
+    assert not outside, f"drew tokens the reference excludes: {outside}"
+    big = [t for t in range(len(probs)) if probs[t] >= 0.02]
+    buckets = [([t], probs[t].item()) for t in big]
+    rest = max(0.0, 1.0 - sum(p for _, p in buckets))  # (float rounding can dip below 0)
+    buckets.append(([t for t in counts if t not in big], rest))
+    for tokens, p in buckets:
+        got = sum(counts[t] for t in tokens)
+        sd = math.sqrt(n * p * (1 - p))
+        assert abs(got - n * p) <= 4.5 * sd + 1, (tokens[:5], got, n * p)
+
+
+DIST_PROMPT = [100, 101, 102]  # its top tokens have well-separated probabilities
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_temperature_reshapes_the_distribution(llm, tiny_llama, temperature):
+    """0.5 sharpens (top token 0.33 instead of 0.12 at 1.0), 2.0 flattens (0.025): an
+    ignored or inverted temperature fails."""
+    counts = first_token_counts(llm, DIST_PROMPT, temperature=temperature)
+    assert_draws_follow(counts, hf_probs(tiny_llama, DIST_PROMPT,
+                                         TemperatureLogitsWarper(temperature)))
+
+
+def test_top_k_distribution(llm, tiny_llama):
+    counts = first_token_counts(llm, DIST_PROMPT, temperature=1.0, top_k=3)
+    probs = hf_probs(tiny_llama, DIST_PROMPT, TopKLogitsWarper(3))
+    assert (probs > 0).sum() == 3
+    assert_draws_follow(counts, probs)
+
+
+def test_top_p_applies_after_temperature(llm, tiny_llama):
+    """At 0.7 the three top tokens hold 0.50 and the first two 0.39, so top_p=0.45 keeps
+    three; at temperature 1 (top-p before temperature, a plausible slip) it would keep nine."""
+    counts = first_token_counts(llm, DIST_PROMPT, temperature=0.7, top_p=0.45)
+    probs = hf_probs(tiny_llama, DIST_PROMPT, TemperatureLogitsWarper(0.7),
+                     TopPLogitsWarper(0.45))
+    assert (probs > 0).sum() == 3
+    assert_draws_follow(counts, probs)
+
+
+def test_min_p_applies_after_temperature(llm, tiny_llama):
+    """At 0.5 the top token has 0.41 and the next 0.094, 0.066: min_p=0.2 keeps two (at
+    temperature 1 it would keep dozens)."""
+    prompt = PROMPTS[0]
+    counts = first_token_counts(llm, prompt, temperature=0.5, min_p=0.2)
+    probs = hf_probs(tiny_llama, prompt, TemperatureLogitsWarper(0.5), MinPLogitsWarper(0.2))
+    assert (probs > 0).sum() == 2
+    assert_draws_follow(counts, probs)
+
+
+# -- penalties vs references on HF's logits --------------------------------------------------
+def openai_penalty_greedy(path: str, prompt: list[int], n: int, presence: float = 0.0,
+                          frequency: float = 0.0, count_prompt: bool = False) -> list[int]:
+    """Greedy decoding on HF's logits minus OpenAI's penalties: frequency * count +
+    presence * (count > 0), counted over the generated tokens (`count_prompt` counts the
+    prompt too: the slip this reference exists to catch)."""
+    out: list[int] = []
+    for _ in range(n):
+        scores = hf_next_logprobs(path, prompt + out)
+        counts = Counter(out + (prompt if count_prompt else []))
+        for tok, c in counts.items():
+            scores[tok] -= frequency * c + presence * (c > 0)
+        out.append(int(scores.argmax()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def penalty_prompts(tiny_llama) -> list[list[int]]:
+    """Prompts that already hold tokens the model goes on to generate (each followed by
+    its own greedy continuation), so counting the prompt too would change the output."""
+    return [PROMPTS[2]] + [p + hf_greedy(tiny_llama, p, 10) for p in PROMPTS[:2]]
+
+
+@pytest.mark.parametrize("kind, value", [("presence", 1.0), ("presence", -2.0),
+                                         ("frequency", 0.7)])
+def test_presence_and_frequency_penalties_match_reference(llm, tiny_llama, penalty_prompts,
+                                                          kind, value):
+    n = 16
+    penalty = {kind: value}
+    outs = llm.generate(penalty_prompts, SamplingParams(max_tokens=n, temperature=0.0,
+                                                        ignore_eos=True,
+                                                        **{f"{kind}_penalty": value}))
+    refs = [openai_penalty_greedy(tiny_llama, p, n, **penalty) for p in penalty_prompts]
+    assert [o.token_ids for o in outs] == refs
+    # The references differ from no penalty, and from the penalty counting the prompt too:
+    # either slip would fail the comparison above.
+    assert refs != [openai_penalty_greedy(tiny_llama, p, n) for p in penalty_prompts]
+    assert refs != [openai_penalty_greedy(tiny_llama, p, n, count_prompt=True, **penalty)
+                    for p in penalty_prompts]
+
+
+def hf_repetition_greedy(path: str, prompt: list[int], n: int, penalty: float) -> list[int]:
+    """Greedy decoding on HF's raw logits through HF's RepetitionPenaltyLogitsProcessor
+    (prompt and output tokens; positive logits divided, negative ones multiplied: raw
+    logits, since the rule is not shift-invariant)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    process = RepetitionPenaltyLogitsProcessor(penalty)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[:, -1].float()
+            ids.append(int(process(torch.tensor([ids]), logits).argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("penalty", [1.5, 0.6])
+def test_repetition_penalty_matches_hf(llm, tiny_llama, penalty):
+    n = 16
+    outs = gen(llm, max_tokens=n, temperature=0.0, repetition_penalty=penalty)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out == hf_repetition_greedy(tiny_llama, prompt, n, penalty), prompt
+    assert outs != gen(llm, max_tokens=n, temperature=0.0), "the penalty changed nothing"
 
 
 def test_logprobs_match_hf(llm, tiny_llama):
