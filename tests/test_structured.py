@@ -96,21 +96,34 @@ def llm(tiny_llama) -> LLM:
     return LLM(model=tiny_llama, dtype="float32", max_total_tokens=16384)
 
 
-def check_json(outs, schemas) -> int:
-    """Validate every output that stopped; returns how many stopped."""
+def replay(llm: LLM, out, params: SamplingParams) -> None:
+    """Feed the output's tokens to a fresh matcher of its constraint: the grammar allows
+    every one; a "stop" output has ended the grammar, a "length" one is a prefix cut at
+    max_tokens (a grammar that ended would have been a stop)."""
+    matcher = llm.engine.grammars.submit(params).result().new_matcher()
+    assert all(matcher.accept(t) for t in out.token_ids), out
+    if out.finish_reason == "stop":
+        assert matcher.is_terminated, out
+    else:
+        assert out.finish_reason == "length", out
+        assert len(out.token_ids) == params.max_tokens and not matcher.is_terminated, out
+
+
+def check_json(llm: LLM, outs, params: list[SamplingParams], schemas) -> int:
+    """Replay every output; validate those that stopped; returns how many stopped."""
     stopped = 0
-    for o, schema in zip(outs, schemas):
-        assert o.finish_reason in ("stop", "length"), o
+    for o, p, schema in zip(outs, params, schemas, strict=True):
+        replay(llm, o, p)
         if o.finish_reason == "stop":
             stopped += 1
             jsonschema.validate(json.loads(o.text), schema)
     return stopped
 
 
-def check_regex(outs, patterns) -> int:
+def check_regex(llm: LLM, outs, params: list[SamplingParams], patterns) -> int:
     stopped = 0
-    for o, pattern in zip(outs, patterns):
-        assert o.finish_reason in ("stop", "length"), o
+    for o, p, pattern in zip(outs, params, patterns, strict=True):
+        replay(llm, o, p)
         if o.finish_reason == "stop":
             stopped += 1
             assert re.fullmatch(pattern, o.text), (pattern, o.text)
@@ -119,37 +132,41 @@ def check_regex(outs, patterns) -> int:
 
 def test_json_schemas(llm):
     cases = [(s, p, kw) for s in SCHEMAS for p, kw in zip(PROMPTS, SAMPLERS)]
-    outs = llm.generate([p for _, p, _ in cases], [constrained(json_schema=s, **kw) for s, _, kw in cases])
-    stopped = check_json(outs, [s for s, _, _ in cases])
+    params = [constrained(json_schema=s, **kw) for s, _, kw in cases]
+    outs = llm.generate([p for _, p, _ in cases], params)
+    stopped = check_json(llm, outs, params, [s for s, _, _ in cases])
     assert stopped >= 0.9 * len(cases), f"only {stopped}/{len(cases)} outputs finished"
 
 
 def test_regexes(llm):
     cases = [(r, p, kw) for r in REGEXES for p, kw in zip(PROMPTS, SAMPLERS)]
-    outs = llm.generate([p for _, p, _ in cases], [constrained(regex=r, **kw) for r, _, kw in cases])
-    stopped = check_regex(outs, [r for r, _, _ in cases])
+    params = [constrained(regex=r, **kw) for r, _, kw in cases]
+    outs = llm.generate([p for _, p, _ in cases], params)
+    stopped = check_regex(llm, outs, params, [r for r, _, _ in cases])
     assert stopped >= 0.9 * len(cases), f"only {stopped}/{len(cases)} outputs finished"
 
 
 def test_ebnf_and_json_object(llm):
     ebnf = 'root ::= "(" num ("," num)* ")"\nnum ::= [1-9] [0-9]?'
-    outs = llm.generate(PROMPTS, [constrained(ebnf=ebnf, **kw) for kw in SAMPLERS])
-    assert check_regex(outs, [r"\([1-9][0-9]?(,[1-9][0-9]?)*\)"] * len(outs)) >= 2
-    outs = llm.generate(PROMPTS, [constrained(n=60, json_object=True, **kw) for kw in SAMPLERS])
-    for o in outs:
+    params = [constrained(ebnf=ebnf, **kw) for kw in SAMPLERS]
+    outs = llm.generate(PROMPTS, params)
+    assert check_regex(llm, outs, params, [r"\([1-9][0-9]?(,[1-9][0-9]?)*\)"] * len(outs)) >= 2
+    params = [constrained(n=60, json_object=True, **kw) for kw in SAMPLERS]
+    outs = llm.generate(PROMPTS, params)
+    for o, p in zip(outs, params):
+        replay(llm, o, p)  # a random model may write one long string: then a JSON prefix
         if o.finish_reason == "stop":
             assert isinstance(json.loads(o.text), dict)
-        else:  # a random model may write one long string; the text is still a JSON prefix
-            assert o.text.startswith("{")
 
 
 def test_constrained_and_unconstrained_in_one_batch(llm):
     free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     alone = llm.generate(PROMPTS, free)
     schema = SCHEMAS[0]
-    mixed = llm.generate(PROMPTS + PROMPTS, [free] * 3 + [constrained(json_schema=schema, temperature=0.0)] * 3)
+    params = [constrained(json_schema=schema, temperature=0.0)] * 3
+    mixed = llm.generate(PROMPTS + PROMPTS, [free] * 3 + params)
     assert [o.token_ids for o in mixed[:3]] == [o.token_ids for o in alone]
-    assert check_json(mixed[3:], [schema] * 3) == 3
+    assert check_json(llm, mixed[3:], params, [schema] * 3) == 3
 
 
 def test_cache_hits_with_constraints(llm):
@@ -158,15 +175,16 @@ def test_cache_hits_with_constraints(llm):
     first, = llm.generate(prompt, params)
     second, = llm.generate(prompt, params)
     assert second.cached_tokens > 0.9 * len(second.prompt_token_ids)
-    assert second.token_ids == first.token_ids and check_regex([second], [REGEXES[6]]) == 1
+    assert second.token_ids == first.token_ids
+    assert check_regex(llm, [second], [params], [REGEXES[6]]) == 1
 
 
 def test_max_tokens_cut_is_length_and_a_valid_prefix(llm):
     schema = SCHEMAS[1]
-    out, = llm.generate("x", constrained(n=6, json_schema=schema, temperature=0.0))
-    assert out.finish_reason == "length" and len(out.token_ids) == 6
-    matcher = llm.engine.grammars.submit(SamplingParams(json_schema=schema)).result().new_matcher()
-    assert all(matcher.accept(t) for t in out.token_ids) and not matcher.is_terminated
+    params = constrained(n=6, json_schema=schema, temperature=0.0)
+    out, = llm.generate("x", params)
+    assert out.finish_reason == "length"
+    replay(llm, out, params)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -194,9 +212,9 @@ def test_jump_forward_on_and_off(tiny_llama):
     totals = {}
     for jump in (True, False):
         llm = LLM(model=tiny_llama, dtype="float32", max_total_tokens=8192, enable_jump_forward=jump)
-        outs = llm.generate([p for _, p, _ in cases],
-                            [constrained(json_schema=s, **kw) for s, _, kw in cases])
-        assert check_json(outs, [s for s, _, _ in cases]) >= 0.9 * len(cases)
+        params = [constrained(json_schema=s, **kw) for s, _, kw in cases]
+        outs = llm.generate([p for _, p, _ in cases], params)
+        assert check_json(llm, outs, params, [s for s, _, _ in cases]) >= 0.9 * len(cases)
         totals[jump] = (llm.engine.num_jump_forward_tokens, llm.stats()["steps"])
     assert totals[True][0] > 0 and totals[False][0] == 0
     assert totals[True][1] < totals[False][1]  # fewer decode steps for the same work
@@ -210,7 +228,7 @@ def test_preempted_constrained_requests_still_validate(tiny_llama):
     tight = LLM(model=tiny_llama, dtype="float32", max_total_tokens=100, chunked_prefill_size=32)
     outs = tight.generate(prompts, params)
     assert tight.stats()["preemptions"] > 0
-    assert check_json(outs, schemas) >= 0.9 * len(outs)
+    assert check_json(tight, outs, params, schemas) >= 0.9 * len(outs)
     assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]  # matcher state survived
 
 
@@ -218,21 +236,27 @@ def test_llguidance_fallback_and_backend(tiny_llama, llm):
     # xgrammar rejects minProperties > 0; llguidance compiles it.
     schema = {"type": "object", "properties": {"a": SMALL_INT, "b": SMALL_INT, "c": SMALL_INT},
               "minProperties": 2, "additionalProperties": False}
-    outs = llm.generate(PROMPTS, [constrained(json_schema=schema, **kw) for kw in SAMPLERS])
-    assert check_json(outs, [schema] * 3) >= 2
+    params = [constrained(json_schema=schema, **kw) for kw in SAMPLERS]
+    outs = llm.generate(PROMPTS, params)
+    assert check_json(llm, outs, params, [schema] * 3) >= 2
     only_ll = LLM(model=tiny_llama, dtype="float32", max_total_tokens=8192, grammar_backend="llguidance")
     cases = [(s, kw) for s in SCHEMAS[:6] for kw in SAMPLERS]
-    outs = only_ll.generate(["Hello"] * len(cases), [constrained(json_schema=s, **kw) for s, kw in cases])
-    assert check_json(outs, [s for s, _ in cases]) >= 0.8 * len(cases)
-    outs = only_ll.generate(["Hello"] * 3, [constrained(regex=REGEXES[1], **kw) for kw in SAMPLERS])
-    assert check_regex(outs, [REGEXES[1]] * 3) >= 2
+    params = [constrained(json_schema=s, **kw) for s, kw in cases]
+    outs = only_ll.generate(["Hello"] * len(cases), params)
+    assert check_json(only_ll, outs, params, [s for s, _ in cases]) >= 0.8 * len(cases)
+    params = [constrained(regex=REGEXES[1], **kw) for kw in SAMPLERS]
+    outs = only_ll.generate(["Hello"] * 3, params)
+    assert check_regex(only_ll, outs, params, [REGEXES[1]] * 3) >= 2
 
 
 def test_backend_none_rejects_constraints(tiny_llama):
     llm = LLM(model=tiny_llama, dtype="float32", max_total_tokens=1024, grammar_backend="none")
     with pytest.raises(ValueError, match="grammar_backend='none'"):
         llm.generate("x", SamplingParams(regex="a+"))
-    assert llm.generate("x", SamplingParams(max_tokens=3))[0].finish_reason in ("stop", "length")
+    # unconstrained requests run as with a grammar backend
+    free = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with_backend = LLM(model=tiny_llama, dtype="float32", max_total_tokens=1024)
+    assert llm.generate("x", free)[0].token_ids == with_backend.generate("x", free)[0].token_ids
 
 
 def test_add_request_without_validate_waits_for_the_compile(llm):
