@@ -3,8 +3,19 @@
 with `--model moe`, a Qwen3-30B-A3B-shaped one), against its physical floors and the
 Hugging Face transformers peer.
 
-    python scripts/bench_offline.py [--model llama3-8b|moe] [--workloads W1,W2,W3] [--json PATH]
+    python scripts/bench_offline.py [--model llama3-8b|moe|demo] [--workloads W1,W2,W3] [--json PATH]
                                     [--no-hf] [--w2-modes cache_on,...] [--profile-w2 A:B]
+                                    [--ttft-sweep] [--cold-start] [--long-prefill] [--w4]
+
+Issue 14's rows, each by its flag (when any is given, W1-W3 run only if --workloads names them):
+- `--ttft-sweep`: warm time to first token at batch 1 for 1 ... 8,192 prompt tokens (median).
+- `--cold-start`: a fresh process with an empty TRITON_CACHE_DIR, with the start-up warm-up
+  and without: engine start time per phase, each shape's first-request TTFT, then warm.
+- `--long-prefill`: 8 x 16,000-token prompts against the matmul + attention FLOP floor.
+- `--w4`: multi-turn conversations (each turn's prompt = the previous prompt + the answer + a
+  new user message); wall time per turn against the weight + KV-read floor of its decode steps.
+`--model demo` runs any of them on the tiny demo model, on the CPU when there is no GPU (a
+smoke test: tests/test_bench_offline.py; its "floors" use the CPU's measured ceilings).
 
 For an MoE model the floors count only the experts a step touches: at batch 1 the top-k of
 each layer (W3), at batch B the expected number of distinct experts under uniform routing
@@ -20,6 +31,7 @@ import gc
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -53,6 +65,15 @@ QWEN3_30B_A3B = {
     "bos_token_id": 151643, "eos_token_id": 151645,
 }
 MODELS = {"llama3-8b": LLAMA3_8B, "moe": QWEN3_30B_A3B}
+DEMO = "demo"  # the tiny demo model (engine/demo_model.py): real tiny weights, any device
+H200_BF16_TFLOPS = 790.0  # dense bf16 peak the long-prefill floor is quoted against
+
+GPU = torch.cuda.is_available()
+
+
+def sync() -> None:
+    if GPU:
+        torch.cuda.synchronize()
 
 
 def active_matmul_params(cfg: dict) -> tuple[float, float]:
@@ -126,15 +147,38 @@ def check_kernels(moe: bool = False) -> None:
     print(f"kernel checks passed ({len(rows)} cases: attention, grouped decode, fused)", flush=True)
 
 
-def model_dir(name: str = "llama3-8b") -> str:
-    path = os.path.join(tempfile.gettempdir(), f"radixserve-{name}-dummy")
+def model_dir(name: str = "llama3-8b", max_positions: int | None = None) -> str:
+    """A directory with the dummy model's config.json (the demo model's own directory for
+    `demo`); `max_positions` raises max_position_embeddings (16,000-token prompts)."""
+    if name == DEMO:
+        return ensure_demo_model()
+    cfg = dict(MODELS[name])
+    suffix = ""
+    if max_positions:
+        cfg["max_position_embeddings"] = max_positions
+        suffix = f"-{max_positions}"
+    path = os.path.join(tempfile.gettempdir(), f"radixserve-{name}-dummy{suffix}")
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(MODELS[name], f)
+        json.dump(cfg, f)
     return path
 
 
+def model_config(path: str) -> dict:
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    return cfg
+
+
 def measure_ceilings() -> dict:
+    if not GPU:  # smoke runs: the CPU's own copy and fp32 matmul rates
+        a = torch.randn(16 * 2**20)
+        b = torch.empty_like(a)
+        x, y = torch.randn(512, 512), torch.randn(512, 512)
+        copy_ms, mm_ms = _time_ms(lambda: b.copy_(a), 5), _time_ms(lambda: x @ y, 5)
+        return {"copy_tb_s": 2 * a.numel() * 4 / copy_ms / 1e9,
+                "matmul_tflop_s": 2 * 512**3 / mm_ms / 1e9}
     n = 2 * 1024**3  # 2 GiB each way
     a = torch.empty(n // 2, dtype=torch.bfloat16, device="cuda").normal_()
     b = torch.empty_like(a)
@@ -150,13 +194,13 @@ def measure_ceilings() -> dict:
 def _time_ms(fn, reps: int = 20) -> float:
     for _ in range(3):
         fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start, end = _event(), _event()
     times = []
     for _ in range(reps):
         start.record()
         fn()
         end.record()
-        end.synchronize()
+        sync()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
 
@@ -165,33 +209,57 @@ def release_memory() -> None:
     """An engine holds reference cycles (its overlap stepper points back at it): collect
     them, or the next engine finds the GPU full."""
     gc.collect()
-    torch.cuda.empty_cache()
+    if GPU:
+        torch.cuda.empty_cache()
 
 
 def make_engine(path: str, **overrides) -> Engine:
-    kwargs = dict(model=path, tokenizer=ensure_demo_model(), dtype="bfloat16", device="cuda",
-                  load_format="dummy", max_running_requests=1024, chunked_prefill_size=8192,
-                  max_prefill_tokens=16384, cuda_graph_max_bs=1024, mem_fraction_static=0.88)
+    if path == ensure_demo_model():  # the tiny demo model: its own weights, any device
+        kwargs = dict(model=path, device="cuda" if GPU else "cpu", max_running_requests=128,
+                      chunked_prefill_size=512, max_prefill_tokens=2048)
+    else:
+        kwargs = dict(model=path, tokenizer=ensure_demo_model(), dtype="bfloat16", device="cuda",
+                      load_format="dummy", max_running_requests=1024, chunked_prefill_size=8192,
+                      max_prefill_tokens=16384, cuda_graph_max_bs=1024, mem_fraction_static=0.88)
     kwargs.update(overrides)
     return Engine(EngineConfig(**kwargs))
+
+
+class _HostEvent:
+    """A CPU stand-in for torch.cuda.Event (forward passes on the CPU are synchronous)."""
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: "_HostEvent") -> float:
+        return 1e3 * (end.t - self.t)
+
+
+def _event():
+    return torch.cuda.Event(enable_timing=True) if GPU else _HostEvent()
 
 
 class StepPhases:
     """GPU time of every step's forward pass (CUDA events around runner.forward, so they
     also hold under the overlap scheduler), split into pure decode steps and steps with
-    prefill chunks. Wall time minus their sum is host work and sampling the GPU waited on."""
+    prefill chunks. Wall time minus their sum is host work and sampling the GPU waited on.
+    `decode_ctx` keeps, per decode step, (batch, context tokens read) for KV-read floors."""
 
     def __init__(self, engine: Engine) -> None:
-        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event, bool, int, int]] = []
+        self.events: list[tuple[object, object, bool, int, int]] = []
+        self.decode_ctx: list[tuple[int, int]] = []
         self.runner = runner = engine.runner
         self._forward = forward = runner.forward
 
         def timed(plan):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start, end = _event(), _event()
             start.record()
             out = forward(plan)
             end.record()
             self.events.append((start, end, plan.is_decode, len(plan.chunks), plan.num_tokens))
+            if plan.is_decode:
+                self.decode_ctx.append((len(plan.chunks),
+                                        sum(c.start + c.num_tokens for c in plan.chunks)))
             return out
 
         runner.forward = timed
@@ -200,7 +268,7 @@ class StepPhases:
         self.runner.forward = self._forward
 
     def summary(self, wall_s: float) -> dict:
-        torch.cuda.synchronize()
+        sync()
         out: dict = {}
         for kind, decode in (("decode", True), ("prefill_or_mixed", False)):
             rows = [(s.elapsed_time(e), b, n) for s, e, d, b, n in self.events if d == decode]
@@ -224,7 +292,7 @@ def run_requests(engine: Engine, reqs, tag: str, phases: bool = False,
         handles.append(engine.add_request(f"{tag}-{i}", ids, params))
     timer = StepPhases(engine) if phases else None
     profiler = None
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     first_token_at = None
     steps = 0
@@ -237,7 +305,7 @@ def run_requests(engine: Engine, reqs, tag: str, phases: bool = False,
         engine.step()
         steps += 1
         if profiler is not None and steps == profile_steps[1]:
-            torch.cuda.synchronize()
+            sync()
             profiler.__exit__(None, None, None)
             print(f"{tag}: kernels of steps {profile_steps[0]}..{steps - 1}", flush=True)
             sort = "device_time_total" if gpu else "cpu_time_total"
@@ -246,7 +314,7 @@ def run_requests(engine: Engine, reqs, tag: str, phases: bool = False,
             profiler = None
         if first_token_at is None and any(h.num_output for h in handles):
             first_token_at = time.perf_counter()
-    torch.cuda.synchronize()
+    sync()
     wall = time.perf_counter() - t0
     if timer is not None:
         timer.close()
@@ -254,10 +322,12 @@ def run_requests(engine: Engine, reqs, tag: str, phases: bool = False,
     for h in handles:
         engine.requests.pop(h.request_id, None)
     return {"wall_s": wall, "output_tokens": out_tokens, "steps": steps,
+            "output_ids": [list(h.output_ids) for h in handles],
             "prompt_tokens": sum(len(ids) for ids, _ in reqs),
             "cached_tokens": sum(h.cached_tokens for h in handles),
             "ttft_s": (first_token_at - t0) if first_token_at else None,
-            "phases": timer.summary(wall) if timer else None}
+            "phases": timer.summary(wall) if timer else None,
+            "decode_ctx": timer.decode_ctx if timer else None}
 
 
 def bench_w1(path: str, ceilings: dict, plain_too: bool = False, cfg: dict = LLAMA3_8B) -> dict:
@@ -412,12 +482,178 @@ def bench_hf(path: str) -> dict:
     release_memory()
     return {"hf_step_ms": step_ms, "hf_output_tok_s": batch_tok_s}
 
+# -- issue 14: time to first token, cold start, long prefill, multi-turn (W4) ------------
+
+TTFT_LENGTHS = (1, 32, 128, 512, 2048, 8192)
+LONG_MAX_POSITIONS = 16384  # the dummy's context for the TTFT, cold-start and long-prefill rows
+
+
+def random_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
+    lo = min(100, vocab // 2)
+    return [rng.randrange(lo, vocab) for _ in range(n)]
+
+
+def fit_lengths(engine: Engine, lengths) -> list[int]:
+    """The lengths a prompt + one output token fit in (the demo model's context is 512)."""
+    return sorted({max(1, min(n, engine.max_context - 2)) for n in lengths})
+
+
+def ttft_ms(engine: Engine, rng: random.Random, n: int, tag: str) -> float:
+    """Time to the first token of one fresh n-token prompt (no cache hit), batch 1."""
+    res = run_requests(engine, [(random_prompt(rng, engine.runner.vocab_size, n), 1)], tag)
+    return 1e3 * res["ttft_s"]
+
+
+def bench_ttft(engine: Engine, lengths, reps: int = 5) -> dict:
+    """Warm TTFT per prompt length: one untimed request of each length, then the median of
+    `reps` fresh prompts."""
+    rng = random.Random(5)
+    out = {}
+    for n in fit_lengths(engine, lengths):
+        ttft_ms(engine, rng, n, f"ttft-first-{n}")
+        times = [ttft_ms(engine, rng, n, f"ttft-{n}-{i}") for i in range(reps)]
+        out[str(n)] = {"ttft_ms": statistics.median(times), "min_ms": min(times),
+                       "max_ms": max(times)}
+        print(f"TTFT {n} tokens: {out[str(n)]}", flush=True)
+    return out
+
+
+def mixed_batch(engine: Engine, rng: random.Random, tag: str, n: int, n_out: int) -> float:
+    """Wall seconds of a batch of n varied requests (prompts of 20-600 tokens, n_out outputs)."""
+    vocab = engine.runner.vocab_size
+    top = max(21, min(600, engine.max_context - n_out - 8))
+    reqs = [(random_prompt(rng, vocab, rng.randint(20, top)), n_out) for _ in range(n)]
+    return run_requests(engine, reqs, tag)["wall_s"]
+
+
+def cold_start_child(model: str, lengths, warmup: bool, json_path: str, batch: tuple[int, int],
+                     launched_at: float) -> None:
+    """In a fresh process (the parent empties TRITON_CACHE_DIR): engine start per phase,
+    every shape's first-request TTFT and the first mixed batch, then the same warm, and how
+    many Triton binaries serving added after the start. `launched_at`: the parent's
+    time.time() when it started this process (so imports count in ready_s)."""
+    from engine.warmup import compiled_kernels
+
+    path = model_dir(model, None if model == DEMO else LONG_MAX_POSITIONS)
+    t0 = time.perf_counter()
+    engine = make_engine(path, enable_warmup=warmup)
+    start_s = time.perf_counter() - t0
+    ready_s = time.time() - launched_at
+    before = sum(compiled_kernels().values())
+    rng = random.Random(11)
+    lengths = fit_lengths(engine, lengths)
+    cold = {str(n): ttft_ms(engine, rng, n, f"cold-{n}") for n in lengths}
+    cold_batch = mixed_batch(engine, rng, "cold-mix", *batch)
+    warm = {str(n): statistics.median(ttft_ms(engine, rng, n, f"warm-{n}-{i}") for i in range(3))
+            for n in lengths}
+    warm_batch = mixed_batch(engine, rng, "warm-mix", *batch)
+    out = {"warmup": warmup, "engine_start_s": start_s, "process_to_ready_s": ready_s,
+           "batch": list(batch),
+           "phases": dict(engine.runner.startup.phases), "warmup_report": engine.startup,
+           "cold_ttft_ms": cold, "warm_ttft_ms": warm, "cold_batch_s": cold_batch,
+           "warm_batch_s": warm_batch,
+           "binaries_after_start": sum(compiled_kernels().values()) - before}
+    out["warmup_report"].pop("phases", None)
+    with open(json_path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+def bench_cold_start(model: str, lengths, batch: str) -> dict:
+    """Each of {with warm-up, without} in a fresh Python process with an empty Triton cache
+    (TRITON_CACHE_DIR), so every compile is a real one."""
+    import subprocess
+
+    out = {}
+    for warmup in (True, False):
+        with tempfile.TemporaryDirectory() as tmp:
+            result = os.path.join(tmp, "cold.json")
+            cmd = [sys.executable, os.path.abspath(__file__), "--cold-start-child", "--model", model,
+                   "--json", result, "--ttft-lengths", ",".join(map(str, lengths)),
+                   "--cold-batch", batch, "--launched-at", repr(time.time())]
+            if not warmup:
+                cmd.append("--no-warmup")
+            env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(tmp, "triton-cache"))
+            subprocess.run(cmd, env=env, check=True)
+            with open(result) as f:
+                row = json.load(f)
+        out["warmup" if warmup else "no_warmup"] = row
+        print("cold start", "warm-up" if warmup else "no warm-up", row, flush=True)
+    return out
+
+
+def bench_long_prefill(engine: Engine, ceilings: dict, num: int = 8, length: int = 16000) -> dict:
+    """`num` prompts of `length` tokens at once (chunked as the engine chunks), to their first
+    tokens, against the FLOP floor: matmuls (every prompt token through the layers, the LM
+    head for each last token) + causal attention (4 * heads * head_dim per (query, key) pair
+    and layer), at the H200's bf16 peak and at the measured matmul rate."""
+    cfg = model_config(engine.config.model)
+    length = max(1, min(length, engine.max_context - 2))
+    rng = random.Random(9)
+    vocab = engine.runner.vocab_size
+    run_requests(engine, [(random_prompt(rng, vocab, length), 1)], "long-first")  # untimed
+    engine.cache.reset()
+    res = run_requests(engine, [(random_prompt(rng, vocab, length), 1) for _ in range(num)],
+                       "long", phases=True)
+    per_prompt, _ = active_matmul_params(cfg)
+    matmul = num * length * 2 * per_prompt + num * 2 * cfg["hidden_size"] * cfg["vocab_size"]
+    attention = (num * cfg["num_hidden_layers"] * 4 * cfg["num_attention_heads"] * cfg["head_dim"]
+                 * length * (length + 1) / 2)
+    peak = H200_BF16_TFLOPS if GPU else ceilings["matmul_tflop_s"]
+    prefill_gpu = res["phases"]["prefill_or_mixed"]["gpu_s"]
+    return {"requests": num, "length": length, "wall_s": res["wall_s"],
+            "prefill_gpu_s": prefill_gpu, "steps": res["steps"],
+            "matmul_tflop": matmul / 1e12, "attention_tflop": attention / 1e12,
+            "peak_tflop_s": peak, "floor_s": (matmul + attention) / (peak * 1e12),
+            "floor_measured_s": (matmul + attention) / (ceilings["matmul_tflop_s"] * 1e12),
+            "phases": res["phases"]}
+
+
+def bench_w4(engine: Engine, ceilings: dict, conversations: int = 64, turns: int = 4,
+             first: int = 1024, answer: int = 128, user: int = 64) -> dict:
+    """W4, multi-turn chat: `conversations` users each send a `first`-token message; every
+    turn they all get a `answer`-token reply, and the next turn's prompt is the previous
+    prompt + that reply + a new `user`-token message (so it hits the radix cache up to the
+    new message). Turns run one after another, each as one batch. Per turn: wall time
+    against the floor of its decode steps (weights + every context token's K/V read once
+    per step, at the copy rate), radix hit rate, and the GPU time split of the run."""
+    rng = random.Random(4)
+    vocab = engine.runner.vocab_size
+    k = engine.runner.kv_pool.k
+    kv_per_token = KVPool.bytes_per_token(len(k), k[0].shape[1], k[0].shape[2], k[0].dtype)
+    bw = ceilings["copy_tb_s"] * 1e12
+    weights: dict[int, float] = {}  # batch -> weight bytes per decode step
+    prompts = [random_prompt(rng, vocab, first) for _ in range(conversations)]
+    rows = []
+    for turn in range(turns):
+        if max(map(len, prompts)) + answer + 1 > engine.max_context:
+            break
+        res = run_requests(engine, [(p, answer) for p in prompts], f"w4-{turn}", phases=True)
+        floor_s = 0.0
+        for batch, ctx in res["decode_ctx"]:
+            if batch not in weights:
+                weights[batch] = decode_weight_bytes(engine.runner.model, batch)
+            floor_s += (weights[batch] + ctx * kv_per_token) / bw
+        ph = res["phases"]
+        rows.append({"turn": turn + 1, "prompt_tokens": res["prompt_tokens"] / conversations,
+                     "hit_rate": res["cached_tokens"] / res["prompt_tokens"],
+                     "wall_s": res["wall_s"], "decode_floor_s": floor_s,
+                     "wall_over_floor": res["wall_s"] / floor_s if floor_s else None,
+                     "decode_gpu_over_floor": ph["decode"]["gpu_s"] / floor_s if floor_s else None,
+                     "phases": ph})
+        print("W4 turn", rows[-1], flush=True)
+        prompts = [p + out + random_prompt(rng, vocab, user)
+                   for p, out in zip(prompts, res["output_ids"])]
+    return {"conversations": conversations, "answer": answer, "user": user, "first": first,
+            "turns": rows}
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default="llama3-8b", choices=sorted(MODELS),
-                    help="the dummy model's shape: Llama-3-8B, or Qwen3-30B-A3B (moe)")
-    ap.add_argument("--workloads", default="W1,W2,W3")
+    ap.add_argument("--model", default="llama3-8b", choices=sorted(MODELS) + [DEMO],
+                    help="the dummy model's shape: Llama-3-8B, or Qwen3-30B-A3B (moe); "
+                         "demo: the tiny demo model (CPU smoke runs)")
+    ap.add_argument("--workloads", default=None,
+                    help="W1,W2,W3 (the default unless an issue-14 row is asked for)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--skip-check", action="store_true", help="skip the kernel check")
@@ -425,14 +661,40 @@ def main() -> None:
     ap.add_argument("--w1-plain", action="store_true", help="also run W1 without grouped decode")
     ap.add_argument("--profile-w2", default=None, metavar="A:B",
                     help="print torch.profiler's kernel table for steps A..B-1 of W2 cache-on")
+    ap.add_argument("--ttft-sweep", action="store_true", help="warm TTFT per prompt length, batch 1")
+    ap.add_argument("--ttft-lengths", default=",".join(map(str, TTFT_LENGTHS)))
+    ap.add_argument("--ttft-reps", type=int, default=5)
+    ap.add_argument("--cold-start", action="store_true",
+                    help="fresh processes, empty TRITON_CACHE_DIR, with and without the warm-up")
+    ap.add_argument("--long-prefill", action="store_true", help="N x L-token prompts vs the FLOP floor")
+    ap.add_argument("--long-shape", default="8x16000", metavar="NxL")
+    ap.add_argument("--w4", action="store_true", help="multi-turn conversations (W4)")
+    ap.add_argument("--w4-shape", default="64,4,1024,128,64",
+                    metavar="CONVS,TURNS,FIRST,ANSWER,USER")
+    ap.add_argument("--cold-batch", default="40,32", metavar="N,OUT",
+                    help="the cold start's first mixed batch: N requests of OUT tokens")
+    ap.add_argument("--cold-start-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--launched-at", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--no-warmup", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    lengths = [int(x) for x in args.ttft_lengths.split(",")]
+    if args.cold_start_child:
+        batch = tuple(int(x) for x in args.cold_batch.split(","))
+        cold_start_child(args.model, lengths, not args.no_warmup, args.json, batch,
+                         args.launched_at or time.time())
+        return
+    issue14 = args.ttft_sweep or args.cold_start or args.long_prefill or args.w4
+    work = (args.workloads or ("" if issue14 else "W1,W2,W3")).split(",")
     profile = tuple(int(x) for x in args.profile_w2.split(":")) if args.profile_w2 else None
+    if args.model == DEMO:
+        args.skip_check = args.no_hf = True  # no Triton kernels on the CPU; no HF peer
     if not args.skip_check:
         check_kernels(moe=args.model == "moe")
     path = model_dir(args.model)
     ceilings = measure_ceilings()
     results: dict = {"ceilings": ceilings}
-    work = args.workloads.split(",")
+    if issue14:
+        run_issue14(args, lengths, ceilings, results)
     for name, bench in (("W3", lambda: bench_w3(path, ceilings)),
                         ("W2", lambda: bench_w2(path, args.w2_modes.split(","), profile)),
                         ("W1", lambda: bench_w1(path, ceilings, args.w1_plain, MODELS[args.model]))):
@@ -440,7 +702,7 @@ def main() -> None:
             results[name] = bench()
             print(name, results[name], flush=True)
             save(results, args.json)
-    if not args.no_hf:
+    if not args.no_hf and any(w in work for w in ("W1", "W2", "W3")):
         hf = bench_hf(path)
         if "W1" in results:
             results["W1"]["hf_output_tok_s"] = hf["hf_output_tok_s"]
@@ -449,6 +711,34 @@ def main() -> None:
         results["HF"] = hf
     save(results, args.json)
     print_table(results)
+
+
+def run_issue14(args, lengths: list[int], ceilings: dict, results: dict) -> None:
+    """The TTFT sweep, long prefill and W4 share one engine (the dummy with a 16k context);
+    the cold start runs in its own processes first, before this one holds the GPU."""
+    if args.cold_start:
+        results["cold_start"] = bench_cold_start(args.model, lengths, args.cold_batch)
+        save(results, args.json)
+    if not (args.ttft_sweep or args.long_prefill or args.w4):
+        return
+    engine = make_engine(model_dir(args.model, None if args.model == DEMO else LONG_MAX_POSITIONS))
+    results["engine_start"] = {"phases": dict(engine.runner.startup.phases),
+                               "total_s": engine.runner.startup.total}
+    if args.ttft_sweep:
+        results["ttft"] = bench_ttft(engine, lengths, args.ttft_reps)
+        save(results, args.json)
+    if args.long_prefill:
+        num, length = (int(x) for x in args.long_shape.lower().split("x"))
+        results["long_prefill"] = bench_long_prefill(engine, ceilings, num, length)
+        print("long prefill", results["long_prefill"], flush=True)
+        save(results, args.json)
+    if args.w4:
+        convs, turns, first, answer, user = (int(x) for x in args.w4_shape.split(","))
+        engine.cache.reset()
+        results["W4"] = bench_w4(engine, ceilings, convs, turns, first, answer, user)
+        save(results, args.json)
+    del engine
+    release_memory()
 
 
 def save(results: dict, path: str | None) -> None:
@@ -460,8 +750,9 @@ def save(results: dict, path: str | None) -> None:
 
 def print_table(r: dict) -> None:
     c = r["ceilings"]
-    print(f"\nceilings: copy {c['copy_tb_s']:.2f} TB/s, bf16 matmul {c['matmul_tflop_s']:.0f} TFLOP/s")
-    print(f"{'figure':<34} {'ours':>10} {'floor':>10} {'ratio':>7} {'HF':>9}")
+    print(f"\nceilings: copy {c['copy_tb_s']:.3f} TB/s, matmul {c['matmul_tflop_s']:.1f} TFLOP/s")
+    if any(w in r for w in ("W1", "W2", "W3")):
+        print(f"{'figure':<34} {'ours':>10} {'floor':>10} {'ratio':>7} {'HF':>9}")
     if "W1" in r:
         w = r["W1"]
         print(f"{'W1 output tok/s':<34} {w['output_tok_s']:>10.0f} {w['floor_output_tok_s']:>10.0f} "
@@ -509,6 +800,47 @@ def print_table(r: dict) -> None:
               f"{w['unfused_forward_ms'] / w['floor_ms']:>7.2f}")
         print(f"{'W3 host overhead ms (sync)':<34} {w['host_overhead_ms']:>10.2f}")
         print(f"{'W3 TTFT ms (512 tokens)':<34} {w['ttft_ms']:>10.1f}")
+    print_issue14(r)
+
+
+def print_issue14(r: dict) -> None:
+    if "engine_start" in r:
+        e = r["engine_start"]
+        print(f"\nengine start {e['total_s']:.1f} s: "
+              + ", ".join(f"{k} {v:.1f} s" for k, v in e["phases"].items()))
+    if "ttft" in r:
+        print(f"\n{'TTFT, batch 1, warm (ms)':<30} {'median':>8} {'min':>8} {'max':>8}")
+        for n, t in r["ttft"].items():
+            print(f"{n + ' tokens':<30} {t['ttft_ms']:>8.1f} {t['min_ms']:>8.1f} {t['max_ms']:>8.1f}")
+    if "cold_start" in r:
+        for key, c in r["cold_start"].items():
+            print(f"\ncold start, {key.replace('_', ' ')}: process start to ready {c['process_to_ready_s']:.1f} s, engine "
+                  f"{c['engine_start_s']:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in c["phases"].items())
+                  + f"); binaries compiled after start: {c['binaries_after_start']}")
+            print(f"{'prompt tokens':<16} {'first TTFT ms':>14} {'warm ms':>8} {'ratio':>6}")
+            for n, ms in c["cold_ttft_ms"].items():
+                warm = c["warm_ttft_ms"][n]
+                print(f"{n:<16} {ms:>14.1f} {warm:>8.1f} {ms / warm:>6.2f}")
+            label = f"first batch of {c['batch'][0]} (s)"
+            print(f"{label:<16} {c['cold_batch_s']:>14.2f} {c['warm_batch_s']:>8.2f} "
+                  f"{c['cold_batch_s'] / c['warm_batch_s']:>6.2f}")
+    if "long_prefill" in r:
+        lp = r["long_prefill"]
+        print(f"\nlong prefill {lp['requests']} x {lp['length']}: {lp['wall_s']:.3f} s wall, "
+              f"{lp['prefill_gpu_s']:.3f} s GPU; floor {lp['floor_s']:.3f} s at {lp['peak_tflop_s']:.0f} TFLOP/s "
+              f"({lp['matmul_tflop']:.0f} matmul + {lp['attention_tflop']:.0f} attention TFLOP): "
+              f"{lp['wall_s'] / lp['floor_s']:.2f}x; at the measured matmul rate {lp['wall_s'] / lp['floor_measured_s']:.2f}x")
+    if "W4" in r:
+        w = r["W4"]
+        print(f"\nW4: {w['conversations']} conversations, {w['first']}-token first message, "
+              f"{w['answer']}-token answers, {w['user']}-token follow-ups")
+        print(f"{'turn':<5} {'prompt':>7} {'hit':>6} {'wall s':>8} {'floor s':>8} {'wall/fl':>8} {'dec/fl':>7}"
+              f" {'dec steps':>9} {'dec GPU s':>9} {'pf steps':>8} {'pf GPU s':>8} {'other s':>8}")
+        for t in w["turns"]:
+            d, f = t["phases"]["decode"], t["phases"]["prefill_or_mixed"]
+            print(f"{t['turn']:<5} {t['prompt_tokens']:>7.0f} {t['hit_rate']:>6.3f} {t['wall_s']:>8.3f}"
+                  f" {t['decode_floor_s']:>8.3f} {t['wall_over_floor'] or 0:>8.2f} {t['decode_gpu_over_floor'] or 0:>7.2f}"
+                  f" {d['steps']:>9} {d['gpu_s']:>9.3f} {f['steps']:>8} {f['gpu_s']:>8.3f} {t['phases']['other_s']:>8.3f}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,47 @@
+"""scripts/bench_offline.py's issue-14 rows (TTFT sweep, cold start, long prefill, W4) on the
+tiny demo model, so they keep running between GPU sessions: one run of the script with every
+row at toy sizes, then the JSON it wrote and the table it printed."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def test_issue14_rows_on_demo_model(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_offline.py"), "--model", "demo",
+           "--ttft-sweep", "--ttft-lengths", "1,16", "--ttft-reps", "1",
+           "--cold-start", "--cold-batch", "3,2",
+           "--long-prefill", "--long-shape", "2x40",
+           "--w4", "--w4-shape", "2,2,16,3,5", "--json", str(out)]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the CPU path, even on a GPU machine
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+
+    assert set(r["ttft"]) == {"1", "16"} and all(t["ttft_ms"] > 0 for t in r["ttft"].values())
+    assert set(r["engine_start"]["phases"]) >= {"load", "kv_pool", "cuda_graphs", "warmup"}
+
+    for key in ("warmup", "no_warmup"):
+        c = r["cold_start"][key]
+        assert set(c["cold_ttft_ms"]) == set(c["warm_ttft_ms"]) == {"1", "16"}
+        assert c["engine_start_s"] > 0 and c["process_to_ready_s"] >= c["engine_start_s"]
+        assert c["binaries_after_start"] == 0  # the CPU runs no Triton kernel
+        assert c["cold_batch_s"] > 0 and c["warm_batch_s"] > 0
+
+    lp = r["long_prefill"]
+    assert lp["requests"] == 2 and lp["length"] == 40 and lp["floor_s"] > 0
+    assert lp["phases"]["prefill_or_mixed"]["tokens"] == 80
+
+    turns = r["W4"]["turns"]
+    assert [t["turn"] for t in turns] == [1, 2]
+    assert turns[0]["prompt_tokens"] == 16 and turns[1]["prompt_tokens"] == 16 + 3 + 5
+    assert turns[0]["hit_rate"] == 0 and turns[1]["hit_rate"] > 0.5  # prompt + answer cached
+    assert all(t["decode_floor_s"] > 0 and t["phases"]["decode"]["steps"] > 0 for t in turns)
+
+    for heading in ("TTFT, batch 1, warm", "cold start, warmup", "long prefill 2 x 40", "W4: 2"):
+        assert heading in proc.stdout
