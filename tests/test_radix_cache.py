@@ -1,6 +1,9 @@
 """RadixCache invariants under random operation sequences, and its unit behaviour."""
 from __future__ import annotations
 
+import random
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -141,3 +144,98 @@ def _all_nodes(cache: RadixCache) -> list[TreeNode]:
         out.append(node)
         stack.extend(node.children.values())
     return out
+
+
+class DictModel:
+    """What the tree should hold, without a tree: cached prefix (a tuple) -> its last
+    token's slot. Matching walks prefixes one token at a time."""
+
+    def __init__(self) -> None:
+        self.slots: dict[tuple[int, ...], int] = {}
+
+    def match(self, tokens: list[int]) -> list[int]:
+        out = []
+        for i in range(len(tokens)):
+            slot = self.slots.get(tuple(tokens[:i + 1]))
+            if slot is None:
+                break
+            out.append(slot)
+        return out
+
+    def insert(self, tokens: list[int], slots: list[int]) -> int:
+        """Like RadixCache.insert: keeps its own slots for the cached leading tokens."""
+        already = len(self.match(tokens))
+        for i in range(already, len(tokens)):
+            self.slots[tuple(tokens[:i + 1])] = slots[i]
+        return already
+
+    def drop_freed(self, freed: set[int]) -> int:
+        """Forget the prefixes whose slots the tree freed; returns how many."""
+        gone = [p for p, s in self.slots.items() if s in freed]
+        for p in gone:
+            del self.slots[p]
+        return len(gone)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_matches_agree_with_a_dictionary_model(seed):
+    """Random inserts (sharing prefixes, so nodes split), matches, locks and evictions:
+    every match returns the slots inserted for those tokens, insert reports the cached
+    length, eviction frees whole subtrees (what stays is prefix-closed) and never a locked
+    path, and the tree holds exactly the model's slots."""
+    rng = random.Random(seed)
+    cache = make_cache(slots=40)
+    model = DictModel()
+    locked: list[tuple[TreeNode, tuple[int, ...]]] = []  # node, its full prefix
+
+    def evict(n: int) -> int:
+        before = set(cache.allocator._free)
+        freed = cache.evict(n)
+        gone = set(cache.allocator._free) - before
+        assert len(gone) == freed == model.drop_freed(gone)
+        return freed
+
+    def tokens() -> list[int]:
+        # small alphabet and a common stem: many shared prefixes, splits at any depth
+        stem = [1, 2, 3, 1, 2][:rng.randint(0, 5)]
+        return stem + [rng.randint(0, 3) for _ in range(rng.randint(1, 8))]
+
+    for _ in range(300):
+        op = rng.random()
+        toks = tokens()
+        if op < 0.45:  # a request finishing: match and lock, allocate the rest, insert
+            matched, node = cache.match_prefix(toks)
+            assert matched == model.match(toks)
+            cache.lock(node)
+            need = len(toks) - len(matched)
+            if cache.allocator.num_free < need:
+                evict(need - cache.allocator.num_free)
+            new = cache.allocator.alloc(need)
+            if new is not None:
+                slots = matched + new
+                already = cache.insert(toks, slots)
+                assert already == model.insert(toks, slots) == len(matched)
+                cache.allocator.free(slots[len(matched):already])
+            cache.unlock(node)
+        elif op < 0.65:
+            assert cache.match_prefix(toks)[0] == model.match(toks)
+        elif op < 0.78:
+            matched, node = cache.match_prefix(toks)
+            cache.lock(node)
+            locked.append((node, tuple(toks[:len(matched)])))
+        elif op < 0.88 and locked:
+            cache.unlock(locked.pop(rng.randrange(len(locked)))[0])
+        else:
+            n = rng.randint(1, 12)
+            if evict(n) < n:  # short: nothing evictable is left
+                assert cache.evictable_size == 0
+        for _, prefix in locked:  # locked paths survive
+            assert all(prefix[:i + 1] in model.slots for i in range(len(prefix)))
+        assert all(p[:-1] in model.slots for p in model.slots if len(p) > 1), "not prefix-closed"
+        assert sorted(cache.all_slots()) == sorted(model.slots.values())
+        assert cache.total_size == len(model.slots)
+        check_invariants(cache)
+    for node, _ in locked:
+        cache.unlock(node)
+    evict(10**6)
+    assert not model.slots and cache.allocator.num_free == 40
