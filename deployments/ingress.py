@@ -337,9 +337,8 @@ class OpenAIIngress:
                         chunk = chat_chunk(base, choices[i], item, text, want_lp, self.name_token,
                                            not started[i], outputs[i] if outputs else None)
                     else:
-                        if echo is not None and not started[i]:  # the prompt text leads the stream
-                            text = echo[i][1] + text
-                        chunk = completion_chunk(base, choices[i], item, text, want_lp, self.name_token)
+                        chunk = completion_chunk(base, choices[i], item, text, want_lp, self.name_token,
+                                                 echo[i] if echo is not None else None, not started[i])
                     started[i] = True
                     events.append(sse_event(chunk))
                 if error is not None:

@@ -34,36 +34,37 @@ def usage_of(choices: list[ChoiceState]) -> UsageInfo:
 
 def completion_logprobs(token_ids: list[int], logprobs: list[float],
                         top: list[list[tuple[int, float]]], name: TokenNamer,
-                        offset: int = 0, text: str | None = None) -> CompletionLogprobs:
-    """`text`: the text these tokens came out as; offsets then point into it (else each
-    token is taken to add its own string's length)."""
+                        offsets: list[int] | None = None, text: str = "") -> CompletionLogprobs:
+    """`offsets`: each token's text_offset; without them, where each token is found in
+    `text` (the text these tokens came out as)."""
     tokens = [name(t) for t in token_ids]
-    offsets = _offsets_in(tokens, text, offset) if text is not None else _offsets(tokens, offset)
     return CompletionLogprobs(
         tokens=tokens, token_logprobs=list(logprobs),
         top_logprobs=[{name(t): lp for t, lp in alts} for alts in top] or [None] * len(tokens),
-        text_offset=offsets)
+        text_offset=offsets if offsets is not None else _offsets_in(tokens, text))
 
 
-def _offsets(tokens: list[str], offset: int) -> list[int]:
-    offsets, pos = [], offset
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
-    return offsets
-
-
-def _offsets_in(tokens: list[str], text: str, offset: int) -> list[int]:
+def _offsets_in(tokens: list[str], text: str) -> list[int]:
     """Where each token starts in `text`. A token not found where the text has got to (a
     special token the text skips, such as <s>) takes no room; a token's lone decoding may
     lack the space it has in context, so a match a couple of characters on still counts."""
     offsets, pos = [], 0
     for t in tokens:
         at = text.find(t, pos, pos + len(t) + 2) if t else -1
-        offsets.append(offset + (pos if at < 0 else at))
+        offsets.append(pos if at < 0 else at)
         if at >= 0:
             pos = at + len(t)
     return offsets
+
+
+def _output_logprobs(c: ChoiceState, start: int, end: int, name: TokenNamer,
+                     shift: int = 0) -> CompletionLogprobs:
+    """Logprobs of output tokens [start, end) of choice `c`. Offsets are the detokenizer's,
+    fixed per token as it was added, so a stream's chunks carry the same offsets as the
+    whole response; `shift`: the echoed prompt's length ahead of the output."""
+    return completion_logprobs(c.token_ids[start:end], c.logprobs[start:end],
+                               c.top_logprobs[start:end], name,
+                               [o + shift for o in c.detok.token_offsets(start, end)])
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[float],
@@ -80,32 +81,29 @@ def completion_response(model: str, choices: list[ChoiceState], want_logprobs: b
     (OpenAI's legacy echo: the prompt tokens are scored too, the first with null)."""
     out = []
     for c in choices:
-        text, lp = "".join(c.text), None
+        prompt = echo[c.index] if echo is not None else None
+        text = (prompt[1] if prompt else "") + "".join(c.text)
+        lp = None
         if want_logprobs:
-            lp = completion_logprobs(c.token_ids, c.logprobs, c.top_logprobs, name, text=text)
-        if echo is not None:
-            prompt_ids, prompt_text = echo[c.index]
-            text = prompt_text + text
-            if lp is not None:
-                lp = _with_prompt(lp, prompt_ids, prompt_text, c.prompt_logprobs,
-                                  c.prompt_top_logprobs, name)
+            lp = _output_logprobs(c, 0, len(c.token_ids), name, len(prompt[1]) if prompt else 0)
+            if prompt is not None:
+                lp = _with_prompt(lp, c, prompt, name)
         out.append(CompletionChoice(index=c.index, text=text, logprobs=lp,
                                     finish_reason=c.finish_reason))
     return CompletionResponse(model=model, choices=out, usage=usage_of(choices))
 
 
-def _with_prompt(lp: CompletionLogprobs, prompt_ids: list[int], prompt_text: str,
-                 prompt_logprobs, prompt_top, name: TokenNamer) -> CompletionLogprobs:
+def _with_prompt(lp: CompletionLogprobs, c: ChoiceState, prompt: tuple[list[int], str],
+                 name: TokenNamer) -> CompletionLogprobs:
     """The prompt's tokens ahead of the completion's (the first has no score: null)."""
+    prompt_ids, prompt_text = prompt
     head = completion_logprobs(prompt_ids, [], [], name, text=prompt_text)
     tops = [None if alts is None else {name(t): v for t, v in alts}
-            for alts in (prompt_top or [None] * len(prompt_ids))]
-    scores = list(prompt_logprobs or [None] * len(prompt_ids))
-    shift = len(prompt_text)
+            for alts in (c.prompt_top_logprobs or [None] * len(prompt_ids))]
+    scores = list(c.prompt_logprobs or [None] * len(prompt_ids))
     return CompletionLogprobs(
         tokens=head.tokens + lp.tokens, token_logprobs=scores + lp.token_logprobs,
-        top_logprobs=tops + lp.top_logprobs,
-        text_offset=head.text_offset + [o + shift for o in lp.text_offset])
+        top_logprobs=tops + lp.top_logprobs, text_offset=head.text_offset + lp.text_offset)
 
 
 def chat_response(model: str, choices: list[ChoiceState], want_logprobs: bool,
@@ -124,11 +122,20 @@ def chat_response(model: str, choices: list[ChoiceState], want_logprobs: bool,
 
 
 def completion_chunk(base: dict, c: ChoiceState, delta: dict, text: str, want_logprobs: bool,
-                     name: TokenNamer) -> CompletionStreamResponse:
+                     name: TokenNamer, prompt: tuple[list[int], str] | None = None,
+                     first: bool = False) -> CompletionStreamResponse:
+    """One choice's chunk, after `c.add(delta)`. `prompt`: the echoed prompt (ids, text),
+    which leads the first chunk (with its logprobs) and shifts every offset, as in
+    `completion_response`."""
     lp = None
-    if want_logprobs and delta["token_ids"]:
-        lp = completion_logprobs(delta["token_ids"], delta.get("logprobs") or [],
-                                 delta.get("top_logprobs") or [], name)
+    if want_logprobs and (delta["token_ids"] or (first and prompt)):
+        end = len(c.token_ids)
+        lp = _output_logprobs(c, end - len(delta["token_ids"]), end, name,
+                              len(prompt[1]) if prompt else 0)
+        if first and prompt is not None:
+            lp = _with_prompt(lp, c, prompt, name)
+    if first and prompt is not None:
+        text = prompt[1] + text
     choice = CompletionStreamChoice(index=c.index, text=text, logprobs=lp,
                                     finish_reason=delta["finish_reason"] if delta["finished"] else None)
     return CompletionStreamResponse(**base, choices=[choice])

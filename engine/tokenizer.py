@@ -127,9 +127,17 @@ class IncrementalDetokenizer:
         self.emitted = 0
         self.stopped = False
         self.num_fed = 0  # output tokens added so far
+        # Per added token: where its text starts in `text` (logprobs' text_offset). Fixed when
+        # the token is added, so it does not depend on how tokens were batched into deltas
+        # (streamed chunks and the whole response carry the same offsets).
+        self.offsets: list[int] = []
 
     def add(self, token_id: int) -> None:
         """Append one token; sets `stopped` when a stop string appears."""
+        self.offsets.append(len(self.text))
+        self._add(token_id)
+
+    def _add(self, token_id: int) -> None:
         self.ids.append(token_id)
         self.num_fed += 1
         decode = self.tokenizer.decode
@@ -142,6 +150,13 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         if self.stop:
             self._find_stop(max(0, before - self.holdback))
+
+    def token_offsets(self, start: int, end: int) -> list[int]:
+        """text_offset of output tokens [start, end). Tokens of a stop string the text was
+        cut before keep their start, past the text's end (a stream sent them before the cut
+        was known); tokens never added (after the stop) sit after the last one added."""
+        after = max(len(self.text), self.offsets[-1] if self.offsets else 0)
+        return [self.offsets[k] if k < len(self.offsets) else after for k in range(start, end)]
 
     def _find_stop(self, search_from: int) -> None:
         hits = [(i, s) for s, i in ((s, self.text.find(s, search_from)) for s in self.stop) if i >= 0]

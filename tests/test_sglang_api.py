@@ -228,3 +228,50 @@ def test_sglang_bench_serving_sglang_backend_runs_unchanged(server):
     assert record["total_output_tokens"] == n * output_len
     assert record["total_input_tokens"] == n * input_len
     assert record["output_throughput"] > 0 and record["median_ttft_ms"] > 0
+
+
+def _completion_stream(body: dict) -> dict[int, dict]:
+    """A streamed /v1/completions reassembled per choice: text and logprob lists joined."""
+    out: dict[int, dict] = {}
+    with httpx.stream("POST", f"{BASE}/v1/completions", json={**body, "stream": True},
+                      timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for ch in json.loads(line[len("data: "):])["choices"]:
+                got = out.setdefault(ch["index"], {"text": "", "tokens": [], "token_logprobs": [],
+                                                   "top_logprobs": [], "text_offset": []})
+                got["text"] += ch["text"]
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    got[key] += (ch["logprobs"] or {}).get(key, [])
+    return out
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_completion_logprobs_equal_the_whole_response(server, echo):
+    """Streamed text_offset (and tokens, scores, alternatives) equal the non-streamed
+    response's exactly, with echo (the prompt's tokens lead the first chunk) and with a stop
+    string cutting the text mid-stream; offsets point into the returned text."""
+    body = {"model": "radixserve-demo", "prompt": "Once upon a time, in a small town", "n": 2,
+            "max_tokens": 24, "temperature": 0, "ignore_eos": True, "logprobs": 2, "echo": echo}
+    plain = httpx.post(f"{BASE}/v1/completions", json={**body, "echo": False}, timeout=60).json()
+    body["stop"] = [plain["choices"][0]["text"][9:12]]  # cuts the text after ~9 characters
+    whole = httpx.post(f"{BASE}/v1/completions", json=body, timeout=60).json()
+    streamed = _completion_stream(body)
+    assert sorted(streamed) == [0, 1]
+    for choice in whole["choices"]:
+        got, want = streamed[choice["index"]], choice["logprobs"]
+        assert got["text"] == choice["text"]
+        assert got["tokens"] == want["tokens"] and got["text_offset"] == want["text_offset"]
+        # Scores: equal up to batch-dependent float rounding (the two runs batch differently).
+        assert got["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=1e-4)
+        assert [t and sorted(t) for t in got["top_logprobs"]] == [
+            t and sorted(t) for t in want["top_logprobs"]]
+        text, offsets = choice["text"], want["text_offset"]
+        assert len(text) < (len(body["prompt"]) if echo else 0) + 12  # the stop cut it
+        assert offsets == sorted(offsets)
+        whole_tokens = [(t, o) for t, o in zip(want["tokens"], offsets)  # not cut by the stop
+                        if t.strip() and o + len(t) <= len(text) and t != "<s>"]
+        assert whole_tokens and all(text.startswith(t.strip(), o + len(t) - len(t.lstrip()))
+                                    for t, o in whole_tokens), list(zip(want["tokens"], offsets))

@@ -109,3 +109,26 @@ def test_prompt_encoder_refuses_what_cannot_fit_without_encoding(tokenizer):
     # the bound is safe: a text at the bound that is all of the longest token still
     # needs more tokens than the context holds
     assert encoder.max_prompt_chars // encoder.max_token_chars >= 64
+
+
+def test_token_offsets_point_into_the_text_and_survive_a_stop(tokenizer):
+    """text_offset per token: where the token's text starts in the final text. Multi-byte
+    characters split over tokens start where the character does; tokens of the stop string,
+    and after it, sit at or past the end of the text."""
+    tokens = tokenizer.encode(TEXT)[1:]
+    detok = IncrementalDetokenizer(tokenizer, [1, 2, 3], ["STOP"])
+    for t in tokens:
+        if not detok.stopped:
+            detok.add(t)
+    text, offsets = detok.text, detok.token_offsets(0, len(tokens))
+    assert text == TEXT[:TEXT.index("STOP")]
+    assert offsets == sorted(offsets) and offsets[0] == 0 and len(offsets) == len(tokens)
+    kept = [k for k, o in enumerate(offsets) if o < len(text)]
+    # Rebuilding the text from each token's span: the spans tile the text exactly.
+    spans = [text[offsets[k]:offsets[k + 1]] for k in kept[:-1]] + [text[offsets[kept[-1]]:]]
+    assert "".join(spans) == text
+    for k in kept:  # a token that decodes to whole characters on its own starts with them
+        alone = tokenizer.decode([tokens[k]])
+        if "\ufffd" not in alone and alone.strip():
+            assert text.startswith(alone.strip(), offsets[k] + len(alone) - len(alone.lstrip()))
+    assert all(o >= len(text) for o in offsets[kept[-1] + 1:])
