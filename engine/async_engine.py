@@ -254,10 +254,10 @@ class AsyncEngine:
             request_id=req.request_id, token_ids=new_tokens, text=text, finished=finished,
             finish_reason=req.finish_reason if finished else None,
             prompt_tokens=req.num_prompt, cached_tokens=req.cached_tokens,
-            completion_tokens=req.num_known_output,
-            prompt_logprobs=req.prompt_logprobs if req.num_known_output == n else None,
-            queue_time=_queue_time(req) if req.num_known_output == n else None,
-            prompt_top_logprobs=req.prompt_top_logprobs if req.num_known_output == n else None,
+            completion_tokens=req.num_output,
+            prompt_logprobs=req.prompt_logprobs if req.num_output == n else None,
+            queue_time=_queue_time(req) if req.num_output == n else None,
+            prompt_top_logprobs=req.prompt_top_logprobs if req.num_output == n else None,
             logprobs=req.output_logprobs[len(req.output_logprobs) - n:] if req.params.logprobs and n else None,
             top_logprobs=(req.output_top_logprobs[len(req.output_top_logprobs) - n:]
                           if req.params.top_logprobs and n else None))

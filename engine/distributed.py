@@ -32,7 +32,7 @@ CMD_FORWARD = 1
 CMD_SHUTDOWN = 2
 
 # Header: [command, is_decode, number of fields, length of each field...], zero padded.
-MAX_FIELDS = 13
+MAX_FIELDS = 15
 HEADER_LEN = 3 + MAX_FIELDS
 
 # The control group's "no timeout": waiting for rank 0's next step may take any time.

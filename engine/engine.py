@@ -9,14 +9,16 @@ from engine.config import EngineConfig
 from engine.grammar import Grammars
 from engine.layers.parallel import TPContext
 from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor, TokenUpdate, feed_detokenizer
 from engine.outputs import RequestOutput
 from engine.overlap import OverlapStepper
 from engine.radix_cache import RadixCache
-from engine.request import Request, Status, validate_request
+from engine.request import Request, validate_request
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Chunk, Scheduler, StepPlan
+from engine.scheduler import Scheduler
 from engine.speculative.speculator import Speculator
+from engine.sync_step import SyncStepper
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.warmup import warm_up
 
@@ -25,16 +27,6 @@ logger = logging.getLogger(__name__)
 
 class QueueFullError(RuntimeError):
     """The engine's waiting queue is over `max_queued_requests`; retry later."""
-
-
-@dataclass
-class TokenUpdate:
-    """One request's progress in one step: the tokens it gained (0 or 1; more with
-    jump-forward or speculative decoding)."""
-
-    req: Request
-    new_tokens: list[int]
-    finished: bool
 
 
 class Engine:
@@ -55,13 +47,14 @@ class Engine:
         self.grammars = Grammars(config.grammar_backend, self.tokenizer.hf, self.runner.vocab_size,
                                  self.tokenizer.eos_token_ids, self.runner.device,
                                  jump_forward=config.enable_jump_forward)
-        self.num_jump_forward_tokens = 0  # output tokens appended by jump-forward, not decoded
+        self.processor = OutputProcessor(self.scheduler, self.grammars,
+                                         self.tokenizer.eos_token_ids, self.max_context)
         self.requests: dict[str, Request] = {}
-        self.num_steps = 0
         self.speculator = Speculator(config, self.sampler) if config.speculative_algorithm else None
-        self.overlap = None
+        self.stepper: SyncStepper | OverlapStepper = SyncStepper(
+            self.scheduler, self.runner, self.sampler, self.processor, self.speculator)
         if overlap_enabled(config, self.runner.device.type, self.runner.tp.size):
-            self.overlap = OverlapStepper(self, config.max_running_requests)
+            self.stepper = OverlapStepper(self.stepper, config.max_running_requests)
         # Compile every Triton specialization before serving; logs the start-up phases.
         self.startup = warm_up(self)
 
@@ -112,145 +105,16 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is not None and not req.is_finished:
             self.scheduler.abort(req)
-            while req.token_ids[-1] < 0:  # a token still in flight is dropped
-                req.token_ids.pop()
         return req
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or (self.overlap is not None and self.overlap.busy)
+        return self.scheduler.has_work or self.stepper.busy
 
     # -- the loop -----------------------------------------------------------------------
 
     def step(self) -> list[TokenUpdate]:
-        if self.overlap is not None:
-            return self.overlap.step()
-        return self._step_sync()
-
-    def _step_sync(self) -> list[TokenUpdate]:
-        drafts = self.speculator.propose(self.scheduler.running) if self.speculator else None
-        plan = self.scheduler.schedule(drafts)
-        if plan is None:
-            return []
-        self.num_steps += 1
-        logits, prompt_logprobs = self.runner.forward(plan)
-        for req, pos, value, top in prompt_logprobs:
-            req.prompt_logprobs[pos] = value
-            if top is not None:
-                req.prompt_top_logprobs[pos] = top
-            req.prompt_logprobs_next = pos + 1
-        return self._process(plan, logits)
-
-    def _process(self, plan: StepPlan, logits) -> list[TokenUpdate]:
-        updates = []
-        if self.speculator is not None and any(c.draft for c in plan.chunks):
-            plan, logits, updates = self._verify_drafts(plan, logits)
-        sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
-        reqs = [plan.chunks[i].req for i in sampling]
-        if len(sampling) < len(plan.chunks):
-            logits = logits[sampling]
-        # Constrained rows: tokens their grammar allows next (matchers are up to date: they
-        # advance as tokens are appended, below).
-        masks, failed = self.grammars.token_masks(reqs) if sampling else (None, [])
-        out = self.sampler.sample(logits, reqs, masks) if sampling else None
-        for chunk in plan.chunks:
-            if chunk.num_tokens > 1:  # a prefill chunk: share its KV with later arrivals
-                self.scheduler.cache_prefix(chunk.req)
-        for req in failed:  # added without validate() and its constraint did not compile
-            self.scheduler.finish(req, "abort")
-            updates.append(TokenUpdate(req, [], True))
-        for j, req in enumerate(reqs):
-            if req.status is not Status.RUNNING:
-                continue
-            token = out.token_ids[j]
-            req.token_ids.append(token)
-            if out.logprobs is not None:
-                req.output_logprobs.append(out.logprobs[j])
-            if out.top_logprobs is not None:
-                req.output_top_logprobs.append(out.top_logprobs[j])
-            updates.append(self._advance(req, token))
-        return updates
-
-    def _verify_drafts(self, plan: StepPlan, logits) -> tuple[StepPlan, object, list[TokenUpdate]]:
-        """Take in the verified tokens of the chunks that carried drafts (1 + len(draft)
-        logits rows each); the rest of the plan, with its logits rows, goes on as usual."""
-        drafted, drafted_rows, rest, rest_rows, t = [], [], [], [], 0
-        for chunk in plan.chunks:
-            n = 1 + len(chunk.draft)
-            if chunk.draft:
-                drafted.append(chunk)
-                drafted_rows += range(t, t + n)
-            else:
-                rest.append(chunk)
-                rest_rows.append(t)
-            t += n
-        verdicts = self.speculator.verify(drafted, logits[drafted_rows])
-        updates = [self._take_verified(c, tokens) for c, tokens in zip(drafted, verdicts)]
-        return StepPlan(rest), logits[rest_rows], updates
-
-    def _take_verified(self, chunk: Chunk, tokens: list[int]) -> TokenUpdate:
-        """Append the verified tokens one at a time (any may finish the request: EOS, a
-        stop, max_tokens) and free the KV of the drafts that were not kept. KV of kept
-        drafts goes back to the request only as its tokens are taken, so the request is
-        always in the plain decode state (KV for all but its last token)."""
-        req = chunk.req
-        base = chunk.start + 1  # KV up to and including the request's last token
-        held = req.slots[base:base + len(tokens) - 1]  # KV of the kept drafts
-        self.scheduler.allocator.free(req.slots[base + len(held):])
-        del req.slots[base:]
-        row_synced = req.row_synced  # the device row's first entries stay valid
-        for i, token in enumerate(tokens):
-            req.token_ids.append(token)
-            update = self._advance(req, token, may_jump=False)
-            if update.finished:
-                self.scheduler.allocator.free(held[i:])
-                return TokenUpdate(req, tokens[:i + 1], True)
-            if i < len(held):
-                req.slots.append(held[i])
-        req.row_synced = min(row_synced, len(req.slots))
-        return TokenUpdate(req, tokens, False)
-
-    def _advance(self, req: Request, token: int, may_jump: bool = True) -> TokenUpdate:
-        """Take in `token`, just appended as the request's last: advance its grammar,
-        append what the grammar forces next (jump-forward, unless `may_jump` is False),
-        and finish the request if it is done."""
-        self.scheduler.stats.generated_tokens += 1
-        if req.grammar is not None and not self.grammars.accept(req, token):
-            reason = "abort"  # the mask allowed what the grammar refuses: a bug (logged)
-        else:
-            reason = self._finish_reason(req, token)
-        new_tokens = [token]
-        if reason is None and req.grammar is not None and may_jump:
-            # Append the text the grammar forces without decoding it; the next step
-            # computes its KV as one chunk and samples after it.
-            room = min(req.params.max_tokens - req.num_output,
-                       self.max_context - len(req.token_ids))
-            jumped = self.grammars.jump_forward(req, token, room)
-            if jumped:
-                req.token_ids += jumped
-                new_tokens += jumped
-                self.num_jump_forward_tokens += len(jumped)
-                self.scheduler.stats.generated_tokens += len(jumped)
-                reason = self._finish_reason(req, jumped[-1])
-        if reason is not None:
-            self.scheduler.finish(req, reason)
-        return TokenUpdate(req, new_tokens, reason is not None)
-
-    def _finish_reason(self, req: Request, token: int) -> str | None:
-        p = req.params
-        if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
-            return "stop"
-        if token in p.stop_token_ids:
-            return "stop"
-        if req.grammar is not None and self.grammars.is_terminated(req):
-            return "stop"
-        if p.stop:
-            feed_detokenizer(req)
-            if req.detok.stopped:
-                return "stop"
-        if req.num_output >= p.max_tokens or len(req.token_ids) >= self.max_context:
-            return "length"
-        return None
+        return self.stepper.step()
 
     # -- reporting ----------------------------------------------------------------------
 
@@ -264,6 +128,11 @@ class Engine:
             top_logprobs=req.output_top_logprobs if req.params.top_logprobs else None,
             speculative=req.spec_stats.as_dict() if self.speculator else None)
 
+    @property
+    def num_jump_forward_tokens(self) -> int:
+        """Output tokens appended by jump-forward (structured output), not decoded."""
+        return self.processor.num_jump_forward_tokens
+
     def stats(self) -> dict:
         s = self.scheduler.stats
         pool = self.runner.kv_pool
@@ -276,7 +145,7 @@ class Engine:
             "kv_usage": 1.0 - (pool.allocator.num_free + self.cache.evictable_size) / pool.num_slots,
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "finished_requests": s.finished_requests, "aborted_requests": s.aborted_requests,
-            "steps": self.num_steps,
+            "steps": s.steps,
             **(self.speculator.stats.as_dict() if self.speculator else {}),
         }
 
@@ -297,21 +166,11 @@ class Engine:
 
 
 def overlap_enabled(config: EngineConfig, device_type: str, tp_size: int) -> bool:
-    """Overlap scheduling runs on CUDA at tp 1 (it resolves the next step's placeholder
+    """Overlap scheduling runs on CUDA at tp 1 (the next step reads its in-flight input
     tokens from the device tensor rank 0 sampled; other ranks never see it), and not with
     speculative decoding (a step's drafts come from the previous step's tokens)."""
     return (config.enable_overlap_schedule and device_type == "cuda" and tp_size == 1
             and config.speculative_algorithm is None)
-
-
-def feed_detokenizer(req: Request) -> None:
-    """Bring the request's detokenizer up to its tokens. Output text is decoded lazily,
-    off the step loop, except for requests with stop strings."""
-    detok = req.detok
-    outputs = req.output_ids
-    # Stop at a placeholder: the in-flight step's token is not known yet.
-    while detok.num_fed < len(outputs) and outputs[detok.num_fed] >= 0:
-        detok.add(outputs[detok.num_fed])
 
 
 class LLM:

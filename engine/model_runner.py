@@ -27,9 +27,20 @@ _CPU_DEFAULT_SLOTS = 16384
 # The fields of one step's packed int64 tensor, in order (what rank 0 broadcasts at tp > 1).
 FIELDS = ("input_ids", "positions", "out_slots", "req_rows", "seq_lens", "extend_lens",
           "qo_indptr", "logits_indices", "sync_rows", "sync_cols", "sync_slots", "prompt_rows",
-          "prefix_groups")
-_SEQ_LENS, _EXTEND_LENS, _SYNC_ROWS, _PROMPT_ROWS, _PREFIX_GROUPS = (FIELDS.index(f) for f in (
-    "seq_lens", "extend_lens", "sync_rows", "prompt_rows", "prefix_groups"))
+          "prefix_groups", "inflight_pos", "inflight_src")
+_SEQ_LENS, _EXTEND_LENS, _SYNC_ROWS, _PROMPT_ROWS, _PREFIX_GROUPS, _INFLIGHT_POS = (
+    FIELDS.index(f) for f in ("seq_lens", "extend_lens", "sync_rows", "prompt_rows",
+                              "prefix_groups", "inflight_pos"))
+
+
+@dataclass
+class PendingTokens:
+    """Tokens a launched step sampled that the host has not seen yet (overlap scheduling):
+    `tokens` [k] on the device; `index[req]` is the request's entry in it. The next step
+    reads a request's in-flight input token from there."""
+
+    tokens: torch.Tensor
+    index: dict[Request, int]
 
 
 @dataclass
@@ -88,7 +99,6 @@ class ModelRunner:
         self._staging = [torch.empty(0, dtype=torch.long) for _ in range(4)]
         self._staging_done: list = [None] * 4
         self._uploads = 0
-        self.placeholder_tokens: torch.Tensor | None = None  # set by the overlap scheduler
         self.prefix_grouper = self._make_prefix_grouper()
         self.graphs = self._capture_graphs()
         self.extend_graphs = self._capture_extend_graphs()
@@ -182,21 +192,29 @@ class ModelRunner:
 
     def build_batch(self, plan: StepPlan) -> ForwardBatch:
         """The plan as a ragged device batch (brings device rows up to date)."""
-        return self._make_batch(self._step_input(plan, []))[0]
+        return self._make_batch(self._step_input(plan, [], None), None)[0]
 
-    def _step_input(self, plan: StepPlan, prompt_rows: list[int]) -> StepInput:
+    def _step_input(self, plan: StepPlan, prompt_rows: list[int],
+                    pending: PendingTokens | None) -> StepInput:
         """Flatten the plan's chunks into one ragged batch, with the req_to_token updates
         it needs; marks the requests' rows as synced."""
         if plan.is_decode:
-            return self._decode_input(plan, prompt_rows)
+            return self._decode_input(plan, prompt_rows, pending)
         ids, positions, out_slots = [], [], []
         rows, seq_lens, extend_lens, logits_idx = [], [], [], []
         sync_rows, sync_cols, sync_slots = [], [], []
+        inflight_pos, inflight_src = [], []
         t = 0
         for chunk in plan.chunks:
             req, start, n = chunk.req, chunk.start, chunk.num_tokens
             end = start + n
-            ids += chunk.input_ids
+            known_end = min(end - len(chunk.draft), len(req.token_ids))
+            ids += req.token_ids[start:known_end]
+            for _ in range(known_end, end - len(chunk.draft)):  # a token still in flight
+                inflight_pos.append(len(ids))
+                inflight_src.append(pending.index[req])
+                ids.append(0)  # overwritten on the device
+            ids += chunk.draft
             positions += range(start, end)
             out_slots += req.slots[start:end]
             if req.row_synced < end:
@@ -214,11 +232,17 @@ class ModelRunner:
                 logits_idx.append(t - 1)
         return StepInput.pack([ids, positions, out_slots, rows, seq_lens, extend_lens,
                                _indptr(extend_lens), logits_idx, sync_rows, sync_cols, sync_slots,
-                               prompt_rows, []], is_decode=False)
+                               prompt_rows, [], inflight_pos, inflight_src], is_decode=False)
 
-    def _decode_input(self, plan: StepPlan, prompt_rows: list[int]) -> StepInput:
+    def _decode_input(self, plan: StepPlan, prompt_rows: list[int],
+                      pending: PendingTokens | None) -> StepInput:
         """The common case, kept lean: one new token per request."""
         reqs = [c.req for c in plan.chunks]
+        ids = [r.token_ids[-1] for r in reqs]
+        inflight_pos, inflight_src = [], []
+        if pending is not None:  # overlap scheduling: inputs sampled by the in-flight step
+            inflight_pos = [i for i, r in enumerate(reqs) if r.inflight]
+            inflight_src = [pending.index[reqs[i]] for i in inflight_pos]
         seq_lens = [len(r.slots) for r in reqs]
         out_slots = [r.slots[-1] for r in reqs]
         positions = [s - 1 for s in seq_lens]
@@ -232,10 +256,11 @@ class ModelRunner:
         for r in reqs:
             r.row_synced = len(r.slots)
         n = len(reqs)
-        return StepInput.pack([[r.token_ids[-1] for r in reqs], positions, out_slots, rows,
+        return StepInput.pack([ids, positions, out_slots, rows,
                                seq_lens, [1] * n, list(range(n + 1)), list(range(n)),
                                sync_rows, sync_cols, sync_slots, prompt_rows,
-                               self._prefix_groups(reqs, seq_lens)], is_decode=True)
+                               self._prefix_groups(reqs, seq_lens), inflight_pos, inflight_src],
+                              is_decode=True)
 
     def _prefix_groups(self, reqs, seq_lens: list[int]) -> list[int]:
         """The step's radix-grouped decode metadata (engine/prefix_groups.py), packed for
@@ -252,17 +277,17 @@ class ModelRunner:
         plan = self.prefix_grouper.plan(reqs, seq_lens, cap, self.attn_backend.prefix_num_splits)
         return plan.packed() if plan is not None else []
 
-    def _make_batch(self, step: StepInput) -> tuple[ForwardBatch, torch.Tensor]:
-        """Upload the step, apply its req_to_token updates; the batch and the prompt rows."""
+    def _make_batch(self, step: StepInput, pending_tokens: torch.Tensor | None
+                    ) -> tuple[ForwardBatch, torch.Tensor]:
+        """Upload the step, apply its req_to_token updates, read its in-flight input tokens
+        from `pending_tokens`; the batch and the prompt rows."""
         (input_ids, positions, out_slots, rows, seq_lens, extend_lens, qo_indptr, logits_idx,
-         sync_rows, sync_cols, sync_slots, prompt_rows,
-         groups) = self._upload(step.flat).split(step.lengths)
+         sync_rows, sync_cols, sync_slots, prompt_rows, groups, inflight_pos,
+         inflight_src) = self._upload(step.flat).split(step.lengths)
         if step.lengths[_SYNC_ROWS]:
             self.req_to_token[sync_rows, sync_cols] = sync_slots.to(torch.int32)
-        if self.placeholder_tokens is not None and self.placeholder_tokens.numel():
-            # Overlap scheduling: -(k+1) stands for row k of the in-flight step's tokens.
-            index = (-input_ids - 1).clamp(0, self.placeholder_tokens.numel() - 1)
-            input_ids = torch.where(input_ids < 0, self.placeholder_tokens[index], input_ids)
+        if step.lengths[_INFLIGHT_POS]:
+            input_ids = input_ids.index_put((inflight_pos,), pending_tokens[inflight_src])
         batch = ForwardBatch(
             input_ids=input_ids, positions=positions, out_slots=out_slots, req_rows=rows,
             seq_lens=seq_lens.to(torch.int32), extend_lens=extend_lens.to(torch.int32),
@@ -297,17 +322,20 @@ class ModelRunner:
         return flat
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[tuple[Request, int, float, list | None]]]:
+    def forward(self, plan: StepPlan, pending: PendingTokens | None = None
+                ) -> tuple[torch.Tensor, list[tuple[Request, int, float, list | None]]]:
         """Logits [num_chunks, vocab] (float32) of each chunk's last new token (of every
         position of a chunk with a draft, in order: 1 + len(draft) rows), and the
         prompt-token logprobs the step's requests asked for, as (request, position, value,
         top): `top` is the position's params.top_logprobs best (token, logprob), or None.
-        At tp > 1 (this is rank 0) the other ranks get the step first and run it alongside."""
+        At tp > 1 (this is rank 0) the other ranks get the step first and run it alongside.
+        `pending`: the in-flight step's tokens, some of which are this step's inputs
+        (overlap scheduling, tp 1 only)."""
         rows, targets, owners = _prompt_logprob_targets(plan)
-        step = self._step_input(plan, rows)
+        step = self._step_input(plan, rows, pending)
         if self.tp.size > 1:
             self.tp.send_step(CMD_FORWARD, step.is_decode, step.lengths, step.flat)
-        logits, prompt_logits = self.execute(step)
+        logits, prompt_logits = self.execute(step, pending.tokens if pending else None)
         if prompt_logits is None:
             return logits, []
         logprobs = torch.log_softmax(prompt_logits, dim=-1)
@@ -317,10 +345,11 @@ class ModelRunner:
                         in zip(owners, values, _prompt_top(logprobs, owners))]
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def execute(self, step: StepInput, pending_tokens: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's forward, the same on every rank: logits of each chunk's last token,
         and of the prompt rows (None without them)."""
-        batch, prompt_rows = self._make_batch(step)
+        batch, prompt_rows = self._make_batch(step, pending_tokens)
         has_prompt_rows = step.lengths[_PROMPT_ROWS] > 0  # (graphs compute no prompt rows)
         if self.graphs is not None and not has_prompt_rows and self.graphs.can_run(batch):
             return self.graphs.run(batch), None

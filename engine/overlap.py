@@ -1,11 +1,12 @@
 """The overlap ("zero-overhead") scheduler: the CPU plans and launches step N+1 while the
 GPU still runs step N, then processes step N's sampled tokens.
 
-Step N+1 is planned before step N's tokens are known, so a request that sampled in step N
-carries a placeholder (a negative id, -(k+1) for row k of step N's token tensor) as its
-last token; the runner swaps placeholders for the real ids on the GPU. A request that turns
-out to have finished in step N has already been given one more step: that step computes
-one KV entry nobody reads, and its token is dropped.
+Step N+1 is planned before step N's tokens are known: a request that sampled in step N
+counts one token in flight (`Request.inflight`), whose KV step N+1 computes. The host never
+sees a value for it until step N is drained; step N+1's input reads it on the device from
+step N's token tensor (`PendingTokens`). A request that turns out to have finished in step
+N has already been given one more step: that step computes one KV entry nobody reads, and
+its token is dropped.
 
 Constrained requests (structured output) stay overlapped when jump-forward is off: their
 token masks need the grammar state after step N's tokens, so in a step that samples one,
@@ -25,8 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.model_runner import PendingTokens
+from engine.output_processor import TokenUpdate
 from engine.request import Request, Status
-from engine.scheduler import StepPlan
+from engine.scheduler import Chunk, StepPlan
+from engine.sync_step import SyncStepper
 
 
 def needs_sync(req: Request, jump_forward: bool) -> bool:
@@ -40,17 +44,25 @@ class InFlight:
     """A launched step whose sampled tokens are still on their way to the host."""
 
     plan: StepPlan
-    tokens: torch.Tensor | None  # [k] on the device
-    host: torch.Tensor | None  # [k] (pinned on CUDA), filled by a non-blocking copy
+    reqs: list[Request]  # the requests that sampled, in the order of `tokens`
+    tokens: torch.Tensor | None  # [len(reqs)] on the device
+    host: torch.Tensor | None  # [len(reqs)] (pinned on CUDA), filled by a non-blocking copy
     done: torch.cuda.Event | None  # None on CPU, where the copy is done when issued
-    placeholders: list[tuple[Request, int]]  # (request, index in its token_ids)
+
+    def pending(self) -> PendingTokens | None:
+        if self.tokens is None:
+            return None
+        return PendingTokens(self.tokens, {req: k for k, req in enumerate(self.reqs)})
 
 
 class OverlapStepper:
-    def __init__(self, engine, max_batch: int) -> None:
-        self.engine = engine
+    def __init__(self, sync: SyncStepper, max_batch: int) -> None:
+        self.sync = sync
+        self.scheduler = sync.scheduler
+        self.runner = sync.runner
+        self.processor = sync.processor
         self.inflight: InFlight | None = None
-        self.cuda = engine.runner.device.type == "cuda"
+        self.cuda = self.runner.device.type == "cuda"
         # Two host buffers, alternating: step N+2 reuses step N's only after draining it.
         self._host = [torch.empty(max_batch, dtype=torch.long, pin_memory=self.cuda)
                       for _ in range(2)]
@@ -60,17 +72,15 @@ class OverlapStepper:
     def busy(self) -> bool:
         return self.inflight is not None
 
-    def step(self) -> list:
-        eng = self.engine
-        sched = eng.scheduler
-        jump = eng.grammars.enable_jump_forward
+    def step(self) -> list[TokenUpdate]:
+        sched = self.scheduler
+        jump = self.processor.grammars.enable_jump_forward
         if any(needs_sync(r, jump) for r in sched.running) or \
                 any(needs_sync(r, jump) for r in sched.waiting):
-            return self.drain() + eng._step_sync()
+            return self.drain() + self.sync.step()
         plan = sched.schedule()
         if plan is None:
             return self.drain()
-        eng.num_steps += 1
         logits, chunks = self._forward(plan)
         if any(c.req.grammar is not None for c in chunks):
             updates = self.drain()  # the grammars take in step N's tokens first
@@ -82,33 +92,26 @@ class OverlapStepper:
         self.inflight = launched
         return updates
 
-    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list]:
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[Chunk]]:
         """Launch the forward; its logits rows are the plan's sampling chunks, in order."""
-        runner = self.engine.runner
-        runner.placeholder_tokens = self.inflight.tokens if self.inflight else None
-        logits, _ = runner.forward(plan)
-        runner.placeholder_tokens = None
+        pending = self.inflight.pending() if self.inflight is not None else None
+        logits, _ = self.runner.forward(plan, pending)
         sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
         if len(sampling) < len(plan.chunks):
             logits = logits[sampling]
         return logits, [plan.chunks[i] for i in sampling]
 
-    def _sample(self, plan: StepPlan, logits: torch.Tensor, chunks: list,
-                constrained: bool) -> tuple[InFlight, list]:
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, chunks: list[Chunk],
+                constrained: bool) -> tuple[InFlight, list[TokenUpdate]]:
         """Launch sampling for the chunks that still sample, under their grammar masks when
         `constrained`; returns the in-flight step and updates for requests whose grammar
         failed to compile."""
-        from engine.engine import TokenUpdate
-
-        eng = self.engine
         masks, failed = None, []
         if constrained:
             # Step N's tokens were just taken in: a request may have finished (or been
             # extended, were jump-forward on: then its chunk no longer ends its tokens).
             live = [j for j, c in enumerate(chunks) if c.req.status is Status.RUNNING and c.samples]
-            masks, failed = eng.grammars.token_masks([chunks[j].req for j in live])
-            for req in failed:  # added without validate() and its constraint did not compile
-                eng.scheduler.finish(req, "abort")
+            masks, failed = self.processor.grammars.token_masks([chunks[j].req for j in live])
             if failed:
                 keep = [k for k, j in enumerate(live) if chunks[j].req not in failed]
                 live = [live[k] for k in keep]
@@ -119,7 +122,7 @@ class OverlapStepper:
         reqs = [c.req for c in chunks]
         tokens = host = None
         if reqs:
-            tokens = eng.sampler.sample_tokens(logits, reqs, masks)
+            tokens = self.sync.sampler.sample_tokens(logits, reqs, masks)
             host = self._host[self._launches % 2][:len(reqs)]
             host.copy_(tokens, non_blocking=self.cuda)
         self._launches += 1
@@ -127,39 +130,27 @@ class OverlapStepper:
         if self.cuda:
             done = torch.cuda.Event()
             done.record()
-        placeholders = []
-        for k, req in enumerate(reqs):
-            req.token_ids.append(-(k + 1))
-            placeholders.append((req, len(req.token_ids) - 1))
-        return (InFlight(plan, tokens, host, done, placeholders),
-                [TokenUpdate(req, [], True) for req in failed])
+        for req in reqs:
+            req.inflight += 1
+        return InFlight(plan, reqs, tokens, host, done), self.processor.abort_failed(failed)
 
-    def drain(self) -> list:
-        """Wait for the in-flight step and apply its tokens."""
+    def drain(self) -> list[TokenUpdate]:
+        """Wait for the in-flight step and take its tokens in."""
         f, self.inflight = self.inflight, None
         if f is None:
             return []
         if f.done is not None:
             f.done.synchronize()
         values = f.host.tolist() if f.host is not None else []
-        for (req, pos), token in zip(f.placeholders, values):
-            if pos < len(req.token_ids):  # else aborted meanwhile and trimmed
-                req.token_ids[pos] = token
-        eng = self.engine
-        for chunk in f.plan.chunks:
-            if chunk.num_tokens > 1 and chunk.req.status is Status.RUNNING:
-                eng.scheduler.cache_prefix(chunk.req)
-        updates = []
-        for (req, pos), token in zip(f.placeholders, values):
-            if req.status is Status.FINISHED:  # aborted while in flight
+        taken = []
+        for req, token in zip(f.reqs, values):
+            if req.status is Status.FINISHED:  # aborted, or finished by its previous token
                 continue
-            # Judge the request by its tokens up to this one, not the next step's placeholder.
-            ahead = req.token_ids[pos + 1:]
-            del req.token_ids[pos + 1:]
-            # Jump-forward only without a next placeholder (the next step computed its
-            # logits after this token; constrained steps take tokens in before sampling).
-            update = eng._advance(req, token, may_jump=not ahead)
-            if not update.finished:
-                req.token_ids += ahead
-            updates.append(update)
-        return updates
+            req.inflight -= 1
+            req.token_ids.append(token)
+            taken.append((req, token))
+        self.processor.cache_prefill_chunks(f.plan)
+        # Jump-forward only without a later token in flight (the next step computed its
+        # logits after this token; constrained steps take tokens in before sampling).
+        return [self.processor.advance(req, token, may_jump=not req.inflight)
+                for req, token in taken]

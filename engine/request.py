@@ -21,8 +21,10 @@ class Status(enum.Enum):
 class Request:
     """A request's tokens, its KV, and where it stands.
 
-    `token_ids` is prompt + generated. KV exists for the first `kv_len` tokens, whose slots
-    are `slots`; the first `locked_len` of them belong to the radix tree (under
+    `token_ids` is prompt + generated, as far as the host knows them; with overlap scheduling
+    `inflight` more were sampled by launched steps and are still on the device (their KV is
+    computed by the next step, which reads them there). KV exists for the first `kv_len`
+    tokens, whose slots are `slots`; the first `locked_len` of them belong to the radix tree (under
     `last_node`, which this request keeps locked) and the rest are owned by the request.
     Every step computes KV for some of `token_ids[kv_len:]`; when that reaches the end, the
     logits of the last token are sampled. Decoding is the case of one new token.
@@ -34,6 +36,7 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None  # first admission: queue time = scheduled_at - arrival
     token_ids: list[int] = field(default_factory=list)
+    inflight: int = 0  # tokens sampled on the device, not yet appended to token_ids
     slots: list[int] = field(default_factory=list)
     locked_len: int = 0
     last_node: TreeNode | None = None
@@ -88,14 +91,14 @@ class Request:
         return len(self.token_ids) - len(self.prompt_ids)
 
     @property
-    def num_known_output(self) -> int:
-        """Generated tokens, without one still in flight (overlap scheduling)."""
-        return self.num_output - (1 if self.token_ids[-1] < 0 else 0)
+    def num_tokens(self) -> int:
+        """Known tokens and those in flight."""
+        return len(self.token_ids) + self.inflight
 
     @property
     def pending_len(self) -> int:
         """Tokens still without KV before the next sample."""
-        return len(self.token_ids) - self.kv_len
+        return len(self.token_ids) + self.inflight - self.kv_len
 
     @property
     def is_finished(self) -> bool:

@@ -39,15 +39,8 @@ class Chunk:
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the end of the known tokens, so its last logits are sampled."""
-        return self.start + self.num_tokens - len(self.draft) == len(self.req.token_ids)
-
-    @property
-    def input_ids(self) -> list[int]:
-        if not self.draft:
-            return self.req.token_ids[self.start:self.start + self.num_tokens]
-        end = self.start + self.num_tokens - len(self.draft)
-        return self.req.token_ids[self.start:end] + self.draft
+        """The chunk reaches the end of the request's tokens, so its last logits are sampled."""
+        return self.start + self.num_tokens - len(self.draft) == self.req.num_tokens
 
 
 @dataclass
@@ -71,6 +64,7 @@ class SchedulerStats:
     preemptions: int = 0
     finished_requests: int = 0
     aborted_requests: int = 0
+    steps: int = 0  # plans handed out
 
 
 class Scheduler:
@@ -97,6 +91,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = "abort"
+        req.inflight = 0  # a token still in flight is dropped
         self.stats.aborted_requests += 1
 
     @property
@@ -108,7 +103,7 @@ class Scheduler:
     def schedule(self, drafts: dict[Request, list[int]] | None = None) -> StepPlan | None:
         """`drafts`: speculative tokens to verify after some decoding requests' last token
         (engine/speculative/); they get KV slots only when memory allows."""
-        decoders = [r for r in self.running if len(r.token_ids) - len(r.slots) == 1]
+        decoders = [r for r in self.running if len(r.token_ids) + r.inflight - len(r.slots) == 1]
         decoders = self._make_room_for_decode(decoders)
         chunks = [Chunk(r, len(r.slots), 1) for r in decoders]
         for req, slot in zip(decoders, self._alloc(len(decoders))):
@@ -121,7 +116,10 @@ class Scheduler:
             # appended by jump-forward) and none fits: retract the newest, as decode does.
             self._retract(max(self.running, key=lambda r: r.arrival))
             return self.schedule(drafts)
-        return StepPlan(chunks) if chunks else None
+        if not chunks:
+            return None
+        self.stats.steps += 1
+        return StepPlan(chunks)
 
     def _attach_drafts(self, chunks: list[Chunk], drafts: dict[Request, list[int]]) -> None:
         """Give decode chunks their drafts, in order, while memory lasts: a draft is an
@@ -155,8 +153,8 @@ class Scheduler:
             if budget <= 0:
                 break
             newly_admitted = req.status is Status.WAITING
-            if newly_admitted and req.token_ids[-1] < 0:
-                continue  # its last token is still in flight (overlap scheduling)
+            if newly_admitted and req.inflight:
+                continue  # retracted while its last token was in flight (overlap scheduling)
             if newly_admitted:
                 if len(self.running) >= self.config.max_running_requests:
                     break
@@ -231,7 +229,7 @@ class Scheduler:
         requests arriving meanwhile can share it; the request keeps it locked."""
         if not self.cache.enabled:
             return
-        tokens = req.token_ids[:req.kv_len]
+        tokens = req.token_ids[:req.kv_len]  # (an in-flight token never ends a prefill chunk)
         already = self.cache.insert(tokens, req.slots)
         self.allocator.free(req.slots[req.locked_len:already])  # the tree had its own copy
         slots, node = self.cache.match_prefix(tokens)
@@ -248,15 +246,18 @@ class Scheduler:
             self._release_kv(req, keep=True)
         req.status = Status.FINISHED
         req.finish_reason = reason
+        req.inflight = 0  # the token of a step launched after the finishing one is dropped
         self.stats.finished_requests += 1
 
     def _release_kv(self, req: Request, keep: bool) -> None:
         """Give back the request's row and KV; with `keep`, its KV goes into the tree."""
         owned_from = req.locked_len
-        if keep and self.cache.enabled and req.kv_len:
-            owned_from = max(owned_from, self.cache.insert(req.token_ids[:req.kv_len], req.slots))
+        # The KV of a token still in flight is freed, not cached: the tree keys known tokens.
+        n = min(req.kv_len, len(req.token_ids)) if keep and self.cache.enabled else 0
+        if n:
+            owned_from = max(owned_from, self.cache.insert(req.token_ids[:n], req.slots[:n]))
             self.allocator.free(req.slots[req.locked_len:owned_from])
-            owned_from = req.kv_len  # the tree owns the rest now
+            owned_from = n  # the tree owns the rest now
         self.allocator.free(req.slots[owned_from:])
         if req.last_node is not None:
             self.cache.unlock(req.last_node)

@@ -245,9 +245,8 @@ def _reset(engine) -> None:
     engine.cache.reset()
     if engine.cache.record_events:
         engine.cache.drain_events()
-    engine.scheduler.stats = type(engine.scheduler.stats)()
-    engine.num_steps = 0
-    engine.num_jump_forward_tokens = 0
+    engine.scheduler.stats = type(engine.scheduler.stats)()  # (the step count too)
+    engine.processor.num_jump_forward_tokens = 0
     if engine.speculator is not None:
         engine.speculator.stats = type(engine.speculator.stats)()
     runner = engine.runner

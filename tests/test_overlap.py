@@ -1,4 +1,4 @@
-"""The overlap scheduler's bookkeeping on CPU: placeholders, requests finishing in flight,
+"""The overlap scheduler's bookkeeping on CPU: tokens in flight, requests finishing in flight,
 structured output (masks after the previous step's tokens, jump-forward in between) and
 aborts. The engine turns overlap on for CUDA only; these tests attach the stepper to a CPU
 engine, where it overlaps nothing but runs the same code. Outputs must equal sync stepping."""
@@ -15,16 +15,19 @@ from test_structured import REGEXES, SCHEMAS, check_json, check_regex
 
 
 def overlapped(llm_or_engine):
+    """Step the engine with the overlap stepper; returns a list that grows by one per step
+    it runs in sync."""
     engine = getattr(llm_or_engine, "engine", llm_or_engine)
-    engine.overlap = OverlapStepper(engine, engine.config.max_running_requests)
+    sync = engine.stepper
     sync_steps = []
-    step_sync = engine._step_sync
+    step_sync = sync.step
 
     def counted():
         sync_steps.append(1)
         return step_sync()
 
-    engine._step_sync = counted
+    sync.step = counted
+    engine.stepper = OverlapStepper(sync, engine.config.max_running_requests)
     return sync_steps
 
 
@@ -68,7 +71,7 @@ def mixed_batch(seed: int, with_sync_requests: bool = False):
 
 
 def test_overlap_equals_sync_unconstrained(tiny_llama):
-    """Placeholders resolved on the device, requests finishing while their next step runs."""
+    """In-flight tokens read on the device, requests finishing while their next step runs."""
     prompts, params = mixed_batch(seed=3)
     prompts, params = prompts[:12], params[:12]
     kw = dict(model=tiny_llama, dtype="float32", max_total_tokens=600, chunked_prefill_size=48)

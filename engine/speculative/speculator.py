@@ -1,15 +1,16 @@
 """The engine's speculative-decoding side: which requests draft, their drafts, and the
 verdict on them. The engine feeds the drafts to the target after each request's last
 token (`Scheduler.schedule(drafts)`: KV slots for them when memory allows), then takes in
-the verified tokens and frees the KV of the rejected drafts (`Engine._take_verified`)."""
+the verified tokens and frees the KV of the rejected drafts (`Speculator.take_verdicts`)."""
 from __future__ import annotations
 
 import torch
 
 from engine.config import EngineConfig
+from engine.output_processor import OutputProcessor, TokenUpdate
 from engine.request import Request
 from engine.sampler import Sampler
-from engine.scheduler import Chunk
+from engine.scheduler import Chunk, StepPlan
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.stats import SpecStats
 from engine.speculative.verify import verify_chunks
@@ -57,3 +58,45 @@ class Speculator:
             self.stats.add(len(chunk.draft), accepted)
             chunk.req.spec_stats.add(len(chunk.draft), accepted)
         return verdicts
+
+    def take_verdicts(self, plan: StepPlan, logits: torch.Tensor, processor: OutputProcessor
+                      ) -> tuple[StepPlan, torch.Tensor, list[TokenUpdate]]:
+        """Take in the verified tokens of the chunks that carried drafts (1 + len(draft)
+        logits rows each); the rest of the plan, with its logits rows, goes on as usual."""
+        drafted, drafted_rows, rest, rest_rows, t = [], [], [], [], 0
+        for chunk in plan.chunks:
+            n = 1 + len(chunk.draft)
+            if chunk.draft:
+                drafted.append(chunk)
+                drafted_rows += range(t, t + n)
+            else:
+                rest.append(chunk)
+                rest_rows.append(t)
+            t += n
+        verdicts = self.verify(drafted, logits[drafted_rows])
+        updates = [_take_verified(c, tokens, processor) for c, tokens in zip(drafted, verdicts)]
+        return StepPlan(rest), logits[rest_rows], updates
+
+
+def _take_verified(chunk: Chunk, tokens: list[int], processor: OutputProcessor) -> TokenUpdate:
+    """Append the verified tokens one at a time (any may finish the request: EOS, a stop,
+    max_tokens) and free the KV of the drafts that were not kept. KV of kept drafts goes
+    back to the request only as its tokens are taken, so the request is always in the
+    plain decode state (KV for all but its last token)."""
+    req = chunk.req
+    allocator = processor.scheduler.allocator
+    base = chunk.start + 1  # KV up to and including the request's last token
+    held = req.slots[base:base + len(tokens) - 1]  # KV of the kept drafts
+    allocator.free(req.slots[base + len(held):])
+    del req.slots[base:]
+    row_synced = req.row_synced  # the device row's first entries stay valid
+    for i, token in enumerate(tokens):
+        req.token_ids.append(token)
+        update = processor.advance(req, token, may_jump=False)
+        if update.finished:
+            allocator.free(held[i:])
+            return TokenUpdate(req, tokens[:i + 1], True)
+        if i < len(held):
+            req.slots.append(held[i])
+    req.row_synced = min(row_synced, len(req.slots))
+    return TokenUpdate(req, tokens, False)
