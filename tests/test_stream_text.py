@@ -74,6 +74,58 @@ def test_stop_string_across_chunk_borders(tokenizer):
     assert text == TEXT[:TEXT.index("世界")]
 
 
+def _feed_one_by_one(tokenizer, tokens, stop: str, include: bool = False):
+    """The engine's use of the detokenizer: add a token, take the delta, until a stop.
+    Returns (index of the token after which it stopped or None, the deltas)."""
+    detok = IncrementalDetokenizer(tokenizer, [1, 2, 3], [stop], include_stop=include)
+    pieces, stopped_at = [], None
+    for k, t in enumerate(tokens):
+        detok.add(t)
+        pieces.append(detok.take_delta())
+        emitted = "".join(pieces)
+        # hold-back: handed-out text is never taken back by a later stop match, and at
+        # most len(stop) - 1 characters of the decoded text are held
+        assert detok.text.startswith(emitted)
+        assert detok.stopped or len(detok.text) - len(emitted) <= len(stop) - 1
+        if detok.stopped:
+            stopped_at = k
+            break
+    pieces.append(detok.take_delta(final=True))
+    return stopped_at, pieces
+
+
+def test_detokenizer_stops_at_the_token_completing_a_stop_string(tokenizer):
+    """Stop strings cut at random out of TEXT: most start or end inside a token, many
+    inside a multi-byte character spread over several tokens. The detokenizer must stop
+    exactly at the first token whose text completes the string, cut the text right
+    before it (or after it, with include_stop), and never hand out text it takes back."""
+    tokens = tokenizer.encode(TEXT)[1:]
+    prefixes = [tokenizer.decode(tokens[:k + 1]) for k in range(len(tokens))]
+    rng = random.Random(1)
+    spans = 0
+    for _ in range(60):
+        start = rng.randrange(len(TEXT) - 1)
+        stop = TEXT[start:start + rng.randint(1, 6)]
+        expected_at = next(k for k, text in enumerate(prefixes) if stop in text)
+        at = TEXT.index(stop)  # the first occurrence is the one that stops
+        # does the stop string span a token border?
+        spans += expected_at > 0 and stop not in prefixes[expected_at][len(prefixes[expected_at - 1]):]
+        for include in (False, True):
+            stopped_at, pieces = _feed_one_by_one(tokenizer, tokens, stop, include)
+            assert stopped_at == expected_at, (stop, include)
+            assert "".join(pieces) == TEXT[:at + len(stop) if include else at], (stop, include)
+            assert not any("\ufffd" in p for p in pieces)
+    assert spans >= 20  # the draw does exercise stops across token borders
+
+
+def test_detokenizer_without_a_matching_stop_streams_everything(tokenizer):
+    tokens = tokenizer.encode(TEXT)[1:]
+    for stop in ("never there", "STOPS", "🙂🙂"):  # "STOP" and "🙂" start the last two
+        stopped_at, pieces = _feed_one_by_one(tokenizer, tokens, stop)
+        assert stopped_at is None and "".join(pieces) == TEXT
+        assert not any("\ufffd" in p for p in pieces)
+
+
 def test_merge_deltas_joins_each_calls_deltas_in_order():
     batch = [(0, _delta([1], logprobs=[-0.1], prompt_logprobs=[None, -1.0])),
              (1, _delta([7])),
