@@ -28,15 +28,17 @@ class OutputDelta:
 
 
 class ChatOutput:
-    def __init__(self, reasoning: ReasoningParser | None, tools) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tools, echo: str = "") -> None:
         self.reasoning_parser = reasoning
         self.tool_parser = tools  # a ToolParser, a NamedToolParser, or None
+        self.echo = echo  # content ahead of the model's (the request's `echo`), not parsed
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.calls: dict[int, list] = {}  # index -> [id, name, arguments]
 
     def feed(self, text: str, final: bool = False) -> OutputDelta:
-        out = OutputDelta()
+        out = OutputDelta(content=self.echo)
+        self.echo = ""
         if self.reasoning_parser is None:
             self._content(out, text)
         else:

@@ -49,8 +49,10 @@ class ChatFeatures:
                 n: int) -> list[ChatOutput] | None:
         """One output reader per choice (None: the output is plain content). `prompt_tail`:
         the prompt's last tokens as text."""
-        outputs = [ChatOutput(self._reasoning(req, prompt_tail), self._tools(req)) for _ in range(n)]
-        plain = outputs[0].reasoning_parser is None and outputs[0].tool_parser is None
+        outputs = [ChatOutput(self._reasoning(req, prompt_tail), self._tools(req), req.echoed_text)
+                   for _ in range(n)]
+        first = outputs[0]
+        plain = first.reasoning_parser is None and first.tool_parser is None and not first.echo
         return None if plain else outputs
 
     def _reasoning(self, req: ChatCompletionRequest, prompt_tail: str) -> ReasoningParser | None:

@@ -6,8 +6,8 @@ coerced ("abc" or "5" for max_tokens, a string temperature). Numeric ranges
 that the engine owns (temperature, top_p, penalties, ...) are validated by
 `engine.SamplingParams`; here we only check what the HTTP layer itself needs.
 
-This module deliberately does not import `engine`: `to_sampling_kwargs`
-returns a plain dict of SamplingParams field names, and the caller builds
+This module deliberately does not import `engine`: `completion_sampling_kwargs` and
+`chat_sampling_kwargs` return a plain dict of SamplingParams field names, and the caller builds
 `SamplingParams(**kwargs)` (turning its ValueError into a 400).
 """
 from __future__ import annotations
@@ -328,6 +328,10 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    # vLLM's echo on chat: the reply's content starts with the last message's content when
+    # that message is the assistant's own (a reply being continued); otherwise nothing.
+    echo: bool = False
+    _honoured: ClassVar[frozenset[str]] = frozenset({"echo"})
 
     @model_validator(mode="after")
     def _check_combinations(self) -> ChatCompletionRequest:
@@ -360,6 +364,12 @@ class ChatCompletionRequest(_SamplingFields):
         return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
     @property
+    def echoed_text(self) -> str:
+        """What `echo` puts ahead of the reply's content."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
+
+    @property
     def requested_max_tokens(self) -> int | None:
         """max_completion_tokens (the newer name) wins over max_tokens."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -386,6 +396,8 @@ class TokenizeRequest(_Request):
 
 
 def completion_sampling_kwargs(req: CompletionRequest) -> dict[str, Any]:
+    """Keyword arguments for `engine.SamplingParams(**kwargs)`: only the fields the client
+    set (engine defaults apply otherwise), and always max_tokens (OpenAI's default is 16)."""
     kwargs = _common_sampling_kwargs(req)
     kwargs["max_tokens"] = req.max_tokens
     if req.logprobs is not None:
@@ -402,6 +414,9 @@ def completion_sampling_kwargs(req: CompletionRequest) -> dict[str, Any]:
 def chat_sampling_kwargs(
     req: ChatCompletionRequest, default_max_tokens: int | None = None
 ) -> dict[str, Any]:
+    """Keyword arguments for `engine.SamplingParams(**kwargs)`, as for completions;
+    `default_max_tokens` serves requests that give neither max_tokens nor
+    max_completion_tokens (e.g. the context length left over)."""
     kwargs = _common_sampling_kwargs(req)
     max_tokens = req.requested_max_tokens
     if max_tokens is None:
@@ -412,21 +427,6 @@ def chat_sampling_kwargs(
         kwargs["logprobs"] = True
         kwargs["top_logprobs"] = req.top_logprobs or 0
     return kwargs
-
-
-def to_sampling_kwargs(
-    req: CompletionRequest | ChatCompletionRequest, default_max_tokens: int | None = None
-) -> dict[str, Any]:
-    """Keyword arguments for `engine.SamplingParams(**kwargs)`.
-
-    Only fields the client actually set are included, so engine defaults apply
-    otherwise. `default_max_tokens` is used by chat requests that give neither
-    max_tokens nor max_completion_tokens (e.g. the context length left over);
-    completions always carry max_tokens (OpenAI's default is 16).
-    """
-    if isinstance(req, ChatCompletionRequest):
-        return chat_sampling_kwargs(req, default_max_tokens)
-    return completion_sampling_kwargs(req)
 
 
 # --------------------------------------------------------------------------

@@ -319,7 +319,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "include_stop_str_in_output": "yes"}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [10**6]}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                              "echo": True}, 400),
+                              "echo": "loud"}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}, 400),

@@ -237,3 +237,16 @@ def test_bad_tool_requests_are_400(client, body):
                    json={"model": MODEL, "messages": ASK, "max_tokens": 2, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"]
+
+
+def test_chat_echo_leads_with_the_assistant_message_it_continues(client):
+    """echo (vLLM's): the content starts with the last message's when that message is the
+    assistant's, whole and streamed; after a user message there is nothing to echo."""
+    partial = ASK + [{"role": "assistant", "content": "The weather in Paris is"}]
+    kwargs = dict(temperature=0.0, max_tokens=6)
+    plain = chat(client, partial, **kwargs).choices[0].message.content or ""
+    echoed = chat(client, partial, extra_body={"echo": True}, **kwargs).choices[0].message
+    assert echoed.content == "The weather in Paris is" + plain
+    assert streamed(client, partial, extra_body={"echo": True}, **kwargs)["content"] == echoed.content
+    after_user = chat(client, extra_body={"echo": True}, **kwargs).choices[0].message.content
+    assert after_user == chat(client, **kwargs).choices[0].message.content
