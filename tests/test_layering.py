@@ -269,18 +269,9 @@ def layering(package: str) -> list[str]:
 
 # -- the tests --------------------------------------------------------------------------
 
-# Issue 22: the engine refactor in progress removes engine.engine <-> engine.overlap.
-# Until it lands this one cycle is reported as an expected failure (xfail), and any
-# other cycle fails the test; delete KNOWN_CYCLES and its use below once it has landed.
-KNOWN_CYCLES = [["engine.engine", "engine.overlap", "engine.engine"]]
-
-
 def test_no_import_cycles():
     cycles = import_cycles()
-    unknown = [c for c in cycles if c not in KNOWN_CYCLES]
-    assert not unknown, "import cycles:\n  " + "\n  ".join(" -> ".join(c) for c in unknown)
-    if cycles:
-        pytest.xfail("issue 22: " + " -> ".join(cycles[0]) + " (engine refactor in progress)")
+    assert not cycles, "import cycles:\n  " + "\n  ".join(" -> ".join(c) for c in cycles)
 
 
 @pytest.mark.parametrize("package", PACKAGES)
