@@ -78,8 +78,7 @@ class ExtendGraphs:
     def _run(self, bs: int, tokens: int) -> torch.Tensor:
         batch = self._batch(bs, tokens)
         self.attn_backend.prepare(batch)
-        hidden = self.model(batch)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        return self.model(batch)[batch.logits_indices]  # the LM head runs after replay
 
     def _fill_dummy(self, tokens: int) -> None:
         """Capture inputs: request 0 extends `tokens` new tokens from row 0 / slot 0."""
@@ -138,4 +137,4 @@ class ExtendGraphs:
         self.qo_indptr[bs + 1:cap + 1].fill_(n)
         self.graphs[cap, tokens].replay()
         self.replays += 1
-        return self.outputs[cap, tokens][:bs]
+        return self.model.compute_logits(self.outputs[cap, tokens][:bs])

@@ -29,6 +29,18 @@ class KVPool:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.allocator = SlotAllocator(num_slots)
 
+    @classmethod
+    def over(cls, k: list[torch.Tensor], v: list[torch.Tensor]) -> "KVPool":
+        """A pool over existing per-layer tensors (e.g. an fp32 copy of another pool, as the
+        attention kernels' reference), without an allocator of its own."""
+        pool = cls.__new__(cls)
+        pool.num_slots = k[0].shape[0] - 1
+        pool.dtype = k[0].dtype
+        pool.fp8 = pool.dtype == FP8
+        pool.scale = 1.0
+        pool.k, pool.v = k, v
+        return pool
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """New K or V -> what the pool stores."""
         return to_fp8(x / self.scale) if self.fp8 else x.to(self.dtype)

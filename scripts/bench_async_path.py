@@ -20,7 +20,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 import bench_offline  # noqa: E402
-from deployments.engine_replica import wire_delta  # noqa: E402
 from engine import AsyncEngine, SamplingParams  # noqa: E402
 
 
@@ -29,6 +28,13 @@ def workload(small: bool):
     if small:  # the CPU smoke run: W2's shape, scaled down
         reqs = [([t % 700 + 20 for t in ids[-40:]], 8) for ids, _ in reqs[:24]]
     return reqs
+
+
+try:  # the engine replica's per-delta work; the GPU machine may lack the Serve layer's deps
+    from deployments.engine_replica import wire_delta as wire
+except ImportError:
+    def wire(delta) -> dict:
+        return {"token_ids": delta.token_ids, "finished": delta.finished}
 
 
 async def run_async(engine, reqs) -> dict:
@@ -41,7 +47,7 @@ async def run_async(engine, reqs) -> dict:
 
         def put(delta):
             nonlocal first, last
-            out.append(wire_delta(delta))
+            out.append(wire(delta))
             last = time.perf_counter()
             if first is None:
                 first = last

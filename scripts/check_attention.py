@@ -148,8 +148,7 @@ def extend_flops(reqs) -> float:
 def extend_reference(pool, batch, q, k, v) -> torch.Tensor:
     from engine.attention.torch_backend import TorchAttentionBackend
 
-    ref_pool = KVPool.__new__(KVPool)
-    ref_pool.k, ref_pool.v = [pool.k[0].float()], [pool.v[0].float()]
+    ref_pool = KVPool.over([pool.k[0].float()], [pool.v[0].float()])
     return TorchAttentionBackend(ref_pool, D ** -0.5).forward(q.float(), k.float(), v.float(),
                                                               0, batch)
 

@@ -9,7 +9,9 @@
 #   1: carry [".whl/c1"], command: mkdir -p /tmp/chunks && cp .whl/c1/* /tmp/chunks/
 #   2: carry [".whl/c2"], command: bash scripts/gpu_serve_check.sh
 # PARTS (default "serve,offline,path") picks what runs; "profile" adds py-spy of the engine
-# replica and an ingress during W2 over HTTP.
+# replica and an ingress during W2 over HTTP; "gil" runs batch-1 and W2 again with the
+# replica's GIL switch interval at 0.5 ms; "admission" measures the bound, request intake
+# and a 10 MB body with the stand-in engine. PATH_ARGS overrides the path bench's options.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -42,6 +44,7 @@ applications:
       engine: {load_format: dummy, dtype: bfloat16, max_running_requests: 1024,
                chunked_prefill_size: 8192, max_prefill_tokens: 16384, cuda_graph_max_bs: 1024,
                mem_fraction_static: 0.88, max_queued_requests: 2048, grammar_backend: none}
+      ${SERVE_EXTRA:-}
 EOF
   setsid serve run /tmp/gpu_serve.yaml > "$OUT/serve.log" 2>&1 &
   SERVE_PID=$!
@@ -91,12 +94,24 @@ if [[ $PARTS == *serve* ]]; then
   if serve_up; then
     bench warm --num-prompts 64 --input-len 512 --output-len 32
     bench batch1 --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1
+    bench batch1short --num-prompts 16 --input-len 32 --output-len 64 --max-concurrency 1
     bench w2 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
       --question-len 128 --output-len 256
     for rate in 4 16 64; do
       bench "poisson$rate" --num-prompts $((rate * 10)) --input-len 512 --output-len 128 --request-rate $rate
     done
     top -b -n 1 -o %CPU | head -15 > "$OUT/top.txt"
+  fi
+  serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1
+fi
+
+if [[ $PARTS == *gil* ]]; then  # the same app with the engine replica's GIL switch interval at 0.5 ms
+  SECONDS=0
+  if SERVE_EXTRA="gil_switch_interval_ms: 0.5" serve_up; then
+    bench warm --num-prompts 64 --input-len 512 --output-len 32
+    bench gil_batch1 --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1
+    bench gil_w2 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
+      --question-len 128 --output-len 256
   fi
   serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1
 fi
@@ -112,6 +127,13 @@ if [[ $PARTS == *path* ]]; then
   ray stop --force > /dev/null 2>&1
 fi
 
+if [[ $PARTS == *admission* ]]; then  # stand-in engine: the bound, request intake, a 10 MB body
+  timeout 150 python3 scripts/bench_serve_path.py --admission --step-ms 20 2>&1 | grep -E "^  |^[a-z]"
+  ray stop --force > /dev/null 2>&1
+  timeout 120 python3 scripts/bench_serve_path.py --intake 512 2176 2>&1 | grep -E "^\{"
+  ray stop --force > /dev/null 2>&1
+fi
+
 python3 - "$OUT" <<'EOF'
 import json, os, sys
 out = sys.argv[1]
@@ -119,7 +141,7 @@ def load(name):
     path = os.path.join(out, name)
     return json.load(open(path)) if os.path.exists(path) else None
 print(f"\n{'run':<12} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT mean':>9} {'ITL p50':>8} {'ITL mean':>8} {'TPOT':>7} {'ok':>5} {'fail':>5}")
-for name in ("batch1", "w2", "poisson4", "poisson16", "poisson64"):
+for name in ("batch1", "batch1short", "w2", "poisson4", "poisson16", "poisson64", "gil_batch1", "gil_w2"):
     m = load(f"http_{name}.json")
     if m:
         m = m.get("metrics", m)

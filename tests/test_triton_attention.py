@@ -131,10 +131,7 @@ def make_case(reqs: list[tuple[int, int]], hq: int, hkv: int, d: int, dtype: tor
 def reference(case: Case) -> tuple[torch.Tensor, KVPool]:
     """fp32 torch reference on an fp32 copy of the pool (pool as it was before the step)."""
     p = case.pool
-    ref_pool = KVPool.__new__(KVPool)
-    ref_pool.num_slots = p.num_slots
-    ref_pool.k = [t.float().clone() for t in p.k]
-    ref_pool.v = [t.float().clone() for t in p.v]
+    ref_pool = KVPool.over([t.float().clone() for t in p.k], [t.float().clone() for t in p.v])
     be = TorchAttentionBackend(ref_pool, 1.0 / math.sqrt(case.q.shape[-1]))
     out = be.forward(case.q.float(), case.k.float(), case.v.float(), case.layer, case.batch)
     return out, ref_pool
