@@ -45,6 +45,25 @@ def test_stream_equals_offline(engine, tiny_llama):
     assert not any(d.finished for d in deltas[:-1])
 
 
+def test_streamed_text_with_a_stop_string_is_never_taken_back(engine, tiny_llama):
+    """With a stop string the stream holds back text that may still turn out to be its
+    start: the deltas add up to the offline text, cut right before the stop."""
+    prompt = "The quick brown fox jumps"
+    llm = LLM(model=tiny_llama, dtype="float32", max_total_tokens=512)
+    free = llm.generate([prompt], SamplingParams(max_tokens=20, **GREEDY))[0]
+    # A stop string from the last character of one token's text into the next token's:
+    # its first character is decoded a step before the stop is known.
+    texts = [llm.tokenizer.decode(free.token_ids[:k]) for k in range(len(free.token_ids) + 1)]
+    assert free.text == texts[-1]
+    stop = next(s for a, b in zip(texts[1:], texts[2:]) if len(b) - len(a) >= 2
+                for s in [b[len(a) - 1:len(a) + 1]]
+                if s.isascii() and s.strip() and free.text.index(s) == len(a) - 1)
+    params = SamplingParams(max_tokens=20, stop=[stop], **GREEDY)
+    deltas = run(collect(engine, prompt, params, "stop1"))
+    assert "".join(d.text for d in deltas) == free.text[:free.text.index(stop)]
+    assert deltas[-1].finish_reason == "stop"
+
+
 def test_many_concurrent_requests(engine):
     async def main():
         r = random.Random(0)
