@@ -10,8 +10,12 @@ from typing import Any
 from deployments.chat_output import ChatOutput
 from deployments.chat_render import template_inputs, template_kwargs, template_source
 from deployments.protocol import ChatCompletionRequest, NamedToolChoice
-from deployments.reasoning import ReasoningParser, detect_reasoning_parser, prompt_opens_reasoning
-from deployments.tool_calls import NamedToolParser, RequiredToolParser, detect_tool_parser, tool_parser
+from deployments.reasoning import (
+    THINK_END, THINK_START, ReasoningParser, detect_reasoning_parser, prompt_opens_reasoning,
+)
+from deployments.tool_calls import (
+    PARSERS, NamedToolParser, RequiredToolParser, detect_tool_parser, tool_parser,
+)
 from deployments.tool_calls.grammar import named_schema, required_schema
 
 
@@ -21,6 +25,9 @@ class ChatPlan:
     tools: list[dict] | None
     template_kwargs: dict[str, Any]
     sampling: dict[str, Any] = field(default_factory=dict)  # added to the sampling kwargs
+    # Markers the output's parsers read: kept in the text if they are special tokens
+    # (Mistral's [TOOL_CALLS] is one, and skip_special_tokens would drop it).
+    special_tokens: tuple[str, ...] = ()
 
 
 class ChatFeatures:
@@ -43,7 +50,14 @@ class ChatFeatures:
         elif functions and self.tool_parser is None:
             raise ValueError("no tool-call parser is known for this model: set the app's "
                              "tool_call_parser, or use tool_choice 'required' or a named function")
+        plan.special_tokens = self._markers(req)
         return plan
+
+    def _markers(self, req: ChatCompletionRequest) -> tuple[str, ...]:
+        markers = (THINK_START, THINK_END) if self.reasoning_parser is not None else ()
+        if req.active_tools and not req.forced_tool_call and self.tool_parser in PARSERS:
+            markers += PARSERS[self.tool_parser].special_markers
+        return markers
 
     def outputs(self, req: ChatCompletionRequest, prompt_tail: str,
                 n: int) -> list[ChatOutput] | None:

@@ -38,8 +38,26 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text)
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True,
+               keep: frozenset[int] = frozenset()) -> str:
+        """`keep`: special token ids written out even when skipping special tokens (the
+        markers a tool-call or reasoning parser reads, such as Mistral's [TOOL_CALLS])."""
+        if skip_special_tokens and keep and not keep.isdisjoint(ids):
+            skipped = self._special_ids
+            ids = [i for i in ids if i in keep or i not in skipped]
+            skip_special_tokens = False  # what is left to skip is gone already
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def special_token_ids(self, texts) -> frozenset[int]:
+        """Ids of those of `texts` that are special tokens of this vocabulary (what
+        skip_special_tokens would drop); other texts are left out."""
+        by_text = {tok.content: i for i, tok in self.hf.added_tokens_decoder.items()}
+        return frozenset(by_text[t] for t in texts if by_text.get(t) in self._special_ids)
+
+    @cached_property
+    def _special_ids(self) -> frozenset[int]:
+        """The ids skip_special_tokens drops: every added token marked special."""
+        return frozenset(i for i, tok in self.hf.added_tokens_decoder.items() if tok.special)
 
     def token_str(self, token_id: int) -> str:
         return self.hf.decode([token_id])
@@ -122,6 +140,7 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.skip_special_tokens = skip_special_tokens
+        self.keep: frozenset[int] = frozenset()  # special tokens written out anyway
         self.include_stop = include_stop  # the text ends after the stop string, not before
         self.text = ""
         self.emitted = 0
@@ -140,9 +159,11 @@ class IncrementalDetokenizer:
     def _add(self, token_id: int) -> None:
         self.ids.append(token_id)
         self.num_fed += 1
-        decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
-        full = decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
+        def decode(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, self.skip_special_tokens, self.keep)
+
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset])
+        full = decode(self.ids[self.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return
         before = len(self.text)
@@ -150,6 +171,11 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         if self.stop:
             self._find_stop(max(0, before - self.holdback))
+
+    def keep_special(self, texts) -> None:
+        """Write these special tokens into the text although special tokens are skipped
+        (a parser reads them); before the first token is added."""
+        self.keep = self.tokenizer.special_token_ids(texts)
 
     def token_offsets(self, start: int, end: int) -> list[int]:
         """text_offset of output tokens [start, end). Tokens of a stop string the text was

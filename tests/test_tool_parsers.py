@@ -219,3 +219,110 @@ def test_object_scanner_spans():
     assert s.value("n") == "12" and s.value("arguments") == '{"a": [1, {"x": "}"}]}'
     with pytest.raises(ValueError):
         ObjectScanner().feed("nope")
+
+
+# -- special-token markers, on a real tokenizer ------------------------------------------
+
+MISTRAL_SPECIALS = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+                    "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% for m in messages %}{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
+    "{% elif m.role == 'assistant' %}{% if m.tool_calls %}[TOOL_CALLS]{{ m.tool_calls | tojson }}"
+    "{% else %}{{ m.content }}{% endif %}{{ eos_token }}"
+    "{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]{% endif %}{% endfor %}")
+
+
+@pytest.fixture(scope="module")
+def mistral_tokenizer(tmp_path_factory):
+    """The demo tokenizer made Mistral-v0.3-like: [TOOL_CALLS] and the other control
+    markers are special tokens (skip_special_tokens drops them), with a template using them."""
+    from transformers import AutoTokenizer
+
+    from engine.demo_model import ensure_demo_model
+    from engine.tokenizer import Tokenizer
+
+    hf = AutoTokenizer.from_pretrained(ensure_demo_model())
+    hf.add_special_tokens({"additional_special_tokens": MISTRAL_SPECIALS})
+    hf.chat_template = MISTRAL_TEMPLATE
+    out = tmp_path_factory.mktemp("mistral-tokenizer")
+    hf.save_pretrained(out)
+    return Tokenizer(str(out))
+
+
+def _mistral_answer(tok) -> list[int]:
+    """'Let me check.' then a call, as a Mistral model writes it, then EOS."""
+    call = '[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]'
+    marker = tok.hf.convert_tokens_to_ids("[TOOL_CALLS]")
+    return (tok.encode("Let me check.")[1:] + [marker] + tok.encode(call)[1:]
+            + [tok.hf.eos_token_id])
+
+
+@pytest.mark.parametrize("stream_step", [None, 1, 3])
+def test_mistral_tool_calls_marker_survives_skip_special_tokens(mistral_tokenizer, stream_step):
+    """Through the ingress's own pieces (ChatFeatures, the per-choice detokenizer, the
+    response builders): the [TOOL_CALLS] special token is kept for the parser while EOS and
+    other special tokens are still skipped; streamed and whole give the same call."""
+    from deployments.chat_request import ChatFeatures
+    from deployments.protocol import ChatCompletionRequest
+    from deployments.responses import TokenNamer, chat_chunk, chat_response
+    from deployments.streams import ChoiceState
+    from engine.tokenizer import IncrementalDetokenizer
+
+    tok = mistral_tokenizer
+    features = ChatFeatures(tok.hf, "mistral", None, None)
+    assert features.tool_parser == "mistral"
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Paris?"}],
+                                                "tools": [{"type": "function", "function": {
+                                                    "name": "get_weather", "parameters": {}}}]})
+    plan = features.plan(req)
+    prompt = tok.apply_chat_template(plan.messages, plan.tools)
+    answer = _mistral_answer(tok)
+
+    def reply(keep: bool) -> tuple[dict, dict]:
+        choice = ChoiceState(0, 0, IncrementalDetokenizer(tok, prompt, []))
+        if keep:
+            choice.detok.keep_special(plan.special_tokens)
+        output = features.outputs(req, tok.decode(prompt[-8:], False), 1)
+        steps = [answer] if stream_step is None else [answer[i:i + stream_step]
+                                                       for i in range(0, len(answer), stream_step)]
+        streamed = {"content": "", "calls": {}}
+        base = {"id": "x", "created": 0, "model": "m"}
+        for k, ids in enumerate(steps):
+            last = k == len(steps) - 1
+            delta = {"token_ids": ids, "finished": last, "finish_reason": "stop" if last else None,
+                     "prompt_tokens": len(prompt), "cached_tokens": 0, "completion_tokens": 0}
+            text = choice.add(delta)
+            if stream_step is not None:
+                d = chat_chunk(base, choice, delta, text, False, TokenNamer(tok), k == 0,
+                               output[0]).choices[0]
+                streamed["content"] += d.delta.content or ""
+                for c in d.delta.tool_calls or []:
+                    got = streamed["calls"].setdefault(c.index, {"name": None, "arguments": ""})
+                    got["name"] = got["name"] or c.function.name
+                    got["arguments"] += c.function.arguments or ""
+                streamed["finish"] = d.finish_reason
+        if stream_step is None:
+            whole = chat_response("m", [choice], False, TokenNamer(tok), output).choices[0]
+            streamed = {"content": whole.message.content or "", "finish": whole.finish_reason,
+                        "calls": {i: {"name": c.function.name, "arguments": c.function.arguments}
+                                  for i, c in enumerate(whole.message.tool_calls or [])}}
+        return streamed, {"text": "".join(choice.text)}
+
+    kept, raw = reply(keep=True)
+    assert "[TOOL_CALLS]" in raw["text"] and "</s>" not in raw["text"]
+    assert kept["content"] == "Let me check." and kept["finish"] == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in kept["calls"].values()] == [
+        ("get_weather", WEATHER)]
+    # Decoded as before (every special token skipped), the marker is gone and so is the call.
+    lost, raw = reply(keep=False)
+    assert "[TOOL_CALLS]" not in raw["text"] and not lost["calls"]
+
+
+def test_kept_special_tokens_are_only_the_parsers_markers(mistral_tokenizer):
+    tok = mistral_tokenizer
+    keep = tok.special_token_ids(["[TOOL_CALLS]", "<think>", "not a token"])
+    assert keep == {tok.hf.convert_tokens_to_ids("[TOOL_CALLS]")}  # <think>: not in this vocab
+    ids = [tok.hf.bos_token_id, *keep, tok.hf.convert_tokens_to_ids("[INST]"), tok.hf.eos_token_id]
+    assert tok.decode(ids, keep=keep) == "[TOOL_CALLS]"
+    assert tok.decode(ids) == "" and tok.decode(ids, skip_special_tokens=False).count("[") == 2

@@ -13,7 +13,8 @@ from deployments.tool_calls.call_stream import CallSection, ParsedDelta
 class ToolParser:
     name = ""
     markers: tuple[str, ...] = ()  # texts that open a tool-call section
-    # Special tokens the format's markers are; the ingress keeps them in the decoded text.
+    # Special tokens the format's markers are; the ingress keeps them in the decoded text
+    # (ChatPlan.special_tokens -> IncrementalDetokenizer.keep_special).
     special_markers: tuple[str, ...] = ()
 
     def __init__(self) -> None:

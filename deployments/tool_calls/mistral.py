@@ -2,8 +2,9 @@
 
     [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]
 
-`[TOOL_CALLS]` is a special token, so the ingress decodes with it kept. (The newer
-`[TOOL_CALLS]name[ARGS]{...}` form of tekken v11+ tokenizers is not handled.)"""
+`[TOOL_CALLS]` is a special token, which skip_special_tokens would drop: the chat plan
+lists `special_markers`, and the ingress's detokenizer writes those (only those) out.
+(The newer `[TOOL_CALLS]name[ARGS]{...}` form of tekken v11+ tokenizers is not handled.)"""
 from __future__ import annotations
 
 from deployments.tool_calls.base import ToolParser
