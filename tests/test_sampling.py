@@ -58,11 +58,13 @@ def test_tiny_top_p_and_high_min_p_equal_greedy(llm):
 N_DRAWS = 1500
 
 
-def first_token_counts(llm, prompt: list[int], **params) -> Counter:
+def first_token_counts(llm, prompt: list[int], seeded: bool = True, **params) -> Counter:
     """N_DRAWS draws of the token after `prompt`, one request each, seeded 0..N-1 (so the
-    counts do not depend on which tests ran before on the shared engine)."""
+    counts do not depend on which tests ran before on the shared engine), or unseeded:
+    drawn from the engine's own generator, many rows per step."""
     outs = llm.generate([prompt] * N_DRAWS,
-                        [SamplingParams(max_tokens=1, ignore_eos=True, seed=i, **params)
+                        [SamplingParams(max_tokens=1, ignore_eos=True,
+                                        seed=i if seeded else None, **params)
                          for i in range(N_DRAWS)])
     return Counter(o.token_ids[0] for o in outs)
 
@@ -102,6 +104,14 @@ def test_temperature_reshapes_the_distribution(llm, tiny_llama, temperature):
     counts = first_token_counts(llm, DIST_PROMPT, temperature=temperature)
     assert_draws_follow(counts, hf_probs(tiny_llama, DIST_PROMPT,
                                          TemperatureLogitsWarper(temperature)))
+
+
+def test_unseeded_rows_draw_independently(tiny_llama):
+    """Requests without a seed share the engine's generator (seeded by the engine config,
+    fixed here): each row of a step still gets its own draw."""
+    llm = LLM(model=tiny_llama, dtype="float32", max_total_tokens=4096, seed=1234)
+    counts = first_token_counts(llm, DIST_PROMPT, seeded=False, temperature=0.5)
+    assert_draws_follow(counts, hf_probs(tiny_llama, DIST_PROMPT, TemperatureLogitsWarper(0.5)))
 
 
 def test_top_k_distribution(llm, tiny_llama):
