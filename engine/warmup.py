@@ -173,34 +173,41 @@ def warmup_waves(engine) -> list[Wave]:
     waves.append([(0, prompt(rng.randint(1, min(300, max_prompt))), greedy(8))
                   for _ in range(n_batch)])
 
-    # Eager decode, plain and (when on) radix-grouped: the batch shares a cached prefix and
-    # each request's own suffix is as long as the plain shape's sequence (the decode kernel
-    # sizes its splits by the suffixes then).
-    grouped = runner.prefix_grouper is not None
-    shared = prompt(cfg.prefix_group_min_tokens) if grouped else []
-    for bs, seq_len in eager_decode_shapes(engine):
-        plen = seq_len - 1  # the first decode step reads prompt + its first output token
-        if bs * (plen + 64) + len(shared) > runner.kv_pool.num_slots // 2:
-            logger.info("warm-up: eager decode at batch %d x %d tokens skipped (KV pool)",
-                        bs, seq_len)
-            continue
-        # decode steps at the full batch once every prompt has been prefilled
-        prefill_steps = -(-bs * plen // max(1, min(chunk, cfg.max_prefill_tokens))) + 1
-        waves.append([(0, prompt(plen), greedy(prefill_steps + 3)) for _ in range(bs)])
-        if grouped and len(shared) + plen + 8 <= max_prompt:
-            waves.append([(0, shared, greedy(1))])  # caches the shared prefix
-            waves.append([(0, shared + prompt(plen), greedy(prefill_steps + 3))
+    # Eager decode, plain and (when on) radix-grouped: then the batch shares a cached prefix
+    # long enough for the grouper to use it (min_tokens, and (batch - 1) x prefix tokens
+    # saved >= its min_saved_tokens) and each request's own suffix is as long as the plain
+    # shape's sequence (the decode kernel sizes its splits by the suffixes).
+    grouper = runner.prefix_grouper
+    for grouped in (False, True) if grouper is not None else (False,):
+        for bs, seq_len in eager_decode_shapes(engine, 2 if grouped else 1):
+            plen = seq_len - 1  # the first decode step reads prompt + its first output token
+            prefix: list[int] = []
+            if grouped:
+                saved = getattr(grouper, "min_saved_tokens", 0)
+                prefix = prompt(max(grouper.min_tokens, (saved + 1) // (bs - 1) + 16))
+            if (bs * (plen + 64) + len(prefix) > runner.kv_pool.num_slots // 2
+                    or len(prefix) + plen + 8 > max_prompt):
+                logger.info("warm-up: eager decode at batch %d x %d tokens skipped (room)",
+                            bs, seq_len)
+                continue
+            if prefix:
+                waves.append([(0, prefix, greedy(1))])  # caches the shared prefix
+            # decode steps at the full batch once every prompt has been prefilled
+            prefill_steps = -(-bs * plen // max(1, min(chunk, cfg.max_prefill_tokens))) + 1
+            waves.append([(0, list(prefix) + prompt(plen), greedy(prefill_steps + 3))
                           for _ in range(bs)])
     return waves
 
 
-def eager_decode_shapes(engine) -> list[tuple[int, int]]:
+def eager_decode_shapes(engine, min_batch: int = 1) -> list[tuple[int, int]]:
     """One (batch, sequence length) per distinct launch of the Triton decode kernels that a
     decode step outside the decode graphs can make, the cheapest in tokens. A launch is set
     by the split count (DIRECT when 1; the reduce kernel's BLOCK_S = its next power of two)
     and the config `pick_decode_cfg` takes from the program count. With graphs on, only
     batches above the largest graph run eagerly and their split count depends on the batch
-    alone (graph_mode); with graphs off it also depends on the longest sequence."""
+    alone (graph_mode); with graphs off it also depends on the longest sequence (for
+    radix-grouped decode, the longest suffix after the shared prefix: then `min_batch` 2,
+    as a group needs two requests)."""
     runner, cfg = engine.runner, engine.config
     backend = runner.attn_backend
     if not hasattr(backend, "choose_num_splits"):
@@ -209,7 +216,7 @@ def eager_decode_shapes(engine) -> list[tuple[int, int]]:
     first = graphs.max_bs + 1 if graphs is not None else 1
     m = backend.decode_split_min_tokens
     best: dict[tuple, tuple[int, int]] = {}
-    for bs in range(first, cfg.max_running_requests + 1):
+    for bs in range(max(first, min_batch), cfg.max_running_requests + 1):
         cap = backend.choose_num_splits(bs, runner.max_context)
         for s in ([cap] if backend.graph_mode else range(1, cap + 1)):
             seq_len = max(2, m * (s - 1) + 1)
