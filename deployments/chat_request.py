@@ -69,13 +69,24 @@ class ChatFeatures:
         plain = first.reasoning_parser is None and first.tool_parser is None and not first.echo
         return None if plain else outputs
 
+    def answer_sampling(self, req: ChatCompletionRequest, prompt_tail: str) -> dict[str, Any]:
+        """Sampling kwargs that depend on the rendered prompt: when the prompt opens a think
+        block, a constraint (response_format, regex, ..., or a forced tool call's grammar)
+        starts after `</think>`, so the model reasons freely and its answer is constrained."""
+        if self._reasoning_first(req, prompt_tail):
+            return {"grammar_after": THINK_END}
+        return {}
+
+    def _reasoning_first(self, req: ChatCompletionRequest, prompt_tail: str) -> bool:
+        return (self.reasoning_parser is not None and prompt_opens_reasoning(prompt_tail)
+                and (req.forced_tool_call or _constrained(req)))
+
     def _reasoning(self, req: ChatCompletionRequest, prompt_tail: str) -> ReasoningParser | None:
-        if self.reasoning_parser is None or req.forced_tool_call:
-            return None  # a forced call's grammar starts at the first token: nothing to think
-        opens = prompt_opens_reasoning(prompt_tail)
-        if opens and _constrained(req):
-            return None  # the grammar shapes the output from its first token: it is the answer
-        return ReasoningParser(starts_in_reasoning=opens)
+        if self.reasoning_parser is None:
+            return None
+        if req.forced_tool_call and not self._reasoning_first(req, prompt_tail):
+            return None  # the call's grammar starts at the first token: nothing to think
+        return ReasoningParser(starts_in_reasoning=prompt_opens_reasoning(prompt_tail))
 
     def _tools(self, req: ChatCompletionRequest):
         if isinstance(req.tool_choice, NamedToolChoice):

@@ -161,12 +161,12 @@ class OpenAIIngress:
             raise APIError.bad_request(str(e)) from None
         chat = await self._render_chat(plan.messages, plan.tools, plan.template_kwargs)
         prompt = chat.token_ids
+        tail = self.tokenizer.decode(prompt[-8:], skip_special_tokens=False)
         kwargs = chat_sampling_kwargs(req, default_max_tokens=max(1, self.max_context - len(prompt)))
-        kwargs.update(plan.sampling)
+        kwargs.update(plan.sampling, **self.chat_features.answer_sampling(req, tail))
         calls, choices = self._calls([prompt], kwargs, req.n, "chatcmpl")
         for c in choices:  # special tokens the output's parsers read stay in its text
             c.detok.keep_special(plan.special_tokens)
-        tail = self.tokenizer.decode(prompt[-8:], skip_special_tokens=False)
         outputs = self.chat_features.outputs(req, tail, len(choices))
         want_lp = bool(req.logprobs)
         if req.stream:

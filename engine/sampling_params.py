@@ -35,6 +35,9 @@ class SamplingParams:
     json_schema: dict | str | None = None
     ebnf: str | None = None
     json_object: bool = False
+    # The constraint starts once the output has written this text (e.g. "</think>": the
+    # model reasons freely, its answer is constrained); None: from the first token.
+    grammar_after: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,6 +89,9 @@ class SamplingParams:
         constraints = [c for c in (self.regex, self.json_schema, self.ebnf) if c is not None]
         need(len(constraints) + int(self.json_object) <= 1,
              "at most one of regex, json_schema, ebnf, json_object may be set")
+        need(self.grammar_after is None or (isinstance(self.grammar_after, str)
+                                            and self.grammar_after and self.has_constraint),
+             "grammar_after must be a non-empty string, with a constraint to start")
         if isinstance(self.json_schema, str):
             try:
                 self.json_schema = json.loads(self.json_schema)

@@ -57,6 +57,7 @@ Call a function with <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_
 
 </think>
 
+{% elif open_thinking is defined and open_thinking %}<think>
 {% endif %}{% endif %}"""
 
 WEATHER = {"type": "function", "function": {
@@ -81,8 +82,28 @@ def model_dir(tmp_path_factory):
     # The tiny tokenizer spells JSON in many tokens: room for the tools block (random
     # weights, so longer positions mean nothing more).
     config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=2048)))
+    (out / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=2048,
+                                                     vocab_size=config["vocab_size"] + 2)))
+    _add_think_tokens(out, config["vocab_size"])
     return out
+
+
+def _add_think_tokens(model_dir, vocab_size: int) -> None:
+    """<think> and </think> as tokens of their own (not special), as in Qwen3's vocabulary:
+    two more rows of (random) embedding and LM head, two added tokens."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(model_dir / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        w = weights[name]
+        weights[name] = torch.cat([w, torch.randn(2, w.shape[1], generator=gen).to(w.dtype) * w.std()])
+    save_file(weights, model_dir / "model.safetensors")
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    hf.add_tokens(["<think>", "</think>"])
+    hf.save_pretrained(model_dir)
+    assert hf.convert_tokens_to_ids(["<think>", "</think>"]) == [vocab_size, vocab_size + 1]
 
 
 @pytest.fixture(scope="module")
@@ -250,3 +271,26 @@ def test_chat_echo_leads_with_the_assistant_message_it_continues(client):
     assert streamed(client, partial, extra_body={"echo": True}, **kwargs)["content"] == echoed.content
     after_user = chat(client, extra_body={"echo": True}, **kwargs).choices[0].message.content
     assert after_user == chat(client, **kwargs).choices[0].message.content
+
+
+def test_structured_output_applies_to_the_answer_after_reasoning(client, model_dir):
+    """A prompt that opens a think block (this template's `open_thinking`): the model reasons
+    freely and only the answer after </think> follows response_format, whole and streamed.
+    (logit_bias on the </think> token makes the random model close its reasoning early.)"""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    end = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids("</think>")
+    kwargs = dict(temperature=0.0, max_tokens=60, logit_bias={str(end): 6},
+                  response_format={"type": "json_schema",
+                                   "json_schema": {"name": "answer", "schema": schema}})
+    thinking = chat(client, extra_body={"chat_template_kwargs": {"open_thinking": True}},
+                    **kwargs).choices[0]
+    assert thinking.finish_reason == "stop"
+    reasoning = thinking.message.reasoning_content
+    assert reasoning and "{" not in reasoning  # not the grammar's: free text
+    jsonschema.validate(json.loads(thinking.message.content), schema)
+    parts = streamed(client, extra_body={"chat_template_kwargs": {"open_thinking": True}}, **kwargs)
+    assert (parts["reasoning"], parts["content"]) == (reasoning, thinking.message.content)
+    # Without a think block opened, the grammar holds from the first token: no </think>.
+    direct = chat(client, **kwargs).choices[0].message
+    assert direct.reasoning_content is None
+    jsonschema.validate(json.loads(direct.content), schema)

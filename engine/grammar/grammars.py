@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from engine.grammar.after_text import AfterText
 from engine.grammar.base import CompiledGrammar, GrammarBackend, GrammarSpec, Matcher
 from engine.grammar.llguidance_backend import LLGuidanceBackend
 from engine.grammar.xgrammar_backend import XGrammarBackend, xgrammar_tokenizer_info
@@ -125,12 +126,14 @@ class Grammars:
             self._info = xgrammar_tokenizer_info(self.hf, self.vocab_size, self.stop_ids)
         return self._info
 
-    @staticmethod
-    def matcher_of(req: Request) -> Matcher | None:
+    def matcher_of(self, req: Request) -> Matcher | None:
         """The request's matcher, waiting for its compile the first time it is needed
         (until then `req.grammar` holds the compile's future). ValueError if it failed."""
         if isinstance(req.grammar, Future):
-            req.grammar = req.grammar.result().new_matcher()
+            matcher = req.grammar.result().new_matcher()
+            if req.params.grammar_after:  # free until the output writes it (reasoning)
+                matcher = AfterText(matcher, req.params.grammar_after.encode(), self._vocab_bytes())
+            req.grammar = matcher
         return req.grammar
 
     def accept(self, req: Request, token: int) -> bool:
