@@ -112,9 +112,9 @@ def warm_up(engine, force: bool = False) -> dict:
         report["warmup_s"] = timer.mark("warmup")
         report["phases"] = dict(timer.phases)
         report["total_s"] = timer.total
-        logger.info("engine started in %s; warm-up: %d requests, %d steps, %s Triton binaries",
-                    timer.summary(), report["requests"], report["steps"],
-                    report.get("kernels_compiled", 0))
+        logger.info("engine started in %s; warm-up: %d requests in %d steps compiled %d "
+                    "Triton binaries beyond the graph capture's", timer.summary(),
+                    report["requests"], report["steps"], report.get("kernels_compiled", 0))
     return report
 
 
