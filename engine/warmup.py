@@ -79,11 +79,11 @@ def compiled_kernels() -> dict[str, int]:
     for mod_name, mod in list(sys.modules.items()):
         if not mod_name.startswith("engine.") or mod is None:
             continue
-        for attr, fn in list(vars(mod).items()):
-            if isinstance(fn, JITFunction):
+        for fn in list(vars(mod).values()):
+            if isinstance(fn, JITFunction):  # (a kernel imported elsewhere counts once)
                 n = sum(len(caches[0]) for caches in fn.device_caches.values())
                 if n:
-                    out[f"{mod_name}.{attr}"] = n
+                    out[f"{fn.fn.__module__}.{fn.fn.__qualname__}"] = n
     return out
 
 
