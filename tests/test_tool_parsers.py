@@ -81,6 +81,14 @@ CASES = [
                 '{"name": "get_time", "arguments": {"tz": "UTC"}}]',
      None, [("get_weather", WEATHER), ("get_time", {"tz": "UTC"})]),
     ("mistral", "Bonjour! [1, 2] is a list.", "Bonjour! [1, 2] is a list.", []),
+    # Mistral tekken v11+: [TOOL_CALLS]name[ARGS]{...}, one marker per call
+    ("mistral", 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}',
+     "Checking.", [("get_weather", WEATHER)]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}'
+                '[TOOL_CALLS]get_time[ARGS]{"tz": "UTC", "nested": {"a": "}[ARGS]"}}',
+     None, [("get_weather", WEATHER), ("get_time", {"tz": "UTC", "nested": {"a": "}[ARGS]"}})]),
+    ("mistral", '[TOOL_CALLS]ping[ARGS]{} and done', "and done", [("ping", {})]),
+    ("mistral", "[TOOL_CALLS]this is no function name, just words", "this is no function name, just words", []),
 ]
 
 
@@ -115,6 +123,16 @@ def test_arguments_stream_before_the_call_ends():
     first = out.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')
     assert [(c.name, c.arguments) for c in first.tool_calls] == [("get_weather", '{"city": "Pa')]
     assert out.feed('ris"}}\n</tool_call>').tool_calls[0].arguments == 'ris"}'
+
+
+def test_mistral_v11_arguments_stream_before_the_call_ends():
+    out = ChatOutput(None, tool_parser("mistral"))
+    first = out.feed('[TOOL_CALLS]get_weather[AR')
+    assert first.tool_calls == [] and first.content == ""
+    second = out.feed('GS] {"city": "Pa')
+    assert [(c.name, c.arguments) for c in second.tool_calls] == [("get_weather", '{"city": "Pa')]
+    assert out.feed('ris"}', final=True).tool_calls[0].arguments == 'ris"}'
+    assert out.finish_reason("stop") == "tool_calls"
 
 
 def test_marker_prefix_is_held_back_not_leaked():
@@ -223,7 +241,7 @@ def test_object_scanner_spans():
 
 # -- special-token markers, on a real tokenizer ------------------------------------------
 
-MISTRAL_SPECIALS = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+MISTRAL_SPECIALS = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[ARGS]", "[AVAILABLE_TOOLS]",
                     "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
 MISTRAL_TEMPLATE = (
     "{{ bos_token }}{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
@@ -250,16 +268,20 @@ def mistral_tokenizer(tmp_path_factory):
     return Tokenizer(str(out))
 
 
-def _mistral_answer(tok) -> list[int]:
-    """'Let me check.' then a call, as a Mistral model writes it, then EOS."""
-    call = '[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]'
-    marker = tok.hf.convert_tokens_to_ids("[TOOL_CALLS]")
-    return (tok.encode("Let me check.")[1:] + [marker] + tok.encode(call)[1:]
-            + [tok.hf.eos_token_id])
+def _mistral_answer(tok, form: str) -> list[int]:
+    """'Let me check.' then a call, as a Mistral model writes it (v0.3 array, or tekken
+    v11's name[ARGS]{...}), then EOS."""
+    marker, args = tok.hf.convert_tokens_to_ids(["[TOOL_CALLS]", "[ARGS]"])
+    if form == "v3":
+        call = tok.encode('[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]')
+    else:
+        call = tok.encode("get_weather") + [args] + tok.encode('{"city": "Paris", "unit": "celsius"}')[1:]
+    return tok.encode("Let me check.")[1:] + [marker] + call[1:] + [tok.hf.eos_token_id]
 
 
+@pytest.mark.parametrize("form", ["v3", "v11"])
 @pytest.mark.parametrize("stream_step", [None, 1, 3])
-def test_mistral_tool_calls_marker_survives_skip_special_tokens(mistral_tokenizer, stream_step):
+def test_mistral_tool_calls_marker_survives_skip_special_tokens(mistral_tokenizer, stream_step, form):
     """Through the ingress's own pieces (ChatFeatures, the per-choice detokenizer, the
     response builders): the [TOOL_CALLS] special token is kept for the parser while EOS and
     other special tokens are still skipped; streamed and whole give the same call."""
@@ -277,7 +299,7 @@ def test_mistral_tool_calls_marker_survives_skip_special_tokens(mistral_tokenize
                                                     "name": "get_weather", "parameters": {}}}]})
     plan = features.plan(req)
     prompt = tok.apply_chat_template(plan.messages, plan.tools)
-    answer = _mistral_answer(tok)
+    answer = _mistral_answer(tok, form)
 
     def reply(keep: bool) -> tuple[dict, dict]:
         choice = ChoiceState(0, 0, IncrementalDetokenizer(tok, prompt, []))
