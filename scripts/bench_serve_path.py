@@ -57,8 +57,6 @@ class StandInEngine:
         self.text_ids = self.tokenizer.encode(TEXT)
         self.requests: dict[str, Request] = {}
         self.scheduler = SimpleNamespace(waiting=[], running=[])
-        self.cache = SimpleNamespace(drain_events=lambda: [])
-        self.grammars = SimpleNamespace(drain_compile_times=lambda: [])
         self.step_s, self.cpu_s = step_ms / 1e3, step_cpu_ms / 1e3
         self.num_steps, self._next = 0, time.monotonic()
 
