@@ -70,23 +70,31 @@ class ChatFeatures:
         return None if plain else outputs
 
     def answer_sampling(self, req: ChatCompletionRequest, prompt_tail: str) -> dict[str, Any]:
-        """Sampling kwargs that depend on the rendered prompt: when the prompt opens a think
-        block, a constraint (response_format, regex, ..., or a forced tool call's grammar)
-        starts after `</think>`, so the model reasons freely and its answer is constrained."""
+        """Sampling kwargs that depend on the rendered prompt: a constraint (response_format,
+        regex, ..., or a forced tool call's grammar) starts after `</think>` when the model
+        is known to reason first, so it reasons freely and its answer is constrained."""
         if self._reasoning_first(req, prompt_tail):
             return {"grammar_after": THINK_END}
         return {}
 
     def _reasoning_first(self, req: ChatCompletionRequest, prompt_tail: str) -> bool:
-        return (self.reasoning_parser is not None and prompt_opens_reasoning(prompt_tail)
-                and (req.forced_tool_call or _constrained(req)))
+        """Known to reason first: the prompt opens a think block (DeepSeek-R1 style), or the
+        request asks for thinking (enable_thinking: true, Qwen3 style: the model writes
+        <think> itself) and the prompt has not closed one. Otherwise a constraint holds from
+        the first token: a model that may not think at all would never leave the free part."""
+        if self.reasoning_parser is None or not (req.forced_tool_call or _constrained(req)):
+            return False
+        asked = (req.chat_template_kwargs or {}).get("enable_thinking") is True
+        return prompt_opens_reasoning(prompt_tail) or (
+            asked and not prompt_tail.rstrip().endswith(THINK_END))
 
     def _reasoning(self, req: ChatCompletionRequest, prompt_tail: str) -> ReasoningParser | None:
         if self.reasoning_parser is None:
             return None
-        if req.forced_tool_call and not self._reasoning_first(req, prompt_tail):
+        first = self._reasoning_first(req, prompt_tail)
+        if req.forced_tool_call and not first:
             return None  # the call's grammar starts at the first token: nothing to think
-        return ReasoningParser(starts_in_reasoning=prompt_opens_reasoning(prompt_tail))
+        return ReasoningParser(prompt_opens_reasoning(prompt_tail), reasoning_first=first)
 
     def _tools(self, req: ChatCompletionRequest):
         if isinstance(req.tool_choice, NamedToolChoice):

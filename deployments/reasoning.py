@@ -32,9 +32,12 @@ def prompt_opens_reasoning(prompt_tail: str) -> bool:
 
 
 class ReasoningParser:
-    def __init__(self, starts_in_reasoning: bool) -> None:
+    def __init__(self, starts_in_reasoning: bool, reasoning_first: bool = False) -> None:
+        """`reasoning_first`: the output reasons up to </think> whether or not it writes
+        <think> first (its answer's grammar starts after </think>)."""
         # "maybe": no text yet; "reasoning"; "content".
         self.state = "reasoning" if starts_in_reasoning else "maybe"
+        self.reasoning_first = reasoning_first
         self.buffer = ""
         self.strip_content = False  # the blank line after </think> is the template's
 
@@ -64,7 +67,7 @@ class ReasoningParser:
         if head.startswith(THINK_START):
             self.state, self.buffer = "reasoning", head[len(THINK_START):]
         elif not THINK_START.startswith(head) or not head and len(self.buffer) > 64:
-            self.state = "content"
+            self.state = "reasoning" if self.reasoning_first else "content"
         # else: all of it could still be the start of <think>: wait
 
     def _reasoning(self, out: ReasoningDelta) -> None:

@@ -201,6 +201,14 @@ def test_no_think_block_is_all_content():
     assert r["content"] == "  <thin air is not a tag" and r["reasoning"] is None
 
 
+@pytest.mark.parametrize("text", ['plans </think>{"ok": true}', '<think>plans </think>{"ok": true}'])
+def test_reasoning_first_without_an_opening_tag(text):
+    """A model known to reason first (its answer's grammar waits for </think>): the text up
+    to </think> is reasoning whether or not it wrote <think>."""
+    r = parse_all_ways(lambda: ChatOutput(ReasoningParser(False, reasoning_first=True), None), text)
+    assert (r["reasoning"], r["content"]) == ("plans ", '{"ok": true}')
+
+
 def test_reasoning_then_tool_call():
     text = ('<think>\nI need the weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", '
             '"arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>')

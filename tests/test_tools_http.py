@@ -273,23 +273,24 @@ def test_chat_echo_leads_with_the_assistant_message_it_continues(client):
     assert after_user == chat(client, **kwargs).choices[0].message.content
 
 
-def test_structured_output_applies_to_the_answer_after_reasoning(client, model_dir):
-    """A prompt that opens a think block (this template's `open_thinking`): the model reasons
-    freely and only the answer after </think> follows response_format, whole and streamed.
-    (logit_bias on the </think> token makes the random model close its reasoning early.)"""
+@pytest.mark.parametrize("thinking", [{"open_thinking": True}, {"enable_thinking": True}])
+def test_structured_output_applies_to_the_answer_after_reasoning(client, model_dir, thinking):
+    """The model reasons first (the prompt opens a think block: this template's
+    `open_thinking`; or thinking is asked for: enable_thinking): it reasons freely and only
+    the answer after </think> follows response_format, whole and streamed. (logit_bias on
+    the </think> token makes the random model close its reasoning early.)"""
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     end = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids("</think>")
     kwargs = dict(temperature=0.0, max_tokens=60, logit_bias={str(end): 6},
                   response_format={"type": "json_schema",
                                    "json_schema": {"name": "answer", "schema": schema}})
-    thinking = chat(client, extra_body={"chat_template_kwargs": {"open_thinking": True}},
-                    **kwargs).choices[0]
-    assert thinking.finish_reason == "stop"
-    reasoning = thinking.message.reasoning_content
+    thought = chat(client, extra_body={"chat_template_kwargs": thinking}, **kwargs).choices[0]
+    assert thought.finish_reason == "stop"
+    reasoning = thought.message.reasoning_content
     assert reasoning and "{" not in reasoning  # not the grammar's: free text
-    jsonschema.validate(json.loads(thinking.message.content), schema)
-    parts = streamed(client, extra_body={"chat_template_kwargs": {"open_thinking": True}}, **kwargs)
-    assert (parts["reasoning"], parts["content"]) == (reasoning, thinking.message.content)
+    jsonschema.validate(json.loads(thought.message.content), schema)
+    parts = streamed(client, extra_body={"chat_template_kwargs": thinking}, **kwargs)
+    assert (parts["reasoning"], parts["content"]) == (reasoning, thought.message.content)
     # Without a think block opened, the grammar holds from the first token: no </think>.
     direct = chat(client, **kwargs).choices[0].message
     assert direct.reasoning_content is None
