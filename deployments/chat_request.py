@@ -102,7 +102,8 @@ class ChatFeatures:
         if req.tool_choice == "required":
             return RequiredToolParser()
         if req.active_tools:
-            return tool_parser(self.tool_parser)
+            return tool_parser(self.tool_parser, [t.function.model_dump(exclude_none=True)
+                                                  for t in req.active_tools])
         return None
 
 

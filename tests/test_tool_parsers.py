@@ -89,6 +89,15 @@ CASES = [
      None, [("get_weather", WEATHER), ("get_time", {"tz": "UTC", "nested": {"a": "}[ARGS]"}})]),
     ("mistral", '[TOOL_CALLS]ping[ARGS]{} and done', "and done", [("ping", {})]),
     ("mistral", "[TOOL_CALLS]this is no function name, just words", "this is no function name, just words", []),
+    # Qwen3-Coder XML: raw parameter values, typed by JSON when no schema says otherwise
+    ("qwen3_coder", "Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>",
+     "Let me look.", [("get_weather", WEATHER)]),
+    ("qwen3_coder", "<tool_call>\n<function=search>\n<parameter=q>\na < b & </tag>\nline two\n</parameter>\n"
+                    "<parameter=n>\n3\n</parameter>\n<parameter=opts>\n{\"deep\": true}\n</parameter>\n"
+                    "</function>\n</tool_call>\n<tool_call>\n<function=ping>\n</function>\n</tool_call>",
+     None, [("search", {"q": "a < b & </tag>\nline two", "n": 3, "opts": {"deep": True}}), ("ping", {})]),
+    ("qwen3_coder", "Use <b>bold</b>, <function> and 4 < 5.", "Use <b>bold</b>, <function> and 4 < 5.", []),
 ]
 
 
@@ -133,6 +142,27 @@ def test_mistral_v11_arguments_stream_before_the_call_ends():
     assert [(c.name, c.arguments) for c in second.tool_calls] == [("get_weather", '{"city": "Pa')]
     assert out.feed('ris"}', final=True).tool_calls[0].arguments == 'ris"}'
     assert out.finish_reason("stop") == "tool_calls"
+
+
+def test_qwen3_coder_values_typed_by_the_schema():
+    """A string parameter stays as written even when it looks like a number; an integer
+    one becomes a number; parameters stream one by one as they close."""
+    tools = [{"name": "f", "parameters": {"type": "object", "properties": {
+        "zip": {"type": "string"}, "count": {"type": "integer"}, "flag": {"type": "boolean"}}}}]
+    out = ChatOutput(None, tool_parser("qwen3_coder", tools))
+    first = out.feed("<tool_call>\n<function=f>\n<parameter=zip>\n01234\n</parameter>\n<param")
+    assert [(c.name, c.arguments) for c in first.tool_calls] == [("f", '{"zip": "01234"')]
+    out.feed("eter=count>\n7\n</parameter>\n<parameter=flag>\nTrue\n</parameter>\n</function>\n"
+             "</tool_call>", final=True)
+    (call,) = out.message_fields()["tool_calls"]
+    assert json.loads(call.function.arguments) == {"zip": "01234", "count": 7, "flag": True}
+
+
+def test_qwen3_coder_truncated_call_is_closed():
+    out = ChatOutput(None, tool_parser("qwen3_coder"))
+    out.feed("<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2", final=True)
+    (call,) = out.message_fields()["tool_calls"]
+    assert json.loads(call.function.arguments) == {"a": 1}
 
 
 def test_marker_prefix_is_held_back_not_leaked():
@@ -229,6 +259,8 @@ def test_parser_chosen_from_template_then_model_type():
     assert detect_tool_parser("llama", "{{ '<tool_call>' }} tools") == "hermes"
     assert detect_tool_parser("llama", "tools {{ '<|python_tag|>' }}") == "llama3"
     assert detect_tool_parser("mistral", "[TOOL_CALLS] tools") == "mistral"
+    coder = "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>"
+    assert detect_tool_parser("qwen3_moe", coder) == "qwen3_coder"
     assert detect_tool_parser("qwen2", "{% if tools %}{% endif %}") == "hermes"
     assert detect_tool_parser("llama", "{% if tools %}custom{% endif %}") is None
     assert detect_tool_parser("llama", "plain ChatML") == "hermes"  # tools described by chat_render

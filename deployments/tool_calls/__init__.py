@@ -2,7 +2,7 @@
 
 `base.py` (the streaming state machine), `call_stream.py` (one call, a run of calls),
 `json_scan.py` (incremental JSON object scanning), one file per model format (`hermes.py`,
-`llama3.py`, `mistral.py`), `forced.py` (output shaped by tool_choice's grammar) and
+`llama3.py`, `mistral.py`, `qwen3_coder.py`), `forced.py` (output shaped by tool_choice's grammar) and
 `grammar.py` (that grammar, from the function schemas).
 """
 from __future__ import annotations
@@ -13,11 +13,13 @@ from deployments.tool_calls.forced import NamedToolParser, RequiredToolParser
 from deployments.tool_calls.hermes import HermesToolParser
 from deployments.tool_calls.llama3 import Llama3JsonToolParser
 from deployments.tool_calls.mistral import MistralToolParser
+from deployments.tool_calls.qwen3_coder import Qwen3CoderToolParser
 
 # App argument `tool_call_parser` -> parser class (the names vLLM and SGLang use).
 PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "qwen25": HermesToolParser, "qwen3": HermesToolParser,
     "qwen": HermesToolParser, "llama3": Llama3JsonToolParser, "mistral": MistralToolParser,
+    "qwen3_coder": Qwen3CoderToolParser,
 }
 
 
@@ -25,6 +27,8 @@ def detect_tool_parser(model_type: str, chat_template: str | None) -> str | None
     """The parser for a model: first from what its chat template writes (the template is
     what taught the model the format), then from its architecture; None when unknown."""
     template = chat_template or ""
+    if "<function=" in template and "<parameter=" in template:
+        return "qwen3_coder"  # its template writes <tool_call> too: checked first
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:
@@ -37,10 +41,11 @@ def detect_tool_parser(model_type: str, chat_template: str | None) -> str | None
             "mistral": "mistral", "mixtral": "mistral"}.get(model_type)
 
 
-def tool_parser(name: str) -> ToolParser:
+def tool_parser(name: str, tools: list[dict] | None = None) -> ToolParser:
+    """`tools`: the request's functions ({name, parameters, ...})."""
     if name not in PARSERS:
         raise ValueError(f"unknown tool_call_parser {name!r}; known: {sorted(PARSERS)}")
-    return PARSERS[name]()
+    return PARSERS[name](tools)
 
 
 __all__ = ["PARSERS", "NamedToolParser", "ParsedDelta", "RequiredToolParser", "ToolCallDelta",

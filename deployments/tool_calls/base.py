@@ -17,7 +17,9 @@ class ToolParser:
     # (ChatPlan.special_tokens -> IncrementalDetokenizer.keep_special).
     special_markers: tuple[str, ...] = ()
 
-    def __init__(self) -> None:
+    def __init__(self, tools: list[dict] | None = None) -> None:
+        # Function name -> its parameters' JSON schema (formats that type raw text need it).
+        self.schemas = {f["name"]: f.get("parameters") or {} for f in tools or []}
         self.buffer = ""  # text not yet classified
         self.held_space = ""  # trailing whitespace of the content, sent once more content follows
         self.section: CallSection | None = None
