@@ -40,8 +40,8 @@ from deployments.protocol import (
     ModelCard,
     ModelList,
     UsageInfo,
+    chat_sampling_kwargs,
     sse_event,
-    to_sampling_kwargs,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,7 +208,7 @@ def test_chat_inconsistent_fields(data: dict[str, Any], snippet: str) -> None:
 
 
 def test_completion_mapping() -> None:
-    kwargs = to_sampling_kwargs(completion(
+    kwargs = completion_sampling_kwargs(completion(
         max_tokens=7, temperature=0, stop="\n", logprobs=3, top_k=5, min_p=0.1, ignore_eos=True,
         stop_token_ids=[2], regex="[ab]+", skip_special_tokens=False, seed=3,
         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1,
@@ -222,35 +222,36 @@ def test_completion_mapping() -> None:
 
 
 def test_mapping_leaves_unset_fields_to_engine_defaults() -> None:
-    assert to_sampling_kwargs(completion()) == {"max_tokens": 16}
-    assert to_sampling_kwargs(chat()) == {}
-    assert to_sampling_kwargs(chat(), default_max_tokens=100) == {"max_tokens": 100}
-    assert to_sampling_kwargs(completion(logprobs=0)) == {"max_tokens": 16, "logprobs": True, "top_logprobs": 0}
+    assert completion_sampling_kwargs(completion()) == {"max_tokens": 16}
+    assert chat_sampling_kwargs(chat()) == {}
+    assert chat_sampling_kwargs(chat(), default_max_tokens=100) == {"max_tokens": 100}
+    assert completion_sampling_kwargs(completion(logprobs=0)) == {"max_tokens": 16, "logprobs": True, "top_logprobs": 0}
 
 
 def test_chat_mapping() -> None:
-    assert to_sampling_kwargs(chat(max_tokens=5, max_completion_tokens=9))["max_tokens"] == 9
-    assert to_sampling_kwargs(chat(max_tokens=5), default_max_tokens=100)["max_tokens"] == 5
-    kwargs = to_sampling_kwargs(chat(logprobs=True, top_logprobs=4, stop=["a", "b"]))
+    assert chat_sampling_kwargs(chat(max_tokens=5, max_completion_tokens=9))["max_tokens"] == 9
+    assert chat_sampling_kwargs(chat(max_tokens=5), default_max_tokens=100)["max_tokens"] == 5
+    kwargs = chat_sampling_kwargs(chat(logprobs=True, top_logprobs=4, stop=["a", "b"]))
     assert kwargs == {"logprobs": True, "top_logprobs": 4, "stop": ["a", "b"]}
-    assert to_sampling_kwargs(chat(logprobs=True))["top_logprobs"] == 0
-    assert to_sampling_kwargs(chat(response_format={"type": "json_object"})) == {"json_object": True}
-    assert to_sampling_kwargs(chat(response_format={"type": "text"})) == {}
+    assert chat_sampling_kwargs(chat(logprobs=True))["top_logprobs"] == 0
+    assert chat_sampling_kwargs(chat(response_format={"type": "json_object"})) == {"json_object": True}
+    assert chat_sampling_kwargs(chat(response_format={"type": "text"})) == {}
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
-    assert to_sampling_kwargs(chat(response_format=fmt)) == {"json_schema": schema}
-    assert to_sampling_kwargs(chat(json_schema='{"type": "string"}')) == {"json_schema": '{"type": "string"}'}
-    assert to_sampling_kwargs(chat(ebnf="root ::= 'a'")) == {"ebnf": "root ::= 'a'"}
+    assert chat_sampling_kwargs(chat(response_format=fmt)) == {"json_schema": schema}
+    assert chat_sampling_kwargs(chat(json_schema='{"type": "string"}')) == {"json_schema": '{"type": "string"}'}
+    assert chat_sampling_kwargs(chat(ebnf="root ::= 'a'")) == {"ebnf": "root ::= 'a'"}
 
 
 def test_kwargs_build_sampling_params() -> None:
     sp_module = pytest.importorskip("engine.sampling_params")
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
-    for req in (completion(logprobs=2, stop="x", top_k=0), chat(response_format=fmt, logprobs=True),
+    sp_module.SamplingParams(**completion_sampling_kwargs(completion(logprobs=2, stop="x", top_k=0)))
+    for req in (chat(response_format=fmt, logprobs=True),
                 chat(max_completion_tokens=3, seed=1, temperature=0.7)):
-        sp_module.SamplingParams(**to_sampling_kwargs(req))
+        sp_module.SamplingParams(**chat_sampling_kwargs(req))
     with pytest.raises(ValueError, match="temperature"):
-        sp_module.SamplingParams(**to_sampling_kwargs(completion(temperature=-1)))
+        sp_module.SamplingParams(**completion_sampling_kwargs(completion(temperature=-1)))
 
 
 # --------------------------------------------------------------------------
@@ -328,13 +329,13 @@ def _app() -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest) -> dict[str, Any]:
-        return to_sampling_kwargs(req)
+        return completion_sampling_kwargs(req)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> dict[str, Any]:
         # Manual parsing path: bad JSON / ValidationError raised straight from the handler.
         req = ChatCompletionRequest.model_validate(json.loads(await request.body()))
-        return to_sampling_kwargs(req)
+        return chat_sampling_kwargs(req)
 
     @app.get("/missing-model")
     async def missing() -> None:
