@@ -17,7 +17,7 @@ from engine.models import load_hf_config, load_model, resolve_device, resolve_dt
 from engine.models.llama import head_dim_of
 from engine.quantization.fp8 import FP8
 from engine.request import Request
-from engine.scheduler import StepPlan
+from engine.step_plan import StepPlan
 from engine.warmup import StartupTimer
 
 logger = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ class ModelRunner:
     def _step_input(self, plan: StepPlan, prompt_rows: list[int],
                     pending: PendingTokens | None) -> StepInput:
         """Flatten the plan's chunks into one ragged batch, with the req_to_token updates
-        it needs; marks the requests' rows as synced."""
+        it needs (each chunk's row entries from `row_from` on)."""
         if plan.is_decode:
             return self._decode_input(plan, prompt_rows, pending)
         ids, positions, out_slots = [], [], []
@@ -216,13 +216,12 @@ class ModelRunner:
                 ids.append(0)  # overwritten on the device
             ids += chunk.draft
             positions += range(start, end)
-            out_slots += req.slots[start:end]
-            if req.row_synced < end:
-                sync_rows += [req.row] * (end - req.row_synced)
-                sync_cols += range(req.row_synced, end)
-                sync_slots += req.slots[req.row_synced:end]
-                req.row_synced = end
-            rows.append(req.row)
+            kv = req.kv
+            out_slots += kv.slots[start:end]
+            sync_rows += [kv.row] * (end - chunk.row_from)
+            sync_cols += range(chunk.row_from, end)
+            sync_slots += kv.slots[chunk.row_from:end]
+            rows.append(kv.row)
             seq_lens.append(end)
             extend_lens.append(n)
             t += n
@@ -243,18 +242,17 @@ class ModelRunner:
         if pending is not None:  # overlap scheduling: inputs sampled by the in-flight step
             inflight_pos = [i for i, r in enumerate(reqs) if r.inflight]
             inflight_src = [pending.index[reqs[i]] for i in inflight_pos]
-        seq_lens = [len(r.slots) for r in reqs]
-        out_slots = [r.slots[-1] for r in reqs]
+        kvs = [r.kv for r in reqs]
+        seq_lens = [len(kv.slots) for kv in kvs]
+        out_slots = [kv.slots[-1] for kv in kvs]
         positions = [s - 1 for s in seq_lens]
-        rows = [r.row for r in reqs]
+        rows = [kv.row for kv in kvs]
         sync_rows, sync_cols, sync_slots = rows, positions, out_slots  # each one newest slot
-        stale = [r for r in reqs if r.row_synced < len(r.slots) - 1]
+        stale = [c for c in plan.chunks if c.row_from < c.start]
         if stale:  # rows touched since their last step (e.g. a prefix swapped for the tree's)
             old_rows, old_cols, old_slots = _row_updates(stale)
             sync_rows, sync_cols, sync_slots = (old_rows + rows, old_cols + positions,
                                                 old_slots + out_slots)
-        for r in reqs:
-            r.row_synced = len(r.slots)
         n = len(reqs)
         return StepInput.pack([ids, positions, out_slots, rows,
                                seq_lens, [1] * n, list(range(n + 1)), list(range(n)),
@@ -405,12 +403,12 @@ def _prompt_logprob_targets(plan: StepPlan) -> tuple[list[int], list[int], list[
     return rows, targets, owners
 
 
-def _row_updates(reqs) -> tuple[list[int], list[int], list[int]]:
-    """(rows, cols, slots) bringing each request's row up to all but its newest slot."""
+def _row_updates(chunks) -> tuple[list[int], list[int], list[int]]:
+    """(rows, cols, slots) bringing each decode chunk's row up to all but its new slot."""
     rows, cols, slots = [], [], []
-    for r in reqs:
-        end = len(r.slots) - 1
-        rows += [r.row] * (end - r.row_synced)
-        cols += range(r.row_synced, end)
-        slots += r.slots[r.row_synced:end]
+    for c in chunks:
+        kv = c.req.kv
+        rows += [kv.row] * (c.start - c.row_from)
+        cols += range(c.row_from, c.start)
+        slots += kv.slots[c.row_from:c.start]
     return rows, cols, slots

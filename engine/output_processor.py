@@ -11,7 +11,8 @@ import torch
 from engine.grammar import Grammars
 from engine.request import Request, Status
 from engine.sampler import Sampler
-from engine.scheduler import Scheduler, StepPlan
+from engine.scheduler import Scheduler
+from engine.step_plan import StepPlan
 
 
 @dataclass

@@ -29,7 +29,7 @@ import torch
 from engine.model_runner import PendingTokens
 from engine.output_processor import TokenUpdate
 from engine.request import Request, Status
-from engine.scheduler import Chunk, StepPlan
+from engine.step_plan import Chunk, StepPlan
 from engine.sync_step import SyncStepper
 
 

@@ -198,16 +198,16 @@ class PrefixGrouper:
         """The request's ancestors (its last_node included) ending at a depth >=
         min_tokens, deepest first; cached until its last_node changes or a node is split."""
         cached = self._chains.get(req)
-        if cached is not None and cached.is_current(req.last_node):
+        if cached is not None and cached.is_current(req.kv.node):
             return cached
         nodes, depths = [], []
-        node, d = req.last_node, req.locked_len
+        node, d = req.kv.node, req.kv.locked_len
         while node is not None and node.parent is not None and d >= self.min_tokens:
             nodes.append(node)
             depths.append(d)
             d -= len(node.key)
             node = node.parent
-        chain = Chain(req.last_node, tuple(nodes), tuple(depths),
+        chain = Chain(req.kv.node, tuple(nodes), tuple(depths),
                       tuple(n.parent for n in nodes))
         self._chains[req] = chain
         return chain
@@ -266,7 +266,7 @@ class PrefixGrouper:
                     og.members.append(i)
                     del groups[node]
                     break
-        plan = build_plan(list(groups.values()), [r.row for r in reqs], seq_lens, cap,
+        plan = build_plan(list(groups.values()), [r.kv.row for r in reqs], seq_lens, cap,
                           self.members_per_tile, choose_splits)
         if plan is None or plan.kv_tokens_plain - plan.kv_tokens_read < self.min_saved_tokens:
             return None

@@ -18,14 +18,30 @@ class Status(enum.Enum):
 
 
 @dataclass(eq=False)
+class KVRecord:
+    """Where a running request's KV lives: one record per request, written only by the
+    scheduler (the runner reads it to build each step).
+
+    `slots[i]` holds the KV of token i. The first `locked_len` belong to the radix tree,
+    under `node`, which the request keeps locked (so they are not evicted); the rest are
+    the request's own. `row` is its row of the device req_to_token table, whose first
+    `row_valid` entries already equal `slots`."""
+
+    row: int
+    slots: list[int]
+    locked_len: int
+    node: TreeNode
+    row_valid: int = 0
+
+
+@dataclass(eq=False)
 class Request:
     """A request's tokens, its KV, and where it stands.
 
     `token_ids` is prompt + generated, as far as the host knows them; with overlap scheduling
     `inflight` more were sampled by launched steps and are still on the device (their KV is
     computed by the next step, which reads them there). KV exists for the first `kv_len`
-    tokens, whose slots are `slots`; the first `locked_len` of them belong to the radix tree (under
-    `last_node`, which this request keeps locked) and the rest are owned by the request.
+    tokens; while the request runs, `kv` (owned by the scheduler) says where it lives.
     Every step computes KV for some of `token_ids[kv_len:]`; when that reaches the end, the
     logits of the last token are sampled. Decoding is the case of one new token.
     """
@@ -37,11 +53,7 @@ class Request:
     scheduled_at: float | None = None  # first admission: queue time = scheduled_at - arrival
     token_ids: list[int] = field(default_factory=list)
     inflight: int = 0  # tokens sampled on the device, not yet appended to token_ids
-    slots: list[int] = field(default_factory=list)
-    locked_len: int = 0
-    last_node: TreeNode | None = None
-    row: int | None = None  # row of req_to_token while running
-    row_synced: int = 0  # slots[:row_synced] are already written to the device row
+    kv: KVRecord | None = None  # while running
     status: Status = Status.WAITING
     finish_reason: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
@@ -76,7 +88,7 @@ class Request:
 
     @property
     def kv_len(self) -> int:
-        return len(self.slots)
+        return len(self.kv.slots) if self.kv is not None else 0
 
     @property
     def num_prompt(self) -> int:

@@ -210,7 +210,7 @@ def slot_accounting(eng) -> tuple[list[int], list[int], list[int]]:
     should be in exactly one. The one place these tests read engine internals."""
     free = list(eng.cache.allocator._free)
     in_tree = eng.cache.all_slots()
-    owned = [s for q in eng.scheduler.running for s in q.slots[q.locked_len:]]
+    owned = [s for q in eng.scheduler.running for s in q.kv.slots[q.kv.locked_len:]]
     return free, in_tree, owned
 
 

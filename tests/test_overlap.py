@@ -105,8 +105,8 @@ def test_overlap_equals_sync_with_structured_output(tiny_llama, jump_forward):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         assert a.text == b.text
     n = 12 + 8
-    assert check_json(over[12:n], SCHEMAS[:8]) > 0
-    check_regex(over[n:n + 5], REGEXES[:5])
+    assert check_json(llm, over[12:n], params[12:n], SCHEMAS[:8]) > 0
+    check_regex(llm, over[n:n + 5], params[n:n + 5], REGEXES[:5])
     if jump_forward:
         assert llm.engine.num_jump_forward_tokens > 0
 

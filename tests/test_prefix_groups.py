@@ -71,7 +71,7 @@ def _rand(n: int, seed: int) -> list[int]:
 
 def _plan(grouper, plan, cap=None):
     reqs = [c.req for c in plan.chunks]
-    seq = [len(r.slots) for r in reqs]
+    seq = [len(r.kv.slots) for r in reqs]
     return reqs, grouper.plan(reqs, seq, cap or len(reqs), lambda t, m: 2)
 
 
@@ -98,10 +98,10 @@ def test_groups_from_radix_tree():
         idx = gp.members[t.member_start:t.member_start + t.member_count]
         assert {gp.pfx_len[i] for i in idx} == {t.prefix_len}
         # every member holds the tile row's slots for the whole prefix
-        ref = next(r for r in reqs if r.row == t.row).slots[:t.prefix_len]
-        assert all(reqs[i].slots[:t.prefix_len] == ref for i in idx)
+        ref = next(r for r in reqs if r.kv.row == t.row).kv.slots[:t.prefix_len]
+        assert all(reqs[i].kv.slots[:t.prefix_len] == ref for i in idx)
     assert sorted(gp.members) == sorted(pos[r] for r in a + b)
-    seq = [len(r.slots) for r in reqs]
+    seq = [len(r.kv.slots) for r in reqs]
     assert gp.kv_tokens_plain == sum(seq)
     assert gp.kv_tokens_read == sum(seq) - 5 * 300 - 3 * 200 + 2 * 300 + 200
     packed = gp.packed()
@@ -121,8 +121,8 @@ def test_groups_from_radix_tree():
     # request's locked node and passes through the shared 300-token node
     c1 = grouper.chain(a[0])
     assert grouper.chain(a[0]) is c1
-    assert c1.nodes[0] is a[0].last_node and 300 in c1.depths
-    assert c1.depths[0] == a[0].locked_len
+    assert c1.nodes[0] is a[0].kv.node and 300 in c1.depths
+    assert c1.depths[0] == a[0].kv.locked_len
 
 
 def test_split_above_a_chain_node_is_noticed():
@@ -191,7 +191,7 @@ def test_nested_sharing_picks_deepest_shared_node():
     y = sim.add(base + _rand(8, 90))
     plan = sim.run_until_decode()
     reqs = [c.req for c in plan.chunks if c.req is not x[1]]  # x[1] not in this step
-    seq = [len(r.slots) for r in reqs]
+    seq = [len(r.kv.slots) for r in reqs]
     gp = PrefixGrouper(100, 16, min_saved_tokens=0).plan(reqs, seq, 8, lambda t, m: 1)
     assert sorted(gp.pfx_len) == [150, 150] and y in reqs
 

@@ -10,7 +10,7 @@ from engine.config import EngineConfig
 from engine.output_processor import OutputProcessor, TokenUpdate
 from engine.request import Request
 from engine.sampler import Sampler
-from engine.scheduler import Chunk, StepPlan
+from engine.step_plan import Chunk, StepPlan
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.stats import SpecStats
 from engine.speculative.verify import verify_chunks
@@ -84,19 +84,15 @@ def _take_verified(chunk: Chunk, tokens: list[int], processor: OutputProcessor) 
     back to the request only as its tokens are taken, so the request is always in the
     plain decode state (KV for all but its last token)."""
     req = chunk.req
-    allocator = processor.scheduler.allocator
-    base = chunk.start + 1  # KV up to and including the request's last token
-    held = req.slots[base:base + len(tokens) - 1]  # KV of the kept drafts
-    allocator.free(req.slots[base + len(held):])
-    del req.slots[base:]
-    row_synced = req.row_synced  # the device row's first entries stay valid
+    scheduler = processor.scheduler
+    # KV up to and including the request's last token stays; the kept drafts' KV is held.
+    held = scheduler.detach_kv(req, chunk.start + 1, keep=len(tokens) - 1)
     for i, token in enumerate(tokens):
         req.token_ids.append(token)
         update = processor.advance(req, token, may_jump=False)
         if update.finished:
-            allocator.free(held[i:])
+            scheduler.free_slots(held[i:])
             return TokenUpdate(req, tokens[:i + 1], True)
         if i < len(held):
-            req.slots.append(held[i])
-    req.row_synced = min(row_synced, len(req.slots))
+            scheduler.reattach_kv(req, held[i])
     return TokenUpdate(req, tokens, False)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from engine.sampler import Sampler
-from engine.scheduler import Chunk
+from engine.step_plan import Chunk
 
 
 def verify_greedy(target_ids: list[int], draft: list[int]) -> list[int]:
