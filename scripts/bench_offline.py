@@ -213,6 +213,21 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+ENGINE_OVERRIDES: dict = {}  # --engine KEY=VALUE, applied to every engine made here
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """KEY=VALUE strings as EngineConfig kwargs, values read as JSON where they parse."""
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 def make_engine(path: str, **overrides) -> Engine:
     if path == ensure_demo_model():  # the tiny demo model: its own weights, any device
         kwargs = dict(model=path, device="cuda" if GPU else "cpu", max_running_requests=128,
@@ -222,6 +237,7 @@ def make_engine(path: str, **overrides) -> Engine:
                       load_format="dummy", max_running_requests=1024, chunked_prefill_size=8192,
                       max_prefill_tokens=16384, cuda_graph_max_bs=1024, mem_fraction_static=0.88)
     kwargs.update(overrides)
+    kwargs.update(ENGINE_OVERRIDES)
     return Engine(EngineConfig(**kwargs))
 
 
@@ -676,7 +692,11 @@ def main() -> None:
     ap.add_argument("--cold-start-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--launched-at", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--no-warmup", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                    help="an EngineConfig override for every engine this process makes (repeatable), "
+                         "e.g. --engine cuda_graph_max_extend_tokens=0")
     args = ap.parse_args()
+    ENGINE_OVERRIDES.update(parse_overrides(args.engine))
     lengths = [int(x) for x in args.ttft_lengths.split(",")]
     if args.cold_start_child:
         batch = tuple(int(x) for x in args.cold_batch.split(","))

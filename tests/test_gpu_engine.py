@@ -148,11 +148,14 @@ def test_extend_graphs_match_eager(tiny_llama):
         llm = LLM(model=tiny_llama, dtype="float32", device="cuda", max_total_tokens=8192,
                   cuda_graph_max_bs=16, cuda_graph_max_extend_tokens=limit,
                   cuda_graph_max_extend_bs=4, chunked_prefill_size=512)
-        runs[limit] = (llm.generate([base], params) + llm.generate(ps[:6], params)
-                       + llm.generate(ps[6:], params))
+        # Steps of <= 4 requests and <= 256 new tokens replay a graph: the first prompt,
+        # then groups of three (fresh prompts; prompts extending `base`, cached by then).
+        # The last group (two long prompts) runs eagerly.
+        groups = [[base], ps[:3], ps[3:6], ps[6:9], ps[9:12], ps[12:]]
+        runs[limit] = [o for g in groups for o in llm.generate(g, params)]
         graphs = llm.engine.runner.extend_graphs
         if limit:
-            assert graphs.replays >= 3
+            assert graphs.replays >= 5
         else:
             assert graphs is None
     for a, b in zip(runs[256], runs[0]):
