@@ -98,6 +98,12 @@ CASES = [
                     "</function>\n</tool_call>\n<tool_call>\n<function=ping>\n</function>\n</tool_call>",
      None, [("search", {"q": "a < b & </tag>\nline two", "n": 3, "opts": {"deep": True}}), ("ping", {})]),
     ("qwen3_coder", "Use <b>bold</b>, <function> and 4 < 5.", "Use <b>bold</b>, <function> and 4 < 5.", []),
+    # Pythonic (Llama 3.2 pythonic template, Llama 4): a list of calls with keyword arguments
+    ("pythonic", '[get_weather(city="Paris", unit=\'celsius\'), get_time(tz="a, (b)]", dst=true, n=[1, {"k": None}])]',
+     None, [("get_weather", WEATHER), ("get_time", {"tz": "a, (b)]", "dst": True, "n": [1, {"k": None}]})]),
+    ("pythonic", '<|python_start|>[ping()]<|python_end|>', None, [("ping", {})]),
+    ("pythonic", "[1] is a footnote, [a](b) a link.", "[1] is a footnote, [a](b) a link.", []),
+    ("pythonic", "[not a call(1 + )] here", "[not a call(1 + )] here", []),
 ]
 
 
@@ -163,6 +169,16 @@ def test_qwen3_coder_truncated_call_is_closed():
     out.feed("<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2", final=True)
     (call,) = out.message_fields()["tool_calls"]
     assert json.loads(call.function.arguments) == {"a": 1}
+
+
+def test_pythonic_calls_stream_one_by_one():
+    out = ChatOutput(None, tool_parser("pythonic"))
+    assert out.feed("[get_").content == ""  # may still open a list of calls: held
+    first = out.feed('weather(city="Paris", unit="celsius"), get_ti')
+    assert [(c.name, json.loads(c.arguments)) for c in first.tool_calls] == [("get_weather", WEATHER)]
+    second = out.feed('me(tz="UTC")]', final=True)
+    assert [(c.index, c.name) for c in second.tool_calls] == [(1, "get_time")]
+    assert out.finish_reason("stop") == "tool_calls"
 
 
 def test_marker_prefix_is_held_back_not_leaked():
@@ -259,6 +275,7 @@ def test_parser_chosen_from_template_then_model_type():
     assert detect_tool_parser("llama", "{{ '<tool_call>' }} tools") == "hermes"
     assert detect_tool_parser("llama", "tools {{ '<|python_tag|>' }}") == "llama3"
     assert detect_tool_parser("mistral", "[TOOL_CALLS] tools") == "mistral"
+    assert detect_tool_parser("llama", "[func_name1(params_name1=params_value1)] ipython") == "pythonic"
     coder = "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>"
     assert detect_tool_parser("qwen3_moe", coder) == "qwen3_coder"
     assert detect_tool_parser("qwen2", "{% if tools %}{% endif %}") == "hermes"

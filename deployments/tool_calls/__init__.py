@@ -2,7 +2,7 @@
 
 `base.py` (the streaming state machine), `call_stream.py` (one call, a run of calls),
 `json_scan.py` (incremental JSON object scanning), one file per model format (`hermes.py`,
-`llama3.py`, `mistral.py`, `qwen3_coder.py`), `forced.py` (output shaped by tool_choice's grammar) and
+`llama3.py`, `mistral.py`, `qwen3_coder.py`, `pythonic.py`), `forced.py` (output shaped by tool_choice's grammar) and
 `grammar.py` (that grammar, from the function schemas).
 """
 from __future__ import annotations
@@ -13,13 +13,14 @@ from deployments.tool_calls.forced import NamedToolParser, RequiredToolParser
 from deployments.tool_calls.hermes import HermesToolParser
 from deployments.tool_calls.llama3 import Llama3JsonToolParser
 from deployments.tool_calls.mistral import MistralToolParser
+from deployments.tool_calls.pythonic import PythonicToolParser
 from deployments.tool_calls.qwen3_coder import Qwen3CoderToolParser
 
 # App argument `tool_call_parser` -> parser class (the names vLLM and SGLang use).
 PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "qwen25": HermesToolParser, "qwen3": HermesToolParser,
     "qwen": HermesToolParser, "llama3": Llama3JsonToolParser, "mistral": MistralToolParser,
-    "qwen3_coder": Qwen3CoderToolParser,
+    "qwen3_coder": Qwen3CoderToolParser, "pythonic": PythonicToolParser,
 }
 
 
@@ -33,6 +34,8 @@ def detect_tool_parser(model_type: str, chat_template: str | None) -> str | None
         return "hermes"
     if "[TOOL_CALLS]" in template:
         return "mistral"
+    if "<|python_start|>" in template or "func_name1(" in template:
+        return "pythonic"  # Llama 4; Llama 3.2's pythonic template
     if "<|python_tag|>" in template or "ipython" in template:
         return "llama3"
     if "tools" not in template:
