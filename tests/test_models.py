@@ -103,6 +103,11 @@ MODEL_CASES = [
     ("qwen2", {}),
     ("qwen3", {}),
     ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
+    # YaRN with an original context of 8: the sequences here (up to 20 tokens) run past it.
+    ("qwen2", {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}}),
+    ("qwen3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                   "original_max_position_embeddings": 8, "beta_fast": 16,
+                                   "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5}}),
 ]
 
 
@@ -173,6 +178,58 @@ def test_last_token_logits_and_backend_swap(tiny_qwen3):
     assert logits.shape == (2, model.config.vocab_size)
     assert_close(logits[0], ref[0][-1])
     assert_close(logits[1], ref[1][-1])
+
+
+YARN_CASES = [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+    {"rope_type": "yarn", "factor": 3.0, "original_max_position_embeddings": 100, "truncate": False},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16,
+     "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "attention_factor": 0.9},
+    {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 128},  # 512 / 128
+]
+
+
+@pytest.mark.parametrize("params", YARN_CASES, ids=range(len(YARN_CASES)))
+def test_yarn_frequencies_and_attention_factor_equal_transformers(params):
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine.layers.rotary import attention_factor, get_rope, inverse_frequencies, rope_parameters
+
+    cfg = Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=32, max_position_embeddings=512,
+                      rope_parameters={"rope_theta": 1e6, **params})
+    ours = rope_parameters(cfg)
+    ref_inv_freq, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    assert torch.equal(inverse_frequencies(32, ours), ref_inv_freq)
+    assert attention_factor(ours) == pytest.approx(ref_factor, rel=1e-12)
+    cache = get_rope(cfg, 32).cos_sin_cache
+    assert cache.shape[0] >= 512 and cache[0, :16].unique().tolist() == [pytest.approx(ref_factor)]
+
+
+def test_yarn_cache_covers_the_scaled_context(tiny_model_factory):
+    """Qwen's YaRN recipe keeps max_position_embeddings at the original length: positions up
+    to original x factor must still have cos/sin rows (max_model_len raised to use them)."""
+    from transformers import Qwen2Config
+
+    from engine.layers.rotary import get_rope
+
+    cfg = Qwen2Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=128,
+                      rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})
+    assert get_rope(cfg, 16).cos_sin_cache.shape[0] == 512
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_yarn_greedy_equals_hf_past_the_original_context(tiny_model_factory, arch):
+    from engine import LLM, SamplingParams
+    from hf_reference import hf_greedy
+
+    path = tiny_model_factory(arch, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                  "original_max_position_embeddings": 16})
+    prompts = random_sequences(768, [12, 30], seed=5)  # 12 + 12 crosses 16; 30 starts past it
+    llm = LLM(model=path, dtype="float32", max_total_tokens=1024)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(path, p, 12) for p in prompts]
 
 
 def test_greedy_output_is_not_degenerate(tiny_model_any):

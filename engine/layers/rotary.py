@@ -2,6 +2,8 @@
 
 cos/sin for every position up to `max_position` are precomputed once in float32; a step
 gathers the rows of its tokens' positions, so ragged batches need no per-request work.
+Scaled variants change only the cache (frequencies, and YaRN's attention factor folded into
+cos and sin), so the torch path and the fused Triton kernel both apply them unchanged.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_parameters(hf_config: Any) -> dict:
@@ -24,8 +26,15 @@ def rope_parameters(hf_config: Any) -> dict:
     params = dict(params or {})
     params.setdefault("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
-    if params["rope_type"] == "llama3":
+    if params["rope_type"] in ("llama3", "yarn"):
+        # As transformers: a top-level value (Phi-3 style configs) wins over the dict's.
+        top_level = getattr(hf_config, "original_max_position_embeddings", None)
+        if top_level is not None:
+            params["original_max_position_embeddings"] = top_level
         params.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
+    if params["rope_type"] == "yarn" and params.get("factor") is None:
+        # DeepSeek-V3 style: the factor is implied by the two lengths.
+        params["factor"] = hf_config.max_position_embeddings / params["original_max_position_embeddings"]
     return params
 
 
@@ -39,6 +48,8 @@ def inverse_frequencies(rotary_dim: int, params: dict) -> torch.Tensor:
         return inv_freq / float(params["factor"])
     if kind == "llama3":
         return _llama3_scale(inv_freq, params)
+    if kind == "yarn":
+        return _yarn_scale(inv_freq, rotary_dim, params)
     raise NotImplementedError(f"rope_type {kind!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
 
 
@@ -56,6 +67,60 @@ def _llama3_scale(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_scale(inv_freq: torch.Tensor, rotary_dim: int, params: dict) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): dimensions that turn fewer than `beta_slow` times over the
+    original context are interpolated (divided by `factor`), those turning more than
+    `beta_fast` times are kept (extrapolated), with a linear ramp over the dimensions between."""
+    base, factor = float(params["rope_theta"]), float(params["factor"])
+    old_len = float(params["original_max_position_embeddings"])
+    beta_fast = float(params.get("beta_fast") or 32)
+    beta_slow = float(params.get("beta_slow") or 1)
+
+    def dim_turning(turns: float) -> float:
+        # The (fractional) pair index whose wavelength fits `turns` times into old_len.
+        return rotary_dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_turning(beta_fast), dim_turning(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # a one-point ramp would divide by zero
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1 for the fast dimensions (kept), 0 for the slow ones (interpolated)
+    # Evaluated in transformers' order, so the cache is bit-equal to theirs.
+    wavelength_over_2pi = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
+    interpolated = 1.0 / (factor * wavelength_over_2pi)
+    return interpolated * (1 - keep) + inv_freq * keep
+
+
+def attention_factor(params: dict) -> float:
+    """What cos and sin are multiplied by: 1, except YaRN's "mscale", which keeps the
+    attention logits' temperature steady as the context grows."""
+    if params["rope_type"] != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = float(params["factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+    if m and m_all:  # DeepSeek style: a ratio of the two
+        return mscale(factor, m) / mscale(factor, m_all)
+    return mscale(factor)
+
+
+def cache_positions(params: dict, max_position: int) -> int:
+    """Positions the cos/sin cache covers. A YaRN config may keep `max_position_embeddings`
+    at the original length (Qwen's recipe adds only `rope_scaling`) while the scaled context
+    is factor times longer, so the cache covers that too."""
+    if params["rope_type"] != "yarn":
+        return max_position
+    return max(max_position, int(params["original_max_position_embeddings"] * float(params["factor"])))
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, params: dict,
                  rotary_dim: int | None = None) -> None:
@@ -63,9 +128,10 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
         inv_freq = inverse_frequencies(self.rotary_dim, params)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        # [max_position, rotary_dim]: cos in the first half, sin in the second.
-        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        freqs = torch.outer(torch.arange(cache_positions(params, max_position),
+                                         dtype=torch.float32), inv_freq)
+        # [positions, rotary_dim]: cos in the first half, sin in the second.
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor(params)
         self.register_buffer("cos_sin_cache", cache.to(device=torch.get_default_device()),
                              persistent=False)
         self.fused = False  # one Triton kernel on GPUs (engine/layers/fused_kernels.py)
