@@ -29,7 +29,7 @@ class EngineConfig:
     max_prefill_tokens: int = 16384  # token budget of one step's prefill part
     max_queued_requests: int = 0  # 0 = unbounded; above it `add_request` raises QueueFullError
     enable_radix_cache: bool = True
-    schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
+    schedule_policy: Literal["fcfs", "lpm"] = "fcfs"  # admission order: engine/admission.py
 
     # Memory
     max_total_tokens: int | None = None  # KV slots in the pool

@@ -98,6 +98,20 @@ class RadixCache:
             node = child
         return slots, node
 
+    def match_len(self, tokens: list[int]) -> int:
+        """Length of the longest cached prefix of `tokens`, read only: nothing is touched or
+        split (the lpm admission order asks it of every waiting request, every step)."""
+        if not self.enabled:
+            return 0
+        node, pos = self.root, 0
+        while pos < len(tokens) and (child := node.children.get(tokens[pos])) is not None:
+            n = _common_len(child.key, tokens, pos)
+            pos += n
+            if n < len(child.key):
+                break
+            node = child
+        return pos
+
     def _split(self, node: TreeNode, n: int) -> TreeNode:
         """Cut `node` after n tokens; returns the new upper part."""
         upper = TreeNode(key=node.key[:n], value=node.value[:n], parent=node.parent,

@@ -67,7 +67,6 @@ class Request:
     grammar: Any = None  # structured output: grammar.Matcher (a Future while compiling)
     detok: Any = None  # IncrementalDetokenizer, fed lazily
     sampler_state: Any = None  # per-request RNG etc., owned by the sampler
-    stop_text_len: int | None = None  # where a matched stop string starts in the text
     spec_stats: SpecStats = field(default_factory=SpecStats)  # speculative decoding counters
 
     def __post_init__(self) -> None:

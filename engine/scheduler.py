@@ -17,6 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from engine.admission import AdmissionOrder
 from engine.config import EngineConfig
 from engine.kv_pool import SlotAllocator
 from engine.radix_cache import RadixCache
@@ -50,6 +51,7 @@ class Scheduler:
         self.running: list[Request] = []
         # Row 0 of req_to_token is the padding row; running requests use 1..max_running.
         self.free_rows = list(range(config.max_running_requests, 0, -1))
+        self.admission_order = AdmissionOrder(config.schedule_policy, cache)
         self.stats = SchedulerStats()
 
     # -- queue --------------------------------------------------------------------------
@@ -125,8 +127,9 @@ class Scheduler:
         return decoders
 
     def _prefill_chunks(self, reserve: int) -> list[Chunk]:
-        """Continue chunked prompts first, then admit waiting requests in order, within the
-        token budget and the free memory (keeping `reserve` slots for this step's decoders)."""
+        """Continue chunked prompts first, then admit waiting requests (in the policy's
+        order: engine/admission.py), within the token budget and the free memory (keeping
+        `reserve` slots for this step's decoders)."""
         chunking = self.config.chunked_prefill_size > 0
         budget = self.config.chunked_prefill_size if chunking else self.config.max_prefill_tokens
         chunks: list[Chunk] = []
@@ -137,7 +140,7 @@ class Scheduler:
             chunks.append(self._extend(req, n))
             budget -= n
         step_prefixes: set[tuple[int, ...]] = set()
-        for req in list(self.waiting):
+        for req in self.admission_order(self.waiting):
             if budget <= 0:
                 break
             if req.inflight:
