@@ -103,6 +103,10 @@ MODEL_CASES = [
     ("qwen2", {}),
     ("qwen3", {}),
     ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
+    # Sliding windows shorter than the sequences: every layer (Mistral), or the layers from
+    # max_window_layers on (Qwen2's layer_types).
+    ("mistral", {"sliding_window": 6}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
     # YaRN with an original context of 8: the sequences here (up to 20 tokens) run past it.
     ("qwen2", {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}}),
     ("qwen3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
@@ -230,6 +234,54 @@ def test_yarn_greedy_equals_hf_past_the_original_context(tiny_model_factory, arc
     llm = LLM(model=path, dtype="float32", max_total_tokens=1024)
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in outs] == [hf_greedy(path, p, 12) for p in prompts]
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("mistral", {"sliding_window": 8}),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}),
+])
+def test_sliding_window_greedy_equals_hf(tiny_model_factory, arch, overrides):
+    from engine import LLM, SamplingParams
+    from hf_reference import hf_greedy
+
+    path = tiny_model_factory(arch, **overrides)
+    prompts = random_sequences(768, [5, 20], seed=6)  # decoding into, and far past, the window
+    llm = LLM(model=path, dtype="float32", max_total_tokens=1024)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(path, p, 12) for p in prompts]
+
+
+class _FullAttentionOnly:
+    """A backend without sliding windows (as the Triton one): the torch backend's results."""
+
+    def __init__(self, inner: TorchAttentionBackend) -> None:
+        self.inner = inner
+
+    def prepare(self, batch) -> None:
+        pass
+
+    def forward(self, q, k, v, layer_id, batch):
+        return self.inner.forward(q, k, v, layer_id, batch)
+
+
+def test_backend_without_windows_is_refused_once_the_context_outgrows_them(tiny_model_factory):
+    path = tiny_model_factory("mistral", sliding_window=6)
+    model = load_model(path, dtype="float32", device="cpu")
+    runner = MiniRunner(model, max_context=32)
+    model.set_attention_backend(_FullAttentionOnly(runner.backend))
+    with pytest.raises(ValueError, match=r"sliding_window=6: _FullAttentionOnly has no sliding-window "
+                                         r"attention .* max_model_len <= 6 or use attention_backend='torch'"):
+        runner.step({0: [5, 6, 7]})
+    # A context limit within the window: full attention is exact, so it runs.
+    runner = MiniRunner(model, max_context=6)
+    model.set_attention_backend(_FullAttentionOnly(runner.backend))
+    seq = random_sequences(768, [6], seed=2)[0]
+    assert_close(torch.cat([runner.step({0: seq[:4]})[0], runner.step({0: seq[4:]})[0]]),
+                 hf_logits(path, [seq])[0])
+    pytest.importorskip("triton")
+    from engine.attention.triton_backend import TritonAttentionBackend
+
+    assert not getattr(TritonAttentionBackend, "supports_sliding_window", False)
 
 
 def test_greedy_output_is_not_degenerate(tiny_model_any):

@@ -217,11 +217,19 @@ def test_missing_expert_weight_is_an_error(moe_factory, tmp_path):
     assert model.model.layers[1].mlp.experts.num_local_experts == 4
 
 
-@pytest.mark.parametrize("arch,overrides,message", [
-    ("mixtral", {"sliding_window": 64}, "sliding_window=64: sliding-window attention is not supported"),
-    ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window=True"),
+@pytest.mark.parametrize("arch,overrides", [
+    ("mixtral", {"sliding_window": 6}),  # every layer
+    ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 6}),  # layers 0 and 2 (layer_types)
+    ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 6}),  # every layer
 ])
-def test_unsupported_options_fail_at_start_up(moe_factory, arch, overrides, message):
+def test_sliding_window_logits_and_greedy_equal_hf(moe_factory, arch, overrides):
     path = moe_factory(arch, **overrides)
-    with pytest.raises((ValueError, NotImplementedError), match=message):
-        load_model(path, device="cpu", load_format="dummy")
+    model = load_model(path, dtype="float32", device="cpu")
+    assert any(model.sliding_windows) and set(model.sliding_windows) <= {6, None}
+    seqs = random_sequences(model.config.vocab_size, [16], seed=8)
+    runner = MiniRunner(model)
+    steps = [runner.step({0: seqs[0][:9]}), runner.step({0: seqs[0][9:10]}), runner.step({0: seqs[0][10:]})]
+    assert_close(torch.cat([step[0] for step in steps]), hf_logits(path, seqs)[0])
+    prompts = random_sequences(768, [4, 11], seed=9)
+    outs = LLM(model=path, dtype="float32", max_total_tokens=1024).generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [hf_greedy(path, p, 8) for p in prompts]

@@ -4,8 +4,9 @@ Differences between the families are a few switches read from the HF config:
 - Qwen2: bias on q/k/v (not on o_proj).
 - Qwen3: per-head RMSNorm on q and k before RoPE; head_dim given by the config.
 - Llama: optional `attention_bias` / `mlp_bias`; Llama 3.1 RoPE scaling (handled in rotary.py).
-Sliding-window attention (Mistral v0.1, some Qwen configs) is not implemented: attention is
-full causal, which is exact while sequences stay within the window.
+- Sliding-window attention (Mistral v0.1's `sliding_window`; Qwen2/Qwen3 `use_sliding_window`,
+  per layer by `layer_types`): each layer's window goes to the attention backend. A backend
+  without windows (Triton) is refused once the context could outgrow the smallest window.
 
 Module and parameter names follow HF's, except the fused `qkv_proj` and `gate_up_proj`, so
 `load_weights` maps checkpoint names with a small table.
@@ -47,6 +48,23 @@ def _our_name(ckpt_name: str) -> tuple[str, str | int | None]:
 
 def _load_replicated(param: nn.Parameter, loaded: Loadable) -> None:
     copy_into(param, materialize(loaded))  # norms: the same on every rank
+
+
+def sliding_windows(hf_config: Any) -> list[int | None]:
+    """Each layer's attention window (None: full causal), as transformers reads the config:
+    with `layer_types` (Qwen2, Qwen3, Qwen2-MoE) only the "sliding_attention" layers have
+    one; without (Mistral, Mixtral, Qwen3-MoE) every layer has `sliding_window` when set.
+    The config classes already clear `sliding_window` when `use_sliding_window` is off."""
+    n = hf_config.num_hidden_layers
+    window = getattr(hf_config, "sliding_window", None) or None  # Qwen2-MoE writes 0 for off
+    types = getattr(hf_config, "layer_types", None)
+    if not types:
+        return [window] * n
+    unknown = set(types) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise ValueError(f"layer_types {sorted(unknown)} are not supported "
+                         "(only full_attention and sliding_attention)")
+    return [window if kind == "sliding_attention" else None for kind in types[:n]]
 
 
 def head_dim_of(hf_config: Any) -> int:
@@ -173,6 +191,9 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim, self.num_kv_heads = attn.head_dim, attn.num_kv_heads
         self.num_layers = hf_config.num_hidden_layers
         self.scale = self.head_dim ** -0.5
+        self.sliding_windows = sliding_windows(hf_config)
+        # The smallest window when the backend ignores windows: contexts must stay within it.
+        self._full_attention_limit: int | None = None
         if attn_backend is not None:
             self.set_attention_backend(attn_backend)
 
@@ -191,9 +212,29 @@ class LlamaForCausalLM(nn.Module):
     def set_attention_backend(self, attn_backend: AttentionBackend) -> None:
         for layer in self.model.layers:
             layer.self_attn.attn_backend = attn_backend
+        windows = {i: w for i, w in enumerate(self.sliding_windows) if w is not None}
+        self._full_attention_limit = None
+        if windows and getattr(attn_backend, "supports_sliding_window", False):
+            attn_backend.set_sliding_windows(windows)
+        elif windows:
+            self._full_attention_limit = min(windows.values())
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        self._check_context_fits_windows(batch)
         return self.model(batch.input_ids, batch.positions, batch)
+
+    def _check_context_fits_windows(self, batch: ForwardBatch) -> None:
+        """Full causal attention equals windowed attention only while no sequence outgrows
+        the window. The request table's width is the engine's context limit, so this fails
+        at the first forward (graph capture or warm-up at start-up on GPUs), not once a long
+        request arrives."""
+        limit = self._full_attention_limit
+        if limit is not None and batch.req_to_token.shape[1] > limit:
+            backend = type(self.model.layers[0].self_attn.attn_backend).__name__
+            raise ValueError(
+                f"sliding_window={limit}: {backend} has no sliding-window attention and the "
+                f"context limit {batch.req_to_token.shape[1]} exceeds the window; set "
+                f"max_model_len <= {limit} or use attention_backend='torch'")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden).float()

@@ -68,14 +68,10 @@ class MoEForCausalLM(LlamaForCausalLM):
                  moe_parallel: MoEParallel = "tp") -> None:
         if getattr(hf_config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r} (only silu)")
-        self.check_supported(hf_config)
         self.moe_parallel = moe_parallel  # read by make_mlp during the base class's build
         super().__init__(hf_config, attn_backend, tp)
 
     # -- what subclasses define ---------------------------------------------------------------
-
-    def check_supported(self, hf_config: Any) -> None:
-        """Raise ValueError naming any config option this implementation would get wrong."""
 
     def is_sparse_layer(self, layer_id: int) -> bool:
         return True
@@ -117,7 +113,3 @@ class MoEForCausalLM(LlamaForCausalLM):
                 loaded_names.add(target)
         return loaded_names
 
-
-def sliding_window_error(option: str) -> ValueError:
-    return ValueError(f"{option}: sliding-window attention is not supported (attention here is "
-                      "full causal, which differs once a sequence outgrows the window)")

@@ -9,19 +9,10 @@ per-head q/k RMSNorm (handled by the Llama attention, as for Qwen3).
 """
 from __future__ import annotations
 
-from typing import Any
-
-from engine.models.moe import MoEForCausalLM, SparseMoeBlock, sliding_window_error
+from engine.models.moe import MoEForCausalLM, SparseMoeBlock
 
 
 class Qwen2MoeForCausalLM(MoEForCausalLM):
-    def check_supported(self, hf_config: Any) -> None:
-        sliding = [t for t in getattr(hf_config, "layer_types", None) or [] if t != "full_attention"]
-        if getattr(hf_config, "use_sliding_window", False) or sliding:
-            raise sliding_window_error(
-                f"use_sliding_window={getattr(hf_config, 'use_sliding_window', None)} "
-                f"(sliding_window={getattr(hf_config, 'sliding_window', None)})")
-
     def is_sparse_layer(self, layer_id: int) -> bool:
         cfg = self.config
         step = getattr(cfg, "decoder_sparse_step", 1) or 1
