@@ -5,11 +5,29 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "generation_config.json")
+
+
+@pytest.fixture(scope="session")
+def moe_factory(tmp_path_factory, tiny_model_factory):
+    """`make(arch, **config_overrides) -> path`, each build once per session (import it into
+    a test module to use it)."""
+    root = tmp_path_factory.mktemp("tiny-moe")
+    tokenizer_dir = tiny_model_factory("qwen2")
+    built: dict[str, str] = {}
+
+    def make(arch: str, **overrides) -> str:
+        key = arch + "".join(f"-{k}={overrides[k]}" for k in sorted(overrides))
+        if key not in built:
+            built[key] = build_tiny_moe(root / key, arch, tokenizer_dir, **overrides)
+        return built[key]
+
+    return make
 
 
 def moe_config(arch: str, vocab_size: int, **overrides):

@@ -18,27 +18,11 @@ from engine.layers.moe_routing import group_by_expert, max_blocks, select_expert
 from engine.layers.parallel import TPContext
 from engine.models import load_model
 from hf_reference import hf_greedy
-from moe_models import MOE_ARCHS, build_tiny_moe
+from moe_models import MOE_ARCHS, moe_factory  # noqa: F401 (a fixture)
 from test_models import MiniRunner, assert_close, assert_ranks_match_single, hf_logits, random_sequences
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="session")
-def moe_factory(tmp_path_factory, tiny_model_factory):
-    """`make(arch, **config_overrides) -> path`, each build once per session."""
-    root = tmp_path_factory.mktemp("tiny-moe")
-    tokenizer_dir = tiny_model_factory("qwen2")
-    built: dict[str, str] = {}
-
-    def make(arch: str, **overrides) -> str:
-        key = arch + "".join(f"-{k}={overrides[k]}" for k in sorted(overrides))
-        if key not in built:
-            built[key] = build_tiny_moe(root / key, arch, tokenizer_dir, **overrides)
-        return built[key]
-
-    return make
 
 
 def prompts_for(vocab: int) -> list[list[int]]:
