@@ -43,7 +43,8 @@ class KVPool:
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """New K or V -> what the pool stores."""
-        return to_fp8(x / self.scale) if self.fp8 else x.to(self.dtype)
+        # divided in float32: one rounding (to float8), as the Triton store kernel does
+        return to_fp8(x.float() / self.scale) if self.fp8 else x.to(self.dtype)
 
     def decode(self, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Gathered pool rows -> values in the model's `dtype`."""

@@ -6,6 +6,7 @@ shrunk; slow). The helpers here are shared with scripts/check_attention.py.
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
 import random
@@ -17,6 +18,7 @@ import torch
 from engine.attention.base import ForwardBatch
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kv_pool import KVPool
+from engine.quantization.fp8 import FP8
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -55,8 +57,10 @@ class Case:
 def make_case(reqs: list[tuple[int, int]], hq: int, hkv: int, d: int, dtype: torch.dtype,
               device: str, *, num_layers: int = 2, pad_to: int = 0, num_slots: int | None = None,
               max_ctx: int | None = None, fused_qkv: bool = True, seed: int = 0,
-              fill_pool: bool = True) -> Case:
+              fill_pool: bool = True, kv_dtype: torch.dtype | None = None,
+              kv_scale: float = 1.0) -> Case:
     """A random step. reqs = [(prefix_len, extend_len)]; all extend_len == 1 makes a decode.
+    kv_dtype=FP8 makes a float8 pool with scale kv_scale (q/k/v stay in `dtype`).
 
     Slots are a random permutation (never contiguous), rows are random, unused
     req_to_token entries hold random valid slots (so out-of-range reads show up), the pool
@@ -74,7 +78,7 @@ def make_case(reqs: list[tuple[int, int]], hq: int, hkv: int, d: int, dtype: tor
         num_slots = total + 64
     if max_ctx is None:
         max_ctx = max(seq_lens) + 5
-    pool = KVPool(num_slots, num_layers, hkv, d, dtype, device)
+    pool = KVPool(num_slots, num_layers, hkv, d, kv_dtype or dtype, device, scale=kv_scale)
     if fill_pool:
         for t in pool.k + pool.v:
             t.copy_(torch.randn(t.shape, generator=g).to(dtype))
@@ -129,9 +133,15 @@ def make_case(reqs: list[tuple[int, int]], hq: int, hkv: int, d: int, dtype: tor
 
 
 def reference(case: Case) -> tuple[torch.Tensor, KVPool]:
-    """fp32 torch reference on an fp32 copy of the pool (pool as it was before the step)."""
+    """fp32 torch reference on an fp32 copy of the pool (pool as it was before the step).
+    An fp8 pool is copied as it is: the torch backend's fp8 path stores the new K/V
+    (KVPool.encode) and reads every K/V back dequantized, here to fp32."""
     p = case.pool
-    ref_pool = KVPool.over([t.float().clone() for t in p.k], [t.float().clone() for t in p.v])
+    if p.fp8:
+        ref_pool = copy.copy(p)  # dtype and scale as the original's
+        ref_pool.k, ref_pool.v = [t.clone() for t in p.k], [t.clone() for t in p.v]
+    else:
+        ref_pool = KVPool.over([t.float().clone() for t in p.k], [t.float().clone() for t in p.v])
     be = TorchAttentionBackend(ref_pool, 1.0 / math.sqrt(case.q.shape[-1]))
     out = be.forward(case.q.float(), case.k.float(), case.v.float(), case.layer, case.batch)
     return out, ref_pool
@@ -153,16 +163,22 @@ def compare(case: Case, out: torch.Tensor, ref: torch.Tensor, ref_pool: KVPool) 
     o, r = out[:n_tok].float(), ref[:n_tok].float()
     nan = bool(torch.isnan(o).any().item())
     rel = float((o - r).norm() / r.norm().clamp_min(1e-30))
-    same = lambda a, b: torch.allclose(a.float(), b, rtol=0, atol=0, equal_nan=True)  # noqa: E731
+
+    def same(a, b):
+        if case.pool.fp8:  # the stores must give torch's float8 bits exactly
+            return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        return torch.allclose(a.float(), b, rtol=0, atol=0, equal_nan=True)
+
     pool_ok = all(same(a, b) for a, b in zip(case.pool.k + case.pool.v, ref_pool.k + ref_pool.v))
     tol = TOL[case.q.dtype]
     return dict(rel=rel, nan=nan, pool_ok=pool_ok, tol=tol,
                 ok=(not nan) and rel < tol and pool_ok)
 
 
-def check(reqs, hq, hkv, d, dtype, *, seed=0, pad_to=0, fused_qkv=True, **kw) -> dict:
+def check(reqs, hq, hkv, d, dtype, *, seed=0, pad_to=0, fused_qkv=True, kv_dtype=None,
+          kv_scale=1.0, **kw) -> dict:
     case = make_case(reqs, hq, hkv, d, dtype, DEVICE, seed=seed, pad_to=pad_to,
-                     fused_qkv=fused_qkv)
+                     fused_qkv=fused_qkv, kv_dtype=kv_dtype, kv_scale=kv_scale)
     ref, ref_pool = reference(case)
     out = run_backend(case, **kw)
     return compare(case, out, ref, ref_pool)
@@ -223,6 +239,42 @@ def extend_reqs(reqs):
     return [(min(p, 120), min(e, 70)) for p, e in reqs[:5]]
 
 
+# FP8 KV pool (kv_cache_dtype="fp8_e4m3"), against the torch backend's fp8 path on a copy of
+# the same pool. Both read the same float8 values (the kernels quantize new K/V exactly as
+# KVPool.encode: the pool bits must match), so only arithmetic differs and the tolerance is
+# the model dtype's, as for bf16/fp16/fp32 pools. Scales != 1 take the divide/multiply path.
+# (name, bsz, max_len, hq, hkv, d, dtype, kv_scale, kwargs)
+FP8_DECODE_CASES = [
+    ("b7_g4_d128", 7, 3000, 16, 4, 128, "bf16", 1.0, {}),
+    ("b64_g4_d128", 64, 3000, 32, 8, 128, "bf16", 1.0, {}),
+    ("b7_g8_d64_fp16_scale", 7, 2000, 16, 2, 64, "fp16", 0.25, {}),
+    ("b7_g4_d64_fp32", 7, 1000, 8, 2, 64, "fp32", 1.0, {}),
+    ("b7_g2_d80", 7, 700, 4, 2, 80, "bf16", 1.0, {}),
+    ("b7_splits3_scale", 7, 3000, 16, 4, 128, "bf16", 2.0, {"force_num_splits": 3}),
+    ("b7_graphmode", 7, 3000, 16, 4, 64, "bf16", 1.0, {"graph_mode": True}),
+]
+
+# (name, [(prefix, extend)], hq, hkv, d, dtype, kv_scale)
+FP8_EXTEND_CASES = [
+    ("prefix_mix", [(100, 50), (0, 129), (2000, 1), (17, 64)], 32, 4, 128, "bf16", 1.0),
+    ("long_prefix", [(3000, 128)], 32, 8, 128, "bf16", 1.0),
+    ("ragged_fp16_scale", [(0, 1), (40, 300), (300, 5)], 8, 2, 64, "fp16", 0.5),
+    ("d80_fp32", [(70, 90), (3, 1)], 4, 2, 80, "fp32", 1.0),
+]
+
+
+def check_fp8_decode(i: int) -> dict:
+    name, bsz, max_len, hq, hkv, d, dt, scale, kw = FP8_DECODE_CASES[i]
+    return check(decode_reqs(bsz, max_len, 200 + i), hq, hkv, d, DT[dt], seed=200 + i,
+                 kv_dtype=FP8, kv_scale=scale, **kw)
+
+
+def check_fp8_extend(i: int) -> dict:
+    name, reqs, hq, hkv, d, dt, scale = FP8_EXTEND_CASES[i]
+    return check(extend_reqs(reqs), hq, hkv, d, DT[dt], seed=300 + i, kv_dtype=FP8,
+                 kv_scale=scale)
+
+
 def all_checks() -> list[tuple[str, dict]]:
     """Every case above, plus graph-padding and CUDA-graph replay; for the check script."""
     rows = []
@@ -231,23 +283,30 @@ def all_checks() -> list[tuple[str, dict]]:
                                              seed=i, **kw)))
     for i, (name, reqs, hq, hkv, d, dt) in enumerate(EXTEND_CASES):
         rows.append(("extend/" + name, check(extend_reqs(reqs), hq, hkv, d, DT[dt], seed=100 + i)))
+    for i, case in enumerate(FP8_DECODE_CASES):
+        rows.append(("fp8/decode/" + case[0], check_fp8_decode(i)))
+    for i, case in enumerate(FP8_EXTEND_CASES):
+        rows.append(("fp8/extend/" + case[0], check_fp8_extend(i)))
     rows.append(("decode/padded", check_padded()))
+    rows.append(("fp8/decode/padded", check_padded(FP8)))
     if DEVICE == "cuda":
         rows.append(("decode/cuda_graph", check_cuda_graph()))
+        rows.append(("fp8/decode/cuda_graph", check_cuda_graph(FP8)))
     return rows
 
 
-def check_padded() -> dict:
-    return check(decode_reqs(5, 2000, 7), 16, 4, 128, torch.bfloat16, seed=7, pad_to=12)
+def check_padded(kv_dtype=None) -> dict:
+    return check(decode_reqs(5, 2000, 7), 16, 4, 128, torch.bfloat16, seed=7, pad_to=12,
+                 kv_dtype=kv_dtype)
 
 
-def check_cuda_graph() -> dict:
+def check_cuda_graph(kv_dtype=None) -> dict:
     """Capture a padded decode once, then replay it on another step's data (other seq lens,
     rows, slots, pool contents) copied into the captured tensors."""
     from engine.attention.triton_backend import TritonAttentionBackend
 
     hq, hkv, d, dt, pad = 32, 8, 128, torch.bfloat16, 16
-    kw = dict(num_slots=40000, max_ctx=4200, pad_to=pad)
+    kw = dict(num_slots=40000, max_ctx=4200, pad_to=pad, kv_dtype=kv_dtype)
     a = make_case(decode_reqs(9, 300, 1), hq, hkv, d, dt, DEVICE, seed=1, **kw)
     b = make_case(decode_reqs(9, 4000, 2), hq, hkv, d, dt, DEVICE, seed=2, **kw)
     be = TritonAttentionBackend(a.pool, 1.0 / math.sqrt(d), graph_mode=True)
@@ -302,6 +361,67 @@ def test_decode_graph_padding():
 def test_decode_cuda_graph_replay():
     r = check_cuda_graph()
     assert r["ok"], r
+
+
+# ------------------------------------------------------------------ FP8 KV pool
+@pytest.mark.parametrize("i", range(len(FP8_DECODE_CASES)), ids=[c[0] for c in FP8_DECODE_CASES])
+def test_fp8_decode(i):
+    r = check_fp8_decode(i)
+    assert r["ok"], r
+
+
+@pytest.mark.parametrize("i", range(len(FP8_EXTEND_CASES)), ids=[c[0] for c in FP8_EXTEND_CASES])
+def test_fp8_extend(i):
+    r = check_fp8_extend(i)
+    assert r["ok"], r
+
+
+def test_fp8_decode_graph_padding():
+    r = check_padded(FP8)
+    assert r["ok"], r
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_fp8_decode_cuda_graph_replay():
+    r = check_cuda_graph(FP8)
+    assert r["ok"], r
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5, 3.0])
+def test_fp8_store_is_kv_pool_encode(scale):
+    """The store kernel writes KVPool.encode's float8 bits exactly: saturation at +-448
+    (after dividing by the scale), ties to even, subnormals, signed zeros."""
+    from engine.attention.triton_backend import TritonAttentionBackend
+
+    g = torch.Generator().manual_seed(3)
+    t, hkv, d = 64, 2, 64
+    pool = KVPool(t + 4, 1, hkv, d, FP8, DEVICE, scale=scale)
+    shape = (2, t, hkv, d)
+    x = torch.randn(shape, generator=g) * torch.exp(2 * torch.randn(shape, generator=g))
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8).float().unique()
+    grid = grid[~grid.isnan()]
+    mids = (grid[1:] + grid[:-1]) / 2  # exact ties between neighbouring float8 values
+    special = torch.cat([grid, mids, torch.tensor([500.0, -1e4, 1e-9, -1e-9, 0.0, -0.0])])
+    x.view(-1)[:special.numel()] = special
+    k, v = (x * scale).to(torch.bfloat16).to(DEVICE)  # bf16 inputs, as a bf16 model gives
+    slots = torch.arange(1, t + 1, device=DEVICE)
+    be = TritonAttentionBackend(pool, 1.0)
+    be.store_kv(k, v, pool.k[0], pool.v[0], slots)
+    for got, new in ((pool.k[0], k), (pool.v[0], v)):
+        want = pool.encode(new)
+        assert torch.equal(got[1:t + 1].view(torch.uint8), want.view(torch.uint8))
+
+
+def test_fp8_pool_error_is_fp8_rounding():
+    """The fp8 path against full precision (the bf16 pool's values, unrounded): a few percent,
+    the size of one e4m3 rounding of K and V, and not zero (the pool really is float8)."""
+    reqs = extend_reqs([(300, 40), (0, 77)])
+    dense = make_case(reqs, 8, 2, 64, torch.bfloat16, DEVICE, seed=9)
+    fp8 = make_case(reqs, 8, 2, 64, torch.bfloat16, DEVICE, seed=9, kv_dtype=FP8)
+    ref, _ = reference(dense)
+    err = float((run_backend(fp8).float() - ref).norm() / ref.norm())
+    print(f"fp8 KV pool vs full precision: relative error {err:.4f}")
+    assert 0.005 < err < 0.06
 
 
 def test_no_triton_import_from_engine():

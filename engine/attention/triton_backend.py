@@ -92,9 +92,20 @@ class TritonAttentionBackend:
         self.head_dim = kv_pool.k[0].shape[2]
         self.block_d = _pow2_at_least(self.head_dim, 16)
         self.cache_dtype = kv_pool.k[0].dtype
+        # An fp8 pool (kv_cache_dtype="fp8_e4m3"): the kernels' KV_FP8 path, switched on by
+        # these extra launch arguments; a bf16/fp16/fp32 pool launches without them (the
+        # kernels' defaults), exactly as before fp8 existed. The store (and extend, which
+        # rounds the new tokens the same way) also get FP8_SW_ROUND: see triton_kernels.py.
+        self.kv_fp8 = kv_pool.fp8
+        self._kv_kw = dict(KV_FP8=True, KV_SCALE=float(kv_pool.scale)) if self.kv_fp8 else {}
+        self._store_kw = dict(self._kv_kw, FP8_SW_ROUND=_interpreting()) if self.kv_fp8 else {}
+        # The dtype K/V have in registers, which the dots take and the launch configs are
+        # sized for: the pool's, or with an fp8 pool the model's (dequantized to q's dtype),
+        # learnt from the first forward's q (bf16, the usual case, until then).
+        self.dot_dtype = torch.bfloat16 if self.kv_fp8 else self.cache_dtype
         # fp32 models use IEEE fp32 dots; the CPU interpreter's bf16/fp16 dot is broken,
         # so it upcasts too.
-        self.f32_dot = self.cache_dtype == torch.float32 or _interpreting()
+        self.f32_dot = self.dot_dtype == torch.float32 or _interpreting()
         self.smem_limit = self._smem_limit(device)
         # Kernel launch configs: None = heuristics below; a dict overrides them (the
         # benchmark script sweeps these).
@@ -135,8 +146,8 @@ class TritonAttentionBackend:
         (b64 x 1024: 70 us against 78)."""
         if self.decode_cfg is not None:
             return self.decode_cfg
-        elt = self.cache_dtype.itemsize
-        if self.cache_dtype == torch.float32 or self.block_d > 128:
+        elt = self.dot_dtype.itemsize
+        if self.dot_dtype == torch.float32 or self.block_d > 128:
             return dict(BLOCK_N=32, num_warps=4, num_stages=2)
         if programs < self.num_sms or programs >= 8 * self.num_sms:
             cands = [(128, 3), (64, 3), (64, 2), (32, 2)]
@@ -154,9 +165,9 @@ class TritonAttentionBackend:
         2048 prefix: 41 us against 48)."""
         if self.extend_cfg is not None:
             return self.extend_cfg
-        if self.cache_dtype == torch.float32 or self.block_d > 128:
+        if self.dot_dtype == torch.float32 or self.block_d > 128:
             return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
-        elt = self.cache_dtype.itemsize
+        elt = self.dot_dtype.itemsize
         q_bytes = 64 * self.block_d * elt
         programs = hq * bsz * triton.cdiv(max(1, max_extend), 64)
         if programs < self.num_sms and self._fits(128, 2, elt, q_bytes):
@@ -172,10 +183,10 @@ class TritonAttentionBackend:
         CTAs fit per SM; the persistent grid uses two programs per SM."""
         if self.prefix_cfg is not None:
             cfg = dict(self.prefix_cfg)
-        elif self.cache_dtype == torch.float32 or self.block_d > 128:
+        elif self.dot_dtype == torch.float32 or self.block_d > 128:
             cfg = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
         else:
-            elt = self.cache_dtype.itemsize
+            elt = self.dot_dtype.itemsize
             q_bytes = 64 * self.block_d * elt
             cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)
             for st in (3, 2):
@@ -240,6 +251,9 @@ class TritonAttentionBackend:
         [T, Hq, D] (written into `out` when given, e.g. a preallocated buffer)."""
         if self._prepared is not batch:
             self.prepare(batch)
+        if self.kv_fp8 and q.dtype != self.dot_dtype:  # the model's dtype, now known
+            self.dot_dtype = q.dtype
+            self.f32_dot = q.dtype == torch.float32 or _interpreting()
         k_cache, v_cache = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
         if q.stride(-1) != 1:
             q = q.contiguous()
@@ -265,7 +279,7 @@ class TritonAttentionBackend:
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             HKV=hkv, HEAD_DIM=d, BLOCK_H=_pow2_at_least(hkv, 2), BLOCK_D=self.block_d,
-            num_warps=4 if hkv * d >= 1024 else 1)
+            **self._store_kw, num_warps=4 if hkv * d >= 1024 else 1)
 
     def decode(self, q, k_cache, v_cache, out, batch: ForwardBatch) -> None:
         bsz, hq, d = q.shape
@@ -306,7 +320,7 @@ class TritonAttentionBackend:
             out.stride(0), out.stride(1),
             smb, smh, sms, slb, slh, *pstrides,
             GROUP=group, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=d,
-            BLOCK_D=self.block_d, DIRECT=direct, F32_DOT=self.f32_dot, **pkw,
+            BLOCK_D=self.block_d, DIRECT=direct, F32_DOT=self.f32_dot, **pkw, **self._kv_kw,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         if not direct:
             decode_reduce_kernel[(hq, bsz)](
@@ -341,7 +355,7 @@ class TritonAttentionBackend:
             pfx_o.stride(0), pfx_o.stride(1), pfx_o.stride(2),
             pfx_lse.stride(0), pfx_lse.stride(1),
             HKV=hkv, GROUP=group, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=d,
-            BLOCK_D=self.block_d, F32_DOT=self.f32_dot,
+            BLOCK_D=self.block_d, F32_DOT=self.f32_dot, **self._kv_kw,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return cfg
 
@@ -361,7 +375,7 @@ class TritonAttentionBackend:
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             batch.req_to_token.stride(0), out.stride(0), out.stride(1),
             GROUP=hq // hkv, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=d,
-            BLOCK_D=self.block_d, F32_DOT=self.f32_dot,
+            BLOCK_D=self.block_d, F32_DOT=self.f32_dot, **self._store_kw,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 

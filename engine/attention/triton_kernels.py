@@ -11,6 +11,8 @@ Conventions shared by all kernels:
 - F32_DOT: run tl.dot on fp32 operands in IEEE precision (fp32 models, and the Triton CPU
   interpreter, whose bf16 dot is wrong). Otherwise the dot takes the storage dtype
   (bf16/fp16) with fp32 accumulation.
+- KV_FP8: the pool is float8_e4m3 (see "FP8 KV pool" below); K/V are dequantized to the
+  query's dtype right after their loads, so everything after is as for a bf16 pool.
 
 Specialization (cold start): Triton compiles one binary per distinct launch key. Besides
 the constexprs and num_warps/num_stages, the key holds, for every non-constexpr int, whether
@@ -42,10 +44,72 @@ def _dot(a, b, F32_DOT: tl.constexpr):
         return tl.dot(a, b)
 
 
+# ----------------------------------------------------------------------------------------
+# FP8 KV pool (kv_cache_dtype="fp8_e4m3"; KVPool.encode/decode are the torch version).
+# KV_FP8 (constexpr) switches it on; off, the helpers return their input unchanged, so the
+# bf16/fp16/fp32 kernels compile exactly as without them. KV_SCALE is the pool's one scale
+# (a constexpr: fixed per pool; 1.0 skips the multiply and divide). The pool holds
+# float8_e4m3fn(clamp(x / KV_SCALE, +-448)), rounded to nearest even; loads dequantize in
+# registers to the query's dtype, (stored * KV_SCALE).to(q.dtype), as the torch backend
+# does, and the dots and accumulation are unchanged from there.
+# FP8_SW_ROUND: Triton's CPU interpreter casts float32 -> float8 wrongly (it rounds half up
+# and drops the carry into the exponent: 0.49 -> 0.25), so under it the value is first
+# rounded to the e4m3 grid in float32 and the cast only truncates zero bits. The GPU's
+# cast (cvt.rn.satfinite) rounds correctly and never takes that path.
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _round_to_e4m3(x):
+    """float32 |x| <= 448 -> the nearest float8_e4m3fn value (ties to even), as float32."""
+    bits = x.to(tl.uint32, bitcast=True)
+    # normal range: keep 3 of the 23 mantissa bits; the add carries into the exponent
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    # below 2**-6 (subnormal e4m3) the step is a fixed 2**-9: float32's step at 2**14
+    a = tl.abs(x)
+    sub = (a + 16384.0) - 16384.0
+    sub = tl.where((bits >> 31) != 0, -sub, sub)
+    return tl.where(a < 0.015625, sub, normal)
+
+
+@triton.jit
+def _kv_encode(x, KV_SCALE: tl.constexpr, FP8_SW_ROUND: tl.constexpr):
+    """New K/V values -> what an fp8 pool stores (float8e4nv)."""
+    x = x.to(tl.float32)
+    if KV_SCALE != 1.0:
+        x = x / KV_SCALE
+    # e4m3fn has no infinity: saturate rather than let an out-of-range cast give NaN
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    if FP8_SW_ROUND:
+        x = _round_to_e4m3(x)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _kv_decode(x, dtype: tl.constexpr, KV_FP8: tl.constexpr, KV_SCALE: tl.constexpr):
+    """Loaded pool values -> `dtype` (the query's) for the dots; identity unless KV_FP8."""
+    if KV_FP8:
+        if KV_SCALE != 1.0:
+            return (x.to(tl.float32) * KV_SCALE).to(dtype)
+        else:
+            return x.to(dtype)
+    else:
+        return x
+
+
+@triton.jit
+def _kv_roundtrip(x, KV_FP8: tl.constexpr, KV_SCALE: tl.constexpr, FP8_SW_ROUND: tl.constexpr):
+    """New K/V read from the step's inputs (extend) -> the values the pool now holds for
+    them, so new tokens attend exactly as if read back from the pool; identity unless KV_FP8."""
+    if KV_FP8:
+        return _kv_decode(_kv_encode(x, KV_SCALE, FP8_SW_ROUND), x.dtype, KV_FP8, KV_SCALE)
+    else:
+        return x
+
+
 @triton.jit
 def _attend_slots(q, tok, k_base, v_base, start, end, stride_kt, stride_vt, d, dmask,
                   sm_scale_log2, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
+                  KV_FP8: tl.constexpr, KV_SCALE: tl.constexpr):
     """Online softmax of the query rows q ([ROWS, BLOCK_D]) over the tokens [start, end) of
     one req_to_token row (`tok`), one KV head (`k_base`, `v_base`); returns the
     unnormalised state (m_i, l_i, acc). Shared by the decode and the prefix kernels."""
@@ -62,6 +126,7 @@ def _attend_slots(q, tok, k_base, v_base, start, end, stride_kt, stride_vt, d, d
         else:
             k = tl.load(k_base + slots[:, None] * stride_kt + d[None, :],
                         mask=dmask[None, :], other=0.0)
+        k = _kv_decode(k, q.dtype, KV_FP8, KV_SCALE)
         qk = _dot(q, tl.trans(k), F32_DOT) * sm_scale_log2  # [rows, BLOCK_N]
         qk = tl.where(nmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -72,6 +137,7 @@ def _attend_slots(q, tok, k_base, v_base, start, end, stride_kt, stride_vt, d, d
         # p = 0 there must not meet it
         v = tl.load(v_base + slots[:, None] * stride_vt + d[None, :],
                     mask=nmask[:, None] & dmask[None, :], other=0.0)
+        v = _kv_decode(v, q.dtype, KV_FP8, KV_SCALE)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
         m_i = m_new
     return m_i, l_i, acc
@@ -86,16 +152,22 @@ def store_kv_kernel(K, V, KC, VC, Slots,
                     stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_kct, stride_kch, stride_vct, stride_vch,
                     HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                    KV_FP8: tl.constexpr = False, KV_SCALE: tl.constexpr = 1.0,
+                    FP8_SW_ROUND: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     mask = (h[:, None] < HKV) & (d[None, :] < HEAD_DIM)
     k = tl.load(K + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    if KV_FP8:
+        k = _kv_encode(k, KV_SCALE, FP8_SW_ROUND)
     tl.store(KC + slot * stride_kct + h[:, None] * stride_kch + d[None, :],
              k.to(KC.dtype.element_ty), mask=mask)
     v = tl.load(V + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    if KV_FP8:
+        v = _kv_encode(v, KV_SCALE, FP8_SW_ROUND)
     tl.store(VC + slot * stride_vct + h[:, None] * stride_vch + d[None, :],
              v.to(VC.dtype.element_ty), mask=mask)
 
@@ -130,7 +202,8 @@ def decode_partial_kernel(Q, KC, VC, ReqToToken, ReqRows, SeqLens, Out, MidO, Mi
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                           DIRECT: tl.constexpr, F32_DOT: tl.constexpr,
                           HAS_PREFIX: tl.constexpr = False, PFX_BLOCK_N: tl.constexpr = 64,
-                          PMAX: tl.constexpr = 4):
+                          PMAX: tl.constexpr = 4, KV_FP8: tl.constexpr = False,
+                          KV_SCALE: tl.constexpr = 1.0):
     kvh = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     s = tl.program_id(2)
@@ -161,7 +234,7 @@ def decode_partial_kernel(Q, KC, VC, ReqToToken, ReqRows, SeqLens, Out, MidO, Mi
         m_i, l_i, acc = _attend_slots(
             q, ReqToToken + row * stride_rt, KC + kvh * stride_kh, VC + kvh * stride_vh,
             start, end, stride_kt, stride_vt, d, dmask, sm_scale_log2,
-            BLOCK_H, BLOCK_N, HEAD_DIM, BLOCK_D, F32_DOT)
+            BLOCK_H, BLOCK_N, HEAD_DIM, BLOCK_D, F32_DOT, KV_FP8, KV_SCALE)
 
         if HAS_PREFIX and DIRECT:
             m_i, l_i, acc = _merge_prefix_partials(
@@ -280,7 +353,8 @@ def prefix_attn_kernel(Q, KC, VC, ReqToToken, Ctrl, TileRow, TileLen, TileMStart
                        stride_plb, stride_plh,
                        HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                       F32_DOT: tl.constexpr):
+                       F32_DOT: tl.constexpr, KV_FP8: tl.constexpr = False,
+                       KV_SCALE: tl.constexpr = 1.0):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     num_tiles = tl.load(Ctrl).to(tl.int32)
@@ -315,7 +389,7 @@ def prefix_attn_kernel(Q, KC, VC, ReqToToken, Ctrl, TileRow, TileLen, TileMStart
             m_i, l_i, acc = _attend_slots(
                 q, ReqToToken + row * stride_rt, KC + kvh * stride_kh, VC + kvh * stride_vh,
                 start, end, stride_kt, stride_vt, d, dmask, sm_scale_log2,
-                BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, F32_DOT)
+                BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, F32_DOT, KV_FP8, KV_SCALE)
             out = acc / l_i[:, None]
             tl.store(PfxO + b[:, None] * stride_pb + heads[:, None] * stride_ph + p * stride_pp
                      + d[None, :], out, mask=rmask[:, None] & dmask[None, :])
@@ -366,7 +440,9 @@ def extend_kernel(Q, K, V, KC, VC, Out, ReqToToken, ReqRows, SeqLens, ExtendLens
                   stride_kct, stride_kch, stride_vct, stride_vch,
                   stride_rt, stride_ot, stride_oh,
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
+                  KV_FP8: tl.constexpr = False, KV_SCALE: tl.constexpr = 1.0,
+                  FP8_SW_ROUND: tl.constexpr = False):
     h = tl.program_id(0)
     b = tl.program_id(1)
     mblk = num_m_blocks - 1 - tl.program_id(2)
@@ -403,6 +479,8 @@ def extend_kernel(Q, K, V, KC, VC, Out, ReqToToken, ReqRows, SeqLens, ExtendLens
             k, v = _load_kv(kc_base + slots[:, None] * stride_kct + d[None, :],
                             vc_base + slots[:, None] * stride_vct + d[None, :],
                             dmask, BLOCK_D, HEAD_DIM)
+            k = _kv_decode(k, q.dtype, KV_FP8, KV_SCALE)
+            v = _kv_decode(v, q.dtype, KV_FP8, KV_SCALE)
             m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2, 0,
                                           False, F32_DOT)
         if prefix_full < prefix:
@@ -413,10 +491,13 @@ def extend_kernel(Q, K, V, KC, VC, Out, ReqToToken, ReqRows, SeqLens, ExtendLens
                         mask=dmask[None, :], other=0.0)
             v = tl.load(vc_base + slots[:, None] * stride_vct + d[None, :],
                         mask=nmask[:, None] & dmask[None, :], other=0.0)
+            k = _kv_decode(k, q.dtype, KV_FP8, KV_SCALE)
+            v = _kv_decode(v, q.dtype, KV_FP8, KV_SCALE)
             m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2,
                                           nmask[None, :], True, F32_DOT)
 
-        # 2) the new tokens, causal: new token j sees new tokens 0..j
+        # 2) the new tokens, causal: new token j sees new tokens 0..j (with an fp8 pool,
+        # rounded as the store kernel just wrote them, so they match what later steps read)
         k_base = K + q0 * stride_kt + kvh * stride_kh
         v_base = V + q0 * stride_vt + kvh * stride_vh
         # keys below the tile's first query row are visible to every row (and < ext)
@@ -426,6 +507,8 @@ def extend_kernel(Q, K, V, KC, VC, Out, ReqToToken, ReqRows, SeqLens, ExtendLens
             k, v = _load_kv(k_base + offs[:, None] * stride_kt + d[None, :],
                             v_base + offs[:, None] * stride_vt + d[None, :],
                             dmask, BLOCK_D, HEAD_DIM)
+            k = _kv_roundtrip(k, KV_FP8, KV_SCALE, FP8_SW_ROUND)
+            v = _kv_roundtrip(v, KV_FP8, KV_SCALE, FP8_SW_ROUND)
             m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2, 0,
                                           False, F32_DOT)
         end = tl.minimum(ext, (mblk + 1) * BLOCK_M)
@@ -436,6 +519,8 @@ def extend_kernel(Q, K, V, KC, VC, Out, ReqToToken, ReqRows, SeqLens, ExtendLens
                         mask=nmask[:, None] & dmask[None, :], other=0.0)
             v = tl.load(v_base + offs[:, None] * stride_vt + d[None, :],
                         mask=nmask[:, None] & dmask[None, :], other=0.0)
+            k = _kv_roundtrip(k, KV_FP8, KV_SCALE, FP8_SW_ROUND)
+            v = _kv_roundtrip(v, KV_FP8, KV_SCALE, FP8_SW_ROUND)
             causal = (offs[None, :] <= m_offs[:, None]) & nmask[None, :]
             m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2, causal,
                                           True, F32_DOT)
