@@ -177,9 +177,6 @@ class ModelRunner:
             name = "triton" if self.device.type == "cuda" else "torch"
         scale = head_dim_of(self.hf_config) ** -0.5
         if name == "triton":
-            if self.kv_pool.fp8:
-                raise ValueError("kv_cache_dtype='fp8_e4m3' is not supported by the Triton attention "
-                                 "kernels yet; use attention_backend='torch'")
             from engine.attention.triton_backend import TritonAttentionBackend
 
             graphs = self.config.enable_cuda_graph and self.device.type == "cuda"
