@@ -10,7 +10,7 @@ batch as one object.
 
 Each request still has its own handle call: it is what the request router routes, what a
 client disconnect cancels (aborting the request), and where errors come back. On a channel
-it yields nothing else. A request that reaches a replica before its ingress has a channel
+it yields nothing else but one `ON_CHANNEL` marker. A request that reaches a replica before its ingress has a channel
 there streams its deltas on its own call, led by an `{"open_channel": replica_id}` item
 telling the ingress to open one.
 
@@ -29,12 +29,21 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from engine import WireDelta, wire_dict
 from router import ray_adapter
 
 logger = logging.getLogger(__name__)
 
 CHANNEL_OPEN_TIMEOUT_S = 10.0
 DRAIN_CHECK_PERIOD_S = 0.5  # how often a replica with channels asks whether it is draining
+
+# The one item a request streaming on a channel yields on its own call, first. A Serve call
+# must stream at least one item: over gRPC (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, where replicas
+# talk gRPC) the replica sends "accepted" as initial metadata, which gRPC need not deliver
+# on a stream with no messages; the caller's router then fails the call with
+# "RuntimeError: Unexpected error (StatusCode.OK)" (Serve itself sends a dummy message when
+# it rejects a call, for the same reason).
+ON_CHANNEL = {"on_channel": True}
 
 
 @dataclass
@@ -46,10 +55,11 @@ class ChannelOpen:
 
 
 class Outbox:
-    """Replica side: deltas waiting for the channel's next yield (all on the replica's loop)."""
+    """Replica side: deltas (WireDelta tuples, request id first) waiting for the channel's
+    next yield (all on the replica's loop)."""
 
     def __init__(self) -> None:
-        self._batch: list[tuple[str, dict]] = []
+        self._batch: list[WireDelta] = []
         self._ready = asyncio.Event()
         self.request_ids: set[str] = set()  # requests streaming through this channel
         self.closed = False
@@ -59,11 +69,11 @@ class Outbox:
         self.ended = True
         self._ready.set()
 
-    def put(self, request_id: str, delta: dict) -> None:
-        self._batch.append((request_id, delta))
+    def put(self, delta: WireDelta) -> None:
+        self._batch.append(delta)
         self._ready.set()
 
-    async def take(self) -> list[tuple[str, dict]]:
+    async def take(self) -> list[WireDelta]:
         await self._ready.wait()
         self._ready.clear()
         batch, self._batch = self._batch, []
@@ -118,10 +128,10 @@ class ChannelHub:
             # that lands on a replica without our channel asks again).
             await asyncio.wait_for(stream.__anext__(), CHANNEL_OPEN_TIMEOUT_S)
             async for batch in stream:
-                for request_id, delta in batch:
-                    listener = self._listeners.get(request_id)
+                for delta in batch:
+                    listener = self._listeners.get(delta[0])
                     if listener is not None:
-                        listener(delta)
+                        listener(wire_dict(delta))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - its requests fail on their own calls

@@ -10,13 +10,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from deployments.channel import ChannelOpen, Outbox, end_idle_channels_when_draining, serve_channel
+from deployments.channel import (
+    ON_CHANNEL, ChannelOpen, Outbox, end_idle_channels_when_draining, serve_channel,
+)
 from deployments.errors import OVERLOADED_MESSAGE
 from deployments.metrics import EngineMetrics
 from deployments.tp_workers import TPWorkers
 from engine import (
-    AsyncEngine, Engine, EngineConfig, QueueFullError, SamplingParams, StreamDelta,
-    ensure_demo_model,
+    AsyncEngine, Engine, EngineConfig, QueueFullError, SamplingParams, StreamDelta, WireDelta,
+    ensure_demo_model, wire_dict, wire_of,
 )
 from router.cache_digest import CacheDigest
 
@@ -97,6 +99,7 @@ class EngineReplica:
             path = "requests_on_channel" if outbox is not None else "requests_on_own_stream"
             self._requests_by_path[path] += 1
             if outbox is not None:
+                yield ON_CHANNEL  # deltas go on the channel; this call must carry something
                 await self._generate_on_channel(call, params, outbox, timer)
                 return
             if call.channel:
@@ -118,12 +121,14 @@ class EngineReplica:
 
     async def _generate_on_channel(self, call: EngineCall, params: SamplingParams,
                                    outbox: Outbox, timer) -> None:
-        def put(delta: StreamDelta) -> None:
-            _time_delta(timer, delta)
-            outbox.put(call.request_id, wire_delta(delta))
+        def put(delta: WireDelta) -> None:
+            extras = delta[5] or _NO_EXTRAS
+            timer.on_delta(len(delta[1]), delta[2], delta[3], extras.get("prompt_tokens", 0),
+                           delta[4], extras.get("queue_time"))
+            outbox.put(delta)
 
         run = asyncio.ensure_future(
-            self.engine.stream_to(call.prompt_token_ids, params, call.request_id, put))
+            self.engine.stream_to(call.prompt_token_ids, params, call.request_id, put, wire=True))
         self._channel_waits[call.request_id] = run
         outbox.request_ids.add(call.request_id)
         try:
@@ -203,23 +208,18 @@ class ChannelClosed(RuntimeError):
     """The delta channel a request streamed on went away before the request finished."""
 
 
+_NO_EXTRAS: dict = {}
+
+
 def _time_delta(timer, delta: StreamDelta) -> None:
     timer.on_delta(len(delta.token_ids), delta.finished, delta.finish_reason,
                    delta.prompt_tokens, delta.completion_tokens, delta.queue_time)
 
 
 def wire_delta(delta: StreamDelta) -> dict[str, Any]:
-    """A delta as it crosses to the ingress: token ids without text (the ingress decodes),
-    a flat dict without the fields that are None (most deltas are one token;
-    `dataclasses.asdict` would deep-copy every list)."""
-    out = {"token_ids": delta.token_ids, "finished": delta.finished,
-           "finish_reason": delta.finish_reason, "prompt_tokens": delta.prompt_tokens,
-           "cached_tokens": delta.cached_tokens, "completion_tokens": delta.completion_tokens}
-    for name in ("logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs"):
-        value = getattr(delta, name)
-        if value is not None:
-            out[name] = value
-    return out
+    """A delta as it crosses to the ingress on the request's own stream: token ids without
+    text (the ingress decodes), the same dict a delta channel's WireDelta becomes there."""
+    return wire_dict(wire_of(delta))
 
 
 def _replica_id() -> str:

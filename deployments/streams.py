@@ -53,8 +53,9 @@ class ChoiceState:
         if delta.get("prompt_logprobs") is not None:
             self.prompt_logprobs = delta["prompt_logprobs"]
             self.prompt_top_logprobs = delta.get("prompt_top_logprobs")
-        self.prompt_tokens = delta["prompt_tokens"]
-        self.cached_tokens = delta["cached_tokens"]
+        # (a channel's middle deltas leave out what does not change: engine/outputs.py)
+        self.prompt_tokens = delta.get("prompt_tokens", self.prompt_tokens)
+        self.cached_tokens = delta.get("cached_tokens", self.cached_tokens)
         self.completion_tokens = delta["completion_tokens"]
         if delta["finished"]:
             self.finish_reason = delta["finish_reason"]
@@ -97,6 +98,8 @@ async def merged_stream(handle, calls: list[EngineCall],
             async for item in response:
                 if "open_channel" in item:
                     hub.open(item["open_channel"])
+                elif "on_channel" in item:
+                    continue  # its deltas come on the channel (ON_CHANNEL, deployments/channel.py)
                 elif "error" in item:
                     await queue.put((i, item))
                     return
@@ -160,7 +163,7 @@ def merge_deltas(batch: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
 
 
 def _joined_delta(a: dict, b: dict) -> dict:
-    out = dict(b, token_ids=a["token_ids"] + b["token_ids"])
+    out = {**a, **b, "token_ids": a["token_ids"] + b["token_ids"]}  # b may leave fields out
     for name in ("logprobs", "top_logprobs"):
         if name in a or name in b:
             out[name] = a.get(name, []) + b.get(name, [])

@@ -10,7 +10,7 @@ from engine.demo_model import ensure_demo_model
 from engine.distributed import init_tp, open_rendezvous
 from engine.engine import LLM, Engine, QueueFullError
 from engine.models import load_hf_config, resolve_device
-from engine.outputs import RequestOutput, StreamDelta
+from engine.outputs import RequestOutput, StreamDelta, WireDelta, wire_dict, wire_of
 from engine.request import validate_request
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatPrompt, IncrementalDetokenizer, Tokenizer
@@ -22,6 +22,8 @@ __all__ = [
     "ensure_demo_model",
     # requests and outputs
     "RequestOutput", "SamplingParams", "StreamDelta", "validate_request",
+    # a delta as a server forwards it (AsyncEngine.stream_to(..., wire=True))
+    "WireDelta", "wire_dict", "wire_of",
     # text: tokenizer, chat rendering (`Tokenizer.render_chat`), streamed detokenizing
     "ChatPrompt", "IncrementalDetokenizer", "Tokenizer", "load_hf_config",
     # tensor parallelism across processes the caller starts (deployments/tp_workers.py)

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from engine.config import EngineConfig
 from engine.engine import Engine, QueueFullError, feed_detokenizer
-from engine.outputs import StreamDelta
+from engine.outputs import StreamDelta, WireDelta, wire_of
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -31,7 +31,8 @@ class EngineStepError(RuntimeError):
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    put: Callable[[StreamDelta | BaseException], None]  # runs on `loop`
+    put: Callable[[StreamDelta | WireDelta | BaseException], None]  # runs on `loop`
+    wire: bool = False  # put gets WireDelta tuples
 
 
 class AsyncEngine:
@@ -82,23 +83,24 @@ class AsyncEngine:
             self._close(request_id, finished)
 
     async def stream_to(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                        put: Callable[[StreamDelta], None]) -> None:
+                        put: Callable[[StreamDelta], None], wire: bool = False) -> None:
         """Run one request, handing each delta to `put` on the caller's event loop (called
         in step order, several requests' in one wake-up); return once it has finished.
-        Raises as `generate` does; cancelling the caller aborts the request."""
+        Raises as `generate` does; cancelling the caller aborts the request. With `wire`,
+        `put` gets `WireDelta` tuples (engine/outputs.py), the cheap form a server forwards."""
         done = asyncio.get_running_loop().create_future()
 
-        def take(item: StreamDelta | BaseException) -> None:
+        def take(item: StreamDelta | WireDelta | BaseException) -> None:
             if done.done():
                 return
             if isinstance(item, BaseException):
                 done.set_exception(item)
                 return
             put(item)
-            if item.finished:
+            if item[2] if wire else item.finished:
                 done.set_result(None)
 
-        await self._open(prompt, params, request_id, take)
+        await self._open(prompt, params, request_id, take, wire)
         finished = False
         try:
             await done
@@ -107,7 +109,8 @@ class AsyncEngine:
             self._close(request_id, finished)
 
     async def _open(self, prompt, params: SamplingParams, request_id: str,
-                    put: Callable[[StreamDelta | BaseException], None]) -> None:
+                    put: Callable[[StreamDelta | WireDelta | BaseException], None],
+                    wire: bool = False) -> None:
         """Validate, check capacity and queue the request; its items go to `put`."""
         prompt_ids = self.engine.tokenize_prompt(prompt)
         if params.has_constraint:  # compile on the grammar pool, not on this event loop
@@ -117,7 +120,7 @@ class AsyncEngine:
         self.check_capacity()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._streams[request_id] = _Stream(asyncio.get_running_loop(), put)
+        self._streams[request_id] = _Stream(asyncio.get_running_loop(), put, wire)
         self._commands.put(lambda: self._add(request_id, prompt_ids, params))
 
     def _close(self, request_id: str, finished: bool) -> None:
@@ -217,7 +220,10 @@ class AsyncEngine:
                 self.engine.requests.pop(req.request_id, None)
             stream = self._streams.get(req.request_id)
             if stream is not None:
-                delta = self._delta(req, update.new_tokens, update.finished)
+                if stream.wire:
+                    delta = self._wire(req, update.new_tokens, update.finished)
+                else:
+                    delta = self._delta(req, update.new_tokens, update.finished)
                 by_loop.setdefault(stream.loop, []).append((stream.put, delta))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_deliver, items)
@@ -261,6 +267,14 @@ class AsyncEngine:
             logprobs=req.output_logprobs[len(req.output_logprobs) - n:] if req.params.logprobs and n else None,
             top_logprobs=(req.output_top_logprobs[len(req.output_top_logprobs) - n:]
                           if req.params.top_logprobs and n else None))
+
+    def _wire(self, req: Request, new_tokens: list[int], finished: bool) -> WireDelta:
+        """A WireDelta: in the common case (a middle delta, no logprobs) a bare tuple,
+        built without a StreamDelta and without decoding text."""
+        params = req.params
+        if finished or params.logprobs or params.top_logprobs or req.num_output == len(new_tokens):
+            return wire_of(self._delta(req, new_tokens, finished))
+        return (req.request_id, new_tokens, False, None, req.num_output, None)
 
     def _fail_running(self, error: Exception) -> None:
         for req in list(self.engine.scheduler.running):

@@ -58,3 +58,40 @@ def _joined(a: list | None, b: list | None) -> list | None:
     if a is None or b is None:
         return a if b is None else b
     return a + b
+
+
+# A delta as the serving layer's delta channels carry it (`AsyncEngine.stream_to(...,
+# wire=True)`): a plain tuple
+#     (request_id, token_ids, finished, finish_reason, completion_tokens, extras)
+# where `extras` is None, or a dict of the StreamDelta fields beyond those that are set
+# (`delta_extras`). A step at batch 512 makes 512 deltas under the engine's GIL, and a tuple
+# costs a fraction of a StreamDelta to build and to pickle; the extras appear in a request's
+# first and last delta and when it asked for logprobs.
+WireDelta = tuple
+
+_EXTRA_FIELDS = ("prompt_tokens", "cached_tokens", "queue_time", "logprobs", "top_logprobs",
+                 "prompt_logprobs", "prompt_top_logprobs")
+
+
+def delta_extras(delta: StreamDelta) -> dict:
+    """A delta's fields beyond the wire tuple's, those that are set."""
+    out = {}
+    for name in _EXTRA_FIELDS:
+        value = getattr(delta, name)
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def wire_dict(delta: WireDelta) -> dict:
+    """A wire tuple as the dict the serving layer reads (the fields of `wire_of` plus extras)."""
+    out = {"token_ids": delta[1], "finished": delta[2], "finish_reason": delta[3],
+           "completion_tokens": delta[4]}
+    if delta[5] is not None:
+        out.update(delta[5])
+    return out
+
+
+def wire_of(delta: StreamDelta) -> WireDelta:
+    return (delta.request_id, delta.token_ids, delta.finished, delta.finish_reason,
+            delta.completion_tokens, delta_extras(delta))

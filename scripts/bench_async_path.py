@@ -5,8 +5,8 @@ loses to the consumer (the GIL) from what the Ray/HTTP hops cost.
     python scripts/bench_async_path.py [--switch-ms 5 0.5] [--model demo]
 
 For each GIL switch interval (`sys.setswitchinterval`) it runs W2's shape (all requests at
-once) through `AsyncEngine.stream_to`, consumers doing the replica's per-delta work
-(`wire_delta`), and prints output tok/s, mean TPOT and TTFT p50 beside the offline loop's.
+once) through `AsyncEngine.stream_to` in its wire form, as the replica's delta channels
+take them, and prints output tok/s, mean TPOT and TTFT p50 beside the offline loop's.
 """
 from __future__ import annotations
 
@@ -30,13 +30,6 @@ def workload(small: bool):
     return reqs
 
 
-try:  # the engine replica's per-delta work; the GPU machine may lack the Serve layer's deps
-    from deployments.engine_replica import wire_delta as wire
-except ImportError:
-    def wire(delta) -> dict:
-        return {"token_ids": delta.token_ids, "finished": delta.finished}
-
-
 async def run_async(engine, reqs) -> dict:
     aengine = AsyncEngine(engine.config, engine, detokenize=False)
     ttfts, tpots, out = [], [], []
@@ -47,13 +40,13 @@ async def run_async(engine, reqs) -> dict:
 
         def put(delta):
             nonlocal first, last
-            out.append(wire(delta))
+            out.append(delta)  # what the replica does with a WireDelta: into the channel's batch
             last = time.perf_counter()
             if first is None:
                 first = last
 
         params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
-        await aengine.stream_to(ids, params, f"a{i}", put)
+        await aengine.stream_to(ids, params, f"a{i}", put, wire=True)
         ttfts.append(first - start)
         if n_out > 1:
             tpots.append((last - first) / (n_out - 1))

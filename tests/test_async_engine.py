@@ -205,3 +205,33 @@ def test_a_failed_step_ends_its_requests_and_the_engine_lives_on(tiny_llama):
     assert again[-1].finished and sum(len(d.token_ids) for d in again) == 20
     assert stats["aborted_requests"] == 2 and stats["finished_requests"] == 1
     assert_no_leak(stats)
+
+
+def test_wire_deltas_equal_stream_deltas(engine):
+    """The wire form (what the engine replica forwards on delta channels): the same tokens
+    and ending as `generate`'s deltas; counts and logprobs in the first and last delta (and
+    logprobs in every one that has them), bare tuples in between."""
+    from engine import wire_dict
+
+    async def wire(rid, params):
+        got = []
+        await engine.stream_to([5, 6, 7, 8, 9], params, rid, got.append, wire=True)
+        return got
+
+    for params in (SamplingParams(max_tokens=12, **GREEDY),
+                   SamplingParams(max_tokens=6, logprobs=True, **GREEDY)):
+        plain = run(collect(engine, [5, 6, 7, 8, 9], params, "w-plain"))
+        tuples = run(wire("w-wire", params))
+        assert all(t[0] == "w-wire" for t in tuples)
+        dicts = [wire_dict(t) for t in tuples]
+        assert [x for d in dicts for x in d["token_ids"]] == [x for d in plain for x in d.token_ids]
+        assert dicts[-1]["finished"] and dicts[-1]["finish_reason"] == "length"
+        assert not any(d["finished"] for d in dicts[:-1])
+        assert [d["completion_tokens"] for d in dicts] == list(range(1, len(dicts) + 1))
+        for d in (dicts[0], dicts[-1]):
+            assert d["prompt_tokens"] == 5 and "cached_tokens" in d
+        if params.logprobs:
+            assert [x for d in dicts for x in d["logprobs"]] == [x for d in plain for x in d.logprobs]
+        else:
+            assert len(tuples) > 2 and all(t[5] is None for t in tuples[1:-1])
+    assert_no_leak(run(engine.stats()))
