@@ -1,7 +1,7 @@
 """Tiny MoE models end to end on the GPU: the engine with the Triton grouped GEMM, Triton
 attention and CUDA graphs, greedy tokens against HF transformers (run on the CPU in fp32).
-Also YaRN through the fused RoPE kernel, sliding windows on the GPU, and EP/TP over NCCL when
-two GPUs are present. `pytest -m gpu tests/test_gpu_moe.py` on a CUDA machine; skipped
+Also YaRN through the fused RoPE kernel, sliding windows in the Triton attention kernels, and
+EP/TP over NCCL when two GPUs are present. `pytest -m gpu tests/test_gpu_moe.py` on a CUDA machine; skipped
 elsewhere."""
 from __future__ import annotations
 
@@ -81,19 +81,26 @@ def test_gpu_yarn_through_the_fused_rope_kernel(moe_factory):
     assert_equal_hf(path, llm.generate(prompts(6, 10, 60, seed=3), GREEDY))
 
 
-def test_gpu_sliding_window(moe_factory):
-    """Windows on the GPU: the Triton backend (no windows yet) is refused at start-up when
-    the context outgrows the window, runs when max_model_len keeps within it; the torch
-    backend is exact past the window."""
-    path = moe_factory("mixtral", sliding_window=64)
-    with pytest.raises(ValueError, match="sliding_window=64: TritonAttentionBackend"):
-        LLM(model=path, dtype="float32", device="cuda", max_total_tokens=4096, cuda_graph_max_bs=8)
-    within = LLM(model=path, dtype="float32", device="cuda", max_total_tokens=4096,
-                 cuda_graph_max_bs=8, max_model_len=64)
-    assert_equal_hf(path, within.generate(prompts(4, 5, 40, seed=4), GREEDY))
-    torch_attn = LLM(model=path, dtype="float32", device="cuda", max_total_tokens=4096,
-                     attention_backend="torch", enable_cuda_graph=False)
-    assert_equal_hf(path, torch_attn.generate(prompts(4, 60, 120, seed=5), GREEDY))
+@pytest.mark.parametrize("arch,overrides", [
+    ("mixtral", {"sliding_window": 48}),  # every layer
+    ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 48}),  # layers 0 and 2
+])
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gpu_moe_sliding_window_matches_hf(moe_factory, arch, overrides, graphs):
+    """Windows in the Triton decode/extend kernels, CUDA graphs on and off, with radix-grouped
+    decode on (windowed layers decode plainly): prompts shorter and longer than the window,
+    several sharing a prefix, decoding past it."""
+    path = moe_factory(arch, **overrides)
+    llm = LLM(model=path, dtype="float32", device="cuda", max_total_tokens=8192,
+              enable_cuda_graph=graphs, cuda_graph_max_bs=16, chunked_prefill_size=32,
+              prefix_group_min_tokens=32)
+    grouper = llm.engine.runner.prefix_grouper
+    grouper.min_saved_tokens = 0  # the tiny prefixes are far below the default
+    shared = prompts(1, 70, 70, seed=4)[0]
+    llm.generate([shared], SamplingParams(max_tokens=1))  # cache it: the batch then shares it
+    ps = prompts(4, 5, 120, seed=5) + [shared + p for p in prompts(4, 1, 10, seed=6)]
+    assert_equal_hf(path, llm.generate(ps, GREEDY))
+    assert grouper.grouped_steps > 0
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

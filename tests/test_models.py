@@ -252,7 +252,7 @@ def test_sliding_window_greedy_equals_hf(tiny_model_factory, arch, overrides):
 
 
 class _FullAttentionOnly:
-    """A backend without sliding windows (as the Triton one): the torch backend's results."""
+    """A backend without sliding windows: the torch backend's results, windows unread."""
 
     def __init__(self, inner: TorchAttentionBackend) -> None:
         self.inner = inner
@@ -281,7 +281,7 @@ def test_backend_without_windows_is_refused_once_the_context_outgrows_them(tiny_
     pytest.importorskip("triton")
     from engine.attention.triton_backend import TritonAttentionBackend
 
-    assert not getattr(TritonAttentionBackend, "supports_sliding_window", False)
+    assert TritonAttentionBackend.supports_sliding_window  # tests/test_triton_window.py
 
 
 def test_greedy_output_is_not_degenerate(tiny_model_any):

@@ -123,9 +123,17 @@ class TritonAttentionBackend:
         self.prefix_cfg: dict | None = None
         self._grouped = None  # the step's PrefixGroupBatch when it runs grouped
         self._pfx = _Partials(self.block_d, self.device, self._retired)
+        self.windows: dict[int, int] = {}
 
     # The runner builds per-step group metadata only for backends that run it.
     supports_prefix_groups = True
+    supports_sliding_window = True
+
+    def set_sliding_windows(self, windows: dict[int, int]) -> None:
+        """layer id -> window (the kernels' WINDOW): those layers attend to their last
+        `window` tokens only. Their decode ignores prefix groups (a group's shared prefix
+        may lie outside the window); the other layers still use them."""
+        self.windows = dict(windows)
 
     # ------------------------------------------------------------------ configuration
     @staticmethod
@@ -264,10 +272,11 @@ class TritonAttentionBackend:
         self.store_kv(k, v, k_cache, v_cache, batch.out_slots)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        window = self.windows.get(layer_id, 0)
         if batch.is_decode:
-            self.decode(q, k_cache, v_cache, out, batch)
+            self.decode(q, k_cache, v_cache, out, batch, window)
         else:
-            self.extend(q, k, v, k_cache, v_cache, out, batch)
+            self.extend(q, k, v, k_cache, v_cache, out, batch, window)
         return out
 
     def store_kv(self, k, v, k_cache, v_cache, slots) -> None:
@@ -281,7 +290,7 @@ class TritonAttentionBackend:
             HKV=hkv, HEAD_DIM=d, BLOCK_H=_pow2_at_least(hkv, 2), BLOCK_D=self.block_d,
             **self._store_kw, num_warps=4 if hkv * d >= 1024 else 1)
 
-    def decode(self, q, k_cache, v_cache, out, batch: ForwardBatch) -> None:
+    def decode(self, q, k_cache, v_cache, out, batch: ForwardBatch, window: int = 0) -> None:
         bsz, hq, d = q.shape
         hkv = k_cache.shape[1]
         group = hq // hkv
@@ -297,7 +306,7 @@ class TritonAttentionBackend:
             mid_o, mid_lse = self._mid_buffers(bsz, hq, splits)
             smb, smh, sms = mid_o.stride(0), mid_o.stride(1), mid_o.stride(2)
             slb, slh = mid_lse.stride(0), mid_lse.stride(1)
-        pg = self._grouped
+        pg = self._grouped if not window else None
         if pg is not None:
             # 1) each group's shared prefix, once per tile, into per-member partials;
             # 2) below, each request's own suffix, merged with them (log-sum-exp)
@@ -311,6 +320,8 @@ class TritonAttentionBackend:
             pfx_args = (batch.seq_lens, out, out, batch.seq_lens)  # unused
             pstrides = (0, 0, 0, 0, 0)
             pkw = {}
+        if window:
+            pkw = dict(WINDOW=window)
         decode_partial_kernel[(hkv, bsz, splits)](
             q, k_cache, v_cache, batch.req_to_token, batch.req_rows, batch.seq_lens, out,
             mid_o, mid_lse, *pfx_args, sm_scale_log2, splits,
@@ -359,7 +370,7 @@ class TritonAttentionBackend:
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return cfg
 
-    def extend(self, q, k, v, k_cache, v_cache, out, batch: ForwardBatch) -> None:
+    def extend(self, q, k, v, k_cache, v_cache, out, batch: ForwardBatch, window: int = 0) -> None:
         t, hq, d = q.shape
         hkv = k.shape[1]
         bsz = batch.batch_size
@@ -376,6 +387,7 @@ class TritonAttentionBackend:
             batch.req_to_token.stride(0), out.stride(0), out.stride(1),
             GROUP=hq // hkv, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=d,
             BLOCK_D=self.block_d, F32_DOT=self.f32_dot, **self._store_kw,
+            **({"WINDOW": window} if window else {}),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 

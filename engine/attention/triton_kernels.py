@@ -11,6 +11,9 @@ Conventions shared by all kernels:
 - F32_DOT: run tl.dot on fp32 operands in IEEE precision (fp32 models, and the Triton CPU
   interpreter, whose bf16 dot is wrong). Otherwise the dot takes the storage dtype
   (bf16/fp16) with fp32 accumulation.
+- WINDOW (constexpr, 0 = none): sliding-window attention (Mistral, Qwen2 layers): a query at
+  position p sees the keys at positions p - WINDOW + 1 .. p. Decode starts its sweep at
+  seq_len - WINDOW; extend starts at the tile's first visible key and masks per row.
 - KV_FP8: the pool is float8_e4m3 (see "FP8 KV pool" below); K/V are dequantized to the
   query's dtype right after their loads, so everything after is as for a bf16 pool.
 
@@ -203,7 +206,7 @@ def decode_partial_kernel(Q, KC, VC, ReqToToken, ReqRows, SeqLens, Out, MidO, Mi
                           DIRECT: tl.constexpr, F32_DOT: tl.constexpr,
                           HAS_PREFIX: tl.constexpr = False, PFX_BLOCK_N: tl.constexpr = 64,
                           PMAX: tl.constexpr = 4, KV_FP8: tl.constexpr = False,
-                          KV_SCALE: tl.constexpr = 1.0):
+                          KV_SCALE: tl.constexpr = 1.0, WINDOW: tl.constexpr = 0):
     kvh = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     s = tl.program_id(2)
@@ -214,6 +217,11 @@ def decode_partial_kernel(Q, KC, VC, ReqToToken, ReqRows, SeqLens, Out, MidO, Mi
         kv0 = tl.load(PfxLens + b).to(tl.int32)
         chunk = tl.cdiv(tl.cdiv(seq_len - kv0, num_splits), BLOCK_N) * BLOCK_N
         start = kv0 + s * chunk
+    elif WINDOW > 0:
+        # the last WINDOW tokens only, split as a sequence of that length would be
+        lo = tl.maximum(seq_len - WINDOW, 0)
+        chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+        start = lo + s * chunk
     else:
         chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
         start = s * chunk
@@ -266,12 +274,15 @@ def decode_reduce_kernel(MidO, MidLse, SeqLens, Out, num_splits,
                          stride_plb, stride_plh,
                          BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_S: tl.constexpr, HAS_PREFIX: tl.constexpr = False,
-                         PFX_BLOCK_N: tl.constexpr = 64, PMAX: tl.constexpr = 4):
+                         PFX_BLOCK_N: tl.constexpr = 64, PMAX: tl.constexpr = 4,
+                         WINDOW: tl.constexpr = 0):
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     seq_len = tl.load(SeqLens + b)
     if HAS_PREFIX:
         kv0 = tl.load(PfxLens + b).to(tl.int32)
+    elif WINDOW > 0:
+        kv0 = tl.maximum(seq_len - WINDOW, 0)  # where the partial kernel's splits start
     else:
         kv0 = 0
     chunk = tl.cdiv(tl.cdiv(seq_len - kv0, num_splits), BLOCK_N) * BLOCK_N
@@ -409,17 +420,29 @@ def _load_kv(kp, vp, dmask, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def _softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2, mask, MASKED: tl.constexpr,
-                  F32_DOT: tl.constexpr):
-    """One online-softmax update of (m_i, l_i, acc) with a [BLOCK_N, D] block of K and V."""
+                  F32_DOT: tl.constexpr, EMPTY_ROWS: tl.constexpr = False):
+    """One online-softmax update of (m_i, l_i, acc) with a [BLOCK_N, D] block of K and V.
+    EMPTY_ROWS: a row may have seen no key yet (sliding windows skip its first blocks), so
+    its max stays -inf and is not subtracted (-inf - -inf would be NaN)."""
     qk = _dot(q, tl.trans(k), F32_DOT) * sm_scale_log2
     if MASKED:
         qk = tl.where(mask, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.exp2(qk - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    if EMPTY_ROWS:
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new
+    p = tl.exp2(qk - m_sub[:, None])
+    alpha = tl.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _in_window(kpos, qpos, WINDOW: tl.constexpr):
+    """[rows, keys]: key position kpos is among the last WINDOW positions up to query qpos."""
+    return kpos[None, :] > qpos[:, None] - WINDOW
 
 
 # ----------------------------------------------------------------------------------------
@@ -442,7 +465,7 @@ def extend_kernel(Q, K, V, KC, VC, Out, ReqToToken, ReqRows, SeqLens, ExtendLens
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
                   KV_FP8: tl.constexpr = False, KV_SCALE: tl.constexpr = 1.0,
-                  FP8_SW_ROUND: tl.constexpr = False):
+                  FP8_SW_ROUND: tl.constexpr = False, WINDOW: tl.constexpr = 0):
     h = tl.program_id(0)
     b = tl.program_id(1)
     mblk = num_m_blocks - 1 - tl.program_id(2)
@@ -468,21 +491,35 @@ def extend_kernel(Q, K, V, KC, VC, Out, ReqToToken, ReqRows, SeqLens, ExtendLens
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        qpos = prefix + m_offs
+        if WINDOW > 0:
+            # no row of the tile sees keys before `lo`: both sweeps start at its block
+            lo = tl.maximum(prefix + mblk * BLOCK_M - WINDOW + 1, 0)
+            prefix_lo = (lo // BLOCK_N) * BLOCK_N
+            new_lo = (tl.maximum(lo - prefix, 0) // BLOCK_N) * BLOCK_N
+        else:
+            prefix_lo = 0
+            new_lo = 0
 
         # 1) cached prefix, through req_to_token: full blocks, then the ragged last one
         tok = ReqToToken + row * stride_rt
         kc_base = KC + kvh * stride_kch
         vc_base = VC + kvh * stride_vch
         prefix_full = (prefix // BLOCK_N) * BLOCK_N
-        for n in range(0, prefix_full, BLOCK_N):
+        for n in range(prefix_lo, prefix_full, BLOCK_N):
             slots = tl.load(tok + n + nd).to(tl.int64)
             k, v = _load_kv(kc_base + slots[:, None] * stride_kct + d[None, :],
                             vc_base + slots[:, None] * stride_vct + d[None, :],
                             dmask, BLOCK_D, HEAD_DIM)
             k = _kv_decode(k, q.dtype, KV_FP8, KV_SCALE)
             v = _kv_decode(v, q.dtype, KV_FP8, KV_SCALE)
-            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2, 0,
-                                          False, F32_DOT)
+            if WINDOW > 0:
+                m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2,
+                                              _in_window(n + nd, qpos, WINDOW), True, F32_DOT,
+                                              True)
+            else:
+                m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2, 0,
+                                              False, F32_DOT)
         if prefix_full < prefix:
             offs = prefix_full + nd
             nmask = offs < prefix
@@ -493,8 +530,11 @@ def extend_kernel(Q, K, V, KC, VC, Out, ReqToToken, ReqRows, SeqLens, ExtendLens
                         mask=nmask[:, None] & dmask[None, :], other=0.0)
             k = _kv_decode(k, q.dtype, KV_FP8, KV_SCALE)
             v = _kv_decode(v, q.dtype, KV_FP8, KV_SCALE)
+            mask = nmask[None, :]
+            if WINDOW > 0:
+                mask = mask & _in_window(offs, qpos, WINDOW)
             m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2,
-                                          nmask[None, :], True, F32_DOT)
+                                          mask, True, F32_DOT, WINDOW > 0)
 
         # 2) the new tokens, causal: new token j sees new tokens 0..j (with an fp8 pool,
         # rounded as the store kernel just wrote them, so they match what later steps read)
@@ -502,15 +542,20 @@ def extend_kernel(Q, K, V, KC, VC, Out, ReqToToken, ReqRows, SeqLens, ExtendLens
         v_base = V + q0 * stride_vt + kvh * stride_vh
         # keys below the tile's first query row are visible to every row (and < ext)
         full_end = ((mblk * BLOCK_M) // BLOCK_N) * BLOCK_N
-        for n in range(0, full_end, BLOCK_N):
+        for n in range(new_lo, full_end, BLOCK_N):
             offs = n + nd
             k, v = _load_kv(k_base + offs[:, None] * stride_kt + d[None, :],
                             v_base + offs[:, None] * stride_vt + d[None, :],
                             dmask, BLOCK_D, HEAD_DIM)
             k = _kv_roundtrip(k, KV_FP8, KV_SCALE, FP8_SW_ROUND)
             v = _kv_roundtrip(v, KV_FP8, KV_SCALE, FP8_SW_ROUND)
-            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2, 0,
-                                          False, F32_DOT)
+            if WINDOW > 0:
+                m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2,
+                                              _in_window(prefix + offs, qpos, WINDOW), True,
+                                              F32_DOT, True)
+            else:
+                m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2, 0,
+                                              False, F32_DOT)
         end = tl.minimum(ext, (mblk + 1) * BLOCK_M)
         for n in range(full_end, end, BLOCK_N):
             offs = n + nd
@@ -522,8 +567,10 @@ def extend_kernel(Q, K, V, KC, VC, Out, ReqToToken, ReqRows, SeqLens, ExtendLens
             k = _kv_roundtrip(k, KV_FP8, KV_SCALE, FP8_SW_ROUND)
             v = _kv_roundtrip(v, KV_FP8, KV_SCALE, FP8_SW_ROUND)
             causal = (offs[None, :] <= m_offs[:, None]) & nmask[None, :]
+            if WINDOW > 0:
+                causal = causal & _in_window(prefix + offs, qpos, WINDOW)
             m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2, causal,
-                                          True, F32_DOT)
+                                          True, F32_DOT, WINDOW > 0)
 
         out = acc / l_i[:, None]
         tl.store(Out + (q0 + m_offs)[:, None] * stride_ot + h * stride_oh + d[None, :],

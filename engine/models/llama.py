@@ -5,8 +5,9 @@ Differences between the families are a few switches read from the HF config:
 - Qwen3: per-head RMSNorm on q and k before RoPE; head_dim given by the config.
 - Llama: optional `attention_bias` / `mlp_bias`; Llama 3.1 RoPE scaling (handled in rotary.py).
 - Sliding-window attention (Mistral v0.1's `sliding_window`; Qwen2/Qwen3 `use_sliding_window`,
-  per layer by `layer_types`): each layer's window goes to the attention backend. A backend
-  without windows (Triton) is refused once the context could outgrow the smallest window.
+  per layer by `layer_types`): each layer's window goes to the attention backend (torch and
+  Triton both mask by it). A backend without windows is refused once the context could
+  outgrow the smallest window.
 
 Module and parameter names follow HF's, except the fused `qkv_proj` and `gate_up_proj`, so
 `load_weights` maps checkpoint names with a small table.
