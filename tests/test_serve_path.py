@@ -88,7 +88,10 @@ def test_300_concurrent_streams_equal_non_streamed(server):
     # Each ingress replica opens its channel when its first request reaches the replica
     # on its own call; after that, every request streams through the channel.
     for _ in range(60):
-        httpx.post(f"{BASE}/v1/completions", json={"prompt": "warm", "max_tokens": 2}, timeout=60)
+        # Two at a time: a balancer that takes turns (HAProxy, RAY_SERVE_ENABLE_HA_PROXY=1)
+        # would otherwise send every warm-up to one ingress and every stats call to the other.
+        for _ in range(2):
+            httpx.post(f"{BASE}/v1/completions", json={"prompt": "warm", "max_tokens": 2}, timeout=60)
         if _stats(BASE)["open_channels"] == 2:
             break
     before = _stats(BASE)
