@@ -58,16 +58,19 @@ def test_gpu_moe_greedy_matches_hf(moe_factory, grouped_gemm_calls, arch, graphs
     assert_equal_hf(path, outs)
 
 
-def test_gpu_moe_bfloat16_runs_the_triton_path(moe_factory, grouped_gemm_calls):
-    """bf16 (the production dtype): graphs and eager decode agree with each other."""
-    path = moe_factory("qwen3_moe")
-    runs = []
-    for graphs in (True, False):
-        llm = LLM(model=path, dtype="bfloat16", device="cuda", max_total_tokens=4096,
-                  enable_cuda_graph=graphs, cuda_graph_max_bs=16)
-        runs.append([o.token_ids for o in llm.generate(prompts(8, 3, 60, seed=2), GREEDY)])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_gpu_moe_bfloat16_runs_the_triton_path(moe_factory, grouped_gemm_calls, arch):
+    """bf16 (the production dtype) with CUDA graphs: the Triton path runs and the first greedy
+    token mostly equals fp32 HF's (bf16 rounding may flip a near tie, so not all of them;
+    the kernel's bf16 error is bounded in tests/test_moe_kernels.py)."""
+    path = moe_factory(arch)
+    llm = LLM(model=path, dtype="bfloat16", device="cuda", max_total_tokens=4096,
+              cuda_graph_max_bs=16)
+    outs = llm.generate(prompts(8, 3, 60, seed=2), GREEDY)
     assert grouped_gemm_calls[0] > 0
-    assert runs[0] == runs[1]
+    assert all(len(o.token_ids) == 16 for o in outs)
+    same_first = sum(o.token_ids[0] == hf_greedy(path, o.prompt_token_ids, 1)[0] for o in outs)
+    assert same_first >= 6, same_first
 
 
 def test_gpu_yarn_through_the_fused_rope_kernel(moe_factory):
