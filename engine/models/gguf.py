@@ -104,7 +104,44 @@ def gguf_config(path: str) -> Any:
     )
     if meta("attention.key_length") is not None:  # Qwen3 sets head_dim apart from hidden/heads
         kwargs["head_dim"] = meta("attention.key_length")
+    scaling = rope_scaling(path, meta)
+    if scaling is not None:
+        kwargs["rope_scaling"] = scaling
     return AutoConfig.for_model(model_type, **kwargs)
+
+
+# llama.cpp YaRN settings whose values here mean "as transformers computes it"
+# (yarn_ext_factor: negative = llama.cpp's default, 1 = the full ramp).
+_YARN_NEUTRAL = {
+    "attn_factor": lambda v: v == 1.0,
+    "yarn_attn_factor": lambda v: v == 1.0,
+    "yarn_log_multiplier": lambda v: v == 0.0,
+    "yarn_ext_factor": lambda v: v < 0 or v == 1.0,
+}
+
+
+def rope_scaling(path: str, meta: Any) -> dict | None:
+    """llama.cpp's `rope.scaling.*` keys as a transformers `rope_scaling` dict (None for plain
+    RoPE): linear, and YaRN with its factor, original context and betas. llama.cpp's other
+    YaRN knobs change the math in ways transformers has no field for: refused when set."""
+    kind = meta("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    factor = meta("rope.scaling.factor")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind != "yarn":
+        raise ValueError(f"{path}: GGUF rope scaling {kind!r} is not supported (none, linear, yarn)")
+    for key, is_neutral in _YARN_NEUTRAL.items():
+        value = meta(f"rope.scaling.{key}")
+        if value is not None and not is_neutral(value):
+            raise ValueError(f"{path}: GGUF rope.scaling.{key}={value} is not supported")
+    params = {"rope_type": "yarn", "factor": factor,
+              "original_max_position_embeddings": meta("rope.scaling.original_context_length")}
+    for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+        if meta(f"rope.scaling.{theirs}") is not None:
+            params[ours] = meta(f"rope.scaling.{theirs}")
+    return params
 
 
 def gguf_tokenizer(path: str) -> Any:
