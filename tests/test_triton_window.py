@@ -3,6 +3,7 @@ windows. Marked `gpu` like tests/test_triton_attention.py, whose random steps it
 CUDA runs them on the GPU; `TRITON_INTERPRET=1` runs them on the CPU (shapes shrunk)."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kv_pool import KVPool
+from engine.quantization.fp8 import FP8
 from test_triton_attention import DEVICE, DT, compare, decode_reqs, extend_reqs, make_case
 
 pytestmark = [
@@ -18,13 +20,18 @@ pytestmark = [
 ]
 
 
-def check_window(reqs, hq, hkv, d, dtype, window, *, seed=0, pad_to=0, **backend_kw) -> dict:
+def check_window(reqs, hq, hkv, d, dtype, window, *, seed=0, pad_to=0, kv_dtype=None,
+                 **backend_kw) -> dict:
     from engine.attention.triton_backend import TritonAttentionBackend
 
-    case = make_case(reqs, hq, hkv, d, dtype, DEVICE, seed=seed, pad_to=pad_to)
+    case = make_case(reqs, hq, hkv, d, dtype, DEVICE, seed=seed, pad_to=pad_to, kv_dtype=kv_dtype)
     scale = 1.0 / math.sqrt(d)
-    ref_pool = KVPool.over([t.float().clone() for t in case.pool.k],
-                           [t.float().clone() for t in case.pool.v])
+    if case.pool.fp8:  # as test_triton_attention.reference: the same float8 pool, copied
+        ref_pool = copy.copy(case.pool)
+        ref_pool.k, ref_pool.v = [t.clone() for t in case.pool.k], [t.clone() for t in case.pool.v]
+    else:
+        ref_pool = KVPool.over([t.float().clone() for t in case.pool.k],
+                               [t.float().clone() for t in case.pool.v])
     ref_backend = TorchAttentionBackend(ref_pool, scale)
     ref_backend.set_sliding_windows({case.layer: window})
     ref = ref_backend.forward(case.q.float(), case.k.float(), case.v.float(), case.layer, case.batch)
@@ -71,6 +78,14 @@ def test_extend_window(i):
     if DEVICE == "cpu":
         window = min(window, 40)  # the interpreter's shapes are shrunk: keep windows shorter
     r = check_window(extend_reqs(reqs), hq, hkv, d, DT[dt], window, seed=500 + i)
+    assert r["ok"], r
+
+
+@pytest.mark.parametrize("step", ["decode", "extend"])
+def test_window_with_fp8_pool(step):
+    """WINDOW and KV_FP8 together (the two constexprs are independent)."""
+    reqs = decode_reqs(7, 2000, 9) if step == "decode" else extend_reqs([(100, 50), (0, 129), (17, 64)])
+    r = check_window(reqs, 16, 4, 64, torch.bfloat16, 33, seed=9, kv_dtype=FP8)
     assert r["ok"], r
 
 
