@@ -267,10 +267,10 @@ class StepPhases:
         self.runner = runner = engine.runner
         self._forward = forward = runner.forward
 
-        def timed(plan):
+        def timed(plan, *rest):
             start, end = _event(), _event()
             start.record()
-            out = forward(plan)
+            out = forward(plan, *rest)
             end.record()
             self.events.append((start, end, plan.is_decode, len(plan.chunks), plan.num_tokens))
             if plan.is_decode:
