@@ -1,6 +1,7 @@
 """Starting a real local Ray cluster and the radixserve app for tests."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -12,6 +13,18 @@ ROOT = Path(__file__).resolve().parents[1]
 # Another port lets two test runs share a machine (each starts its own Ray cluster).
 PORT = int(os.environ.get("RADIXSERVE_TEST_PORT", "8000"))
 BASE = f"http://127.0.0.1:{PORT}"
+
+
+# Ray Serve's "high throughput" mode (Ray 2.55+), read from the environment when the Ray
+# cluster and Serve start: user code on the replica's event loop, handles' routers on the
+# caller's loop, gRPC between replicas, direct ingress, HAProxy in front of the ingress
+# replicas (tests/test_serve_throughput_mode.py runs the app and Serve test files under it).
+THROUGHPUT_MODE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+
+
+def ha_proxy_mode() -> bool:
+    """Is Serve's HTTP proxy HAProxy here (RAY_SERVE_ENABLE_HA_PROXY=1)?"""
+    return os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
 
 
 def serve_config_args(**overrides) -> dict:
@@ -96,6 +109,79 @@ def run_app(args: dict, name: str = "radixserve", route_prefix: str = "/") -> No
 
     serve.start(http_options={"port": PORT})  # a no-op once Serve runs
     serve.run(build_app(args), name=name, route_prefix=route_prefix)
+
+
+def call_deployment(deployment: str, method: str, *args, app: str = "radixserve",
+                    timeout: float = 30.0):
+    """`method(*args)` on one of `deployment`'s replicas, through a deployment handle, from
+    the test driver. Inside asyncio with a fresh handle: under RAY_SERVE_THROUGHPUT_OPTIMIZED=1
+    a handle's router runs on the caller's event loop, and `.remote()` outside a running loop
+    raises "No event loop running"; this works in both modes."""
+    import asyncio
+
+    from ray import serve
+
+    async def call():
+        handle = serve.get_deployment_handle(deployment, app_name=app)
+        return await asyncio.wait_for(getattr(handle, method).remote(*args), timeout)
+
+    return asyncio.run(call())
+
+
+def kill_session(sid: int) -> None:
+    """Ray's workers start process groups of their own: end every process of the session."""
+    import signal
+    import subprocess
+
+    out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        pid, psid = (int(x) for x in line.split())
+        if psid == sid:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@contextlib.contextmanager
+def serve_run(config: str = "serve_config.yaml", env: dict | None = None):
+    """`serve run CONFIG` as a user runs it (a subprocess in its own session, `env` added to
+    this environment); yields the process, killed with all of Ray's processes afterwards."""
+    import subprocess
+    import sys
+
+    import ray
+
+    if ray.is_initialized():  # another module's cluster would hold the config's port
+        raise RuntimeError("a Ray cluster is still running in the test process")
+    full_env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT), **(env or {}))
+    serve_bin = os.path.join(os.path.dirname(sys.executable), "serve")
+    proc = subprocess.Popen([serve_bin, "run", config], cwd=ROOT, env=full_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        kill_session(proc.pid)
+        proc.wait(timeout=30)
+        time.sleep(1)
+
+
+def wait_for_serve_run(proc, base: str, timeout: float = 150.0) -> None:
+    """Wait until `serve run`'s app answers GET /v1/models at `base`; fail with its output."""
+    import pytest
+
+    def ready():
+        if proc.poll() is not None:
+            return "exited"
+        try:
+            return httpx.get(f"{base}/v1/models", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    state = wait_until(ready, timeout=timeout, interval=1)
+    if state != True:  # noqa: E712
+        out = proc.stdout.read().decode(errors="replace") if proc.poll() is not None else ""
+        pytest.fail(f"serve run did not come up ({state}): {out[-3000:]}")
 
 
 def stop_ray() -> None:

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from serve_helpers import ROOT, served_model_name, wait_until
-from test_serve_cli import _kill_session
+from serve_helpers import kill_session as _kill_session
 
 pytestmark = pytest.mark.slow
 URL = "http://127.0.0.1:8000"

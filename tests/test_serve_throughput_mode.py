@@ -1,0 +1,101 @@
+"""radixserve under Ray Serve's "high throughput" mode: RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (user
+code on the replica's event loop, handles' routers on the caller's loop, gRPC between
+replicas, direct ingress, GC frozen after start-up) with RAY_SERVE_ENABLE_HA_PROXY=1 (HAProxy
+in front of the ingress replicas instead of Serve's Python proxy).
+
+Two checks, each in subprocesses (Serve reads these variables when the cluster and each of
+its processes start, so they cannot be switched inside one test process):
+- the README's command, `serve run serve_config.yaml`, with the two variables: streaming,
+  the openai client, our prefix router's counters in /v1/stats, the delta channels, a 400,
+  and a client leaving a stream aborting its request;
+- whole Serve test files under the mode, by default tests/test_serve_path.py (delta channels
+  under 300 concurrent streams, 503 at the engine's bound, 413/400 bodies). Run others with
+  RADIXSERVE_THROUGHPUT_MODE_FILES=test_serve_app.py,test_routing_e2e.py (comma-separated).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+from serve_helpers import (
+    ROOT, THROUGHPUT_MODE_ENV, serve_run, served_model_name, wait_for_serve_run, wait_until,
+)
+
+pytestmark = pytest.mark.slow
+URL = "http://127.0.0.1:8000"  # serve_config.yaml's port (HAProxy serves it, on all interfaces)
+FILES = [f.strip() for f in os.environ.get(
+    "RADIXSERVE_THROUGHPUT_MODE_FILES", "test_serve_path.py").split(",") if f.strip()]
+
+
+@pytest.mark.parametrize("test_file", FILES)
+def test_serve_test_file_under_the_mode(test_file):
+    """A whole Serve test file, in a pytest of its own with the mode's variables set. First in
+    this module: the `app` fixture's cluster (port 8000, HAProxy's stats and metrics ports)
+    starts after it."""
+    env = dict(os.environ, **THROUGHPUT_MODE_ENV, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                           f"tests/{test_file}"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+
+
+@pytest.fixture(scope="module")
+def app():
+    with serve_run(env=THROUGHPUT_MODE_ENV) as proc:
+        wait_for_serve_run(proc, URL)
+        yield proc
+
+
+def _stats() -> dict:
+    return httpx.get(f"{URL}/v1/stats", timeout=30).json()
+
+
+def test_serve_run_streams_and_answers_the_openai_client(app):
+    model = served_model_name()
+    client = openai.OpenAI(base_url=f"{URL}/v1", api_key="unused", max_retries=0, timeout=60)
+    whole = client.completions.create(model=model, prompt="The capital of France is",
+                                      max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    streamed = client.completions.create(model=model, prompt="The capital of France is",
+                                         max_tokens=12, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text != ""
+    chat = client.chat.completions.create(model=model, max_tokens=8, temperature=0, stream=True,
+                                          messages=[{"role": "user", "content": "Say hi"}])
+    assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
+    # Raw SSE, several at once and n > 1: the requests after the first on each ingress stream
+    # their deltas over the delta channels (their own calls yield one ON_CHANNEL item).
+    events = []
+    for _ in range(4):
+        with httpx.stream("POST", f"{URL}/v1/completions", timeout=60, json={
+                "model": model, "prompt": "Once upon a time", "max_tokens": 6, "n": 2,
+                "stream": True}) as r:
+            assert r.status_code == 200, r.read()
+            events += [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert not any("error" in json.loads(e[6:]) for e in events if e != "data: [DONE]")
+    stats = _stats()
+    assert stats["requests_on_channel"] > 0, stats
+    router = stats.get("router")  # our prefix router, read through router/ray_adapter.py
+    assert router is not None, stats
+    assert router["routed_with_match"] + router["routed_without_match"] > 0, router
+
+
+def test_errors_and_client_disconnect(app):
+    r = httpx.post(f"{URL}/v1/completions", content=b"{not json",
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    before = _stats()["aborted_requests"]
+    with httpx.stream("POST", f"{URL}/v1/completions", timeout=60, json={
+            "model": served_model_name(), "prompt": "Never ending", "max_tokens": 400,
+            "ignore_eos": True, "stream": True}) as r:
+        lines = r.iter_lines()
+        assert any(next(lines).startswith("data: ") for _ in range(4))
+    after = wait_until(lambda: (s := _stats())["aborted_requests"] > before and s["running"] == 0
+                       and s, timeout=30)
+    assert after, "the stream's request was not aborted after its client left"
