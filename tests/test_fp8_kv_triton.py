@@ -1,6 +1,8 @@
 """FP8 KV pool (kv_cache_dtype="fp8_e4m3", issue 19) on the Triton attention backend.
 
 Decode, extend and store kernels: tests/test_triton_attention.py (`fp8` cases). Here:
+- every fp8 kernel variant compiled for sm_90 on any machine (CPU test; Triton's NVIDIA
+  backend compiles ahead of time): the interpreter does not run Triton's compiler;
 - the radix-grouped decode kernels (shared-prefix kernel + suffix merge) on an fp8 pool,
   through tests/test_prefix_groups.py's grouped checks: against the torch backend's fp8 path
   and the plain decode kernel on the same pool. Marked `gpu`; on a CPU they run under
@@ -56,6 +58,54 @@ def test_fp8_grouped_decode_padded(monkeypatch):
     monkeypatch.setattr(tpg, "make_case", functools.partial(make_case, kv_dtype=FP8))
     r = tpg.check_grouped_padded()
     assert r["ok"], r
+
+
+# ------------------------------------------------------------------ compiles for Hopper
+def _compile_for_sm90(fn, dtypes: dict[str, str], constexprs: dict) -> str:
+    """PTX of a kernel compiled for sm_90 on this machine (no GPU needed: Triton's NVIDIA
+    backend compiles ahead of time). Pointers not in `dtypes` are int64 metadata."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constexprs = dict(constexprs)
+    sig = {}
+    for prm in fn.params:
+        if prm.is_constexpr:
+            constexprs.setdefault(prm.name, prm.default)  # as a launch binds defaults
+            sig[prm.name] = "constexpr"
+        elif prm.name in dtypes:
+            sig[prm.name] = "*" + dtypes[prm.name]
+        elif prm.name == "sm_scale_log2":
+            sig[prm.name] = "fp32"
+        elif prm.name[0].isupper():
+            sig[prm.name] = "*i32" if prm.name == "ReqToToken" else "*i64"
+        else:
+            sig[prm.name] = "i32"
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v
+                                                      for k, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, num_stages=3)).asm["ptx"]
+
+
+@pytest.mark.parametrize("kv_scale", [1.0, 0.5])
+def test_fp8_kernels_compile_for_hopper(kv_scale):
+    """The interpreter runs the kernels' Python, not Triton's compiler (which is stricter,
+    e.g. about types across branches): compile every fp8 variant for sm_90 here, and check
+    the store really uses the hardware's saturating round-to-nearest cast."""
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
+    import engine.attention.triton_kernels as kern
+
+    io = dict(Q="bf16", K="bf16", V="bf16", Out="bf16", KC="fp8e4nv", VC="fp8e4nv",
+              MidO="fp32", MidLse="fp32", PfxO="fp32", PfxLse="fp32")
+    kv = dict(HEAD_DIM=128, BLOCK_D=128, KV_FP8=True, KV_SCALE=kv_scale)
+    ptx = _compile_for_sm90(kern.store_kv_kernel, io, dict(kv, HKV=8, BLOCK_H=8))
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    attn = dict(kv, F32_DOT=False, GROUP=4, BLOCK_N=64)
+    _compile_for_sm90(kern.decode_partial_kernel, io,
+                      dict(attn, BLOCK_H=16, DIRECT=False, HAS_PREFIX=True))
+    _compile_for_sm90(kern.prefix_attn_kernel, io, dict(attn, HKV=8, BLOCK_M=64))
+    _compile_for_sm90(kern.extend_kernel, io, dict(attn, BLOCK_M=64))
 
 
 # ------------------------------------------------------------------ the engine (CUDA)
