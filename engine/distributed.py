@@ -27,13 +27,13 @@ import torch
 import torch.distributed as dist
 
 from engine.layers.parallel import TPContext
+from engine.step_input import FIELD_NAMES, PackedStep
 
 CMD_FORWARD = 1
 CMD_SHUTDOWN = 2
 
-# Header: [command, is_decode, number of fields, length of each field...], zero padded.
-MAX_FIELDS = 15
-HEADER_LEN = 3 + MAX_FIELDS
+# Header: [command, is_decode, length of each StepInput field...].
+HEADER_LEN = 2 + len(FIELD_NAMES)
 
 # The control group's "no timeout": waiting for rank 0's next step may take any time.
 _IDLE_WAIT = timedelta(days=365)
@@ -70,9 +70,7 @@ class StepMessage:
     """What a worker receives per step."""
 
     command: int
-    is_decode: bool
-    lengths: list[int]
-    flat: torch.Tensor  # int64, host memory
+    step: PackedStep | None  # with CMD_FORWARD
 
 
 def _record_failure(fn: F) -> F:
@@ -130,27 +128,26 @@ class DistributedTP(TPContext):
     # -- step messages (rank 0 -> the others) -----------------------------------------------
 
     @_record_failure
-    def send_step(self, command: int, is_decode: bool = False, lengths: list[int] | None = None,
-                  flat: torch.Tensor | None = None) -> None:
-        lengths = lengths or []
-        if len(lengths) > MAX_FIELDS:
-            raise ValueError(f"a step message has at most {MAX_FIELDS} fields")
+    def send_step(self, command: int, step: PackedStep | None = None) -> None:
         header = torch.zeros(HEADER_LEN, dtype=torch.long)
-        header[:3] = torch.tensor([command, int(is_decode), len(lengths)])
-        header[3:3 + len(lengths)] = torch.tensor(lengths, dtype=torch.long)
+        header[0] = command
+        if step is not None:
+            header[1] = int(step.is_decode)
+            header[2:] = torch.tensor(step.lengths, dtype=torch.long)
         dist.broadcast(header, 0, group=self.control)
-        if flat is not None and flat.numel():
-            dist.broadcast(flat, 0, group=self.control)
+        if step is not None and step.flat.numel():
+            dist.broadcast(step.flat, 0, group=self.control)
 
     def recv_step(self) -> StepMessage:
         header = torch.empty(HEADER_LEN, dtype=torch.long)
         dist.broadcast(header, 0, group=self.control)
-        command, is_decode, n, *rest = header.tolist()
-        lengths = rest[:n]
+        command, is_decode, *lengths = header.tolist()
+        if command != CMD_FORWARD:
+            return StepMessage(command, None)
         flat = torch.empty(sum(lengths), dtype=torch.long)
         if flat.numel():
             dist.broadcast(flat, 0, group=self.control)
-        return StepMessage(command, bool(is_decode), lengths, flat)
+        return StepMessage(command, PackedStep.received(flat, lengths, bool(is_decode)))
 
     def mark_failed(self, error: BaseException) -> None:
         """A rank is known to be gone (e.g. its actor died): no collective may start."""

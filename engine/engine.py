@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.grammar import Grammars

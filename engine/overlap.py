@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model_runner import PendingTokens
+from engine.step_input import PendingTokens
 from engine.output_processor import TokenUpdate
 from engine.request import Request, Status
 from engine.step_plan import Chunk, StepPlan

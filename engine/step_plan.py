@@ -21,10 +21,6 @@ class Chunk:
     row_from: int = 0
 
     @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-    @property
     def samples(self) -> bool:
         """The chunk reaches the end of the request's tokens, so its last logits are sampled."""
         return self.start + self.num_tokens - len(self.draft) == self.req.num_tokens

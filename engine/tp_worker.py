@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
 from engine.distributed import CMD_SHUTDOWN, DistributedTP, init_tp, open_rendezvous
-from engine.model_runner import ModelRunner, StepInput
+from engine.model_runner import ModelRunner
 from engine.models import resolve_device
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def serve_steps(runner: ModelRunner, tp: DistributedTP) -> int:
         msg = tp.recv_step()
         if msg.command == CMD_SHUTDOWN:
             return steps
-        runner.execute(StepInput.unpack(msg.flat, msg.lengths, msg.is_decode))
+        runner.execute(msg.step)
         steps += 1
 
 
