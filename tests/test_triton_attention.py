@@ -81,8 +81,9 @@ def make_case(reqs: list[tuple[int, int]], hq: int, hkv: int, d: int, dtype: tor
     pool = KVPool(num_slots, num_layers, hkv, d, kv_dtype or dtype, device, scale=kv_scale)
     if fill_pool:
         for t in pool.k + pool.v:
-            t.copy_(torch.randn(t.shape, generator=g).to(dtype))
-            t[0] = float("nan")  # the padding slot may hold garbage: it must never leak in
+            data = torch.randn(t.shape, generator=g).to(dtype)
+            data[0] = float("nan")  # the padding slot may hold garbage: it must never leak in
+            t.copy_(data)  # (a copy casts to float8 on any device; fill_ may not)
     n_rows = n_real + 3
     r2t = torch.randint(0, num_slots + 1, (n_rows, max_ctx), generator=g, dtype=torch.int32)
     r2t[0, 0] = 0
