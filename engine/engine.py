@@ -1,4 +1,5 @@
-"""The step loop (`Engine`), its asyncio front (`AsyncEngine`) and the offline facade (`LLM`)."""
+"""The engine (`Engine`: requests in, one step at a time through its stepper, outputs and
+stats out) and the offline facade (`LLM`)."""
 from __future__ import annotations
 
 import logging
