@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from engine.config import EngineConfig
-from engine.engine import Engine, QueueFullError, feed_detokenizer
-from engine.outputs import StreamDelta, WireDelta, wire_of
+from engine.engine import Engine, QueueFullError
+from engine.outputs import StreamDelta, WireDelta
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.stream_deltas import stream_delta, wire_update
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ class AsyncEngine:
     def _abort(self, request_id: str) -> None:
         req = self.engine.abort(request_id)
         if req is not None:
-            self._push(request_id, self._delta(req, [], True))
+            self._push(request_id, stream_delta(req, [], True, self.detokenize))
 
     def _loop(self) -> None:
         self._run_hooks()
@@ -221,9 +222,9 @@ class AsyncEngine:
             stream = self._streams.get(req.request_id)
             if stream is not None:
                 if stream.wire:
-                    delta = self._wire(req, update.new_tokens, update.finished)
+                    delta = wire_update(req, update.new_tokens, update.finished)
                 else:
-                    delta = self._delta(req, update.new_tokens, update.finished)
+                    delta = stream_delta(req, update.new_tokens, update.finished, self.detokenize)
                 by_loop.setdefault(stream.loop, []).append((stream.put, delta))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_deliver, items)
@@ -250,32 +251,6 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _delta(self, req: Request, new_tokens: list[int], finished: bool) -> StreamDelta:
-        text = ""
-        if self.detokenize or req.params.stop:
-            feed_detokenizer(req)
-            text = req.detok.take_delta(final=finished)
-        n = len(new_tokens)
-        return StreamDelta(
-            request_id=req.request_id, token_ids=new_tokens, text=text, finished=finished,
-            finish_reason=req.finish_reason if finished else None,
-            prompt_tokens=req.num_prompt, cached_tokens=req.cached_tokens,
-            completion_tokens=req.num_output,
-            prompt_logprobs=req.prompt_logprobs if req.num_output == n else None,
-            queue_time=_queue_time(req) if req.num_output == n else None,
-            prompt_top_logprobs=req.prompt_top_logprobs if req.num_output == n else None,
-            logprobs=req.output_logprobs[len(req.output_logprobs) - n:] if req.params.logprobs and n else None,
-            top_logprobs=(req.output_top_logprobs[len(req.output_top_logprobs) - n:]
-                          if req.params.top_logprobs and n else None))
-
-    def _wire(self, req: Request, new_tokens: list[int], finished: bool) -> WireDelta:
-        """A WireDelta: in the common case (a middle delta, no logprobs) a bare tuple,
-        built without a StreamDelta and without decoding text."""
-        params = req.params
-        if finished or params.logprobs or params.top_logprobs or req.num_output == len(new_tokens):
-            return wire_of(self._delta(req, new_tokens, finished))
-        return (req.request_id, new_tokens, False, None, req.num_output, None)
-
     def _fail_running(self, error: Exception) -> None:
         for req in list(self.engine.scheduler.running):
             self.engine.abort(req.request_id)
@@ -300,7 +275,3 @@ def _set_result(fut: asyncio.Future, value: Any) -> None:
 def _set_exception(fut: asyncio.Future, error: BaseException) -> None:
     if not fut.done():
         fut.set_exception(error)
-
-
-def _queue_time(req: Request) -> float | None:
-    return None if req.scheduled_at is None else max(0.0, req.scheduled_at - req.arrival)

@@ -107,14 +107,16 @@ def test_gpu_structured_output_validates_and_matches_cpu(tiny_llama):
     cases = [dict(json_schema=s) for s in SCHEMAS] + [dict(regex=r) for r in REGEXES]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(cases))]
     params = [SamplingParams(max_tokens=120, temperature=0.0, **c) for c in cases]
-    outs = {}
+    outs, llms = {}, {}
     for device in ("cuda", "cpu"):
-        llm = LLM(model=tiny_llama, dtype="float32", device=device, max_total_tokens=16384,
-                  cuda_graph_max_bs=64)
-        outs[device] = llm.generate(prompts, params)
+        llms[device] = LLM(model=tiny_llama, dtype="float32", device=device,
+                           max_total_tokens=16384, cuda_graph_max_bs=64)
+        outs[device] = llms[device].generate(prompts, params)
     gpu = outs["cuda"]
     n = len(SCHEMAS)
-    assert check_json(gpu[:n], SCHEMAS) + check_regex(gpu[n:], REGEXES) >= 0.9 * len(cases)
+    stopped = (check_json(llms["cuda"], gpu[:n], params[:n], SCHEMAS)
+               + check_regex(llms["cuda"], gpu[n:], params[n:], REGEXES))
+    assert stopped >= 0.9 * len(cases)
     for a, b in zip(gpu, outs["cpu"]):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
 
