@@ -11,7 +11,6 @@ import pytest
 
 from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
 from engine.overlap import OverlapStepper
-from test_structured import REGEXES, SCHEMAS, check_json, check_regex
 
 
 def overlapped(llm_or_engine):
@@ -49,6 +48,8 @@ def mixed_batch(seed: int, with_sync_requests: bool = False):
     """Unconstrained requests of many lengths and stop tokens, JSON schemas and regexes,
     greedy and seeded sampling; optionally a request that forces sync steps while present
     (logprobs) and one with a stop string."""
+    from test_structured import REGEXES, SCHEMAS  # (jsonschema: not on the GPU machine)
+
     r = random.Random(seed)
     prompts, params = [], []
     for i in range(12):
@@ -104,6 +105,8 @@ def test_overlap_equals_sync_with_structured_output(tiny_llama, jump_forward):
     for a, b in zip(over, sync):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         assert a.text == b.text
+    from test_structured import REGEXES, SCHEMAS, check_json, check_regex
+
     n = 12 + 8
     assert check_json(llm, over[12:n], params[12:n], SCHEMAS[:8]) > 0
     check_regex(llm, over[n:n + 5], params[n:n + 5], REGEXES[:5])
