@@ -18,7 +18,7 @@ import logging
 import torch
 
 from engine.attention.base import ForwardBatch
-from engine.prefix_groups import PrefixGroupBatch, packed_len
+from engine.prefix_group_batch import PrefixGroupBatch, packed_len
 
 logger = logging.getLogger(__name__)
 

@@ -174,7 +174,7 @@ class ModelRunner:
             logits_indices=s.logits_indices, req_to_token=self.req_to_token,
             is_decode=step.is_decode, seq_lens_cpu=step.seq_lens, extend_lens_cpu=step.extend_lens)
         if s.prefix_groups.numel():
-            from engine.prefix_groups import PrefixGroupBatch
+            from engine.prefix_group_batch import PrefixGroupBatch
 
             batch.prefix_groups = PrefixGroupBatch.from_packed(
                 s.prefix_groups, step.host("prefix_groups"), step.seq_lens)

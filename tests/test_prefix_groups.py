@@ -16,8 +16,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv_pool import SlotAllocator
-from engine.prefix_groups import (Group, PrefixGroupBatch, PrefixGrouper, build_plan,
-                                  packed_len)
+from engine.prefix_group_batch import PrefixGroupBatch, packed_len
+from engine.prefix_groups import Group, PrefixGrouper, build_plan
 from engine.radix_cache import RadixCache
 from engine.request import Request
 from engine.sampling_params import SamplingParams

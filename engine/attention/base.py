@@ -34,7 +34,7 @@ class ForwardBatch:
     # Host-side copies, so backends can size grids / loop without a device sync.
     seq_lens_cpu: list[int]
     extend_lens_cpu: list[int]
-    # Radix-grouped decode (engine/prefix_groups.PrefixGroupBatch): requests sharing a
+    # Radix-grouped decode (engine/prefix_group_batch.PrefixGroupBatch): requests sharing a
     # cached prefix attend over it once. None = plain decode; backends may ignore it.
     prefix_groups: Any = None
 
