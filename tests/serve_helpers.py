@@ -114,9 +114,11 @@ def run_app(args: dict, name: str = "radixserve", route_prefix: str = "/") -> No
 def call_deployment(deployment: str, method: str, *args, app: str = "radixserve",
                     timeout: float = 30.0):
     """`method(*args)` on one of `deployment`'s replicas, through a deployment handle, from
-    the test driver. Inside asyncio with a fresh handle: under RAY_SERVE_THROUGHPUT_OPTIMIZED=1
-    a handle's router runs on the caller's event loop, and `.remote()` outside a running loop
-    raises "No event loop running"; this works in both modes."""
+    the test driver; works in both Serve modes. Under RAY_SERVE_THROUGHPUT_OPTIMIZED=1 a
+    handle's router runs on the caller's event loop (`.remote()` outside a running loop
+    raises "No event loop running") and stays bound to the first loop that used it, so every
+    call runs on one long-lived loop in a thread of its own (`asyncio.run` per call would
+    leave the router on a closed loop)."""
     import asyncio
 
     from ray import serve
@@ -125,7 +127,22 @@ def call_deployment(deployment: str, method: str, *args, app: str = "radixserve"
         handle = serve.get_deployment_handle(deployment, app_name=app)
         return await asyncio.wait_for(getattr(handle, method).remote(*args), timeout)
 
-    return asyncio.run(call())
+    return asyncio.run_coroutine_threadsafe(call(), _driver_loop()).result(timeout + 5)
+
+
+_loop = None
+
+
+def _driver_loop():
+    """The test driver's event loop for handle calls (started on first use, a daemon thread)."""
+    global _loop
+    if _loop is None:
+        import asyncio
+        import threading
+
+        _loop = asyncio.new_event_loop()
+        threading.Thread(target=_loop.run_forever, name="serve-handle-loop", daemon=True).start()
+    return _loop
 
 
 def kill_session(sid: int) -> None:
