@@ -94,18 +94,20 @@ def test_fp8_kernels_compile_for_hopper(kv_scale):
     e.g. about types across branches): compile every fp8 variant for sm_90 here, and check
     the store really uses the hardware's saturating round-to-nearest cast."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
-    import engine.attention.triton_kernels as kern
+    from engine.attention.triton_common import store_kv_kernel
+    from engine.attention.triton_decode import decode_partial_kernel, prefix_attn_kernel
+    from engine.attention.triton_extend import extend_kernel
 
     io = dict(Q="bf16", K="bf16", V="bf16", Out="bf16", KC="fp8e4nv", VC="fp8e4nv",
               MidO="fp32", MidLse="fp32", PfxO="fp32", PfxLse="fp32")
     kv = dict(HEAD_DIM=128, BLOCK_D=128, KV_FP8=True, KV_SCALE=kv_scale)
-    ptx = _compile_for_sm90(kern.store_kv_kernel, io, dict(kv, HKV=8, BLOCK_H=8))
+    ptx = _compile_for_sm90(store_kv_kernel, io, dict(kv, HKV=8, BLOCK_H=8))
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
     attn = dict(kv, F32_DOT=False, GROUP=4, BLOCK_N=64)
-    _compile_for_sm90(kern.decode_partial_kernel, io,
+    _compile_for_sm90(decode_partial_kernel, io,
                       dict(attn, BLOCK_H=16, DIRECT=False, HAS_PREFIX=True))
-    _compile_for_sm90(kern.prefix_attn_kernel, io, dict(attn, HKV=8, BLOCK_M=64))
-    _compile_for_sm90(kern.extend_kernel, io, dict(attn, BLOCK_M=64))
+    _compile_for_sm90(prefix_attn_kernel, io, dict(attn, HKV=8, BLOCK_M=64))
+    _compile_for_sm90(extend_kernel, io, dict(attn, BLOCK_M=64))
 
 
 # ------------------------------------------------------------------ the engine (CUDA)

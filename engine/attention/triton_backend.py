@@ -12,8 +12,10 @@ import torch
 import triton
 
 from engine.attention.base import ForwardBatch
-from engine.attention.triton_kernels import (decode_partial_kernel, decode_reduce_kernel,
-                                             extend_kernel, prefix_attn_kernel, store_kv_kernel)
+from engine.attention.triton_common import store_kv_kernel
+from engine.attention.triton_decode import (decode_partial_kernel, decode_reduce_kernel,
+                                            prefix_attn_kernel)
+from engine.attention.triton_extend import extend_kernel
 from engine.kv_pool import KVPool
 
 _LOG2E = 1.4426950408889634
@@ -95,7 +97,7 @@ class TritonAttentionBackend:
         # An fp8 pool (kv_cache_dtype="fp8_e4m3"): the kernels' KV_FP8 path, switched on by
         # these extra launch arguments; a bf16/fp16/fp32 pool launches without them (the
         # kernels' defaults), exactly as before fp8 existed. The store (and extend, which
-        # rounds the new tokens the same way) also get FP8_SW_ROUND: see triton_kernels.py.
+        # rounds the new tokens the same way) also get FP8_SW_ROUND: see triton_common.py.
         self.kv_fp8 = kv_pool.fp8
         self._kv_kw = dict(KV_FP8=True, KV_SCALE=float(kv_pool.scale)) if self.kv_fp8 else {}
         self._store_kw = dict(self._kv_kw, FP8_SW_ROUND=_interpreting()) if self.kv_fp8 else {}

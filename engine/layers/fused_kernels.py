@@ -79,7 +79,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 # Pos is a slice of the step's flat int64 upload, so its 16-byte alignment varies with the
 # other fields' lengths; it is read one scalar per program, so the hint buys nothing and
-# would only compile a second binary on a fresh replica (see attention/triton_kernels.py).
+# would only compile a second binary on a fresh replica (see attention/triton_common.py).
 @triton.jit(do_not_specialize_on_alignment=["Pos"])
 def _rope_kernel(Q, K, Pos, Cache, QOut, KOut,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_ct,

@@ -1,0 +1,217 @@
+"""Triton attention, shared parts: the conventions every kernel follows, the helpers they
+share (dots, FP8 KV encode/decode, online-softmax steps, window masks) and the KV store.
+The kernels: split-KV decode and the shared-prefix kernel in triton_decode.py, the ragged
+extend/prefill kernel in triton_extend.py.
+
+Conventions shared by all kernels:
+- The KV cache of one layer is [num_slots + 1, Hkv, D]; a request's token j lives at slot
+  req_to_token[row, j]. Slot indices are widened to int64 before any address arithmetic
+  (slot * row stride can pass 2**31 elements on large pools).
+- Softmax runs in base 2: logits are scaled by scale * log2(e) and the log-sum-exp written
+  by the decode partials is log2-based too.
+- BLOCK_D is the head dim rounded up to a power of two (at least 16); loads along D are
+  masked only when it differs from HEAD_DIM.
+- F32_DOT: run tl.dot on fp32 operands in IEEE precision (fp32 models, and the Triton CPU
+  interpreter, whose bf16 dot is wrong). Otherwise the dot takes the storage dtype
+  (bf16/fp16) with fp32 accumulation.
+- WINDOW (constexpr, 0 = none): sliding-window attention (Mistral, Qwen2 layers): a query at
+  position p sees the keys at positions p - WINDOW + 1 .. p. Decode starts its sweep at
+  seq_len - WINDOW; extend starts at the tile's first visible key and masks per row.
+- KV_FP8: the pool is float8_e4m3 (see "FP8 KV pool" below); K/V are dequantized to the
+  query's dtype right after their loads, so everything after is as for a bf16 pool.
+
+Specialization (cold start): Triton compiles one binary per distinct launch key. Besides
+the constexprs and num_warps/num_stages, the key holds, for every non-constexpr int, whether
+it == 1 (then it becomes a constant) or is divisible by 16, and for every pointer whether
+its address is 16-byte aligned (Triton 3.6: `native_specialize_impl`, called by the binder
+`create_function_from_signature` builds in runtime/jit.py; the "D" attribute becomes
+tt.divisibility=16). Arguments whose value or address varies from step to step would make a
+fresh replica compile again on its first requests of a new shape, so the kernels below opt
+out with `do_not_specialize` (ints) and `do_not_specialize_on_alignment` (pointers) where
+the hint buys nothing: lengths and split counts only bound loops or feed scalar arithmetic;
+per-request metadata pointers (slices of the step's one flat int64 upload, whose offsets
+depend on the other fields' lengths) are read one scalar at a time. Strides of Q/K/V, the
+KV pool and the output stay specialised: they are fixed per model and their divisibility
+lets the vectorised K/V loads and output stores use 16-byte accesses.
+
+This module imports triton at its top: import it only when the Triton backend is chosen.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def dot(a, b, F32_DOT: tl.constexpr):
+    if F32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+# ----------------------------------------------------------------------------------------
+# FP8 KV pool (kv_cache_dtype="fp8_e4m3"; KVPool.encode/decode are the torch version).
+# KV_FP8 (constexpr) switches it on; off, the helpers return their input unchanged, so the
+# bf16/fp16/fp32 kernels compile exactly as without them. KV_SCALE is the pool's one scale
+# (a constexpr: fixed per pool; 1.0 skips the multiply and divide). The pool holds
+# float8_e4m3fn(clamp(x / KV_SCALE, +-448)), rounded to nearest even; loads dequantize in
+# registers to the query's dtype, (stored * KV_SCALE).to(q.dtype), as the torch backend
+# does, and the dots and accumulation are unchanged from there.
+# FP8_SW_ROUND: Triton's CPU interpreter casts float32 -> float8 wrongly (it rounds half up
+# and drops the carry into the exponent: 0.49 -> 0.25), so under it the value is first
+# rounded to the e4m3 grid in float32 and the cast only truncates zero bits. The GPU's
+# cast (cvt.rn.satfinite) rounds correctly and never takes that path.
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def round_to_e4m3(x):
+    """float32 |x| <= 448 -> the nearest float8_e4m3fn value (ties to even), as float32."""
+    bits = x.to(tl.uint32, bitcast=True)
+    # normal range: keep 3 of the 23 mantissa bits; the add carries into the exponent
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    # below 2**-6 (subnormal e4m3) the step is a fixed 2**-9: float32's step at 2**14
+    a = tl.abs(x)
+    sub = (a + 16384.0) - 16384.0
+    sub = tl.where((bits >> 31) != 0, -sub, sub)
+    return tl.where(a < 0.015625, sub, normal)
+
+
+@triton.jit
+def kv_encode(x, KV_SCALE: tl.constexpr, FP8_SW_ROUND: tl.constexpr):
+    """New K/V values -> what an fp8 pool stores (float8e4nv)."""
+    x = x.to(tl.float32)
+    if KV_SCALE != 1.0:
+        x = x / KV_SCALE
+    # e4m3fn has no infinity: saturate rather than let an out-of-range cast give NaN
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    if FP8_SW_ROUND:
+        x = round_to_e4m3(x)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def kv_decode(x, dtype: tl.constexpr, KV_FP8: tl.constexpr, KV_SCALE: tl.constexpr):
+    """Loaded pool values -> `dtype` (the query's) for the dots; identity unless KV_FP8."""
+    if KV_FP8:
+        if KV_SCALE != 1.0:
+            return (x.to(tl.float32) * KV_SCALE).to(dtype)
+        else:
+            return x.to(dtype)
+    else:
+        return x
+
+
+@triton.jit
+def kv_roundtrip(x, KV_FP8: tl.constexpr, KV_SCALE: tl.constexpr, FP8_SW_ROUND: tl.constexpr):
+    """New K/V read from the step's inputs (extend) -> the values the pool now holds for
+    them, so new tokens attend exactly as if read back from the pool; identity unless KV_FP8."""
+    if KV_FP8:
+        return kv_decode(kv_encode(x, KV_SCALE, FP8_SW_ROUND), x.dtype, KV_FP8, KV_SCALE)
+    else:
+        return x
+
+
+@triton.jit
+def attend_slots(q, tok, k_base, v_base, start, end, stride_kt, stride_vt, d, dmask,
+                  sm_scale_log2, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
+                  KV_FP8: tl.constexpr, KV_SCALE: tl.constexpr):
+    """Online softmax of the query rows q ([ROWS, BLOCK_D]) over the tokens [start, end) of
+    one req_to_token row (`tok`), one KV head (`k_base`, `v_base`); returns the
+    unnormalised state (m_i, l_i, acc). Shared by the decode and the prefix kernels."""
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    for n in range(start, end, BLOCK_N):
+        offs = n + tl.arange(0, BLOCK_N)
+        nmask = offs < end
+        # Masked-off positions read slot 0 (the padding slot, always valid memory).
+        slots = tl.load(tok + offs, mask=nmask, other=0).to(tl.int64)
+        if BLOCK_D == HEAD_DIM:
+            k = tl.load(k_base + slots[:, None] * stride_kt + d[None, :])
+        else:
+            k = tl.load(k_base + slots[:, None] * stride_kt + d[None, :],
+                        mask=dmask[None, :], other=0.0)
+        k = kv_decode(k, q.dtype, KV_FP8, KV_SCALE)
+        qk = dot(q, tl.trans(k), F32_DOT) * sm_scale_log2  # [rows, BLOCK_N]
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # masked: slot 0 may hold garbage (even NaN) from padded batch entries, and
+        # p = 0 there must not meet it
+        v = tl.load(v_base + slots[:, None] * stride_vt + d[None, :],
+                    mask=nmask[:, None] & dmask[None, :], other=0.0)
+        v = kv_decode(v, q.dtype, KV_FP8, KV_SCALE)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, F32_DOT)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+# ----------------------------------------------------------------------------------------
+# KV store: cache[slot[t]] = new[t] for K and V in one launch.
+# ----------------------------------------------------------------------------------------
+# Slots: a slice of the step's flat upload (offset depends on the token count).
+@triton.jit(do_not_specialize_on_alignment=["Slots"])
+def store_kv_kernel(K, V, KC, VC, Slots,
+                    stride_kt, stride_kh, stride_vt, stride_vh,
+                    stride_kct, stride_kch, stride_vct, stride_vch,
+                    HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                    KV_FP8: tl.constexpr = False, KV_SCALE: tl.constexpr = 1.0,
+                    FP8_SW_ROUND: tl.constexpr = False):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(Slots + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < HKV) & (d[None, :] < HEAD_DIM)
+    k = tl.load(K + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    if KV_FP8:
+        k = kv_encode(k, KV_SCALE, FP8_SW_ROUND)
+    tl.store(KC + slot * stride_kct + h[:, None] * stride_kch + d[None, :],
+             k.to(KC.dtype.element_ty), mask=mask)
+    v = tl.load(V + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    if KV_FP8:
+        v = kv_encode(v, KV_SCALE, FP8_SW_ROUND)
+    tl.store(VC + slot * stride_vct + h[:, None] * stride_vch + d[None, :],
+             v.to(VC.dtype.element_ty), mask=mask)
+
+
+
+
+@triton.jit
+def load_kv(kp, vp, dmask, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A full [BLOCK_N, BLOCK_D] block of K and of V (masked along D only when padded)."""
+    if BLOCK_D == HEAD_DIM:
+        return tl.load(kp), tl.load(vp)
+    else:
+        return (tl.load(kp, mask=dmask[None, :], other=0.0),
+                tl.load(vp, mask=dmask[None, :], other=0.0))
+
+
+@triton.jit
+def softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2, mask, MASKED: tl.constexpr,
+                  F32_DOT: tl.constexpr, EMPTY_ROWS: tl.constexpr = False):
+    """One online-softmax update of (m_i, l_i, acc) with a [BLOCK_N, D] block of K and V.
+    EMPTY_ROWS: a row may have seen no key yet (sliding windows skip its first blocks), so
+    its max stays -inf and is not subtracted (-inf - -inf would be NaN)."""
+    qk = dot(q, tl.trans(k), F32_DOT) * sm_scale_log2
+    if MASKED:
+        qk = tl.where(mask, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if EMPTY_ROWS:
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new
+    p = tl.exp2(qk - m_sub[:, None])
+    alpha = tl.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, F32_DOT)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def in_window(kpos, qpos, WINDOW: tl.constexpr):
+    """[rows, keys]: key position kpos is among the last WINDOW positions up to query qpos."""
+    return kpos[None, :] > qpos[:, None] - WINDOW
