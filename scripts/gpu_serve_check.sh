@@ -13,12 +13,16 @@
 # replica's GIL switch interval at 0.5 ms; "fast" runs them under Ray's high-throughput mode
 # (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, RAY_SERVE_ENABLE_HA_PROXY=1); "admission" measures the bound, request intake
 # and a 10 MB body with the stand-in engine. PATH_ARGS overrides the path bench's options.
+# After each part the table so far goes to $OUT/summary.txt and every file written to
+# $OUT/results.tgz (the device brings back eight files at most; a cut-short run keeps what
+# its finished parts measured). Budget about 570 s for serve+fast+path+admission.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:-/tmp/radixserve-out}
+RES=${RES:-/tmp/radixserve-results}  # everything the parts write; $OUT gets summary.txt + results.tgz
 PARTS=${PARTS:-serve,offline,path}
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$RES"
 if [ -d .whl/c2 ] && [ ! -d /tmp/site/ray ]; then
   cp .whl/c2/ray.part.* /tmp/chunks/ && cat /tmp/chunks/ray.part.* > "/tmp/$(cat .whl/c2/ray.name)" &&
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/ray-*.whl .whl/c2/*.whl \
@@ -47,22 +51,22 @@ applications:
                mem_fraction_static: 0.88, max_queued_requests: 2048, grammar_backend: none}
       ${SERVE_EXTRA:-}
 EOF
-  setsid serve run /tmp/gpu_serve.yaml > "$OUT/serve.log" 2>&1 &
+  setsid serve run /tmp/gpu_serve.yaml > "$RES/serve.log" 2>&1 &
   SERVE_PID=$!
   for _ in $(seq 1 240); do
     if curl -sf http://127.0.0.1:8000/v1/models > /dev/null; then echo "serve up after ${SECONDS}s"; return 0; fi
-    if ! kill -0 $SERVE_PID 2>/dev/null || grep -q "Traceback\|DEPLOY_FAILED\|RuntimeError" "$OUT/serve.log"; then
-      echo "serve run failed:"; tail -40 "$OUT/serve.log"; return 1
+    if ! kill -0 $SERVE_PID 2>/dev/null || grep -q "Traceback\|DEPLOY_FAILED\|RuntimeError" "$RES/serve.log"; then
+      echo "serve run failed:"; tail -40 "$RES/serve.log"; return 1
     fi
     sleep 1
   done
-  echo "serve run did not come up in 240 s:"; tail -40 "$OUT/serve.log"; return 1
+  echo "serve run did not come up in 240 s:"; tail -40 "$RES/serve.log"; return 1
 }
 
 bench() {  # name, then bench_serving options
   local name=$1; shift
   python3 scripts/bench_serving.py --quiet --prompt-format tokens --token-id-low 100 \
-    --token-id-high 120000 --json "$OUT/http_$name.json" "$@" 2>&1 | tail -3
+    --token-id-high 120000 --json "$RES/http_$name.json" "$@" 2>&1 | tail -3
 }
 
 profile_w2() {  # py-spy of the engine replica and an ingress while W2 runs over HTTP
@@ -72,84 +76,17 @@ profile_w2() {  # py-spy of the engine replica and an ingress while W2 runs over
   sleep 7
   for who in EngineReplica OpenAIIngress; do
     pid=$(pgrep -f "ServeReplica:radixserve:$who" | head -1)
-    py-spy record -d 4 -r 250 --nonblocking -f raw -o "$OUT/pyspy_$who.txt" --pid "$pid" > /dev/null 2>&1 &
+    py-spy record -d 4 -r 250 --nonblocking -f raw -o "$RES/pyspy_$who.txt" --pid "$pid" > /dev/null 2>&1 &
     pids+=($!)
   done
   wait "${pids[@]}"  # not `wait`: serve run is a child too
   for who in EngineReplica OpenAIIngress; do
-    echo "== py-spy $who"; python3 scripts/pyspy_top.py "$OUT/pyspy_$who.txt" 14 2>&1 | cut -c1-200
+    echo "== py-spy $who"; python3 scripts/pyspy_top.py "$RES/pyspy_$who.txt" 14 2>&1 | cut -c1-200
   done
 }
 
-if [[ $PARTS == *profile* ]]; then
-  SECONDS=0
-  if serve_up; then
-    bench warm --num-prompts 64 --input-len 512 --output-len 32
-    profile_w2
-  fi
-  serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1
-fi
-
-if [[ $PARTS == *serve* ]]; then
-  SECONDS=0
-  if serve_up; then
-    bench warm --num-prompts 64 --input-len 512 --output-len 32
-    bench batch1 --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1
-    bench batch1short --num-prompts 16 --input-len 32 --output-len 64 --max-concurrency 1
-    bench w2 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
-      --question-len 128 --output-len 256
-    for rate in 4 16 64; do
-      bench "poisson$rate" --num-prompts $((rate * 10)) --input-len 512 --output-len 128 --request-rate $rate
-    done
-    top -b -n 1 -o %CPU | head -15 > "$OUT/top.txt"
-  fi
-  serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1
-fi
-
-if [[ $PARTS == *fast* ]]; then  # the same app with Ray's high-throughput mode: HAProxy, gRPC between replicas
-  SECONDS=0
-  if RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 serve_up; then
-    bench warm --num-prompts 64 --input-len 512 --output-len 32
-    bench fast_batch1 --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1
-    bench fast_batch1short --num-prompts 16 --input-len 32 --output-len 64 --max-concurrency 1
-    bench fast_w2 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
-      --question-len 128 --output-len 256
-    bench fast_poisson64 --num-prompts 640 --input-len 512 --output-len 128 --request-rate 64
-  fi
-  serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1
-  pkill -f haproxy > /dev/null 2>&1  # it would keep port 8000 from the parts after this one
-fi
-
-if [[ $PARTS == *gil* ]]; then  # the same app with the engine replica's GIL switch interval at 0.5 ms
-  SECONDS=0
-  if SERVE_EXTRA="gil_switch_interval_ms: 0.5" serve_up; then
-    bench warm --num-prompts 64 --input-len 512 --output-len 32
-    bench gil_batch1 --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1
-    bench gil_w2 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
-      --question-len 128 --output-len 256
-  fi
-  serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1
-fi
-
-if [[ $PARTS == *offline* ]]; then
-  python3 scripts/bench_offline.py --workloads "${OFFLINE_WORKLOADS:-W2,W3}" --w2-modes cache_on --no-hf --skip-check \
-    --json "$OUT/offline.json" 2>&1 | grep -E "^W[23] " | cut -c1-300
-fi
-
-if [[ $PARTS == *path* ]]; then
-  timeout 200 python3 scripts/bench_serve_path.py ${PATH_ARGS:---hops inproc handle http --tokens 64} \
-    --json "$OUT/path.json" 2>&1 | grep -E "^(inproc|handle|http) "
-  ray stop --force > /dev/null 2>&1
-fi
-
-if [[ $PARTS == *admission* ]]; then  # stand-in engine: the bound, request intake, a 10 MB body
-  timeout 150 python3 scripts/bench_serve_path.py --admission --step-ms 20 2>&1 | grep -E "^  |^[a-z]"
-  ray stop --force > /dev/null 2>&1
-  timeout 120 python3 scripts/bench_serve_path.py --intake 512 2176 2>&1 | grep -E "^\{"
-  ray stop --force > /dev/null 2>&1
-fi
-
-python3 - "$OUT" <<'EOF'
+summary() {  # the table of every run so far
+  python3 - "$RES" <<'EOF'
 import json, os, sys
 out = sys.argv[1]
 def load(name):
@@ -168,4 +105,92 @@ if off:
     w2, w3 = off.get("W2", {}), off.get("W3", {})
     print(f"offline W2 cache_on: {w2.get('cache_on_output_tok_s', 0):.0f} tok/s; "
           f"W3: TTFT {w3.get('ttft_ms', 0):.1f} ms, step {w3.get('step_ms', 0):.2f} ms")
+for name in ("path.txt", "admission.txt", "intake.txt"):
+    path = os.path.join(out, name)
+    if os.path.exists(path):
+        print(f"\n{name}:\n" + open(path).read().rstrip())
 EOF
+}
+
+checkpoint() {  # after each part, so a run cut short still brings back what it measured
+  summary > "$RES/summary.txt" 2>&1
+  cp "$RES/summary.txt" "$OUT/summary.txt"
+  tar -czf "$OUT/results.tgz" -C "$RES" . 2>/dev/null  # one file: $OUT brings back eight at most
+}
+
+if [[ $PARTS == *profile* ]]; then
+  SECONDS=0
+  if serve_up; then
+    bench warm --num-prompts 64 --input-len 512 --output-len 32
+    profile_w2
+  fi
+  serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1
+fi
+checkpoint
+
+if [[ $PARTS == *serve* ]]; then
+  SECONDS=0
+  if serve_up; then
+    bench warm --num-prompts 64 --input-len 512 --output-len 32
+    bench batch1 --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1
+    bench batch1short --num-prompts 16 --input-len 32 --output-len 64 --max-concurrency 1
+    bench w2 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
+      --question-len 128 --output-len 256
+    for rate in 4 16 64; do
+      bench "poisson$rate" --num-prompts $((rate * 10)) --input-len 512 --output-len 128 --request-rate $rate
+    done
+    top -b -n 1 -o %CPU | head -15 > "$RES/top.txt"
+  fi
+  serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1
+fi
+checkpoint
+
+if [[ $PARTS == *fast* ]]; then  # the same app with Ray's high-throughput mode: HAProxy, gRPC between replicas
+  SECONDS=0
+  if RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 serve_up; then
+    bench warm --num-prompts 64 --input-len 512 --output-len 32
+    bench fast_batch1 --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1
+    bench fast_batch1short --num-prompts 16 --input-len 32 --output-len 64 --max-concurrency 1
+    bench fast_w2 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
+      --question-len 128 --output-len 256
+    bench fast_poisson64 --num-prompts 640 --input-len 512 --output-len 128 --request-rate 64
+  fi
+  serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1
+  pkill -f haproxy > /dev/null 2>&1  # it would keep port 8000 from the parts after this one
+fi
+checkpoint
+
+if [[ $PARTS == *gil* ]]; then  # the same app with the engine replica's GIL switch interval at 0.5 ms
+  SECONDS=0
+  if SERVE_EXTRA="gil_switch_interval_ms: 0.5" serve_up; then
+    bench warm --num-prompts 64 --input-len 512 --output-len 32
+    bench gil_batch1 --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1
+    bench gil_w2 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
+      --question-len 128 --output-len 256
+  fi
+  serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1
+fi
+checkpoint
+
+if [[ $PARTS == *offline* ]]; then
+  python3 scripts/bench_offline.py --workloads "${OFFLINE_WORKLOADS:-W2,W3}" --w2-modes cache_on --no-hf --skip-check \
+    --json "$RES/offline.json" 2>&1 | grep -E "^W[23] " | cut -c1-300
+fi
+checkpoint
+
+if [[ $PARTS == *path* ]]; then
+  timeout 200 python3 scripts/bench_serve_path.py ${PATH_ARGS:---hops inproc handle http --tokens 64} \
+    --json "$RES/path.json" 2>&1 | grep -E "^(inproc|handle|http) " | tee "$RES/path.txt"
+  ray stop --force > /dev/null 2>&1
+fi
+checkpoint
+
+if [[ $PARTS == *admission* ]]; then  # stand-in engine: the bound, request intake, a 10 MB body
+  timeout 150 python3 scripts/bench_serve_path.py --admission --step-ms 20 2>&1 | grep -E "^  |^[a-z]" | tee "$RES/admission.txt"
+  ray stop --force > /dev/null 2>&1
+  timeout 120 python3 scripts/bench_serve_path.py --intake 512 2176 2>&1 | grep -E "^\{" | tee "$RES/intake.txt"
+  ray stop --force > /dev/null 2>&1
+fi
+checkpoint
+
+cat "$RES/summary.txt"
