@@ -13,6 +13,7 @@ layer). Smaller sizes keep the plain kernels.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 import logging
 
 import torch
@@ -26,6 +27,32 @@ logger = logging.getLogger(__name__)
 def capture_sizes(max_bs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))
     return [s for s in sizes if s <= max_bs]
+
+
+@torch.inference_mode()
+def capture_graphs(keys: list, run: Callable, pool=None,
+                   prepare: Callable = lambda key: None) -> tuple[dict, dict, object]:
+    """One CUDA graph per key, in the order given (largest first: the others reuse its
+    memory in the shared `pool`). `prepare(key)` sets the static inputs (outside the graph),
+    `run(key)` is the captured work and returns its output tensor. Two warm-up runs first:
+    Triton compiles, workspaces grow to size. Returns (graphs, outputs, pool) by key."""
+    graphs, outputs = {}, {}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for key in keys:
+            prepare(key)
+            for _ in range(2):
+                run(key)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                outputs[key] = run(key)
+            if pool is None:
+                pool = graph.pool()
+            graphs[key] = graph
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    return graphs, outputs, pool
 
 
 class DecodeGraphs:
@@ -87,22 +114,8 @@ class DecodeGraphs:
         self.attn_backend.prepare(batch)
         return self.model(batch)
 
-    @torch.inference_mode()
     def _capture_all(self) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for bs in reversed(self.sizes):  # largest first: the others reuse its memory
-                for _ in range(2):  # warm up: Triton compiles, workspaces grow to size
-                    self._run(bs)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    self.outputs[bs] = self._run(bs)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[bs] = graph
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        self.graphs, self.outputs, self.pool = capture_graphs(list(reversed(self.sizes)), self._run)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     def can_run(self, batch: ForwardBatch) -> bool:

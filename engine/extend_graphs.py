@@ -21,6 +21,7 @@ import logging
 import torch
 
 from engine.attention.base import ForwardBatch
+from engine.cuda_graph import capture_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -94,23 +95,10 @@ class ExtendGraphs:
         self.qo_indptr[0] = 0
         self.logits_indices.zero_()
 
-    @torch.inference_mode()
     def _capture_all(self) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for bs, tokens in reversed(self.shapes()):  # largest first: the rest reuse its memory
-                self._fill_dummy(tokens)
-                for _ in range(2):  # warm up: Triton compiles, workspaces grow to size
-                    self._run(bs, tokens)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    self.outputs[bs, tokens] = self._run(bs, tokens)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[bs, tokens] = graph
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        self.graphs, self.outputs, self.pool = capture_graphs(
+            list(reversed(self.shapes())), lambda key: self._run(*key), self.pool,
+            prepare=lambda key: self._fill_dummy(key[1]))
         logger.info("captured extend CUDA graphs for %d shapes (up to %d requests, %d tokens)",
                     len(self.graphs), self.max_bs, self.max_tokens)
 
