@@ -6,7 +6,8 @@ going. Checked: every stream ends with [DONE] and all its tokens (nothing lost o
 on replicas that scale-in removes while they stream: Serve's graceful shutdown drains them);
 a draining replica ends its delta channels and goes once its requests are done, instead of
 waiting out graceful_shutdown_timeout_s; the router sends requests to the new replicas and
-none to removed ones; the hit rate after scale-up recovers to >= 90% of before; no KV slot
+none to removed ones; the hit rate after scale-up recovers to >= 90% of before (over a window
+of recent requests, within a deadline); no KV slot
 leaks on the survivor. Times (scale-out, first request on a new replica, drain) are printed
 as a table, not asserted, except the drain's bound (far below the shutdown timeout).
 """
@@ -31,6 +32,8 @@ TARGET = 2  # target_ongoing_requests per engine replica
 HIGH, LOW = 8, 2  # concurrent clients while load is high / falling (8 / 2 = 4 > 3 replicas)
 PREFIXES = 4
 PREFIX_LEN = 128
+RECOVERY_WINDOW = 24  # finished requests over which the recovered hit rate is judged
+RECOVERY_DEADLINE_S = 45.0  # after scale-out and the 12 s hold
 ARGS = dict(
     autoscaling_config={
         "min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": TARGET,
@@ -165,6 +168,14 @@ class Load:
     def hit_rate(self, since: float, until: float = float("inf")) -> float:
         done = [r for r in self.results if since <= r.end < until and r.done]
         return sum(r.cached_tokens for r in done) / max(1, sum(r.prompt_tokens for r in done))
+
+    def recent_hit_rate(self, since: float, n: int) -> float | None:
+        """Hit rate of the last `n` finished requests that ended after `since` (None: fewer)."""
+        done = sorted((r for r in self.results if r.end >= since and r.done), key=lambda r: r.end)
+        if len(done) < n:
+            return None
+        last = done[-n:]
+        return sum(r.cached_tokens for r in last) / sum(r.prompt_tokens for r in last)
 
     def ttft_p50(self, since: float, until: float = float("inf")) -> float:
         ttfts = sorted(r.ttft for r in self.results if since <= r.end < until and r.done)
@@ -305,7 +316,16 @@ def test_scale_out_and_in_under_streaming_load(base):
         hold_since = time.monotonic()
         served_before_hold = finished_by_replica()
         time.sleep(8.0)
-        hit_after = load.hit_rate(hold_since)
+        # Recovery: each new replica misses each prefix once (more when two requests for one
+        # prefix arrive together); how many of those land in a fixed window depends on how
+        # fast 2 cores serve. So: wait (bounded) until the last RECOVERY_WINDOW requests hit
+        # as well as before; a router that keeps sending prefixes where they are not cached
+        # (or a cache that evicts them) never gets there.
+        recovered = wait_until(lambda: (load.recent_hit_rate(scaled_out, RECOVERY_WINDOW) or 0)
+                               >= 0.9 * hit_before, timeout=RECOVERY_DEADLINE_S, interval=0.25)
+        hit_recovered_s = time.monotonic() - scaled_out
+        hit_after = load.recent_hit_rate(scaled_out, RECOVERY_WINDOW) or 0.0
+        hit_hold = load.hit_rate(hold_since)
         # The ingress autoscales with the engine (two per engine replica at the same load).
         ingress_high = len(running("OpenAIIngress"))
         assert ingress_high > 2, ingress_high
@@ -344,7 +364,7 @@ def test_scale_out_and_in_under_streaming_load(base):
     drained_busy = max(watcher.running_when_stopped[rid] for rid in removed) > 0
     drain_s = {rid: watcher.gone_at[rid] - watcher.stopping_at[rid] for rid in removed}
     assert max(drain_s.values()) < SHUTDOWN_TIMEOUT_S / 2, drain_s
-    assert hit_after >= 0.9 * hit_before, (hit_before, hit_after)
+    assert recovered, (hit_before, hit_after, hit_hold)
 
     # After scale-in: every request is served by the survivor, and its KV pool is whole.
     with httpx.Client(base_url=base, timeout=60) as client:
@@ -362,7 +382,9 @@ def test_scale_out_and_in_under_streaming_load(base):
 
     rows = [("requests streamed", len(results)), ("a removed replica was streaming", drained_busy),
             ("hit rate before scale-out", f"{hit_before:.3f}"),
-            ("hit rate during hold (3 replicas)", f"{hit_after:.3f}"),
+            ("hit rate during the 8 s hold (3 replicas)", f"{hit_hold:.3f}"),
+            (f"hit rate of the last {RECOVERY_WINDOW} requests once >= 90% of before", f"{hit_after:.3f}"),
+            ("hit rate recovered after scale-out (s)", f"{hit_recovered_s:.1f}"),
             ("TTFT p50: 1 client, 1 replica (s)", f"{ttft_before:.2f}"),
             ("TTFT p50: 8 clients, while scaling out (s)", f"{ttft_rise:.2f}"),
             ("TTFT p50: 8 clients, 3 replicas (s)", f"{ttft_hold:.2f}"),
