@@ -79,12 +79,15 @@ class EngineConfig:
 
     # Speculative decoding (engine/speculative/): drafts verified by one target forward.
     # None = off. "ngram" drafts from the request's own prompt + output (prompt lookup);
-    # "draft_model" (a smaller model with the same tokenizer) is not implemented yet.
-    # Turns overlap scheduling off; requests it cannot serve decode plainly.
+    # "draft_model" drafts with `speculative_draft_model` (a smaller model with the same
+    # vocabulary; its own KV pool of as many slots as the target's, run eagerly: CUDA graphs
+    # are the target's only). Turns overlap scheduling off; requests it cannot serve decode
+    # plainly.
     speculative_algorithm: Literal["ngram", "draft_model"] | None = None
     speculative_draft_model: str | None = None
     speculative_num_steps: int = 4  # draft-model forwards per step (draft_model only)
-    speculative_num_draft_tokens: int = 4  # max draft tokens per request per step
+    # Max draft tokens per request per step (draft_model: at most num_steps of them).
+    speculative_num_draft_tokens: int = 4
     speculative_ngram_min_match: int = 1  # shortest suffix n-gram looked up
     speculative_ngram_max_match: int = 3  # longest suffix n-gram looked up (tried first)
 

@@ -16,6 +16,7 @@ from engine.request import Request, validate_request
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.speculative.draft_model import draft_memory_reserve
 from engine.speculative.speculator import Speculator
 from engine.sync_step import SyncStepper
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -36,7 +37,9 @@ class Engine:
         ranks (engine/tp_worker.py starts them locally, deployments/tp_workers.py on Ray)."""
         self.config = config
         self.tokenizer = Tokenizer(config.tokenizer or config.model)
-        self.runner = ModelRunner(config, tp=tp)
+        # A draft model's weights and KV pool share the memory the target's pool is sized from.
+        reserve = draft_memory_reserve(config) if config.speculative_algorithm == "draft_model" else None
+        self.runner = ModelRunner(config, tp=tp, reserve=reserve)
         self.max_context = self.runner.max_context
         allocator = self.runner.kv_pool.allocator
         self.cache = RadixCache(allocator, enabled=config.enable_radix_cache,
@@ -49,7 +52,10 @@ class Engine:
         self.processor = OutputProcessor(self.scheduler, self.grammars,
                                          self.tokenizer.eos_token_ids, self.max_context)
         self.requests: dict[str, Request] = {}
-        self.speculator = Speculator(config, self.sampler) if config.speculative_algorithm else None
+        self.speculator = None
+        if config.speculative_algorithm:
+            self.speculator = Speculator(config, self.sampler, target=self.runner)
+            self.scheduler.release_hooks.append(self.speculator.release)
         self.stepper: SyncStepper | OverlapStepper = SyncStepper(
             self.scheduler, self.runner, self.sampler, self.processor, self.speculator)
         if overlap_enabled(config, self.runner.device.type, self.runner.tp.size):
@@ -145,7 +151,7 @@ class Engine:
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "finished_requests": s.finished_requests, "aborted_requests": s.aborted_requests,
             "steps": s.steps,
-            **(self.speculator.stats.as_dict() if self.speculator else {}),
+            **(self.speculator.stats_dict() if self.speculator else {}),
         }
 
     # -- for the serving layer (deployments/ reads the engine only through these) ---------
@@ -153,6 +159,8 @@ class Engine:
     def flush_cache(self) -> None:
         """Drop every cached prefix (the radix tree), as SGLang's /flush_cache."""
         self.cache.reset()
+        if self.speculator is not None:
+            self.speculator.proposer.flush_cache()  # a draft model's own tree
 
     def drain_cache_events(self) -> list:
         """The radix cache's insert/evict events since the last call, oldest first (with

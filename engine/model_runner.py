@@ -5,6 +5,7 @@ req_to_token entries and runs the model (a CUDA graph where one fits)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -29,9 +30,27 @@ logger = logging.getLogger(__name__)
 _CPU_DEFAULT_SLOTS = 16384
 
 
+@dataclass(frozen=True)
+class MemoryReserve:
+    """Device memory that sizing the KV pool from `mem_fraction_static` leaves to another
+    user of the same budget (a speculative draft model): `fixed_bytes` once (its weights)
+    and `bytes_per_token` per KV slot (its own pool gets as many slots as this one)."""
+
+    fixed_bytes: int = 0
+    bytes_per_token: int = 0
+
+
+def kv_shape(hf_config, tp_size: int) -> tuple[int, int, int]:
+    """(layers, KV heads on one rank, head dim) of a model's KV cache."""
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    return hf_config.num_hidden_layers, max(1, kv_heads // tp_size), head_dim_of(hf_config)
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, tp: TPContext | None = None) -> None:
+    def __init__(self, config: EngineConfig, tp: TPContext | None = None,
+                 reserve: MemoryReserve | None = None) -> None:
         self.config = config
+        self.reserve = reserve or MemoryReserve()
         self.startup = StartupTimer()  # per-phase start time (engine/warmup.py)
         self.tp = tp or TPContext()
         if self.tp.size != config.tp_size:
@@ -109,10 +128,7 @@ class ModelRunner:
     # -- setup --------------------------------------------------------------------------
 
     def _kv_shape(self) -> tuple[int, int, int]:
-        cfg = self.hf_config
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        local_kv_heads = max(1, kv_heads // self.tp.size)
-        return cfg.num_hidden_layers, local_kv_heads, head_dim_of(cfg)
+        return kv_shape(self.hf_config, self.tp.size)
 
     def _make_kv_pool(self) -> KVPool:
         layers, kv_heads, head_dim = self._kv_shape()
@@ -131,7 +147,8 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free
-        budget = total * self.config.mem_fraction_static - used
+        budget = total * self.config.mem_fraction_static - used - self.reserve.fixed_bytes
+        per_token += self.reserve.bytes_per_token
         if budget <= per_token * 1024:
             raise ValueError(f"mem_fraction_static={self.config.mem_fraction_static} leaves no "
                              f"room for the KV cache ({used / 2**30:.1f} GiB already in use)")

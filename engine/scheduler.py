@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.admission import AdmissionOrder
@@ -53,6 +54,9 @@ class Scheduler:
         self.free_rows = list(range(config.max_running_requests, 0, -1))
         self.admission_order = AdmissionOrder(config.schedule_policy, cache)
         self.stats = SchedulerStats()
+        # Called with each request whose KV is released (finish, abort, retraction), e.g.
+        # so a speculative draft model frees that request's KV in its own pool.
+        self.release_hooks: list[Callable[[Request], None]] = []
 
     # -- queue --------------------------------------------------------------------------
 
@@ -278,6 +282,8 @@ class Scheduler:
         self.allocator.free(kv.slots[owned_from:])
         self.cache.unlock(kv.node)
         self.free_rows.append(kv.row)
+        for hook in self.release_hooks:
+            hook(req)
 
     def _retract(self, req: Request) -> None:
         logger.debug("retracting %s to free KV", req.request_id)

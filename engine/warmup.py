@@ -255,7 +255,7 @@ def _reset(engine) -> None:
     engine.scheduler.stats = type(engine.scheduler.stats)()  # (the step count too)
     engine.processor.num_jump_forward_tokens = 0
     if engine.speculator is not None:
-        engine.speculator.stats = type(engine.speculator.stats)()
+        engine.speculator.reset_stats()
     runner = engine.runner
     if runner.prefix_grouper is not None:
         runner.prefix_grouper.reset_stats()

@@ -28,3 +28,27 @@ def hf_next_logprobs(path: str, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = model(torch.tensor([token_ids])).logits[0, -1].float()
     return torch.log_softmax(logits, dim=-1)
+
+
+def hf_top_k_tree(path: str, prompt_ids: list[int], top_k: int, temperature: float,
+                  max_tokens: int) -> tuple[dict[tuple, dict[int, float]], dict[tuple, float]]:
+    """Sampling `max_tokens` tokens with top-k at `temperature`, exactly: (`tops`: for each
+    reachable output prefix, the next token's distribution; `joint`: the probability of
+    each complete output)."""
+    def top(out: tuple) -> dict[int, float]:
+        values, ids = hf_next_logprobs(path, prompt_ids + list(out)).topk(top_k)
+        return dict(zip(ids.tolist(), torch.softmax(values / temperature, 0).tolist()))
+
+    tops = {(): top(())}
+    for length in range(1, max_tokens):
+        for out in [o for o in tops if len(o) == length - 1]:
+            for t in tops[out]:
+                tops[out + (t,)] = top(out + (t,))
+    joint = {}
+    for out in (o for o in tops if len(o) == max_tokens - 1):
+        for t, p_last in tops[out].items():
+            p = p_last
+            for i in range(len(out)):
+                p *= tops[out[:i]][out[i]]
+            joint[out + (t,)] = p
+    return tops, joint

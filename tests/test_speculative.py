@@ -12,8 +12,9 @@ from engine import LLM, EngineConfig, SamplingParams
 from engine.engine import Engine, overlap_enabled
 from engine.request import Request
 from engine.speculative.ngram import NgramProposer
+from engine.speculative.proposer import Proposer
 from engine.speculative.verify import rejection_sample, verify_greedy
-from hf_reference import hf_greedy, hf_next_logprobs
+from hf_reference import hf_greedy, hf_top_k_tree
 from test_overlap import assert_no_leak, drive_random_traffic, mixed_batch
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -170,17 +171,9 @@ def test_requests_it_cannot_serve_decode_plainly(looping_model):
     assert overlap_enabled(EngineConfig(model=looping_model), "cuda", 1)
 
 
-def test_draft_model_is_refused_until_implemented(looping_model):
-    with pytest.raises(ValueError, match="speculative_draft_model"):
-        EngineConfig(model=looping_model, speculative_algorithm="draft_model")
-    with pytest.raises(NotImplementedError, match="draft_model"):
-        LLM(model=looping_model, dtype="float32", max_total_tokens=256,
-            speculative_algorithm="draft_model", speculative_draft_model=looping_model)
-
-
 # -- sampling: exactly the target's distribution ------------------------------------------
 
-class ScriptedProposer:
+class ScriptedProposer(Proposer):
     """Drafts from a table of the target's top-2 tokens per context: the likelier token
     in some contexts and the other in the rest, so drafts are often kept and often
     rejected. Deterministic given the context, as n-gram drafts are."""
@@ -197,40 +190,28 @@ class ScriptedProposer:
         return draft
 
 
+def assert_outputs_follow(llm, prompt: list[int], params: SamplingParams, n: int,
+                          expected: dict[tuple, float]) -> None:
+    """n outputs of `prompt` are distributed as `expected` (16 outcomes; chi-square)."""
+    counts: dict[tuple, int] = {}
+    for o in llm.generate([prompt] * n, params):
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    assert set(counts) <= set(expected)
+    assert _chi2(counts, expected, n) < CHI2_999[15], (counts, expected)
+
+
 def test_sampled_outputs_follow_the_target_distribution(looping_model):
     """Four sampled tokens (top-2: 16 outcomes) with drafts of up to two tokens after the
     first: the joint distribution of the outputs matches the target's, computed exactly
     with HF (chi-square)."""
     prompt = copy_prompts(1, seed=0)[0]
     top_k, temperature, max_tokens, n = 2, 2.0, 4, 800
-
-    def top(out: tuple) -> dict[int, float]:
-        logp = hf_next_logprobs(looping_model, prompt + list(out))
-        values, ids = logp.topk(top_k)
-        return dict(zip(ids.tolist(), torch.softmax(values / temperature, 0).tolist()))
-
-    tops = {(): top(())}
-    for length in range(1, max_tokens):
-        for out in [o for o in tops if len(o) == length - 1]:
-            for t in tops[out]:
-                tops[out + (t,)] = top(out + (t,))
-    expected = {}
-    for out in (o for o in tops if len(o) == max_tokens - 1):
-        for t, p_last in tops[out].items():
-            p = p_last
-            for i in range(len(out)):
-                p *= tops[out[:i]][out[i]]
-            expected[out + (t,)] = p
-
+    tops, expected = hf_top_k_tree(looping_model, prompt, top_k, temperature, max_tokens)
     llm = LLM(model=looping_model, dtype="float32", max_total_tokens=16384, seed=1, **SPEC)
     llm.engine.speculator.proposer = ScriptedProposer(prompt, tops)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                             ignore_eos=True)
-    counts: dict[tuple, int] = {}
-    for o in llm.generate([prompt] * n, params):
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
-    assert set(counts) <= set(expected)
-    assert _chi2(counts, expected, n) < CHI2_999[15], (counts, expected)
+    assert_outputs_follow(llm, prompt, params, n, expected)
     s = spec_stats(llm)
     assert 0.2 < s["spec_acceptance_rate"] < 0.9, s
     assert s["spec_drafted_tokens"] > n  # drafts of two tokens, verified at once
@@ -238,16 +219,23 @@ def test_sampled_outputs_follow_the_target_distribution(looping_model):
 
 # -- random traffic ---------------------------------------------------------------------------
 
-def test_random_arrivals_aborts_and_preemption_leak_nothing(looping_model):
-    """Requests (greedy, seeded-sampled structured, logprobs, stop strings) arrive and
-    are aborted at random steps in a pool small enough to retract: finished requests equal
-    plain decoding alone, aborted ones are prefixes of it, no KV slot leaks."""
+def traffic_batch():
+    """Random traffic's requests: overlap's mixed batch and copy prompts, in a random
+    arrival order; and the random source that goes on to drive it."""
     prompts, params = mixed_batch(seed=5, with_sync_requests=True)
     prompts += copy_prompts(6, seed=8)
     params += [SamplingParams(max_tokens=50, **GREEDY) for _ in range(6)]
     r = random.Random(6)
     order = list(range(len(prompts)))
     r.shuffle(order)
+    return prompts, params, order, r
+
+
+def test_random_arrivals_aborts_and_preemption_leak_nothing(looping_model):
+    """Requests (greedy, seeded-sampled structured, logprobs, stop strings) arrive and
+    are aborted at random steps in a pool small enough to retract: finished requests equal
+    plain decoding alone, aborted ones are prefixes of it, no KV slot leaks."""
+    prompts, params, order, r = traffic_batch()
     alone = LLM(model=looping_model, dtype="float32", max_total_tokens=8192).generate(prompts, params)
     eng = Engine(EngineConfig(model=looping_model, dtype="float32", max_total_tokens=200,
                               chunked_prefill_size=32, max_running_requests=8, **SPEC))

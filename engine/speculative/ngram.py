@@ -7,6 +7,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from engine.request import Request
+from engine.speculative.proposer import Proposer
 
 
 @dataclass
@@ -25,7 +26,7 @@ class NgramIndex:
         self.upto = max(self.upto, end)
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
         # Per request, dropped with it (requests are hashed by identity).

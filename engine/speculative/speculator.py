@@ -7,11 +7,14 @@ from __future__ import annotations
 import torch
 
 from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor, TokenUpdate
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.step_plan import Chunk, StepPlan
+from engine.speculative.draft_model import DraftModelProposer
 from engine.speculative.ngram import NgramProposer
+from engine.speculative.proposer import Proposer
 from engine.speculative.stats import SpecStats
 from engine.speculative.verify import verify_chunks
 
@@ -26,33 +29,43 @@ def can_speculate(req: Request) -> bool:
 
 
 class Speculator:
-    def __init__(self, config: EngineConfig, sampler: Sampler) -> None:
-        if config.speculative_algorithm != "ngram":
-            raise NotImplementedError(
-                f"speculative_algorithm={config.speculative_algorithm!r} is not implemented "
-                "yet (only 'ngram')")
+    def __init__(self, config: EngineConfig, sampler: Sampler,
+                 target: ModelRunner | None = None) -> None:
+        """`target`: the target's runner (the draft model checks its vocabulary against it
+        and sizes its own KV pool like it)."""
         self.max_draft = config.speculative_num_draft_tokens
-        self.proposer = NgramProposer(config.speculative_ngram_min_match,
-                                      config.speculative_ngram_max_match)
+        self.proposer: Proposer
+        if config.speculative_algorithm == "draft_model":
+            # One draft token per draft forward: at most num_steps of them.
+            self.max_draft = min(self.max_draft, config.speculative_num_steps)
+            self.proposer = DraftModelProposer(config, sampler, target)
+        else:
+            self.proposer = NgramProposer(config.speculative_ngram_min_match,
+                                          config.speculative_ngram_max_match)
         self.sampler = sampler
         self.stats = SpecStats()
 
     def propose(self, running: list[Request]) -> dict[Request, list[int]]:
         """Drafts for this step's decoding requests that can speculate."""
-        drafts = {}
+        reqs, rooms = [], []
         for req in running:
             if req.pending_len != 1 or not can_speculate(req):
                 continue
             # A step emits at most len(draft) + 1 tokens; more than max_tokens allows is waste.
             room = min(self.max_draft, req.params.max_tokens - req.num_output - 1)
-            draft = self.proposer.propose(req, room) if room > 0 else []
+            if room > 0:
+                reqs.append(req)
+                rooms.append(room)
+        drafts = {}
+        for req, draft in zip(reqs, self.proposer.propose_batch(reqs, rooms) if reqs else []):
             if draft:
                 drafts[req] = draft
         return drafts
 
     def verify(self, chunks: list[Chunk], logits: torch.Tensor) -> list[list[int]]:
         """Each drafted chunk's kept drafts plus the target's own next token."""
-        verdicts = verify_chunks(chunks, logits, self.sampler)
+        qs = [self.proposer.draft_probs(c.req, len(c.draft)) for c in chunks]
+        verdicts = verify_chunks(chunks, logits, self.sampler, qs)
         for chunk, tokens in zip(chunks, verdicts):
             accepted = len(tokens) - 1
             self.stats.add(len(chunk.draft), accepted)
@@ -75,7 +88,21 @@ class Speculator:
             t += n
         verdicts = self.verify(drafted, logits[drafted_rows])
         updates = [_take_verified(c, tokens, processor) for c, tokens in zip(drafted, verdicts)]
+        self.proposer.on_verified([c.req for c in drafted])
         return StepPlan(rest), logits[rest_rows], updates
+
+    def release(self, req: Request) -> None:
+        """The request's KV was released (finish, abort, retraction): so is the draft's
+        state for it (the engine registers this with the scheduler)."""
+        self.proposer.release(req)
+
+    def stats_dict(self) -> dict:
+        """Engine-level counters: drafted / accepted, and the draft source's own."""
+        return {**self.stats.as_dict(), **self.proposer.counters()}
+
+    def reset_stats(self) -> None:
+        self.stats = SpecStats()
+        self.proposer.reset()
 
 
 def _take_verified(chunk: Chunk, tokens: list[int], processor: OutputProcessor) -> TokenUpdate:

@@ -52,9 +52,11 @@ def rejection_sample(p: torch.Tensor, draft: list[int], u: torch.Tensor,
     return draft[:a] + [draw(residual)]
 
 
-def verify_chunks(chunks: list[Chunk], logits: torch.Tensor, sampler: Sampler) -> list[list[int]]:
+def verify_chunks(chunks: list[Chunk], logits: torch.Tensor, sampler: Sampler,
+                  qs: list[torch.Tensor | None] | None = None) -> list[list[int]]:
     """The tokens each drafted chunk gains: `logits` holds 1 + len(draft) rows per chunk,
-    back to back. Greedy chunks are judged in one argmax for all of them."""
+    back to back. Greedy chunks are judged in one argmax for all of them. `qs[i]`: the
+    [len(draft), V] distribution chunk i's drafts were drawn from (None: deterministic)."""
     starts, t = [], 0
     for c in chunks:
         starts.append(t)
@@ -75,5 +77,6 @@ def verify_chunks(chunks: list[Chunk], logits: torch.Tensor, sampler: Sampler) -
             p = sampler.probs(logits[starts[i]:starts[i] + n], [c.req.params] * n)
             p = p / p.sum(dim=-1, keepdim=True)  # top-k/p filters leave rows unnormalised
             out[i] = rejection_sample(p, c.draft, sampler.uniform(c.req, len(c.draft)),
-                                      lambda w, req=c.req: int(sampler.draw(w[None], [req])[0]))
+                                      lambda w, req=c.req: int(sampler.draw(w[None], [req])[0]),
+                                      qs[i] if qs else None)
     return out

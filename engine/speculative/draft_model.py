@@ -1,0 +1,188 @@
+"""Drafts from a smaller model (`speculative_algorithm="draft_model"`): it runs up to
+`speculative_num_steps` forwards ahead of the target each step, batched over all drafting
+requests (one catch-up extend, then one decode forward per further draft token), with its
+own ModelRunner, KV pool and radix cache (engine/speculative/draft_kv.py).
+
+Greedy requests draft by argmax. Sampled requests draw each draft from the draft's own
+distribution at the request's temperature / top-k / top-p (the engine's Sampler), and that
+distribution `q` goes to rejection sampling (verify.py), so the output follows the
+target's distribution exactly.
+
+The draft runs eagerly (no CUDA graphs; `enable_cuda_graph` applies to the target only)
+and on rank 0 only at tp > 1 (the rank that samples). On a GPU whose KV pool is sized
+from `mem_fraction_static`, `draft_memory_reserve` tells the target's pool sizing what the
+draft's weights and its pool (as many slots as the target's) take."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_pool import KVPool
+from engine.model_runner import MemoryReserve, ModelRunner, kv_shape
+from engine.models import load_hf_config, resolve_device, resolve_dtype
+from engine.quantization.fp8 import FP8
+from engine.request import Request
+from engine.sampler import Sampler
+from engine.speculative.draft_kv import DraftKV, DraftSeq
+from engine.speculative.proposer import Proposer
+from engine.step_plan import Chunk, StepPlan
+
+
+def load_draft_config(config: EngineConfig):
+    """The draft's HF config, or a ValueError that names the setting."""
+    path = config.speculative_draft_model
+    try:
+        return load_hf_config(path)
+    except (OSError, ValueError) as e:  # (FileNotFoundError is an OSError)
+        raise ValueError(f"speculative_draft_model={path!r} cannot be loaded: {e}") from e
+
+
+def draft_memory_reserve(config: EngineConfig) -> MemoryReserve:
+    """What the draft model takes of the memory budget the target's KV pool is sized from:
+    its weights (counted from its config, at the dtype it loads in) and its KV per slot."""
+    hf = load_draft_config(config)
+    dtype = resolve_dtype(config.dtype, hf, resolve_device(config.device))
+    kv_dtype = FP8 if config.kv_cache_dtype == "fp8_e4m3" else dtype
+    per_token = KVPool.bytes_per_token(*kv_shape(hf, 1), kv_dtype)
+    weight_bytes = _param_count(hf) * torch.tensor([], dtype=dtype).element_size()
+    return MemoryReserve(fixed_bytes=weight_bytes, bytes_per_token=per_token)
+
+
+def _param_count(hf) -> int:
+    """Parameters of a dense Llama-family model (an estimate for others)."""
+    h, layers = hf.hidden_size, hf.num_hidden_layers
+    heads, (_, kv_heads, head_dim) = hf.num_attention_heads, kv_shape(hf, 1)
+    attention = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim
+    mlp = 3 * h * hf.intermediate_size
+    embeddings = hf.vocab_size * h * (1 if getattr(hf, "tie_word_embeddings", False) else 2)
+    return layers * (attention + mlp) + embeddings
+
+
+def draft_runner_config(config: EngineConfig, num_slots: int, max_context: int) -> EngineConfig:
+    """The target's settings with the draft's model, pool size and context; one rank,
+    eager, no radix-grouped decode (its steps are small), no speculation of its own."""
+    return dataclasses.replace(
+        config, model=config.speculative_draft_model, tokenizer=None, max_total_tokens=num_slots,
+        max_model_len=max_context, tp_size=1, enable_cuda_graph=False,
+        enable_prefix_grouped_decode=False, enable_warmup=False, speculative_algorithm=None,
+        speculative_draft_model=None)
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, config: EngineConfig, sampler: Sampler, target: ModelRunner) -> None:
+        hf = load_draft_config(config)
+        if hf.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"speculative_draft_model={config.speculative_draft_model!r} has a vocabulary "
+                f"of {hf.vocab_size} tokens, the target {config.model!r} {target.vocab_size}: "
+                "the draft must share the target's tokenizer")
+        max_context = min(target.max_context, hf.max_position_embeddings)
+        self.runner = ModelRunner(draft_runner_config(config, target.kv_pool.num_slots, max_context))
+        self.kv = DraftKV(self.runner.kv_pool.allocator, config.max_running_requests,
+                          config.enable_radix_cache)
+        self.sampler = sampler
+        self._probs: dict[Request, list[torch.Tensor]] = {}  # this step's q rows per request
+        self.forwards = 0  # draft forwards (one per draft position, over the whole batch)
+        self.seconds = 0.0  # wall time of drafting, sampling included
+
+    # -- drafting ---------------------------------------------------------------------------
+
+    def propose_batch(self, reqs: list[Request], rooms: list[int]) -> list[list[int]]:
+        self._probs.clear()
+        t0 = time.perf_counter()
+        picked = self._pick_requests(reqs, rooms)
+        drafts: dict[Request, list[int]] = {req: [] for req, _, _ in picked}
+        # The first forward catches every request up to its last token; then one decode
+        # forward per further draft position, over the requests with room left.
+        chunks = [self.kv.grow(seq, len(seq.token_ids) - len(seq.kv.slots)) for _, seq, _ in picked]
+        while picked:
+            tokens = self._draft_one(chunks, [req for req, _, _ in picked])
+            for (req, seq, _), token in zip(picked, tokens):
+                drafts[req].append(token)
+                seq.token_ids.append(token)
+                if seq.fresh:  # its prompt's KV exists now: share it
+                    seq.fresh = False
+                    self.kv.cache_verified(seq)
+            picked = [p for p in picked if len(drafts[p[0]]) < p[2]]
+            chunks = [self.kv.grow(seq, 1) for _, seq, _ in picked]
+        self.seconds += time.perf_counter() - t0
+        return [drafts.get(req, []) for req in reqs]
+
+    def _pick_requests(self, reqs: list[Request], rooms: list[int]
+                       ) -> list[tuple[Request, DraftSeq, int]]:
+        """The requests the draft serves this step, with their seqs brought up to date and
+        the KV they need reserved (catch-up + room - 1 slots). Sampled requests with a
+        grammar do not draft here: their drafts would be cut to the grammar
+        (constrained.py), which changes the distribution they were drawn from."""
+        seqs = []
+        for req, room in zip(reqs, rooms):
+            if req.grammar is not None and not req.params.is_greedy:
+                continue
+            room = min(room, self.runner.max_context - len(req.token_ids))
+            seq = self.kv.open(req) if room > 0 else None
+            if seq is not None:
+                seqs.append((req, seq, room))
+        picked, available = [], self.kv.available  # (after every open: they lock prefixes)
+        for req, seq, room in seqs:
+            catch_up = len(seq.token_ids) - len(seq.kv.slots)
+            need = catch_up + room - 1
+            if catch_up > 0 and need <= available:
+                available -= need
+                picked.append((req, seq, room))
+        return picked
+
+    @torch.inference_mode()
+    def _draft_one(self, chunks: list[Chunk], reqs: list[Request]) -> list[int]:
+        """One draft forward: each chunk's next token (argmax, or drawn from q)."""
+        logits, _ = self.runner.forward(StepPlan(chunks))
+        self.forwards += 1
+        greedy = [r.params.is_greedy for r in reqs]
+        if all(greedy):
+            return logits.argmax(dim=-1).tolist()
+        q = self.sampler.probs(logits, [r.params for r in reqs])
+        q = q / q.sum(dim=-1, keepdim=True)  # what `draw` samples from, normalised
+        drawn = self.sampler.draw(q, reqs)
+        tokens = torch.where(torch.tensor(greedy, device=logits.device),
+                             logits.argmax(dim=-1), drawn).tolist()
+        for i, req in enumerate(reqs):
+            if not greedy[i]:
+                self._probs.setdefault(req, []).append(q[i])
+        return tokens
+
+    # -- verification hooks -------------------------------------------------------------------
+
+    def draft_probs(self, req: Request, n: int) -> torch.Tensor | None:
+        rows = self._probs.get(req)
+        return torch.stack(rows[:n]) if rows else None
+
+    def on_verified(self, reqs: list[Request]) -> None:
+        """Free the draft KV of what the target did not keep (requests that finished were
+        released already)."""
+        for req in reqs:
+            seq = self.kv.seqs.get(req)
+            if seq is not None:
+                self.kv.sync(seq, req)
+        self._probs.clear()
+
+    def release(self, req: Request) -> None:
+        self.kv.release(req)
+
+    def counters(self) -> dict:
+        pool = self.runner.kv_pool
+        return {"spec_draft_forwards": self.forwards, "spec_draft_seconds": self.seconds,
+                "spec_draft_prefill_tokens": self.kv.prefill_tokens,
+                "spec_draft_cached_tokens": self.kv.cached_tokens,
+                "spec_draft_free_slots": pool.allocator.num_free,
+                "spec_draft_evictable_slots": self.kv.cache.evictable_size,
+                "spec_draft_total_slots": pool.num_slots}
+
+    def flush_cache(self) -> None:
+        self.kv.cache.reset()
+
+    def reset(self) -> None:
+        self.flush_cache()
+        self.forwards, self.seconds = 0, 0.0
+        self.kv.prefill_tokens = self.kv.cached_tokens = 0

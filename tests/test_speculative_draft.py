@@ -1,0 +1,225 @@
+"""Speculative decoding with a draft model on CPU: with the target as its own draft every
+draft is kept (the draft's KV catch-up and rollback are right); with a different tiny
+draft, greedy outputs equal plain decoding on several architectures and through chunked
+prefill, stops, max_tokens, shared prefixes and preemption; sampled outputs follow the
+target's distribution (chi-square); random traffic with aborts leaks nothing in either
+KV pool; a bad draft is a clear start-up error."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.engine import Engine, overlap_enabled
+from hf_reference import hf_top_k_tree
+from test_overlap import assert_no_leak, drive_random_traffic
+from test_speculative import GREEDY, assert_outputs_follow, copy_prompts, traffic_batch
+
+TARGET_STD, DRAFT_STD = 0.02, 0.03  # same seed, other scale: drafts agree part of the time
+
+
+def draft_kw(draft: str, steps: int = 4) -> dict:
+    return dict(speculative_algorithm="draft_model", speculative_draft_model=draft,
+                speculative_num_steps=steps, speculative_num_draft_tokens=steps)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_factory) -> str:
+    return tiny_model_factory("llama", init_std=TARGET_STD)
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_model_factory) -> str:
+    return tiny_model_factory("llama", init_std=DRAFT_STD)
+
+
+def assert_draft_pool_full(stats: dict) -> None:
+    """Every draft KV slot is free or in the draft's radix tree, unlocked."""
+    assert (stats["spec_draft_free_slots"] + stats["spec_draft_evictable_slots"]
+            == stats["spec_draft_total_slots"]), stats
+
+
+def assert_no_slot_twice(eng: Engine) -> None:
+    """Target and draft pools: every slot is free or in the tree, none of them twice."""
+    draft = eng.speculator.proposer
+    for cache, allocator in ((eng.cache, eng.runner.kv_pool.allocator),
+                             (draft.kv.cache, draft.runner.kv_pool.allocator)):
+        held = cache.all_slots() + allocator._free
+        assert len(set(held)) == len(held) == allocator.num_slots
+
+
+# -- the target as its own draft --------------------------------------------------------------
+
+def test_target_as_draft_keeps_every_draft(target):
+    """Same weights, same KV: the draft's argmax is the target's, so every draft is kept.
+    A draft KV left stale after a step (catch-up or rollback wrong) shows up as rejections."""
+    prompts = copy_prompts(5, seed=1)
+    params = SamplingParams(max_tokens=45, **GREEDY)
+    kw = dict(model=target, dtype="float32", max_total_tokens=4096)
+    plain = LLM(**kw).generate(prompts, params)
+    llm = LLM(**kw, **draft_kw(target))
+    spec = llm.generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    s = llm.stats()
+    assert s["spec_drafted_tokens"] > 100 and s["spec_accepted_tokens"] == s["spec_drafted_tokens"]
+    assert s["spec_mean_acceptance_length"] > 4.5  # 4 drafts + 1 per step, less the tails
+    assert s["steps"] < 15  # plain decoding: 1 + 44 steps
+    # One catch-up forward and three decode forwards per step with drafts.
+    assert s["spec_draft_forwards"] <= 4 * s["steps"]
+    assert_no_leak(s)
+    assert_draft_pool_full(s)
+
+
+def test_draft_goes_on_right_after_rejections(tiny_llama):
+    """The target as its own draft, but the third draft token of every step is replaced by
+    a wrong one, from which the draft goes on: the target rejects it, and the draft must
+    drop the KV it computed from there and catch up on the target's token. Then, step
+    after step, exactly the two drafts before the wrong one are kept."""
+    llm = LLM(model=tiny_llama, dtype="float32", max_total_tokens=4096, **draft_kw(tiny_llama))
+    proposer = llm.engine.speculator.proposer
+    draft_one, propose_batch = proposer._draft_one, proposer.propose_batch
+    position, lengths = [0], []
+
+    def corrupted_draft_one(chunks, reqs):
+        tokens = draft_one(chunks, reqs)
+        position[0] += 1
+        return [(t + 1) % 700 for t in tokens] if position[0] == 3 else tokens
+
+    def counted_propose_batch(reqs, rooms):
+        position[0] = 0
+        drafts = propose_batch(reqs, rooms)
+        lengths.extend(len(d) for d in drafts if d)
+        return drafts
+
+    proposer._draft_one, proposer.propose_batch = corrupted_draft_one, counted_propose_batch
+    prompts = copy_prompts(4, seed=6)
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    plain = LLM(model=tiny_llama, dtype="float32", max_total_tokens=4096).generate(prompts, params)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+    s = llm.stats()
+    assert s["spec_drafted_tokens"] == sum(lengths) and max(lengths) == 4
+    assert s["spec_accepted_tokens"] == sum(min(n, 2) for n in lengths)
+    assert s["spec_steps"] == len(lengths) > 4 * 40 / 3 - 8  # every step drafts (3 tokens)
+    assert_draft_pool_full(s)
+
+
+# -- a different draft: greedy is token for token plain decoding ------------------------------
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+def test_greedy_equals_plain_decoding(tiny_model_factory, arch):
+    target = tiny_model_factory(arch, init_std=TARGET_STD)
+    draft = tiny_model_factory(arch, init_std=DRAFT_STD)
+    prompts = copy_prompts(4, seed=2)
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    kw = dict(model=target, dtype="float32", max_total_tokens=4096)
+    plain = LLM(**kw).generate(prompts, params)
+    llm = LLM(**kw, **draft_kw(draft, steps=3))
+    spec = llm.generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    s = llm.stats()
+    assert 0 < s["spec_acceptance_rate"] < 1, s  # kept and rejected drafts both happen
+    assert_no_leak(s)
+    assert_draft_pool_full(s)
+
+
+def test_a_smaller_draft_of_another_seed(tiny_model_factory):
+    """A draft of another size and seed (it rejects nearly everything): still exact."""
+    target = tiny_model_factory("qwen3", init_std=TARGET_STD)
+    draft = tiny_model_factory("qwen3", seed=1, init_std=TARGET_STD, hidden_size=32,
+                               intermediate_size=64, num_hidden_layers=1)
+    prompts = copy_prompts(3, seed=3)
+    params = SamplingParams(max_tokens=30, **GREEDY)
+    kw = dict(model=target, dtype="float32", max_total_tokens=2048)
+    plain = LLM(**kw).generate(prompts, params)
+    llm = LLM(**kw, **draft_kw(draft))
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+    assert llm.stats()["spec_drafted_tokens"] > 0
+    assert_draft_pool_full(llm.stats())
+
+
+def test_chunked_prefill_stops_shared_prefix_and_preemption(target, draft):
+    """A pool small enough to retract, chunked prefill, stop strings and tokens, EOS on,
+    varied max_tokens, prompts sharing a long prefix (radix hits in both models), and
+    requests that decode plainly (logprobs, penalties) in the same batches."""
+    r = random.Random(4)
+    shared = [r.randint(3, 700) for _ in range(70)]
+    prompts = copy_prompts(8, seed=4) + [shared + [r.randint(3, 700) for _ in range(5)]
+                                         for _ in range(4)]
+    prompts += ["The old lighthouse stood", "Numbers are everywhere", "She opened the letter"]
+    params = [SamplingParams(max_tokens=r.randint(1, 60), temperature=0.0,
+                             ignore_eos=bool(i % 2), stop_token_ids=[r.randint(3, 700)])
+              for i in range(12)]
+    params += [SamplingParams(max_tokens=70, temperature=0.0, stop=["e"]),
+               SamplingParams(max_tokens=70, temperature=0.0, logprobs=True, ignore_eos=True),
+               SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.3)]
+    kw = dict(model=target, dtype="float32", max_total_tokens=200, chunked_prefill_size=16)
+    plain = LLM(**kw).generate(prompts, params)
+    llm = LLM(**kw, **draft_kw(draft))
+    spec = llm.generate(prompts, params)
+    for a, b in zip(spec, plain):
+        assert (a.token_ids, a.finish_reason, a.text) == (b.token_ids, b.finish_reason, b.text)
+    assert spec[-2].logprobs == pytest.approx(plain[-2].logprobs, abs=1e-5)
+    assert [o.speculative["spec_steps"] for o in spec[-2:]] == [0, 0]
+    s = llm.stats()
+    assert s["preemptions"] > 0 and s["spec_accepted_tokens"] > 0 and s["cached_tokens"] > 0
+    assert s["spec_draft_cached_tokens"] > 0  # the draft reused the shared prefix too
+    assert_no_leak(s)
+    assert_draft_pool_full(s)
+
+
+# -- sampling: exactly the target's distribution ------------------------------------------
+
+def test_sampled_outputs_follow_the_target_distribution(target, draft):
+    """Four sampled tokens (top-2 at temperature 2: 16 outcomes), drafted by a model whose
+    distribution differs from the target's: the joint distribution of the outputs matches
+    the target's, computed exactly with HF (chi-square). A q that is not the distribution
+    the drafts were drawn from (e.g. at temperature 1) fails it by far."""
+    prompt = copy_prompts(1, seed=0)[0]
+    top_k, temperature, max_tokens, n = 2, 2.0, 4, 600
+    _, expected = hf_top_k_tree(target, prompt, top_k, temperature, max_tokens)
+    llm = LLM(model=target, dtype="float32", max_total_tokens=16384, seed=1, **draft_kw(draft))
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                            ignore_eos=True)
+    assert_outputs_follow(llm, prompt, params, n, expected)
+    s = llm.stats()
+    # Without q (as if drafts were deterministic) verification is exact too, but keeps
+    # about half as many drafts here (0.14 against 0.28).
+    assert 0.2 < s["spec_acceptance_rate"] < 0.95, s
+    assert s["spec_drafted_tokens"] > n
+    assert_draft_pool_full(s)
+
+
+# -- random traffic ---------------------------------------------------------------------------
+
+def test_random_arrivals_aborts_and_preemption_leak_nothing(target, draft):
+    """Requests (greedy, seeded-sampled structured, logprobs, stop strings) arrive and are
+    aborted at random steps in a pool small enough to retract: finished requests equal
+    plain decoding alone, aborted ones are prefixes of it, and both KV pools are whole
+    again at the end (no slot leaked or freed twice)."""
+    prompts, params, order, r = traffic_batch()
+    alone = LLM(model=target, dtype="float32", max_total_tokens=8192).generate(prompts, params)
+    eng = Engine(EngineConfig(model=target, dtype="float32", max_total_tokens=200,
+                              chunked_prefill_size=32, max_running_requests=8, **draft_kw(draft)))
+    stats = drive_random_traffic(eng, prompts, params, alone, order, r)
+    assert stats["preemptions"] > 0 and stats["spec_accepted_tokens"] > 0
+    assert stats["aborted_requests"] > 0
+    assert_draft_pool_full(stats)
+    assert_no_slot_twice(eng)
+    assert not eng.speculator.proposer.kv.seqs  # no request's draft state outlives it
+
+
+# -- start-up -------------------------------------------------------------------------------
+
+def test_bad_draft_models_are_start_up_errors(tiny_model_factory, target, tmp_path):
+    with pytest.raises(ValueError, match="speculative_draft_model"):
+        EngineConfig(model=target, speculative_algorithm="draft_model")
+    with pytest.raises(ValueError, match="speculative_draft_model=.*cannot be loaded"):
+        LLM(model=target, dtype="float32", max_total_tokens=256,
+            **draft_kw(str(tmp_path / "no-such-model")))
+    other_vocab = tiny_model_factory("llama", vocab_size=800)
+    with pytest.raises(ValueError, match="vocabulary of 800 tokens"):
+        LLM(model=target, dtype="float32", max_total_tokens=256, **draft_kw(other_vocab))
+    # Overlap scheduling stays off with a draft model; CUDA graphs are the target's only.
+    cfg = EngineConfig(model=target, enable_cuda_graph=True, **draft_kw(target))
+    assert not overlap_enabled(cfg, "cuda", 1)
