@@ -54,7 +54,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.speculator = None
         if config.speculative_algorithm:
-            self.speculator = Speculator(config, self.sampler, target=self.runner)
+            self.speculator = Speculator(config, self.sampler, self.grammars, target=self.runner)
             self.scheduler.release_hooks.append(self.speculator.release)
         self.stepper: SyncStepper | OverlapStepper = SyncStepper(
             self.scheduler, self.runner, self.sampler, self.processor, self.speculator)

@@ -150,21 +150,21 @@ def test_chunked_prefill_stops_and_preemption_equal_plain(looping_model):
 
 
 def test_requests_it_cannot_serve_decode_plainly(looping_model):
-    """Structured output, logprobs and penalties never get drafts (and equal plain
-    decoding); a plain greedy request in the same batch still speculates."""
+    """Logprobs and penalties never get drafts (and equal plain decoding); a plain greedy
+    request in the same batch still speculates. (Structured output speculates:
+    tests/test_speculative_constrained.py.)"""
     prompt = copy_prompts(1, seed=7)[0]
     params = [SamplingParams(max_tokens=40, logprobs=True, **GREEDY),
               SamplingParams(max_tokens=40, repetition_penalty=1.3, **GREEDY),
-              SamplingParams(max_tokens=40, regex=r"[a-z ]{10,30}", temperature=0.0),
               SamplingParams(max_tokens=80, **GREEDY)]
     kw = dict(model=looping_model, dtype="float32", max_total_tokens=4096)
-    plain = LLM(**kw).generate([prompt] * 4, params)
+    plain = LLM(**kw).generate([prompt] * 3, params)
     llm = LLM(**kw, **SPEC)
-    spec = llm.generate([prompt] * 4, params)
+    spec = llm.generate([prompt] * 3, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert spec[0].logprobs == pytest.approx(plain[0].logprobs, abs=1e-5)
-    assert [o.speculative["spec_steps"] for o in spec[:3]] == [0, 0, 0]
-    assert spec[3].speculative["spec_accepted_tokens"] > 0
+    assert [o.speculative["spec_steps"] for o in spec[:2]] == [0, 0]
+    assert spec[2].speculative["spec_accepted_tokens"] > 0
     # Overlap scheduling is off with speculative decoding (even where it would run).
     cfg = EngineConfig(model=looping_model, **SPEC)
     assert not overlap_enabled(cfg, "cuda", 1)
@@ -233,13 +233,16 @@ def traffic_batch():
 
 def test_random_arrivals_aborts_and_preemption_leak_nothing(looping_model):
     """Requests (greedy, seeded-sampled structured, logprobs, stop strings) arrive and
-    are aborted at random steps in a pool small enough to retract: finished requests equal
-    plain decoding alone, aborted ones are prefixes of it, no KV slot leaks."""
+    are aborted at random steps in a pool small enough to retract: finished greedy requests
+    equal plain decoding alone, aborted ones are prefixes of it, no KV slot leaks. (Seeded
+    sampled requests that speculate draw their randomness differently from plain decoding,
+    and whether a draft gets KV depends on the pool: they must only finish.)"""
     prompts, params, order, r = traffic_batch()
     alone = LLM(model=looping_model, dtype="float32", max_total_tokens=8192).generate(prompts, params)
     eng = Engine(EngineConfig(model=looping_model, dtype="float32", max_total_tokens=200,
                               chunked_prefill_size=32, max_running_requests=8, **SPEC))
-    stats = drive_random_traffic(eng, prompts, params, alone, order, r)
+    stats = drive_random_traffic(eng, prompts, params, alone, order, r,
+                                 exact=lambda i: params[i].is_greedy)
     assert stats["preemptions"] > 0 and stats["spec_accepted_tokens"] > 0
     held = eng.cache.all_slots() + eng.runner.kv_pool.allocator._free
     assert len(set(held)) == len(held) == stats["total_slots"]  # no slot freed twice

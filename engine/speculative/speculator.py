@@ -7,11 +7,13 @@ from __future__ import annotations
 import torch
 
 from engine.config import EngineConfig
+from engine.grammar import Grammars
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor, TokenUpdate
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.step_plan import Chunk, StepPlan
+from engine.speculative.constrained import cut_to_grammar, verify_masks
 from engine.speculative.draft_model import DraftModelProposer
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.proposer import Proposer
@@ -21,15 +23,15 @@ from engine.speculative.verify import verify_chunks
 
 def can_speculate(req: Request) -> bool:
     """Requests whose next tokens cannot be judged from the target's logits alone decode
-    plainly: structured output (a mask per position, from the grammar state after each
-    draft), penalties (they depend on the tokens before each position) and logprobs
-    (reported per sampled token, not per verified one)."""
+    plainly: penalties (they depend on the tokens before each position) and logprobs
+    (reported per sampled token, not per verified one). Structured output speculates:
+    engine/speculative/constrained.py masks every verified position."""
     p = req.params
-    return not (p.has_constraint or p.has_penalties or p.logprobs or p.top_logprobs)
+    return not (p.has_penalties or p.logprobs or p.top_logprobs)
 
 
 class Speculator:
-    def __init__(self, config: EngineConfig, sampler: Sampler,
+    def __init__(self, config: EngineConfig, sampler: Sampler, grammars: Grammars,
                  target: ModelRunner | None = None) -> None:
         """`target`: the target's runner (the draft model checks its vocabulary against it
         and sizes its own KV pool like it)."""
@@ -43,6 +45,7 @@ class Speculator:
             self.proposer = NgramProposer(config.speculative_ngram_min_match,
                                           config.speculative_ngram_max_match)
         self.sampler = sampler
+        self.grammars = grammars
         self.stats = SpecStats()
 
     def propose(self, running: list[Request]) -> dict[Request, list[int]]:
@@ -58,12 +61,17 @@ class Speculator:
                 rooms.append(room)
         drafts = {}
         for req, draft in zip(reqs, self.proposer.propose_batch(reqs, rooms) if reqs else []):
+            if draft and req.grammar is not None:
+                draft = cut_to_grammar(self.grammars, req, draft)
             if draft:
                 drafts[req] = draft
         return drafts
 
     def verify(self, chunks: list[Chunk], logits: torch.Tensor) -> list[list[int]]:
         """Each drafted chunk's kept drafts plus the target's own next token."""
+        masks = verify_masks(self.grammars, chunks)
+        if masks is not None:
+            logits = logits.masked_fill(~masks, float("-inf"))
         qs = [self.proposer.draft_probs(c.req, len(c.draft)) for c in chunks]
         verdicts = verify_chunks(chunks, logits, self.sampler, qs)
         for chunk, tokens in zip(chunks, verdicts):
@@ -114,12 +122,16 @@ def _take_verified(chunk: Chunk, tokens: list[int], processor: OutputProcessor) 
     scheduler = processor.scheduler
     # KV up to and including the request's last token stays; the kept drafts' KV is held.
     held = scheduler.detach_kv(req, chunk.start + 1, keep=len(tokens) - 1)
+    gained: list[int] = []
     for i, token in enumerate(tokens):
         req.token_ids.append(token)
-        update = processor.advance(req, token, may_jump=False)
+        # Jump-forward only after the last token: the forced tokens have no KV yet, and
+        # the next step computes them as one chunk, as after plain decoding.
+        update = processor.advance(req, token, may_jump=i == len(tokens) - 1)
+        gained += update.new_tokens
         if update.finished:
             scheduler.free_slots(held[i:])
-            return TokenUpdate(req, tokens[:i + 1], True)
+            return TokenUpdate(req, gained, True)
         if i < len(held):
             scheduler.reattach_kv(req, held[i])
-    return TokenUpdate(req, tokens, False)
+    return TokenUpdate(req, gained, False)
