@@ -141,7 +141,8 @@ def test_a_smaller_draft_of_another_seed(tiny_model_factory):
 def test_chunked_prefill_stops_shared_prefix_and_preemption(target, draft):
     """A pool small enough to retract, chunked prefill, stop strings and tokens, EOS on,
     varied max_tokens, prompts sharing a long prefix (radix hits in both models), and
-    requests that decode plainly (logprobs, penalties) in the same batches."""
+    requests that decode plainly (logprobs, penalties) in the same batches. The draft
+    catches up on prompts in chunks no larger than the target's."""
     r = random.Random(4)
     shared = [r.randint(3, 700) for _ in range(70)]
     prompts = copy_prompts(8, seed=4) + [shared + [r.randint(3, 700) for _ in range(5)]
@@ -156,9 +157,13 @@ def test_chunked_prefill_stops_shared_prefix_and_preemption(target, draft):
     kw = dict(model=target, dtype="float32", max_total_tokens=200, chunked_prefill_size=16)
     plain = LLM(**kw).generate(prompts, params)
     llm = LLM(**kw, **draft_kw(draft))
+    runner, sizes = llm.engine.speculator.proposer.runner, []
+    forward = runner.forward
+    runner.forward = lambda plan: sizes.append((plan.num_tokens, len(plan.chunks))) or forward(plan)
     spec = llm.generate(prompts, params)
     for a, b in zip(spec, plain):
         assert (a.token_ids, a.finish_reason, a.text) == (b.token_ids, b.finish_reason, b.text)
+    assert all(n <= 16 or n == chunks for n, chunks in sizes) and max(sizes)[0] == 16, sizes
     assert spec[-2].logprobs == pytest.approx(plain[-2].logprobs, abs=1e-5)
     assert [o.speculative["spec_steps"] for o in spec[-2:]] == [0, 0]
     s = llm.stats()

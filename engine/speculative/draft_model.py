@@ -84,6 +84,10 @@ class DraftModelProposer(Proposer):
         self.kv = DraftKV(self.runner.kv_pool.allocator, config.max_running_requests,
                           config.enable_radix_cache)
         self.sampler = sampler
+        # Tokens one catch-up forward computes at most (a long prompt is caught up in
+        # chunks, as the target prefills it), unless every request has one token left.
+        self.catch_up_budget = config.chunked_prefill_size if config.chunked_prefill_size > 0 \
+            else config.max_prefill_tokens
         self._probs: dict[Request, list[torch.Tensor]] = {}  # this step's q rows per request
         self.forwards = 0  # draft forwards (one per draft position, over the whole batch)
         self.seconds = 0.0  # wall time of drafting, sampling included
@@ -97,6 +101,7 @@ class DraftModelProposer(Proposer):
         drafts: dict[Request, list[int]] = {req: [] for req, _, _ in picked}
         # The first forward catches every request up to its last token; then one decode
         # forward per further draft position, over the requests with room left.
+        self._catch_up_long([seq for _, seq, _ in picked])
         chunks = [self.kv.grow(seq, len(seq.token_ids) - len(seq.kv.slots)) for _, seq, _ in picked]
         while picked:
             tokens = self._draft_one(chunks, [req for req, _, _ in picked])
@@ -133,6 +138,24 @@ class DraftModelProposer(Proposer):
                 available -= need
                 picked.append((req, seq, room))
         return picked
+
+    def _catch_up_long(self, seqs: list[DraftSeq]) -> None:
+        """While the seqs' catch-ups add up to more than the budget, compute KV for up to
+        the budget's worth of them (leaving each seq's last token to the drafting forward)."""
+        def behind(seq: DraftSeq) -> int:
+            return len(seq.token_ids) - len(seq.kv.slots)
+
+        while sum(behind(seq) for seq in seqs) > self.catch_up_budget:
+            chunks, budget = [], self.catch_up_budget
+            for seq in seqs:
+                n = min(behind(seq) - 1, budget)
+                if n > 0:
+                    chunks.append(self.kv.grow(seq, n))
+                    budget -= n
+            if not chunks:
+                return
+            self.runner.forward(StepPlan(chunks))  # (KV only: the logits are not needed)
+            self.forwards += 1
 
     @torch.inference_mode()
     def _draft_one(self, chunks: list[Chunk], reqs: list[Request]) -> list[int]:
