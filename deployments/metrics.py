@@ -103,6 +103,9 @@ ENGINE_CACHED_TOKENS = "radixserve_engine_cached_tokens"
 ENGINE_GENERATED_TOKENS = "radixserve_engine_generated_tokens"
 PREEMPTIONS = "radixserve_preemptions"
 ENGINE_STEPS = "radixserve_engine_steps"
+SPEC_VERIFY_STEPS = "radixserve_spec_verify_steps"
+SPEC_DRAFTED_TOKENS = "radixserve_spec_drafted_tokens"
+SPEC_ACCEPTED_TOKENS = "radixserve_spec_accepted_tokens"
 BATCH_SIZE = "radixserve_batch_size"
 NUM_RUNNING = "radixserve_num_running_requests"
 NUM_WAITING = "radixserve_num_waiting_requests"
@@ -201,6 +204,13 @@ METRICS: tuple[MetricSpec, ...] = (
     _counter(ENGINE_GENERATED_TOKENS, "Tokens sampled by the engine.", REPLICA),
     _counter(PREEMPTIONS, "Running requests retracted to free KV memory.", REPLICA),
     _counter(ENGINE_STEPS, "Engine steps (forward passes).", REPLICA),
+    # Speculative decoding (engine/speculative/); zero when it is off.
+    _counter(SPEC_VERIFY_STEPS, "Request verifications that carried draft tokens (each emits "
+             "its accepted drafts plus one token of the target's).", REPLICA),
+    _counter(SPEC_DRAFTED_TOKENS, "Draft tokens verified by the target.", REPLICA),
+    _counter(SPEC_ACCEPTED_TOKENS, "Draft tokens the target accepted (acceptance rate = "
+             "accepted / drafted; mean acceptance length = (accepted + verify steps) / "
+             "verify steps).", REPLICA),
     _histogram(BATCH_SIZE, "Requests per engine step (running after the step plus those "
                "that finished in it).", REPLICA, _BATCH_BUCKETS),
     _gauge(NUM_RUNNING, "Requests being prefilled or decoded."),
@@ -298,6 +308,9 @@ _STAT_COUNTERS = {  # engine.stats() key -> counter fed with its increase
     "generated_tokens": ENGINE_GENERATED_TOKENS,
     "preemptions": PREEMPTIONS,
     "steps": ENGINE_STEPS,
+    "spec_steps": SPEC_VERIFY_STEPS,
+    "spec_drafted_tokens": SPEC_DRAFTED_TOKENS,
+    "spec_accepted_tokens": SPEC_ACCEPTED_TOKENS,
 }
 _STAT_GAUGES = {  # engine.stats() key -> gauge
     "running": NUM_RUNNING,

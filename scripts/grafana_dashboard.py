@@ -139,6 +139,12 @@ def engine_panels() -> list[dict[str, Any]]:
         timeseries("Radix cache size", [
             target(gauge(m.RADIX_CACHE_TOKENS, "max", "replica"), "{{replica}}"),
         ], "short", m.BY_NAME[m.RADIX_CACHE_TOKENS].description),
+        timeseries("Speculative decoding", [
+            target(ratio(m.SPEC_ACCEPTED_TOKENS, m.SPEC_DRAFTED_TOKENS), "acceptance rate"),
+            target(f"1 + {ratio(m.SPEC_ACCEPTED_TOKENS, m.SPEC_VERIFY_STEPS)}",
+                   "mean acceptance length (tokens per verify)"),
+        ], "short", "Draft tokens kept / verified, and tokens each verification emits "
+           "(1 = no better than plain decoding). Empty when speculative decoding is off."),
     ]
 
 

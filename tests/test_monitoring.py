@@ -111,6 +111,19 @@ def test_engine_metrics_fold_stats_into_counters_gauges_and_batch_sizes():
                       (m.RADIX_CACHE_TOKENS, 0)]
 
 
+def test_engine_metrics_count_speculative_decoding():
+    """The engine's speculative counters (engine.stats() spec_*) feed three counters, from
+    which the dashboard computes the acceptance rate and length; absent when it is off."""
+    log: list = []
+    em = m.EngineMetrics(fake_factory(log), flush_interval_s=0.0)
+    em.on_step(stats_of(steps=1))
+    em.on_step(stats_of(steps=2, spec_steps=3, spec_drafted_tokens=12, spec_accepted_tokens=7))
+    em.on_step(stats_of(steps=3, spec_steps=5, spec_drafted_tokens=20, spec_accepted_tokens=9))
+    incs = [(n, v) for n, op, v, _ in log if op == "inc" and n != m.ENGINE_STEPS]
+    assert incs == [(m.SPEC_VERIFY_STEPS, 3), (m.SPEC_DRAFTED_TOKENS, 12), (m.SPEC_ACCEPTED_TOKENS, 7),
+                    (m.SPEC_VERIFY_STEPS, 2), (m.SPEC_DRAFTED_TOKENS, 8), (m.SPEC_ACCEPTED_TOKENS, 2)]
+
+
 def test_engine_metrics_flush_at_most_once_per_interval():
     log: list = []
     clock = Clock()
