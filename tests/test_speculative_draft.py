@@ -173,6 +173,28 @@ def test_chunked_prefill_stops_shared_prefix_and_preemption(target, draft):
     assert_draft_pool_full(s)
 
 
+@pytest.mark.parametrize("jump_forward", [True, False])
+def test_structured_output_greedy_equals_plain(target, draft, jump_forward):
+    """Greedy constrained requests speculate with the draft model's drafts (cut by their
+    grammar, verified under masks; jump-forward text caught up by the draft) and equal
+    plain constrained decoding. Sampled constrained requests do not draft: cutting a
+    sampled draft to the grammar would change the distribution q it was drawn from."""
+    from test_speculative_constrained import CONSTRAINED, PROMPT
+
+    params = [SamplingParams(max_tokens=60, temperature=0.0, **c) for c in CONSTRAINED]
+    params.append(SamplingParams(max_tokens=30, temperature=1.0, seed=3, **CONSTRAINED[0]))
+    kw = dict(model=target, dtype="float32", max_total_tokens=4096,
+              enable_jump_forward=jump_forward)
+    plain = LLM(**kw).generate([PROMPT] * len(params), params)
+    llm = LLM(**kw, **draft_kw(draft))
+    spec = llm.generate([PROMPT] * len(params), params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert sum(o.speculative["spec_accepted_tokens"] for o in spec[:-1]) > 0
+    assert spec[-1].speculative["spec_steps"] == 0
+    assert_no_leak(llm.stats())
+    assert_draft_pool_full(llm.stats())
+
+
 # -- sampling: exactly the target's distribution ------------------------------------------
 
 def test_sampled_outputs_follow_the_target_distribution(target, draft):
