@@ -150,8 +150,10 @@ class ModelRunner:
         budget = total * self.config.mem_fraction_static - used - self.reserve.fixed_bytes
         per_token += self.reserve.bytes_per_token
         if budget <= per_token * 1024:
+            draft = self.reserve.fixed_bytes / 2**30
             raise ValueError(f"mem_fraction_static={self.config.mem_fraction_static} leaves no "
-                             f"room for the KV cache ({used / 2**30:.1f} GiB already in use)")
+                             f"room for the KV cache ({used / 2**30:.1f} GiB already in use"
+                             + (f", {draft:.1f} GiB kept for a draft model)" if draft else ")"))
         return int(budget // per_token)
 
     def _make_attention_backend(self):

@@ -250,3 +250,32 @@ def test_bad_draft_models_are_start_up_errors(tiny_model_factory, target, tmp_pa
     # Overlap scheduling stays off with a draft model; CUDA graphs are the target's only.
     cfg = EngineConfig(model=target, enable_cuda_graph=True, **draft_kw(target))
     assert not overlap_enabled(cfg, "cuda", 1)
+
+
+def test_memory_reserve_for_the_draft(tiny_model_factory, target, monkeypatch):
+    """What the target's pool sizing leaves to the draft on a GPU: the draft's weights (as
+    loaded) once, and its KV per slot beside the target's, for as many slots."""
+    from types import SimpleNamespace
+
+    from engine.model_runner import MemoryReserve, ModelRunner
+    from engine.speculative.draft_model import draft_memory_reserve
+
+    for arch in ("llama", "qwen3"):
+        path = tiny_model_factory(arch, init_std=DRAFT_STD)
+        eng = Engine(EngineConfig(model=target, dtype="float32", max_total_tokens=64,
+                                  **draft_kw(path)))
+        reserve = draft_memory_reserve(eng.config)
+        runner = eng.speculator.proposer.runner
+        pool = runner.kv_pool
+        assert reserve.bytes_per_token == pool.k[0][0].numel() * 4 * 2 * len(pool.k)
+        # (exact for Llama; Qwen3's per-head q/k norms and Qwen2's biases are left out)
+        loaded = 4 * sum(p.numel() for p in runner.model.parameters())
+        assert reserve.fixed_bytes == (loaded if arch == "llama" else pytest.approx(loaded, rel=0.01))
+        assert pool.num_slots == 64  # as many slots as the target's
+    gib = 2**30
+    monkeypatch.setattr("torch.cuda.synchronize", lambda device: None)
+    monkeypatch.setattr("torch.cuda.mem_get_info", lambda device: (60 * gib, 100 * gib))
+    fake = SimpleNamespace(device=SimpleNamespace(type="cuda"), config=EngineConfig(model=target),
+                           reserve=MemoryReserve(fixed_bytes=5 * gib, bytes_per_token=1024))
+    # 0.85 * 100 GiB - 40 GiB used - 5 GiB of draft weights, over 3 KiB + 1 KiB per slot
+    assert ModelRunner._slots_from_memory(fake, 3072) == int(40 * gib // 4096)

@@ -58,7 +58,7 @@ def _param_count(hf) -> int:
     attention = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim
     mlp = 3 * h * hf.intermediate_size
     embeddings = hf.vocab_size * h * (1 if getattr(hf, "tie_word_embeddings", False) else 2)
-    return layers * (attention + mlp) + embeddings
+    return layers * (attention + mlp + 2 * h) + embeddings + h  # (+ the RMSNorm weights)
 
 
 def draft_runner_config(config: EngineConfig, num_slots: int, max_context: int) -> EngineConfig:
@@ -89,7 +89,7 @@ class DraftModelProposer(Proposer):
         self.catch_up_budget = config.chunked_prefill_size if config.chunked_prefill_size > 0 \
             else config.max_prefill_tokens
         self._probs: dict[Request, list[torch.Tensor]] = {}  # this step's q rows per request
-        self.forwards = 0  # draft forwards (one per draft position, over the whole batch)
+        self.forwards = 0  # draft forwards, each over the whole batch (catch-up chunks too)
         self.seconds = 0.0  # wall time of drafting, sampling included
 
     # -- drafting ---------------------------------------------------------------------------
