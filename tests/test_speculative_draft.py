@@ -195,6 +195,20 @@ def test_structured_output_greedy_equals_plain(target, draft, jump_forward):
     assert_draft_pool_full(llm.stats())
 
 
+def test_target_at_tp2(target, draft):
+    """A tensor-parallel target (worker processes, gloo): the draft runs on rank 0 only,
+    and the verify step reaches every rank as any extend step does."""
+    prompts = copy_prompts(3, seed=9)
+    params = SamplingParams(max_tokens=30, **GREEDY)
+    plain = LLM(model=target, dtype="float32", max_total_tokens=1024).generate(prompts, params)
+    llm = LLM(model=target, dtype="float32", max_total_tokens=1024, tp_size=2, **draft_kw(draft))
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+        assert llm.stats()["spec_accepted_tokens"] > 0
+    finally:
+        llm.close()
+
+
 # -- sampling: exactly the target's distribution ------------------------------------------
 
 def test_sampled_outputs_follow_the_target_distribution(target, draft):
