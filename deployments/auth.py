@@ -10,7 +10,7 @@ from __future__ import annotations
 import hmac
 import os
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
 from deployments.errors import APIError
 
@@ -55,21 +55,40 @@ def unauthorized(path: str) -> APIError:
                     401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
+class AuthMiddleware:
+    """Plain ASGI middleware, not Starlette's BaseHTTPMiddleware (`@app.middleware`): that
+    one relays every chunk of a streamed response through an in-memory stream between two
+    tasks, which cost the ingress ~17% of its CPU under many streams. This one looks at the
+    request's headers once and then gets out of the way."""
+
+    def __init__(self, app, check: KeyCheck) -> None:
+        self.app = app
+        self.check = check
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            path = route_path(scope)
+            if not self.check.allows(path, _header(scope, b"authorization")):
+                await unauthorized(path).to_response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def install_auth(app: FastAPI) -> KeyCheck:
     """Check every request's key before routing; returns the KeyCheck to configure."""
     check = KeyCheck()
-
-    @app.middleware("http")
-    async def _authenticate(request: Request, call_next):
-        path = _route_path(request)
-        if not check.allows(path, request.headers.get("authorization")):
-            return unauthorized(path).to_response()
-        return await call_next(request)
-
+    app.add_middleware(AuthMiddleware, check=check)
     return check
 
 
-def _route_path(request: Request) -> str:
+def _header(scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def route_path(scope) -> str:
     """The path below the app's route prefix (Serve passes the prefix as root_path)."""
-    path, root = request.scope["path"], request.scope.get("root_path", "")
+    path, root = scope["path"], scope.get("root_path", "")
     return path[len(root):] or "/" if root and path.startswith(root) else path

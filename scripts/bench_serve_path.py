@@ -15,7 +15,10 @@ caller, the path without a delta channel); `http` sends /v1/completions streams 
 Serve proxy (proxy -> ingress -> replica, deltas on the ingress's delta channel). Reported:
 streamed tokens/s, SSE events (or stream items) per second, tokens per event, the mean gap
 between a stream's events, and the engine's achieved step time (when the path starves the
-engine thread of the GIL, steps stretch beyond `step_ms`).
+engine thread of the GIL, steps stretch beyond `step_ms`). For `http`, also the CPU time
+each Serve role (proxy, ingress, engine replica: all their processes on this machine) spent
+per 1,000 streamed tokens: the ingress's figure times an engine's tokens/s says how many
+ingress cores (replicas) that engine needs.
 
 `--admission` instead measures admission control through HTTP: a burst of 256 requests at
 an engine that takes 64 (503 latency, Retry-After, every accepted request complete); single
@@ -222,16 +225,46 @@ async def run_http(handle, streams: int, tokens: int) -> dict:
             count += tokens
 
     before = await handle.stats.remote()
+    cpu_before = role_cpu_seconds()
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         t0 = time.perf_counter()
         await asyncio.gather(*[one(session) for _ in range(streams)])
         wall = time.perf_counter() - t0
+    cpu_after = role_cpu_seconds()
     after = await handle.stats.remote()
     if failures:
         print(f"  http: {failures} of {streams} streams failed or came back short", file=sys.stderr)
-    return _row("http", streams, count, wall, events, gaps, _step_ms(before, after))
+    return {**_row("http", streams, count, wall, events, gaps, _step_ms(before, after)),
+            **_cpu_per_ktok(cpu_before, cpu_after, count)}
+
+
+ROLES = {"proxy": "ProxyActor", "ingress": "OpenAIIngress", "replica": "EngineReplica"}
+
+
+def role_cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) used so far by the Serve processes of each role on this
+    machine, found by the process titles Ray gives them (e.g. ray::ServeReplica:path:OpenAIIngress)."""
+    import psutil
+
+    totals = dict.fromkeys(ROLES, 0.0)
+    for proc in psutil.process_iter(["cmdline"]):
+        title = " ".join(proc.info["cmdline"] or [])
+        for role, marker in ROLES.items():
+            if marker in title:
+                try:
+                    times = proc.cpu_times()
+                    totals[role] += times.user + times.system
+                except psutil.Error:
+                    pass
+    return totals
+
+
+def _cpu_per_ktok(before: dict[str, float], after: dict[str, float], tokens: int) -> dict:
+    """CPU milliseconds each role spent per 1,000 streamed tokens."""
+    return {f"{role}_cpu_ms_per_ktok": 1e6 * (after[role] - before[role]) / max(1, tokens)
+            for role in ROLES}
 
 
 def _step_ms(before: dict, after: dict) -> float:
@@ -380,10 +413,14 @@ def start_serve(step_ms: float, cpu_ms: float, ingress_replicas: int | None,
 def format_table(rows: list[dict]) -> str:
     head = (f"{'hop':<7} {'streams':>7} {'tok/s':>9} {'events/s':>9} {'tok/event':>9} "
             f"{'gap ms':>7} {'step ms':>7}")
+    cpu = [f"{role} cpu ms/ktok" for role in ROLES]
+    head += "".join(f" {c:>19}" for c in cpu)
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['hop']:<7} {r['streams']:>7} {r['tok_s']:>9.0f} {r['events_s']:>9.0f} "
-                     f"{r['tok_per_event']:>9.2f} {r['mean_gap_ms']:>7.1f} {r['step_ms']:>7.1f}")
+        line = (f"{r['hop']:<7} {r['streams']:>7} {r['tok_s']:>9.0f} {r['events_s']:>9.0f} "
+                f"{r['tok_per_event']:>9.2f} {r['mean_gap_ms']:>7.1f} {r['step_ms']:>7.1f}")
+        line += "".join(f" {r.get(f'{role}_cpu_ms_per_ktok', float('nan')):>19.1f}" for role in ROLES)
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -67,3 +67,16 @@ def test_keys_from_the_environment(monkeypatch):
     monkeypatch.delenv("RADIXSERVE_API_KEY")
     check.configure(None, None)
     assert check.allows("/v1/models", None)  # no key anywhere: open
+
+
+def test_no_middleware_relays_the_streamed_body():
+    """Starlette's BaseHTTPMiddleware (what `@app.middleware("http")` makes) relays every
+    chunk of a streamed response between two tasks: measured at ~35% of the ingress's CPU
+    per streamed token (scripts/bench_serve_path.py). The ingress's middlewares are plain
+    ASGI."""
+    from starlette.middleware.base import BaseHTTPMiddleware
+
+    from deployments.ingress import api
+
+    assert api.user_middleware, "the ingress has its auth and metrics middlewares"
+    assert not [m for m in api.user_middleware if issubclass(m.cls, BaseHTTPMiddleware)]
