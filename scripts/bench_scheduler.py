@@ -2,6 +2,13 @@
 forward replaced by a no-op that returns fixed logits.
 
     python scripts/bench_scheduler.py [--batch-sizes 1,64,256] [--steps 200] [--json PATH]
+    python scripts/bench_scheduler.py --multi-turn 64,4,1024,128,64
+
+`--multi-turn C,T,F,A,U`: the host side of W4 (scripts/bench_offline.py --w4): C conversations,
+T turns, an F-token first message, A-token answers, a U-token new message per turn, each
+turn's prompt the previous one + its answer + the new message (radix hits up to it). Per
+turn: the prefill steps' time and the decode steps' mean and p99, against which a GPU's
+decode step of the same shape can be set (is the host side what makes a turn slow?).
 """
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+import random
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -54,6 +62,49 @@ def measure(batch: int, steps: int, prompt_len: int) -> dict:
             "p50_ms": 1e3 * times[len(times) // 2], "p99_ms": 1e3 * times[int(len(times) * 0.99)]}
 
 
+def multi_turn(conversations: int, turns: int, first: int, answer: int, user: int) -> list[dict]:
+    context = first + turns * (answer + user) + 64
+    cfg = EngineConfig(model=ensure_demo_model(), dtype="float32", device="cpu",
+                       max_total_tokens=2 * conversations * context,
+                       max_running_requests=conversations, chunked_prefill_size=8192,
+                       max_model_len=context)
+    eng = Engine(cfg)
+    eng.runner.forward = null_forward(eng.runner, eng.runner.vocab_size, 8192)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 700) for _ in range(first)] for _ in range(conversations)]
+    params = SamplingParams(max_tokens=answer, temperature=0.0, ignore_eos=True)
+    rows = []
+    for turn in range(turns):
+        before = eng.stats()
+        reqs = [eng.add_request(f"t{turn}c{i}", p, params) for i, p in enumerate(prompts)]
+        prefill, decode = [], []
+        while eng.has_work:
+            prefilling = bool(eng.scheduler.waiting) or any(r.pending_len > 1 for r in eng.scheduler.running)
+            t0 = time.perf_counter()
+            eng.step()
+            (prefill if prefilling else decode).append(time.perf_counter() - t0)
+        after = eng.stats()
+        decode.sort()
+        rows.append({"turn": turn + 1, "prompt_len": len(prompts[0]),
+                     "hit_rate": (after["cached_tokens"] - before["cached_tokens"])
+                     / (after["prompt_tokens"] - before["prompt_tokens"]),
+                     "prefill_steps": len(prefill), "prefill_ms": 1e3 * sum(prefill),
+                     "decode_steps": len(decode), "decode_mean_ms": 1e3 * sum(decode) / len(decode),
+                     "decode_p99_ms": 1e3 * decode[int(0.99 * len(decode))]})
+        prompts = [p + eng.output_of(r).token_ids + [rng.randrange(3, 700) for _ in range(user)]
+                   for p, r in zip(prompts, reqs)]
+    return rows
+
+
+def print_multi_turn(rows: list[dict]) -> None:
+    print(f"{'turn':>4} {'prompt':>7} {'hit':>6} {'prefill steps':>14} {'prefill ms':>11} "
+          f"{'decode steps':>13} {'decode ms/step':>15} {'p99':>7}")
+    for r in rows:
+        print(f"{r['turn']:>4} {r['prompt_len']:>7} {r['hit_rate']:>6.3f} {r['prefill_steps']:>14} "
+              f"{r['prefill_ms']:>11.1f} {r['decode_steps']:>13} {r['decode_mean_ms']:>15.3f} "
+              f"{r['decode_p99_ms']:>7.3f}")
+
+
 def main() -> None:
     # The no-op forward leaves only tiny tensor ops, which a thread pool only slows down.
     torch.set_num_threads(1)
@@ -62,7 +113,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--multi-turn", default=None, metavar="C,T,F,A,U",
+                    help="instead: the host side of W4-shaped multi-turn traffic")
     args = ap.parse_args()
+    if args.multi_turn:
+        rows = multi_turn(*(int(x) for x in args.multi_turn.split(",")))
+        print_multi_turn(rows)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     rows = [measure(int(b), args.steps, args.prompt_len) for b in args.batch_sizes.split(",")]
     print(f"{'batch':>6} {'mean ms/step':>13} {'p50':>8} {'p99':>8}")
     for r in rows:
