@@ -11,8 +11,10 @@ from engine.distributed import init_tp, open_rendezvous
 from engine.engine import LLM, Engine, QueueFullError
 from engine.models import load_hf_config, resolve_device
 from engine.outputs import RequestOutput, StreamDelta, WireDelta, wire_dict, wire_of
+from engine.process_engine import EngineProcessError, ProcessAsyncEngine
 from engine.request import validate_request
 from engine.sampling_params import SamplingParams
+from engine.step_report import StepReport
 from engine.tokenizer import ChatPrompt, IncrementalDetokenizer, Tokenizer
 from engine.tp_worker import run_worker
 
@@ -20,6 +22,8 @@ __all__ = [
     # running the engine
     "LLM", "AsyncEngine", "Engine", "EngineConfig", "EngineStepError", "QueueFullError",
     "ensure_demo_model",
+    # the engine in a process of its own, for a server (deployments/engine_replica.py)
+    "ProcessAsyncEngine", "EngineProcessError", "StepReport",
     # requests and outputs
     "RequestOutput", "SamplingParams", "StreamDelta", "validate_request",
     # a delta as a server forwards it (AsyncEngine.stream_to(..., wire=True))

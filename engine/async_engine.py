@@ -20,6 +20,7 @@ from engine.engine import Engine, QueueFullError
 from engine.outputs import StreamDelta, WireDelta
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.step_report import StepReport, step_report
 from engine.stream_deltas import stream_delta, wire_update
 
 logger = logging.getLogger(__name__)
@@ -158,6 +159,11 @@ class AsyncEngine:
     def add_step_hook(self, hook: Callable[[Engine], None]) -> None:
         """Call `hook(engine)` on the engine thread after every step and command batch."""
         self._step_hooks.append(hook)
+
+    def add_step_listener(self, listener: Callable[[StepReport], None]) -> None:
+        """Call `listener(report)` on the engine thread after every step and command batch:
+        the form ProcessAsyncEngine has too (its engine is in another process)."""
+        self._step_hooks.append(lambda engine: listener(step_report(engine)))
 
     @property
     def capacity(self) -> int | None:
