@@ -39,7 +39,8 @@ def engine_deployment(args: AppArgs, replica_class: type = EngineReplica):
         options["request_router_config"] = router
     block_size = args.router.request_router_kwargs.get("block_size", 16)
     return serve.deployment(replica_class).options(**options).bind(
-        args.model, args.engine, block_size, args.gil_switch_interval_ms)
+        args.model, args.engine, block_size, args.gil_switch_interval_ms,
+        args.engine_process)
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:

@@ -72,6 +72,10 @@ class AppArgs(BaseModel):
     # shares the GIL with the event loop that streams deltas; a thread that wants the GIL
     # waits up to this long for the holder to let go. None: Python's default (5 ms).
     gil_switch_interval_ms: float | None = None
+    # Run the engine's step loop in a child process of the replica (engine/process_engine.py):
+    # its own GIL, so request intake and delta sends no longer slow the steps. One more
+    # process per replica (it holds the model; the replica keeps a tokenizer); tp_size 1 only.
+    engine_process: bool = False
     # Serve health-checks each engine replica (`EngineReplica.check_health`: the engine loop
     # and, at tp_size > 1, every rank); after 3 failures in a row it restarts the replica.
     health_check_period_s: float = 10.0
@@ -130,6 +134,13 @@ class AppArgs(BaseModel):
         if value is not None and value < 1:
             raise ValueError("must be >= 1")
         return value
+
+    @model_validator(mode="after")
+    def _engine_process_at_tp_1(self) -> AppArgs:
+        if self.engine_process and self.tp_size > 1:
+            raise ValueError("engine_process: true does not support engine.tp_size > 1 yet; "
+                             "leave engine_process unset at tensor parallelism")
+        return self
 
     @model_validator(mode="after")
     def _bounded_engine_queue(self) -> AppArgs:

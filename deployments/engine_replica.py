@@ -1,5 +1,7 @@
-"""The engine replica: one AsyncEngine per Serve replica, streaming token deltas back
-through the deployment handle, and publishing its load and cache digest to the router."""
+"""The engine replica: one AsyncEngine per Serve replica (or, with the `engine_process` app
+arg, a ProcessAsyncEngine: the engine's step loop in a child process with its own GIL),
+streaming token deltas back through the deployment handle, and publishing its load and
+cache digest to the router."""
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +19,8 @@ from deployments.errors import OVERLOADED_MESSAGE
 from deployments.metrics import EngineMetrics
 from deployments.tp_workers import TPWorkers
 from engine import (
-    AsyncEngine, Engine, EngineConfig, QueueFullError, SamplingParams, StreamDelta, WireDelta,
-    ensure_demo_model, wire_dict, wire_of,
+    AsyncEngine, Engine, EngineConfig, ProcessAsyncEngine, QueueFullError, SamplingParams,
+    StepReport, StreamDelta, WireDelta, ensure_demo_model, wire_dict, wire_of,
 )
 from router.cache_digest import CacheDigest
 
@@ -48,11 +50,13 @@ class EngineReplica:
     """Serve deployment class (wrapped with `serve.deployment` in `app.py`)."""
 
     def __init__(self, model: str | None, engine_kwargs: dict[str, Any],
-                 digest_block_size: int = 16, gil_switch_interval_ms: float | None = None) -> None:
+                 digest_block_size: int = 16, gil_switch_interval_ms: float | None = None,
+                 engine_process: bool = False) -> None:
         if gil_switch_interval_ms is not None:
             sys.setswitchinterval(gil_switch_interval_ms / 1e3)
         config = EngineConfig(model=resolve_model(model), enable_cache_events=True, **engine_kwargs)
         self.tp_workers = None
+        self.engine_process = engine_process
         self.engine = self._start_engine(config)
         self.outboxes: dict[str, Outbox] = {}  # delta channels, by ingress id
         self._channel_waits: dict[str, asyncio.Future] = {}
@@ -63,11 +67,13 @@ class EngineReplica:
         self._stats_lock = threading.Lock()
         self.metrics = EngineMetrics()  # here, not at import: metrics belong to the replica
         self.replica_id = _replica_id()
-        self.engine.add_step_hook(self._after_step)
+        self.engine.add_step_listener(self._after_step)
         logger.info("engine replica ready: %s", config.model)
 
-    def _start_engine(self, config: EngineConfig) -> AsyncEngine:
+    def _start_engine(self, config: EngineConfig) -> AsyncEngine | ProcessAsyncEngine:
         """The engine, streaming token ids only: the ingress decodes text, off this process."""
+        if self.engine_process:  # the model is built in the child; this process never touches CUDA
+            return ProcessAsyncEngine(config)
         # At tp_size > 1 this replica is rank 0; the other ranks are Ray actors in its
         # placement group (deployments/tp_workers.py).
         self.tp_workers = TPWorkers(config) if config.tp_size > 1 else None
@@ -79,15 +85,16 @@ class EngineReplica:
                 self.tp_workers.close(graceful=False)
             raise
 
-    def _after_step(self, engine) -> None:
-        """Runs on the engine thread between steps: fold cache events into the digest and
-        snapshot the stats that routing and health checks read without a round trip."""
-        self.digest.apply_all(engine.drain_cache_events())
-        stats = engine.stats()
-        with self._stats_lock:
-            self._stats = stats
-        self.metrics.on_step(stats)
-        self.metrics.on_grammar_compiles(engine.drain_grammar_compile_times())
+    def _after_step(self, report: StepReport) -> None:
+        """Runs after each step (on the engine thread, or the engine process's reader
+        thread): fold cache events into the digest and snapshot the stats that routing and
+        health checks read without a round trip."""
+        self.digest.apply_all(report.cache_events)
+        if report.stats is not None:  # None: unchanged since the last report
+            with self._stats_lock:
+                self._stats = report.stats
+            self.metrics.on_step(report.stats)
+        self.metrics.on_grammar_compiles(report.grammar_compile_times)
 
     async def generate(self, call: EngineCall) -> AsyncIterator[dict]:
         """Stream one request: deltas (`wire_delta`) here or on the caller's delta channel
@@ -191,7 +198,8 @@ class EngineReplica:
 
     def check_health(self) -> None:
         if not self.engine.is_alive():
-            raise RuntimeError("engine loop thread has died")
+            raise RuntimeError("the engine loop has died" + (" (engine process)" if self.engine_process
+                                                             else " (engine thread)"))
         if self.tp_workers is not None:
             self.tp_workers.check_health()  # a dead rank fails it: Serve restarts the replica
 

@@ -104,6 +104,7 @@ class ProcessAsyncEngine:
         Deltas queued behind a slow consumer come as one."""
         deltas: asyncio.Queue = asyncio.Queue()
         seq = await self._open(prompt, params, request_id, deltas.put_nowait)
+        delta_of = _DeltaBuilder()
         finished = False
         pending = None  # an error that came behind deltas: raised after them
         try:
@@ -131,6 +132,7 @@ class ProcessAsyncEngine:
         """As AsyncEngine.stream_to: `put` gets each delta on the caller's loop (WireDelta
         tuples with `wire`, StreamDeltas without text otherwise); returns once finished."""
         done = asyncio.get_running_loop().create_future()
+        delta_of = _DeltaBuilder()
 
         def take(item: WireDelta | BaseException) -> None:
             if done.done():
@@ -327,10 +329,23 @@ class ProcessAsyncEngine:
         return EngineProcessError(f"the engine process died (exit code {self._process.exitcode})")
 
 
-def delta_of(delta: WireDelta) -> StreamDelta:
-    """A WireDelta as a StreamDelta without text."""
-    return StreamDelta(request_id=delta[0], token_ids=delta[1], text="", finished=delta[2],
-                       finish_reason=delta[3], completion_tokens=delta[4], **(delta[5] or {}))
+class _DeltaBuilder:
+    """One stream's WireDeltas as StreamDeltas without text. A middle WireDelta leaves out
+    the prompt's counts; every StreamDelta carries them, as AsyncEngine's do."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+
+    def __call__(self, delta: WireDelta) -> StreamDelta:
+        out = StreamDelta(request_id=delta[0], token_ids=delta[1], text="", finished=delta[2],
+                          finish_reason=delta[3], completion_tokens=delta[4],
+                          prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens)
+        if delta[5]:
+            for name, value in delta[5].items():
+                setattr(out, name, value)
+            self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
+        return out
 
 
 def _deliver(items: list[tuple[Callable, WireDelta | BaseException]]) -> None:

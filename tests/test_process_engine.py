@@ -102,7 +102,9 @@ def test_generate_yields_stream_deltas(engine):
     assert [t for d in streamed for t in d.token_ids] == [t for d in wired for t in d[1]]
     last = streamed[-1]
     assert last.finished and last.finish_reason == "length" and last.completion_tokens == 9
-    assert streamed[0].prompt_tokens == 4 and all(d.text == "" for d in streamed)
+    # Every delta carries the prompt's count, as AsyncEngine's (the wire form's middle
+    # deltas leave it out).
+    assert all(d.prompt_tokens == 4 and d.text == "" for d in streamed)
 
 
 def test_abort_mid_stream_frees_kv(engine):
@@ -284,3 +286,38 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_engine_replica_with_the_engine_process(tiny_llama):
+    """EngineReplica(engine_process=True), outside Serve: the own-stream path yields the same
+    dicts as with the in-process engine, bad input is a 400, the step listener feeds the
+    routing stats, and a dead child fails the health check."""
+    from deployments.engine_replica import EngineCall, EngineReplica
+
+    kwargs = {"dtype": "float32", "max_total_tokens": 1024}
+    sampling = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+    async def calls(replica):
+        good = [x async for x in replica.generate(EngineCall("r1", [5, 6, 7], sampling))]
+        bad = [x async for x in replica.generate(EngineCall("r2", [], sampling))]
+        return good, bad, await replica.stats()
+
+    def without_timing(items):
+        return [{k: v for k, v in x.items() if k != "queue_time"} for x in items]
+
+    replicas = [EngineReplica(tiny_llama, kwargs, engine_process=flag) for flag in (False, True)]
+    try:
+        (ref, ref_bad, _), (got, bad, stats) = [run(calls(r)) for r in replicas]
+        assert without_timing(got) == without_timing(ref) and bad == ref_bad
+        assert bad[0]["status"] == 400 and stats["finished_requests"] == 1
+        replica = replicas[1]
+        assert wait_until(lambda: replica.record_routing_stats()["cache_digest"] and
+                          replica._stats.get("steps") == stats["steps"], timeout=5)
+        replica.check_health()
+        os.kill(replica.engine.pid, signal.SIGKILL)
+        assert wait_until(lambda: not replica.engine.is_alive(), timeout=5)
+        with pytest.raises(RuntimeError, match="engine process"):
+            replica.check_health()
+    finally:
+        for r in replicas:
+            r.engine.shutdown()
