@@ -11,7 +11,9 @@
 # PARTS (default "serve,offline,path") picks what runs; "profile" adds py-spy of the engine
 # replica and an ingress during W2 over HTTP; "gil" runs batch-1 and W2 again with the
 # replica's GIL switch interval at 0.5 ms; "fast" runs them under Ray's high-throughput mode
-# (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, RAY_SERVE_ENABLE_HA_PROXY=1); "admission" measures the bound, request intake
+# (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, RAY_SERVE_ENABLE_HA_PROXY=1); "process" runs batch-1 and W2
+# with the engine's step loop in a child process of the replica (engine_process: true), then
+# bench_async_path's offline / AsyncEngine / ProcessAsyncEngine rows; "admission" measures the bound, request intake
 # and a 10 MB body with the stand-in engine. PATH_ARGS overrides the path bench's options.
 # After each part the table so far goes to $OUT/summary.txt and every file written to
 # $OUT/results.tgz (the device brings back eight files at most; a cut-short run keeps what
@@ -94,7 +96,7 @@ def load(name):
     return json.load(open(path)) if os.path.exists(path) else None
 print(f"\n{'run':<12} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT mean':>9} {'ITL p50':>8} {'ITL mean':>8} {'TPOT':>7} {'ok':>5} {'fail':>5}")
 for name in ("batch1", "batch1short", "w2", "poisson4", "poisson16", "poisson64", "gil_batch1", "gil_w2",
-             "fast_batch1", "fast_batch1short", "fast_w2", "fast_poisson64"):
+             "fast_batch1", "fast_batch1short", "fast_w2", "fast_poisson64", "proc_batch1", "proc_w2"):
     m = load(f"http_{name}.json")
     if m:
         m = m.get("metrics", m)
@@ -105,7 +107,7 @@ if off:
     w2, w3 = off.get("W2", {}), off.get("W3", {})
     print(f"offline W2 cache_on: {w2.get('cache_on_output_tok_s', 0):.0f} tok/s; "
           f"W3: TTFT {w3.get('ttft_ms', 0):.1f} ms, step {w3.get('step_ms', 0):.2f} ms")
-for name in ("path.txt", "admission.txt", "intake.txt"):
+for name in ("path.txt", "admission.txt", "intake.txt", "async_path.txt"):
     path = os.path.join(out, name)
     if os.path.exists(path):
         print(f"\n{name}:\n" + open(path).read().rstrip())
@@ -169,6 +171,21 @@ if [[ $PARTS == *gil* ]]; then  # the same app with the engine replica's GIL swi
       --question-len 128 --output-len 256
   fi
   serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1
+fi
+checkpoint
+
+if [[ $PARTS == *process* ]]; then  # the engine's step loop in a child process of the replica
+  SECONDS=0
+  if SERVE_EXTRA="engine_process: true" serve_up; then
+    bench warm --num-prompts 64 --input-len 512 --output-len 32
+    bench proc_batch1 --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1
+    bench proc_w2 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
+      --question-len 128 --output-len 256
+  fi
+  serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1
+  # Without Ray: W2 offline, through AsyncEngine (thread) and ProcessAsyncEngine (child process).
+  timeout 300 python3 scripts/bench_async_path.py --switch-ms 5 --process 2>&1 \
+    | grep -E "^(path|offline|AsyncEngine|ProcessAsyncEngine|parent GPU|[0-9]+ requests)" | tee "$RES/async_path.txt"
 fi
 checkpoint
 
