@@ -11,11 +11,13 @@ holding the GPU.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 
 from engine.async_engine import EngineStepError
 from engine.config import EngineConfig
@@ -28,7 +30,12 @@ from engine.stream_deltas import wire_update
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5  # an idle child wakes this often to check that its parent still lives
+STARTUP_POLL_S = 1.0
 STOP = "stop"
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process is gone (it died, or the engine was shut down)."""
 
 
 @dataclass
@@ -73,6 +80,45 @@ class StepMessage:
     errors: list[tuple[int, BaseException]] = field(default_factory=list)  # (seq, error)
     replies: list[tuple[int, bool, object]] = field(default_factory=list)  # (reply, ok, value)
     report: StepReport | None = None
+
+
+def start(config: EngineConfig) -> tuple[BaseProcess, Connection, Connection]:
+    """Spawn the engine process; returns it, the commands' sending end, the messages'
+    receiving end."""
+    ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
+    child_commands, commands = ctx.Pipe(duplex=False)
+    out, child_out = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=run, name="radixserve-engine", daemon=True,
+                          args=(config, child_commands, child_out, os.getpid()))
+    process.start()
+    # Only the child holds these ends now: its death is EOF for the parent, and the
+    # parent's is EOF for it.
+    child_commands.close()
+    child_out.close()
+    return process, commands, out
+
+
+def wait_ready(process: BaseProcess, out: Connection) -> Ready:
+    """The child's limits, or its start-up exception raised here (with its traceback)."""
+    while not out.poll(STARTUP_POLL_S):
+        if not process.is_alive():
+            break
+    try:
+        message = out.recv()
+    except (EOFError, OSError):
+        process.join(5)
+        raise EngineProcessError(f"the engine process exited during start-up "
+                                 f"(exit code {process.exitcode})") from None
+    if isinstance(message, StartupFailed):
+        message.error.add_note(f"in the engine process:\n{message.traceback}")
+        raise message.error
+    return message
+
+
+def kill(process: BaseProcess) -> None:
+    if process.is_alive():
+        process.kill()
+        process.join(5)
 
 
 def run(config: EngineConfig, commands: Connection, out: Connection, parent_pid: int) -> None:

@@ -18,8 +18,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import multiprocessing
-import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -28,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import engine_process_main as child
+from engine.engine_process_main import EngineProcessError
 from engine.config import EngineConfig
 from engine.engine import QueueFullError
 from engine.grammar import Grammars
@@ -39,12 +38,7 @@ from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-STARTUP_POLL_S = 1.0
 SHUTDOWN_TIMEOUT_S = 10.0
-
-
-class EngineProcessError(RuntimeError):
-    """The engine process is gone (it died, or the engine was shut down)."""
 
 
 @dataclass
@@ -62,20 +56,12 @@ class ProcessAsyncEngine:
             raise ValueError("the engine process does not support tp_size > 1 yet; "
                              "run the engine in the replica's process (engine_process: false)")
         self.config = config
-        ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
-        child_commands, self._commands = ctx.Pipe(duplex=False)
-        self._out, child_out = ctx.Pipe(duplex=False)
-        self._process = ctx.Process(target=child.run, name="radixserve-engine", daemon=True,
-                                    args=(config, child_commands, child_out, os.getpid()))
-        self._process.start()
-        # Only the child holds these ends now: its death is EOF here, ours is EOF there.
-        child_commands.close()
-        child_out.close()
+        self._process, self._commands, self._out = child.start(config)
         try:
             self.tokenizer = Tokenizer(config.tokenizer or config.model)  # while the child loads
-            self.limits = self._wait_ready()
+            self.limits = child.wait_ready(self._process, self._out)
         except BaseException:
-            self._kill()
+            child.kill(self._process)
             raise
         self.grammars = Grammars(config.grammar_backend, self.tokenizer.hf, self.limits.vocab_size,
                                  self.tokenizer.eos_token_ids, torch.device("cpu"),
@@ -233,29 +219,8 @@ class ProcessAsyncEngine:
         self._stopping = True
         self._sendq.put(child.STOP)
         self._process.join(timeout)
-        self._kill()
+        child.kill(self._process)
         self._reader.join(timeout=2)
-
-    def _kill(self) -> None:
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(5)
-
-    def _wait_ready(self) -> child.Ready:
-        """The child's limits, or its start-up exception raised here."""
-        while not self._out.poll(STARTUP_POLL_S):
-            if not self._process.is_alive():
-                break
-        try:
-            message = self._out.recv()
-        except (EOFError, OSError):
-            self._process.join(5)
-            raise EngineProcessError(f"the engine process exited during start-up "
-                                     f"(exit code {self._process.exitcode})") from None
-        if isinstance(message, child.StartupFailed):
-            message.error.add_note(f"in the engine process:\n{message.traceback}")
-            raise message.error
-        return message
 
     # -- the sender and reader threads -------------------------------------------------------
 

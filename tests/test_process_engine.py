@@ -253,6 +253,46 @@ def test_child_death_ends_streams_with_an_error(tiny_llama):
         eng.shutdown()
 
 
+def test_a_failed_step_ends_its_requests_with_an_error(tiny_llama):
+    """The child's loop (run here on a thread, the engine in this process): a step that
+    raises ends the requests in it with EngineStepError items, frees their KV, and the loop
+    lives on."""
+    import multiprocessing
+    import threading
+
+    from engine import Engine, EngineStepError
+    from engine.engine_process_main import STOP, Add, EngineProcess
+
+    engine = Engine(config(tiny_llama))
+    real_step, calls = engine.step, []
+
+    def step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return real_step()
+
+    engine.step = step
+    commands, command_end = multiprocessing.Pipe(duplex=False)
+    out_end, out = multiprocessing.Pipe(duplex=False)
+    loop = threading.Thread(target=EngineProcess(engine, commands, out, os.getppid()).loop)
+    loop.start()
+    try:
+        command_end.send([Add("x", 7, [5, 6, 7], SamplingParams(max_tokens=50, **GREEDY))])
+        messages = [out_end.recv()]
+        while not messages[-1].errors:
+            assert out_end.poll(10)
+            messages.append(out_end.recv())
+    finally:
+        command_end.send([STOP])
+        loop.join(10)
+    (seq, error), = messages[-1].errors
+    assert seq == 7 and isinstance(error, EngineStepError) and "boom" in str(error)
+    deltas = [d for m in messages for _, d in m.deltas]
+    assert len(deltas) == 1 and len(deltas[0][1]) == 1  # the first step's token, then the error
+    assert_no_leak(engine.stats())
+
+
 ORPHAN_SCRIPT = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {root!r})
@@ -302,13 +342,14 @@ def test_engine_replica_with_the_engine_process(tiny_llama):
         bad = [x async for x in replica.generate(EngineCall("r2", [], sampling))]
         return good, bad, await replica.stats()
 
-    def without_timing(items):
-        return [{k: v for k, v in x.items() if k != "queue_time"} for x in items]
+    def outcome(items):  # how deltas merge depends on timing: compare what they add up to
+        last = {k: v for k, v in items[-1].items() if k not in ("queue_time", "token_ids")}
+        return [t for x in items for t in x["token_ids"]], last, {x["prompt_tokens"] for x in items}
 
     replicas = [EngineReplica(tiny_llama, kwargs, engine_process=flag) for flag in (False, True)]
     try:
         (ref, ref_bad, _), (got, bad, stats) = [run(calls(r)) for r in replicas]
-        assert without_timing(got) == without_timing(ref) and bad == ref_bad
+        assert outcome(got) == outcome(ref) and bad == ref_bad
         assert bad[0]["status"] == 400 and stats["finished_requests"] == 1
         replica = replicas[1]
         assert wait_until(lambda: replica.record_routing_stats()["cache_digest"] and
