@@ -1,12 +1,12 @@
 """The engine process's side of ProcessAsyncEngine (engine/process_engine.py): build the
 Engine, run its step loop, and after each step send the parent ONE message with every
-stream's deltas of that step.
+stream's deltas of that step. Also how the parent starts it (`start`, `wait_ready`, `kill`).
 
 Protocol (both pipes carry pickled objects; the parent's sender thread batches commands):
 - parent -> child: lists of commands, `Add`, `Abort`, `Call`, `STOP`.
 - child -> parent: first `Ready` (or `StartupFailed`), then `StepMessage`s.
 The child exits when the command pipe reaches EOF: the parent died, so no orphan is left
-holding the GPU.
+holding the GPU (an idle child also checks its parent's pid every IDLE_POLL_S).
 """
 from __future__ import annotations
 
