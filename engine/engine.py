@@ -97,8 +97,14 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         limit = self.config.max_queued_requests
-        if limit and len(self.scheduler.waiting) >= limit:
-            raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting (limit {limit})")
+        if limit:
+            # Requests that arrive between two steps all wait until the next one admits them:
+            # the batch's free places count too, so the engine takes what its callers count
+            # as its capacity (max_running_requests + max_queued_requests).
+            free = max(0, self.config.max_running_requests - len(self.scheduler.running))
+            if len(self.scheduler.waiting) >= limit + free:
+                raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting "
+                                     f"(limit {limit} + {free} free places in the batch)")
         req = Request(request_id, prompt_ids, params, grammar=grammar)
         req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop,
                                            params.skip_special_tokens, params.include_stop_str_in_output)

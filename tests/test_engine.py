@@ -350,3 +350,26 @@ def test_mixed_workload_keeps_every_slot_accounted_for(tiny_llama):
     roomy = LLM(model=tiny_llama, dtype="float32", max_total_tokens=4096)
     refs = roomy.generate([added[rid][0] for rid in done], [added[rid][1] for rid in done])
     assert [o.token_ids for o in done.values()] == [o.token_ids for o in refs]
+
+
+def test_waiting_bound_counts_the_free_places_in_the_batch(tiny_llama):
+    """Requests that arrive between two steps all wait for the next one: with 2 running
+    places and 1 queued, a burst of 3 is taken whole and the 4th is refused; once 2 run,
+    1 more may wait."""
+    from engine.engine import Engine, QueueFullError
+    from engine.config import EngineConfig
+
+    eng = Engine(EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=1024,
+                              max_running_requests=2, max_queued_requests=1))
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    for i in range(3):
+        eng.add_request(f"b{i}", [5, 6, i + 7], params)
+    with pytest.raises(QueueFullError, match="waiting"):
+        eng.add_request("b3", [5, 6], params)
+    eng.step()  # two run, one waits
+    assert len(eng.scheduler.running) == 2 and len(eng.scheduler.waiting) == 1
+    with pytest.raises(QueueFullError):
+        eng.add_request("b4", [5, 6], params)
+    while eng.has_work:
+        eng.step()
+    assert eng.stats()["finished_requests"] == 3
