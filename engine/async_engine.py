@@ -258,8 +258,7 @@ class AsyncEngine:
                 return
 
     def _fail_running(self, error: Exception) -> None:
-        for req in list(self.engine.scheduler.running):
-            self.engine.abort(req.request_id)
+        for req in self.engine.abort_after_failed_step():
             self._push(req.request_id, EngineStepError(f"engine step failed: {error}"))
 
     def _push(self, request_id: str, item: StreamDelta | BaseException) -> None:

@@ -118,6 +118,15 @@ class Engine:
             self.scheduler.abort(req)
         return req
 
+    def abort_after_failed_step(self) -> list[Request]:
+        """End the requests a failed step leaves in doubt: those running, or, when none
+        ran (the step failed before admitting any), the waiting ones, so that a failure
+        that recurs on every step cannot spin the loop forever. Returns them."""
+        doomed = list(self.scheduler.running) or list(self.scheduler.waiting)
+        for req in doomed:
+            self.abort(req.request_id)
+        return doomed
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or self.stepper.busy

@@ -225,8 +225,7 @@ class EngineProcess:
                 deltas.append((seq, wire_update(req, update.new_tokens, update.finished)))
 
     def _fail_running(self, error: Exception) -> None:
-        for req in list(self.engine.scheduler.running):
-            self.engine.abort(req.request_id)
+        for req in self.engine.abort_after_failed_step():
             seq = self.seqs.pop(req.request_id, None)
             if seq is not None:
                 self.message.errors.append((seq, EngineStepError(f"engine step failed: {error}")))

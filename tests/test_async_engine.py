@@ -235,3 +235,28 @@ def test_wire_deltas_equal_stream_deltas(engine):
         else:
             assert len(tuples) > 2 and all(t[5] is None for t in tuples[1:-1])
     assert_no_leak(run(engine.stats()))
+
+
+def test_a_step_failing_before_admission_ends_the_waiting_requests(tiny_llama):
+    """A failure that recurs on every step before any request runs (here: every step
+    raises) ends the waiting requests with EngineStepError instead of spinning forever."""
+    from engine.async_engine import EngineStepError
+
+    eng = AsyncEngine(EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=256))
+
+    def broken_step():
+        raise RuntimeError("scheduler bug")
+
+    eng.engine.step = broken_step
+    try:
+        async def main():
+            with pytest.raises(EngineStepError, match="scheduler bug"):
+                await asyncio.wait_for(collect(eng, [5, 6], SamplingParams(max_tokens=8, **GREEDY),
+                                               "doomed"), 10)
+            return await eng.stats()
+
+        stats = run(main())
+        assert stats["waiting"] == 0 and stats["running"] == 0
+        assert eng.is_alive()
+    finally:
+        eng.shutdown()
