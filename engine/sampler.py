@@ -34,7 +34,7 @@ class Sampler:
         token_list = tokens.tolist()
         if raw_logprobs is None:
             return SampleOutput(token_list, None, None)
-        return SampleOutput(token_list, *self._gather_logprobs(raw_logprobs, tokens, params))
+        return SampleOutput(token_list, *self.gather_logprobs(raw_logprobs, tokens, params))
 
     def sample_tokens(self, logits: torch.Tensor, reqs: list[Request],
                       masks: torch.Tensor | None = None) -> torch.Tensor:
@@ -118,7 +118,9 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params) -> tuple:
+    def gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params) -> tuple:
+        """Each row's chosen token's logprob, and its top `top_logprobs` (id, logprob) pairs
+        (None when no row asks for them)."""
         chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
         k = max(p.top_logprobs for p in params)
         if k == 0:

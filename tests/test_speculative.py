@@ -149,22 +149,28 @@ def test_chunked_prefill_stops_and_preemption_equal_plain(looping_model):
     assert_no_leak(s)
 
 
-def test_requests_it_cannot_serve_decode_plainly(looping_model):
-    """Logprobs and penalties never get drafts (and equal plain decoding); a plain greedy
-    request in the same batch still speculates. (Structured output speculates:
-    tests/test_speculative_constrained.py.)"""
+def test_penalties_decode_plainly_and_logprobs_speculate(looping_model):
+    """Penalties never get drafts (and equal plain decoding). Logprobs speculate: each kept
+    token's logprob and top logprobs are the target's at its position, as plain decoding
+    reports them. (Structured output: tests/test_speculative_constrained.py.)"""
     prompt = copy_prompts(1, seed=7)[0]
-    params = [SamplingParams(max_tokens=40, logprobs=True, **GREEDY),
+    params = [SamplingParams(max_tokens=60, logprobs=True, top_logprobs=3, **GREEDY),
               SamplingParams(max_tokens=40, repetition_penalty=1.3, **GREEDY),
+              SamplingParams(max_tokens=40, min_tokens=5, **GREEDY),
               SamplingParams(max_tokens=80, **GREEDY)]
     kw = dict(model=looping_model, dtype="float32", max_total_tokens=4096)
-    plain = LLM(**kw).generate([prompt] * 3, params)
+    plain = LLM(**kw).generate([prompt] * 4, params)
     llm = LLM(**kw, **SPEC)
-    spec = llm.generate([prompt] * 3, params)
+    spec = llm.generate([prompt] * 4, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    assert spec[0].logprobs == pytest.approx(plain[0].logprobs, abs=1e-5)
-    assert [o.speculative["spec_steps"] for o in spec[:2]] == [0, 0]
-    assert spec[2].speculative["spec_accepted_tokens"] > 0
+    assert len(spec[0].logprobs) == len(spec[0].token_ids) == 60
+    assert spec[0].logprobs == pytest.approx(plain[0].logprobs, abs=1e-4)
+    for a, b in zip(spec[0].top_logprobs, plain[0].top_logprobs):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        assert [lp for _, lp in a] == pytest.approx([lp for _, lp in b], abs=1e-4)
+    assert spec[0].speculative["spec_accepted_tokens"] > 0
+    assert [o.speculative["spec_steps"] for o in spec[1:3]] == [0, 0]
+    assert spec[3].speculative["spec_accepted_tokens"] > 0
     # Overlap scheduling is off with speculative decoding (even where it would run).
     cfg = EngineConfig(model=looping_model, **SPEC)
     assert not overlap_enabled(cfg, "cuda", 1)

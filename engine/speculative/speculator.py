@@ -22,12 +22,11 @@ from engine.speculative.verify import verify_chunks
 
 
 def can_speculate(req: Request) -> bool:
-    """Requests whose next tokens cannot be judged from the target's logits alone decode
-    plainly: penalties (they depend on the tokens before each position) and logprobs
-    (reported per sampled token, not per verified one). Structured output speculates:
-    engine/speculative/constrained.py masks every verified position."""
-    p = req.params
-    return not (p.has_penalties or p.logprobs or p.top_logprobs)
+    """Requests with penalties (logit_bias and min_tokens among them) decode plainly: the
+    logits at each verified position would depend on the drafts before it. Structured output
+    speculates (engine/speculative/constrained.py masks every verified position), and so do
+    logprobs (each kept token's, from the target's logits at its position)."""
+    return not req.params.has_penalties
 
 
 class Speculator:
@@ -67,8 +66,11 @@ class Speculator:
                 drafts[req] = draft
         return drafts
 
-    def verify(self, chunks: list[Chunk], logits: torch.Tensor) -> list[list[int]]:
-        """Each drafted chunk's kept drafts plus the target's own next token."""
+    def verify(self, chunks: list[Chunk], logits: torch.Tensor
+               ) -> tuple[list[list[int]], list[TokenLogprobs | None]]:
+        """Each drafted chunk's kept drafts plus the target's own next token, and their
+        logprobs for the chunks that ask for them."""
+        raw = logits  # logprobs are reported before masks, as plain sampling reports them
         masks = verify_masks(self.grammars, chunks)
         if masks is not None:
             logits = logits.masked_fill(~masks, float("-inf"))
@@ -78,7 +80,7 @@ class Speculator:
             accepted = len(tokens) - 1
             self.stats.add(len(chunk.draft), accepted)
             chunk.req.spec_stats.add(len(chunk.draft), accepted)
-        return verdicts
+        return verdicts, token_logprobs(chunks, raw, verdicts)
 
     def take_verdicts(self, plan: StepPlan, logits: torch.Tensor, processor: OutputProcessor
                       ) -> tuple[StepPlan, torch.Tensor, list[TokenUpdate]]:
@@ -94,8 +96,9 @@ class Speculator:
                 rest.append(chunk)
                 rest_rows.append(t)
             t += n
-        verdicts = self.verify(drafted, logits[drafted_rows])
-        updates = [_take_verified(c, tokens, processor) for c, tokens in zip(drafted, verdicts)]
+        verdicts, logprobs = self.verify(drafted, logits[drafted_rows])
+        updates = [_take_verified(c, tokens, processor, lp)
+                   for c, tokens, lp in zip(drafted, verdicts, logprobs)]
         self.proposer.on_verified([c.req for c in drafted])
         return StepPlan(rest), logits[rest_rows], updates
 
@@ -113,7 +116,29 @@ class Speculator:
         self.proposer.reset()
 
 
-def _take_verified(chunk: Chunk, tokens: list[int], processor: OutputProcessor) -> TokenUpdate:
+TokenLogprobs = tuple[list[float], list | None]  # per token: its logprob; its top logprobs
+
+
+def token_logprobs(chunks: list[Chunk], logits: torch.Tensor, verdicts: list[list[int]]
+                   ) -> list[TokenLogprobs | None]:
+    """For chunks whose request wants logprobs: each verified token's log-probability (and
+    top alternatives) under the target's raw logits at the position that produced it."""
+    out: list[TokenLogprobs | None] = []
+    t = 0
+    for chunk, tokens in zip(chunks, verdicts):
+        p = chunk.req.params
+        if p.logprobs or p.top_logprobs:
+            rows = torch.log_softmax(logits[t:t + len(tokens)], dim=-1)
+            ids = torch.tensor(tokens, device=rows.device)
+            out.append(Sampler.gather_logprobs(rows, ids, [p] * len(tokens)))
+        else:
+            out.append(None)
+        t += 1 + len(chunk.draft)
+    return out
+
+
+def _take_verified(chunk: Chunk, tokens: list[int], processor: OutputProcessor,
+                   logprobs: TokenLogprobs | None = None) -> TokenUpdate:
     """Append the verified tokens one at a time (any may finish the request: EOS, a stop,
     max_tokens) and free the KV of the drafts that were not kept. KV of kept drafts goes
     back to the request only as its tokens are taken, so the request is always in the
@@ -125,6 +150,10 @@ def _take_verified(chunk: Chunk, tokens: list[int], processor: OutputProcessor) 
     gained: list[int] = []
     for i, token in enumerate(tokens):
         req.token_ids.append(token)
+        if logprobs is not None:
+            req.output_logprobs.append(logprobs[0][i])
+            if logprobs[1] is not None:
+                req.output_top_logprobs.append(logprobs[1][i])
         # Jump-forward only after the last token: the forced tokens have no KV yet, and
         # the next step computes them as one chunk, as after plain decoding.
         update = processor.advance(req, token, may_jump=i == len(tokens) - 1)
