@@ -41,7 +41,7 @@ class Sampler:
         """The chosen token ids [B], left on the device (no host sync)."""
         params = [r.params for r in reqs]
         if any(p.has_penalties for p in params):
-            logits = self._apply_penalties(logits.clone(), reqs)
+            logits = self.apply_penalties(logits.clone(), reqs)
         if masks is not None:
             logits = logits.masked_fill(~masks, float("-inf"))
         if all(p.is_greedy for p in params):
@@ -91,7 +91,9 @@ class Sampler:
             req.sampler_state = gen
         return req.sampler_state
 
-    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Edit each row in place by its request's penalties, logit_bias and min_tokens, from
+        the request's `params`, `token_ids` and `output_ids` (any object with those)."""
         vocab = logits.shape[1]
         for i, req in enumerate(reqs):
             p = req.params

@@ -1,6 +1,6 @@
 """Speculative decoding (n-gram drafts) on CPU: greedy outputs equal plain decoding and HF,
-sampled outputs follow the target's distribution (chi-square), requests it cannot serve
-decode plainly, and random traffic with aborts and preemption leaks no KV."""
+sampled outputs follow the target's distribution (chi-square), penalties and logprobs judged
+per verified position, and random traffic with aborts and preemption leaks no KV."""
 from __future__ import annotations
 
 import random
@@ -149,28 +149,33 @@ def test_chunked_prefill_stops_and_preemption_equal_plain(looping_model):
     assert_no_leak(s)
 
 
-def test_penalties_decode_plainly_and_logprobs_speculate(looping_model):
-    """Penalties never get drafts (and equal plain decoding). Logprobs speculate: each kept
-    token's logprob and top logprobs are the target's at its position, as plain decoding
+def test_penalties_and_logprobs_speculate_and_equal_plain(looping_model):
+    """Penalties (repetition, frequency, presence), logit_bias and min_tokens are applied at
+    every verified position counting the drafts before it, so their outputs equal plain
+    decoding's; logprobs are the target's at each kept token's position, as plain decoding
     reports them. (Structured output: tests/test_speculative_constrained.py.)"""
     prompt = copy_prompts(1, seed=7)[0]
     params = [SamplingParams(max_tokens=60, logprobs=True, top_logprobs=3, **GREEDY),
-              SamplingParams(max_tokens=40, repetition_penalty=1.3, **GREEDY),
-              SamplingParams(max_tokens=40, min_tokens=5, **GREEDY),
+              SamplingParams(max_tokens=60, repetition_penalty=1.3, **GREEDY),
+              SamplingParams(max_tokens=60, frequency_penalty=0.5, presence_penalty=0.3, **GREEDY),
+              SamplingParams(max_tokens=60, logit_bias={prompt[3]: 2.5, prompt[5]: -5.0}, **GREEDY),
+              SamplingParams(max_tokens=60, min_tokens=40, temperature=0.0, stop_token_ids=[prompt[4]]),
               SamplingParams(max_tokens=80, **GREEDY)]
     kw = dict(model=looping_model, dtype="float32", max_total_tokens=4096)
-    plain = LLM(**kw).generate([prompt] * 4, params)
+    plain = LLM(**kw).generate([prompt] * len(params), params)
     llm = LLM(**kw, **SPEC)
-    spec = llm.generate([prompt] * 4, params)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    spec = llm.generate([prompt] * len(params), params)
+    for a, b in zip(spec, plain):
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
     assert len(spec[0].logprobs) == len(spec[0].token_ids) == 60
     assert spec[0].logprobs == pytest.approx(plain[0].logprobs, abs=1e-4)
     for a, b in zip(spec[0].top_logprobs, plain[0].top_logprobs):
         assert [t for t, _ in a] == [t for t, _ in b]
         assert [lp for _, lp in a] == pytest.approx([lp for _, lp in b], abs=1e-4)
+    assert all(o.speculative["spec_drafted_tokens"] > 0 for o in spec), [o.speculative for o in spec]
     assert spec[0].speculative["spec_accepted_tokens"] > 0
-    assert [o.speculative["spec_steps"] for o in spec[1:3]] == [0, 0]
-    assert spec[3].speculative["spec_accepted_tokens"] > 0
+    assert spec[5].speculative["spec_accepted_tokens"] > 0
+    assert sum(o.speculative["spec_accepted_tokens"] for o in spec[1:5]) > 0
     # Overlap scheduling is off with speculative decoding (even where it would run).
     cfg = EngineConfig(model=looping_model, **SPEC)
     assert not overlap_enabled(cfg, "cuda", 1)

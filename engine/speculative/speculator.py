@@ -16,17 +16,10 @@ from engine.step_plan import Chunk, StepPlan
 from engine.speculative.constrained import cut_to_grammar, verify_masks
 from engine.speculative.draft_model import DraftModelProposer
 from engine.speculative.ngram import NgramProposer
+from engine.speculative.positions import TokenLogprobs, penalized, token_logprobs
 from engine.speculative.proposer import Proposer
 from engine.speculative.stats import SpecStats
 from engine.speculative.verify import verify_chunks
-
-
-def can_speculate(req: Request) -> bool:
-    """Requests with penalties (logit_bias and min_tokens among them) decode plainly: the
-    logits at each verified position would depend on the drafts before it. Structured output
-    speculates (engine/speculative/constrained.py masks every verified position), and so do
-    logprobs (each kept token's, from the target's logits at its position)."""
-    return not req.params.has_penalties
 
 
 class Speculator:
@@ -51,7 +44,7 @@ class Speculator:
         """Drafts for this step's decoding requests that can speculate."""
         reqs, rooms = [], []
         for req in running:
-            if req.pending_len != 1 or not can_speculate(req):
+            if req.pending_len != 1:
                 continue
             # A step emits at most len(draft) + 1 tokens; more than max_tokens allows is waste.
             room = min(self.max_draft, req.params.max_tokens - req.num_output - 1)
@@ -70,7 +63,8 @@ class Speculator:
                ) -> tuple[list[list[int]], list[TokenLogprobs | None]]:
         """Each drafted chunk's kept drafts plus the target's own next token, and their
         logprobs for the chunks that ask for them."""
-        raw = logits  # logprobs are reported before masks, as plain sampling reports them
+        raw = logits  # logprobs are reported before penalties and masks, as plain sampling does
+        logits = penalized(self.sampler, chunks, logits)
         masks = verify_masks(self.grammars, chunks)
         if masks is not None:
             logits = logits.masked_fill(~masks, float("-inf"))
@@ -114,27 +108,6 @@ class Speculator:
     def reset_stats(self) -> None:
         self.stats = SpecStats()
         self.proposer.reset()
-
-
-TokenLogprobs = tuple[list[float], list | None]  # per token: its logprob; its top logprobs
-
-
-def token_logprobs(chunks: list[Chunk], logits: torch.Tensor, verdicts: list[list[int]]
-                   ) -> list[TokenLogprobs | None]:
-    """For chunks whose request wants logprobs: each verified token's log-probability (and
-    top alternatives) under the target's raw logits at the position that produced it."""
-    out: list[TokenLogprobs | None] = []
-    t = 0
-    for chunk, tokens in zip(chunks, verdicts):
-        p = chunk.req.params
-        if p.logprobs or p.top_logprobs:
-            rows = torch.log_softmax(logits[t:t + len(tokens)], dim=-1)
-            ids = torch.tensor(tokens, device=rows.device)
-            out.append(Sampler.gather_logprobs(rows, ids, [p] * len(tokens)))
-        else:
-            out.append(None)
-        t += 1 + len(chunk.draft)
-    return out
 
 
 def _take_verified(chunk: Chunk, tokens: list[int], processor: OutputProcessor,
