@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from engine.config import EngineConfig
 from engine.engine import Engine, QueueFullError
+from engine.output_processor import TokenUpdate
 from engine.outputs import StreamDelta, WireDelta
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -212,19 +213,14 @@ class AsyncEngine:
             self._run_hooks()
 
     def _step(self) -> None:
-        try:
-            updates = self.engine.step()
-        except Exception as e:  # noqa: BLE001 - a bad step must not kill the engine
-            logger.exception("engine step failed")
-            self._fail_running(e)
-            return
+        updates, failed = step_for_streams(self.engine)
+        for req, error in failed:
+            self._push(req.request_id, error)
         # One wake-up per event loop per step, not one per request: each wake-up is a
         # syscall under the GIL, and a step can finish hundreds of tokens.
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for update in updates:
             req = update.req
-            if update.finished:
-                self.engine.requests.pop(req.request_id, None)
             stream = self._streams.get(req.request_id)
             if stream is not None:
                 if stream.wire:
@@ -257,14 +253,28 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _fail_running(self, error: Exception) -> None:
-        for req in self.engine.abort_after_failed_step():
-            self._push(req.request_id, EngineStepError(f"engine step failed: {error}"))
-
     def _push(self, request_id: str, item: StreamDelta | BaseException) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.put, item)
+
+
+def step_for_streams(engine: Engine
+                     ) -> tuple[list[TokenUpdate], list[tuple[Request, EngineStepError]]]:
+    """One engine step for a server that streams (AsyncEngine, the engine process): finished
+    requests leave `engine.requests` (their streams have what they need), and a step that
+    raises ends the requests it leaves in doubt, each with an EngineStepError, instead of
+    killing the loop."""
+    try:
+        updates = engine.step()
+    except Exception as e:  # noqa: BLE001 - a bad step must not kill the engine
+        logger.exception("engine step failed")
+        return [], [(req, EngineStepError(f"engine step failed: {e}"))
+                    for req in engine.abort_after_failed_step()]
+    for update in updates:
+        if update.finished:
+            engine.requests.pop(update.req.request_id, None)
+    return updates, []
 
 
 def _deliver(items: list[tuple[Callable[[StreamDelta], None], StreamDelta]]) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
-from engine.async_engine import EngineStepError
+from engine.async_engine import EngineStepError, step_for_streams
 from engine.config import EngineConfig
 from engine.engine import Engine, QueueFullError
 from engine.outputs import WireDelta
@@ -206,29 +206,18 @@ class EngineProcess:
             self.message.replies.append((call.reply, False, portable(e)))
 
     def _step(self) -> None:
-        try:
-            updates = self.engine.step()
-        except Exception as e:  # noqa: BLE001 - a bad step must not kill the engine
-            logger.exception("engine step failed")
-            self._fail_running(e)
-            return
+        updates, failed = step_for_streams(self.engine)
+        for req, error in failed:
+            seq = self.seqs.pop(req.request_id, None)
+            if seq is not None:
+                self.message.errors.append((seq, error))
         deltas = self.message.deltas
         for update in updates:
             req = update.req
             rid = req.request_id
-            if update.finished:
-                self.engine.requests.pop(rid, None)
-                seq = self.seqs.pop(rid, None)
-            else:
-                seq = self.seqs.get(rid)
+            seq = self.seqs.pop(rid, None) if update.finished else self.seqs.get(rid)
             if seq is not None:
                 deltas.append((seq, wire_update(req, update.new_tokens, update.finished)))
-
-    def _fail_running(self, error: Exception) -> None:
-        for req in self.engine.abort_after_failed_step():
-            seq = self.seqs.pop(req.request_id, None)
-            if seq is not None:
-                self.message.errors.append((seq, EngineStepError(f"engine step failed: {error}")))
 
     def _send(self) -> None:
         """One message with everything since the last: deltas, errors, replies, and the
