@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from engine.config import EngineConfig
 from engine.engine import Engine, QueueFullError
+from engine.loop_handoff import deliver, set_exception, set_result
 from engine.output_processor import TokenUpdate
 from engine.outputs import StreamDelta, WireDelta
 from engine.request import Request
@@ -143,9 +144,9 @@ class AsyncEngine:
         def run() -> None:
             try:
                 result = fn(self.engine)
-                loop.call_soon_threadsafe(_set_result, fut, result)
+                loop.call_soon_threadsafe(set_result, fut, result)
             except BaseException as e:  # noqa: BLE001 - handed to the caller
-                loop.call_soon_threadsafe(_set_exception, fut, e)
+                loop.call_soon_threadsafe(set_exception, fut, e)
 
         self._commands.put(run)
         return await fut
@@ -229,7 +230,7 @@ class AsyncEngine:
                     delta = stream_delta(req, update.new_tokens, update.finished, self.detokenize)
                 by_loop.setdefault(stream.loop, []).append((stream.put, delta))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_deliver, items)
+            loop.call_soon_threadsafe(deliver, items)
 
     def _run_hooks(self) -> None:
         for hook in self._step_hooks:
@@ -275,18 +276,3 @@ def step_for_streams(engine: Engine
         if update.finished:
             engine.requests.pop(update.req.request_id, None)
     return updates, []
-
-
-def _deliver(items: list[tuple[Callable[[StreamDelta], None], StreamDelta]]) -> None:
-    for put, delta in items:
-        put(delta)
-
-
-def _set_result(fut: asyncio.Future, value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future, error: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(error)

@@ -10,8 +10,9 @@ replayed instead.
 Padding: extra tokens write their K/V to slot 0 (the pool's padding slot) and their rows'
 outputs are never read; extra requests have no new tokens, so the extend kernel's programs
 for them exit at once (the kernel reads every length from device tensors, so one graph
-serves any prefix length). Steps that need more than the last token's logits per request
-(speculative verification, prompt logprobs) run eagerly.
+serves any prefix length). A graph ends at the hidden states of every token, and the rows
+that need logits are picked after replay: the last token of each request, every verified
+position of a speculative draft, prompt-logprob rows alike.
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ class ExtendGraphs:
         self.seq_lens = torch.zeros(b, dtype=torch.int32, device=dev)
         self.extend_lens = torch.zeros(b, dtype=torch.int32, device=dev)
         self.qo_indptr = torch.zeros(b + 1, dtype=torch.int32, device=dev)
-        self.logits_indices = torch.zeros(b, dtype=torch.long, device=dev)
+        self.no_rows = torch.zeros(0, dtype=torch.long, device=dev)  # the forward reads none
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = pool
@@ -72,14 +73,14 @@ class ExtendGraphs:
             input_ids=self.input_ids[:tokens], positions=self.positions[:tokens],
             out_slots=self.out_slots[:tokens], req_rows=self.req_rows[:bs],
             seq_lens=self.seq_lens[:bs], extend_lens=self.extend_lens[:bs],
-            qo_indptr=self.qo_indptr[:bs + 1], logits_indices=self.logits_indices[:bs],
+            qo_indptr=self.qo_indptr[:bs + 1], logits_indices=self.no_rows,
             req_to_token=self.req_to_token, is_decode=False,
             seq_lens_cpu=[tokens] + [0] * (bs - 1), extend_lens_cpu=[tokens] + [0] * (bs - 1))
 
     def _run(self, bs: int, tokens: int) -> torch.Tensor:
         batch = self._batch(bs, tokens)
         self.attn_backend.prepare(batch)
-        return self.model(batch)[batch.logits_indices]  # the LM head runs after replay
+        return self.model(batch)  # hidden states; logits rows are picked after replay
 
     def _fill_dummy(self, tokens: int) -> None:
         """Capture inputs: request 0 extends `tokens` new tokens from row 0 / slot 0."""
@@ -93,7 +94,6 @@ class ExtendGraphs:
         self.extend_lens[0] = tokens
         self.qo_indptr.fill_(tokens)
         self.qo_indptr[0] = 0
-        self.logits_indices.zero_()
 
     def _capture_all(self) -> None:
         self.graphs, self.outputs, self.pool = capture_graphs(
@@ -104,12 +104,11 @@ class ExtendGraphs:
 
     def can_run(self, batch: ForwardBatch) -> bool:
         bs = batch.batch_size
-        return (not batch.is_decode and 0 < bs <= self.max_bs
-                and batch.num_tokens <= self.max_tokens
-                and batch.logits_indices.shape[0] == bs)  # one logits row per request
+        return not batch.is_decode and 0 < bs <= self.max_bs and batch.num_tokens <= self.max_tokens
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [bs, vocab] of each request's last new token, by graph replay."""
+        """Hidden states [num_tokens, hidden] of the batch's new tokens, by graph replay: a
+        view of the graph's output, valid until the next replay."""
         bs, n = batch.batch_size, batch.num_tokens
         cap = self.bs_sizes[bisect.bisect_left(self.bs_sizes, bs)]
         tokens = self.token_sizes[bisect.bisect_left(self.token_sizes, max(n, cap))]
@@ -117,7 +116,7 @@ class ExtendGraphs:
             buf = getattr(self, name)
             buf[:n].copy_(getattr(batch, name), non_blocking=True)
             buf[n:tokens].zero_()  # padding tokens: position 0, K/V into slot 0
-        for name in ("req_rows", "seq_lens", "extend_lens", "logits_indices"):
+        for name in ("req_rows", "seq_lens", "extend_lens"):
             buf = getattr(self, name)
             buf[:bs].copy_(getattr(batch, name), non_blocking=True)
             buf[bs:cap].zero_()  # padding requests: no new tokens
@@ -125,4 +124,4 @@ class ExtendGraphs:
         self.qo_indptr[bs + 1:cap + 1].fill_(n)
         self.graphs[cap, tokens].replay()
         self.replays += 1
-        return self.model.compute_logits(self.outputs[cap, tokens][:bs])
+        return self.outputs[cap, tokens][:n]

@@ -221,16 +221,18 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: PackedStep, pending_tokens: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The step's forward, the same on every rank: logits of each chunk's last token,
-        and of the prompt rows (None without them)."""
+        """The step's forward, the same on every rank: logits of the rows the step needs
+        (`logits_indices`: each chunk's last token, every position of a draft), and of the
+        prompt rows (None without them). Decode steps and short extends replay CUDA graphs."""
         batch, prompt_rows = self._make_batch(step, pending_tokens)
-        has_prompt_rows = prompt_rows.numel() > 0  # (graphs compute no prompt rows)
+        has_prompt_rows = prompt_rows.numel() > 0  # (decode graphs compute no prompt rows)
         if self.graphs is not None and not has_prompt_rows and self.graphs.can_run(batch):
             return self.graphs.run(batch), None
-        if self.extend_graphs is not None and not has_prompt_rows and self.extend_graphs.can_run(batch):
-            return self.extend_graphs.run(batch), None
-        self.attn_backend.prepare(batch)
-        hidden = self.model(batch)
+        if self.extend_graphs is not None and self.extend_graphs.can_run(batch):
+            hidden = self.extend_graphs.run(batch)
+        else:
+            self.attn_backend.prepare(batch)
+            hidden = self.model(batch)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         if not has_prompt_rows:
             return logits, None

@@ -30,10 +30,12 @@ from engine.engine_process_main import EngineProcessError
 from engine.config import EngineConfig
 from engine.engine import QueueFullError
 from engine.grammar import Grammars
+from engine.loop_handoff import call_soon, deliver, set_exception, set_result
 from engine.outputs import StreamDelta, WireDelta
 from engine.request import validate_request
 from engine.sampling_params import SamplingParams
 from engine.step_report import StepReport
+from engine.stream_deltas import WireToStreamDelta
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -90,7 +92,7 @@ class ProcessAsyncEngine:
         Deltas queued behind a slow consumer come as one."""
         deltas: asyncio.Queue = asyncio.Queue()
         seq = await self._open(prompt, params, request_id, deltas.put_nowait)
-        delta_of = _DeltaBuilder()
+        delta_of = WireToStreamDelta()
         finished = False
         pending = None  # an error that came behind deltas: raised after them
         try:
@@ -118,7 +120,7 @@ class ProcessAsyncEngine:
         """As AsyncEngine.stream_to: `put` gets each delta on the caller's loop (WireDelta
         tuples with `wire`, StreamDeltas without text otherwise); returns once finished."""
         done = asyncio.get_running_loop().create_future()
-        delta_of = _DeltaBuilder()
+        delta_of = WireToStreamDelta()
 
         def take(item: WireDelta | BaseException) -> None:
             if done.done():
@@ -260,7 +262,7 @@ class ProcessAsyncEngine:
             if stream is not None and stream.seq == seq:
                 by_loop.setdefault(stream.loop, []).append((stream.put, item))
         for loop, items in by_loop.items():
-            _call_soon(loop, _deliver, items)
+            call_soon(loop, deliver, items)
         if message.report is not None:
             for listener in self._listeners:
                 try:
@@ -270,7 +272,7 @@ class ProcessAsyncEngine:
         for reply, ok, value in message.replies:
             fut = self._replies.pop(reply, None)
             if fut is not None:
-                _call_soon(fut.get_loop(), _set_result if ok else _set_exception, fut, value)
+                call_soon(fut.get_loop(), set_result if ok else set_exception, fut, value)
 
     def _stream_of(self, seq: int) -> _Stream | None:
         """An error item's stream (errors are rare: a linear search is fine)."""
@@ -283,51 +285,12 @@ class ProcessAsyncEngine:
         if not self._stopping:
             logger.error("%s", error)
         for stream in list(self._streams.values()):
-            _call_soon(stream.loop, stream.put, error)
+            call_soon(stream.loop, stream.put, error)
         for fut in list(self._replies.values()):
-            _call_soon(fut.get_loop(), _set_exception, fut, error)
+            call_soon(fut.get_loop(), set_exception, fut, error)
         self._replies.clear()
 
     def _gone_error(self) -> EngineProcessError:
         if self._stopping:
             return EngineProcessError("the engine was shut down")
         return EngineProcessError(f"the engine process died (exit code {self._process.exitcode})")
-
-
-class _DeltaBuilder:
-    """One stream's WireDeltas as StreamDeltas without text. A middle WireDelta leaves out
-    the prompt's counts; every StreamDelta carries them, as AsyncEngine's do."""
-
-    def __init__(self) -> None:
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
-
-    def __call__(self, delta: WireDelta) -> StreamDelta:
-        out = StreamDelta(request_id=delta[0], token_ids=delta[1], text="", finished=delta[2],
-                          finish_reason=delta[3], completion_tokens=delta[4],
-                          prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens)
-        if delta[5]:
-            for name, value in delta[5].items():
-                setattr(out, name, value)
-            self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
-        return out
-
-
-def _deliver(items: list[tuple[Callable, WireDelta | BaseException]]) -> None:
-    for put, item in items:
-        put(item)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
-    with contextlib.suppress(RuntimeError):  # that loop has closed: nobody waits there
-        loop.call_soon_threadsafe(fn, *args)
-
-
-def _set_result(fut: asyncio.Future, value) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future, error: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(error)

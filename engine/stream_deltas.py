@@ -1,5 +1,6 @@
 """A request's new tokens after a step, as what AsyncEngine hands a caller: a StreamDelta,
-or the WireDelta tuple a server forwards (engine/outputs.py)."""
+or the WireDelta tuple a server forwards (engine/outputs.py); and back from a WireDelta
+to a StreamDelta (ProcessAsyncEngine's `generate`)."""
 from __future__ import annotations
 
 from engine.output_processor import feed_detokenizer
@@ -41,3 +42,22 @@ def wire_update(req: Request, new_tokens: list[int], finished: bool) -> WireDelt
 
 def _queue_time(req: Request) -> float | None:
     return None if req.scheduled_at is None else max(0.0, req.scheduled_at - req.arrival)
+
+
+class WireToStreamDelta:
+    """One stream's WireDeltas as StreamDeltas without text. A middle WireDelta leaves out
+    the prompt's counts; every StreamDelta carries them, as AsyncEngine's do."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+
+    def __call__(self, delta: WireDelta) -> StreamDelta:
+        out = StreamDelta(request_id=delta[0], token_ids=delta[1], text="", finished=delta[2],
+                          finish_reason=delta[3], completion_tokens=delta[4],
+                          prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens)
+        if delta[5]:
+            for name, value in delta[5].items():
+                setattr(out, name, value)
+            self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
+        return out

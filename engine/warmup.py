@@ -10,8 +10,8 @@ specializations that vary per step (see engine/attention/triton_common.py), so w
 is a handful of launch configurations chosen by host-side sizes; this module drives a few
 real requests through the engine that reach each of them:
 
-- short prompts, alone (extend CUDA graphs when on) and with prompt logprobs (eager extend:
-  steps that need more than each request's last logits never replay a graph);
+- short prompts, alone and with prompt logprobs (more logits rows than requests: the LM
+  head's other shapes; extend CUDA graphs when on, else eager extends);
 - a prompt longer than one chunk: an eager, many-program extend (the other extend kernel
   config, and MoE's large expert blocks), then its second chunk extends a cached prefix;
 - a prompt that hits the radix cache (extend over a cached prefix), alone and eager;
@@ -136,8 +136,7 @@ def warmup_waves(engine) -> list[Wave]:
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
     sampled = SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, top_k=50, ignore_eos=True)
 
-    def eager(n_tokens: int, start: int) -> SamplingParams:
-        # prompt logprobs make the step need more than the last token's logits: no graph
+    def with_prompt_logprobs(n_tokens: int, start: int) -> SamplingParams:
         return SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True,
                               prompt_logprobs_start=start)
 
@@ -145,7 +144,14 @@ def warmup_waves(engine) -> list[Wave]:
     for n in (1, 37, 300):
         n = min(n, max_prompt)
         waves.append([(0, prompt(n), greedy(4))])
-        waves.append([(0, prompt(n), eager(2, max(0, n - 2)))])
+        waves.append([(0, prompt(n), with_prompt_logprobs(2, max(0, n - 2)))])
+    # Prompts just past the largest extend graph and twice that: the first eager prefills
+    # of a size class were 2.7x their warm TTFT on a fresh H200 replica without them
+    # (513 tokens: 43.7 ms cold, 16.4 ms warm; no kernel compiled).
+    graphs = getattr(runner, "extend_graphs", None)
+    if graphs is not None:
+        for n in (graphs.max_tokens + 1, 2 * graphs.max_tokens - 24):
+            waves.append([(0, prompt(min(n, max_prompt)), greedy(2))])
     waves.append([(0, prompt(min(37, max_prompt)), sampled)])
 
     # Longer than a chunk and than one wave of extend programs: the many-program extend
@@ -156,11 +162,11 @@ def warmup_waves(engine) -> list[Wave]:
     wave_tokens = 64 * (getattr(backend, "num_sms", 132) // heads + 1)
     long_ids = prompt(min(max_prompt, max(chunk + 300, wave_tokens + 1)))
     waves.append([(0, long_ids, greedy(2))])
-    waves.append([(0, prompt(len(long_ids)), eager(2, len(long_ids) - 2))])
+    waves.append([(0, prompt(len(long_ids)), with_prompt_logprobs(2, len(long_ids) - 2))])
     # Radix hits: half of the long prompt is cached now (before the reset at the end).
     half = long_ids[:max(1, len(long_ids) // 2)]
     waves.append([(0, half + prompt(37), greedy(2))])
-    waves.append([(0, half + prompt(37), eager(2, len(half) + 35))])
+    waves.append([(0, half + prompt(37), with_prompt_logprobs(2, len(half) + 35))])
 
     # Mixed steps: eight requests decoding when a long prompt arrives (an eager mixed batch)
     # and when a short one does (a graph-sized one), then a batch of 40 varied prompts.

@@ -64,7 +64,10 @@ QWEN3_30B_A3B = {
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
     "bos_token_id": 151643, "eos_token_id": 151645,
 }
-MODELS = {"llama3-8b": LLAMA3_8B, "moe": QWEN3_30B_A3B}
+# A draft model's shape for speculative decoding (the 8B's vocabulary): Llama-3.2-1B.
+LLAMA32_1B = dict(LLAMA3_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                  head_dim=64, tie_word_embeddings=True)
+MODELS = {"llama3-8b": LLAMA3_8B, "moe": QWEN3_30B_A3B, "llama3.2-1b": LLAMA32_1B}
 DEMO = "demo"  # the tiny demo model (engine/demo_model.py): real tiny weights, any device
 H200_BF16_TFLOPS = 790.0  # dense bf16 peak the long-prefill floor is quoted against
 

@@ -19,7 +19,7 @@ chat template and each answer ends at EOS (or --max-tokens). --batch requests ru
 Counts (forwards, tokens, acceptance) are device-independent; wall time per output token
 is printed too (split into the draft's and the target's forwards), and only means something
 on an otherwise idle machine (on a GPU it is the real cost side: a verify forward of k + 1
-tokens against a plain decode step). The draft model runs eagerly (no CUDA graphs).
+tokens against a plain decode step).
 """
 from __future__ import annotations
 

@@ -113,7 +113,8 @@ def test_engine_with_triton_windows_equals_hf(tiny_model_factory, arch, override
     grouper.min_saved_tokens = 0  # the tiny prefixes are far below the default
     shared = random_sequences(768, [20], seed=7)[0]
     llm.generate([shared], SamplingParams(max_tokens=1))  # cache it: the batch then shares it
-    prompts = random_sequences(768, [5, 20], seed=6) + [shared + [9 + i] for i in range(3)]
+    # 16 requests on the shared prefix: the batch reaches the grouped decode graphs (>= 16)
+    prompts = random_sequences(768, [5, 20], seed=6) + [shared + [9 + i] for i in range(16)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in outs] == [hf_greedy(path, p, 12) for p in prompts]
     assert grouper.grouped_steps > 0

@@ -28,7 +28,9 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [B] int32: tokens in KV after this step (prefix + new)
     extend_lens: torch.Tensor  # [B] int32: new tokens per request
     qo_indptr: torch.Tensor  # [B+1] int32: request i's new tokens are [qo_indptr[i], qo_indptr[i+1])
-    logits_indices: torch.Tensor  # [B] int64: index in T of each request's last new token
+    # [R] int64: the rows of T whose logits the step needs (each request's last new token;
+    # every position of a speculative draft); read after the forward, not by it
+    logits_indices: torch.Tensor
     req_to_token: torch.Tensor  # [max_requests, max_context] int32, shared with the runner
     is_decode: bool  # every request has exactly one new token
     # Host-side copies, so backends can size grids / loop without a device sync.

@@ -8,8 +8,9 @@ distribution at the request's temperature / top-k / top-p (the engine's Sampler)
 distribution `q` goes to rejection sampling (verify.py), so the output follows the
 target's distribution exactly.
 
-The draft runs eagerly (no CUDA graphs; `enable_cuda_graph` applies to the target only)
-and on rank 0 only at tp > 1 (the rank that samples). On a GPU whose KV pool is sized
+On a GPU the draft replays its own CUDA graphs as the target does (decode forwards and
+short catch-up extends: a small model's eager forward is all launch overhead), and runs on
+rank 0 only at tp > 1 (the rank that samples). On a GPU whose KV pool is sized
 from `mem_fraction_static`, `draft_memory_reserve` tells the target's pool sizing what the
 draft's weights and its pool (as many slots as the target's) take."""
 from __future__ import annotations
@@ -62,12 +63,11 @@ def _param_count(hf) -> int:
 
 
 def draft_runner_config(config: EngineConfig, num_slots: int, max_context: int) -> EngineConfig:
-    """The target's settings with the draft's model, pool size and context; one rank,
-    eager, no radix-grouped decode (its steps are small), no speculation of its own."""
+    """The target's settings with the draft's model, pool size and context; one rank, no
+    radix-grouped decode (its steps are small), no speculation of its own."""
     return dataclasses.replace(
         config, model=config.speculative_draft_model, tokenizer=None, max_total_tokens=num_slots,
-        max_model_len=max_context, tp_size=1, enable_cuda_graph=False,
-        enable_prefix_grouped_decode=False, enable_warmup=False, speculative_algorithm=None,
+        max_model_len=max_context, tp_size=1, enable_prefix_grouped_decode=False, enable_warmup=False, speculative_algorithm=None,
         speculative_draft_model=None)
 
 
