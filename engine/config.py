@@ -52,8 +52,10 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256
     # Prefill/extend steps of at most this many new tokens over at most _bs requests replay
     # a CUDA graph (engine/extend_graphs.py): short prompts are launch-bound. 0 disables.
+    # None = 16 requests, or 64 with speculative decoding (its verify steps are extends of
+    # k + 1 tokens per decoding request, and drafts are only made for steps a graph covers).
     cuda_graph_max_extend_tokens: int = 512
-    cuda_graph_max_extend_bs: int = 16
+    cuda_graph_max_extend_bs: int | None = None
     enable_overlap_schedule: bool = True
     # Before the engine reports ready, run a few requests that compile every Triton kernel
     # specialization serving can reach (engine/warmup.py; CUDA only).
@@ -80,9 +82,11 @@ class EngineConfig:
     # Speculative decoding (engine/speculative/): drafts verified by one target forward.
     # None = off. "ngram" drafts from the request's own prompt + output (prompt lookup);
     # "draft_model" drafts with `speculative_draft_model` (a smaller model with the same
-    # vocabulary; its own KV pool of as many slots as the target's, run eagerly: CUDA graphs
-    # are the target's only). Turns overlap scheduling off; requests it cannot serve decode
-    # plainly.
+    # vocabulary; its own KV pool of as many slots as the target's, and its own CUDA graphs).
+    # Turns overlap scheduling off; requests it cannot serve decode plainly. On a GPU with
+    # CUDA graphs, steps whose verify forward would fit no extend graph (more running
+    # requests than cuda_graph_max_extend_bs) decode plainly: an eager verify step costs
+    # several plain steps.
     speculative_algorithm: Literal["ngram", "draft_model"] | None = None
     speculative_draft_model: str | None = None
     speculative_num_steps: int = 4  # draft-model forwards per step (draft_model only)
@@ -102,6 +106,8 @@ class EngineConfig:
             raise ValueError("max_total_tokens must be >= 2")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("mem_fraction_static must be in (0, 1)")
+        if self.cuda_graph_max_extend_bs is None:
+            self.cuda_graph_max_extend_bs = 64 if self.speculative_algorithm else 16
         if self.cuda_graph_max_extend_tokens < 0 or self.cuda_graph_max_extend_bs < 1:
             raise ValueError("cuda_graph_max_extend_tokens must be >= 0 (0 disables) and "
                              "cuda_graph_max_extend_bs >= 1")

@@ -257,3 +257,28 @@ def test_random_arrivals_aborts_and_preemption_leak_nothing(looping_model):
     assert stats["preemptions"] > 0 and stats["spec_accepted_tokens"] > 0
     held = eng.cache.all_slots() + eng.runner.kv_pool.allocator._free
     assert len(set(held)) == len(held) == stats["total_slots"]  # no slot freed twice
+
+
+def test_drafts_only_for_steps_a_graph_covers(looping_model):
+    """On a GPU a verify step that fits no extend graph runs eagerly (several plain steps'
+    cost): with the target's graph limits at 2 requests / 8 tokens, steps with 3 requests
+    running draft nothing, and drafted steps stay within 8 tokens; outputs stay plain's."""
+    prompts = copy_prompts(3, seed=2)
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in (12, 40, 40)]
+    plain = LLM(model=looping_model, dtype="float32").generate(prompts, params)
+    llm = LLM(model=looping_model, dtype="float32", **SPEC)
+    llm.engine.speculator.graph_limits = (2, 8)  # what a GPU's extend graphs would set
+    steps = []  # (requests, tokens, drafted) of every step
+    forward = llm.engine.runner.forward
+
+    def recording(plan, *args, **kwargs):
+        steps.append((len(plan.chunks), plan.num_tokens, any(c.draft for c in plan.chunks)))
+        return forward(plan, *args, **kwargs)
+
+    llm.engine.runner.forward = recording
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    drafted = [(n, t) for n, t, d in steps if d]
+    assert drafted and all(n <= 2 and t <= 8 for n, t in drafted), steps
+    assert not any(d for n, _, d in steps if n == 3), steps
+    assert any(n == 3 for n, _, _ in steps)  # (three did run together, undrafted)

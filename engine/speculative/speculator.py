@@ -39,15 +39,33 @@ class Speculator:
         self.sampler = sampler
         self.grammars = grammars
         self.stats = SpecStats()
+        # (requests, tokens) the target's extend graphs cover; None: no graphs (CPU, or
+        # graphs off), where every step runs eagerly and drafting always pays.
+        graphs = getattr(target, "extend_graphs", None)
+        self.graph_limits = (graphs.max_bs, graphs.max_tokens) if graphs is not None else None
+
+    def _rooms_in_graphs(self, num_running: int) -> int:
+        """Draft tokens per request a verify step may carry and still replay a graph: an
+        eager verify step cost 27.7 ms at batch 32 on the H200 against a 5.4 ms decode
+        step, more than any acceptance gives back."""
+        if self.graph_limits is None:
+            return self.max_draft
+        max_bs, max_tokens = self.graph_limits
+        if num_running > max_bs:
+            return 0
+        return min(self.max_draft, max_tokens // max(1, num_running) - 1)
 
     def propose(self, running: list[Request]) -> dict[Request, list[int]]:
         """Drafts for this step's decoding requests that can speculate."""
         reqs, rooms = [], []
+        limit = self._rooms_in_graphs(len(running))
+        if limit <= 0:
+            return {}
         for req in running:
             if req.pending_len != 1:
                 continue
             # A step emits at most len(draft) + 1 tokens; more than max_tokens allows is waste.
-            room = min(self.max_draft, req.params.max_tokens - req.num_output - 1)
+            room = min(limit, req.params.max_tokens - req.num_output - 1)
             if room > 0:
                 reqs.append(req)
                 rooms.append(room)
