@@ -12,8 +12,8 @@
 # replica and an ingress during W2 over HTTP; "gil" runs batch-1 and W2 again with the
 # replica's GIL switch interval at 0.5 ms; "fast" runs them under Ray's high-throughput mode
 # (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, RAY_SERVE_ENABLE_HA_PROXY=1); "process" runs batch-1 and W2
-# with the engine's step loop in a child process of the replica (engine_process: true), then
-# bench_async_path's offline / AsyncEngine / ProcessAsyncEngine rows; "admission" measures the bound, request intake
+# with the engine's step loop in a child process of the replica (engine_process: true), and
+# with ASYNC_PATH=1 bench_async_path's offline / AsyncEngine / ProcessAsyncEngine rows; "admission" measures the bound, request intake
 # and a 10 MB body with the stand-in engine. PATH_ARGS overrides the path bench's options.
 # After each part the table so far goes to $OUT/summary.txt and every file written to
 # $OUT/results.tgz (the device brings back eight files at most; a cut-short run keeps what
@@ -162,30 +162,30 @@ if [[ $PARTS == *fast* ]]; then  # the same app with Ray's high-throughput mode:
 fi
 checkpoint
 
-if [[ $PARTS == *gil* ]]; then  # the same app with the engine replica's GIL switch interval at 0.5 ms
+variant() {  # name prefix, then the app args it adds: batch-1 and W2 over HTTP with them
+  local name=$1; shift
   SECONDS=0
-  if SERVE_EXTRA="gil_switch_interval_ms: 0.5" serve_up; then
+  if SERVE_EXTRA="$*" serve_up; then
     bench warm --num-prompts 64 --input-len 512 --output-len 32
-    bench gil_batch1 --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1
-    bench gil_w2 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
+    bench "${name}_batch1" --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1
+    bench "${name}_w2" --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
       --question-len 128 --output-len 256
   fi
   serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1
+}
+
+if [[ $PARTS == *gil* ]]; then  # the engine replica's GIL switch interval at 0.5 ms
+  variant gil "gil_switch_interval_ms: 0.5"
 fi
 checkpoint
 
 if [[ $PARTS == *process* ]]; then  # the engine's step loop in a child process of the replica
-  SECONDS=0
-  if SERVE_EXTRA="engine_process: true" serve_up; then
-    bench warm --num-prompts 64 --input-len 512 --output-len 32
-    bench proc_batch1 --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1
-    bench proc_w2 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
-      --question-len 128 --output-len 256
+  variant proc "engine_process: true"
+  if [ "${ASYNC_PATH:-0}" = 1 ]; then  # (up to 300 s more)
+    # Without Ray: W2 offline, through AsyncEngine (thread) and ProcessAsyncEngine (child process).
+    timeout 300 python3 scripts/bench_async_path.py --switch-ms 5 --process 2>&1 | tee "$RES/async_path.log" \
+      | grep -E "^(path|offline|AsyncEngine|ProcessAsyncEngine|parent GPU|[0-9]+ requests)" > "$RES/async_path.txt"
   fi
-  serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1
-  # Without Ray: W2 offline, through AsyncEngine (thread) and ProcessAsyncEngine (child process).
-  timeout 300 python3 scripts/bench_async_path.py --switch-ms 5 --process 2>&1 \
-    | grep -E "^(path|offline|AsyncEngine|ProcessAsyncEngine|parent GPU|[0-9]+ requests)" | tee "$RES/async_path.txt"
 fi
 checkpoint
 
@@ -197,7 +197,8 @@ checkpoint
 
 if [[ $PARTS == *path* ]]; then
   timeout 200 python3 scripts/bench_serve_path.py ${PATH_ARGS:---hops inproc handle http --tokens 64} \
-    --json "$RES/path.json" 2>&1 | grep -E "^(inproc|handle|http) " | tee "$RES/path.txt"
+    --json "$RES/path.json" 2>&1 | tee "$RES/path.log" | grep -E "^(inproc|handle|http) " > "$RES/path.txt"
+  [ -s "$RES/path.txt" ] || { echo "bench_serve_path printed no rows:"; tail -20 "$RES/path.log"; }
   ray stop --force > /dev/null 2>&1
 fi
 checkpoint

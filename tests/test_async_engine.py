@@ -1,4 +1,6 @@
-"""AsyncEngine: streaming, abort, early exit, concurrency, errors, no KV leaks."""
+"""AsyncEngine: streaming, abort, early exit, concurrency, errors, no KV leaks. The abort
+contract runs against ProcessAsyncEngine too (the engine in a child process; its own tests:
+tests/test_process_engine.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -6,7 +8,7 @@ import random
 
 import pytest
 
-from engine import LLM, AsyncEngine, EngineConfig, QueueFullError, SamplingParams
+from engine import LLM, AsyncEngine, EngineConfig, ProcessAsyncEngine, QueueFullError, SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -15,6 +17,18 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 def engine(tiny_llama):
     eng = AsyncEngine(EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=512,
                                    chunked_prefill_size=32))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def either_engine(request, engine, tiny_llama):
+    """The module's AsyncEngine, then a ProcessAsyncEngine of the same model."""
+    if request.param == "thread":
+        yield engine
+        return
+    eng = ProcessAsyncEngine(EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=512,
+                                          chunked_prefill_size=32))
     yield eng
     eng.shutdown()
 
@@ -78,13 +92,15 @@ def test_many_concurrent_requests(engine):
     assert_no_leak(stats)
 
 
-def test_abort_mid_stream_frees_slots(engine):
+def test_abort_mid_stream_frees_slots(either_engine):
+    engine = either_engine
+
     async def main():
         gen = engine.generate([5, 6, 7, 8], SamplingParams(max_tokens=400, **GREEDY), request_id="ab")
         got = []
         async for d in gen:
             got.append(d)
-            if len(got) == 3:
+            if sum(len(x.token_ids) for x in got) >= 3:
                 await engine.abort("ab")
         return got, await engine.stats()
 
@@ -96,11 +112,13 @@ def test_abort_mid_stream_frees_slots(engine):
     assert_no_leak(stats)
 
 
-def test_consumer_leaving_early_aborts(engine):
+def test_consumer_leaving_early_aborts(either_engine):
+    engine = either_engine
+
     async def main():
         before = await engine.stats()
         gen = engine.generate([9, 10, 11], SamplingParams(max_tokens=400, **GREEDY), request_id="early")
-        async for d in gen:
+        async for _ in gen:
             break
         await gen.aclose()  # queues the abort; engine commands run in order, so ...
         return before, await engine.stats()  # ... these stats come after it

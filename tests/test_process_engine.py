@@ -1,6 +1,7 @@
 """ProcessAsyncEngine: the engine's step loop in a child process (engine/process_engine.py).
 
-Same outputs as AsyncEngine, aborts free KV, errors keep their types (400/503 at the
+Same outputs as AsyncEngine, aborts free KV (with AsyncEngine's own abort tests, which
+run against both: tests/test_async_engine.py), errors keep their types (400/503 at the
 server), a dead child ends its streams with an error (never a hang), and a dead parent
 leaves no orphan child."""
 from __future__ import annotations
@@ -105,36 +106,6 @@ def test_generate_yields_stream_deltas(engine):
     # Every delta carries the prompt's count, as AsyncEngine's (the wire form's middle
     # deltas leave it out).
     assert all(d.prompt_tokens == 4 and d.text == "" for d in streamed)
-
-
-def test_abort_mid_stream_frees_kv(engine):
-    async def main():
-        gen = engine.generate([5, 6, 7, 8], SamplingParams(max_tokens=400, **GREEDY), request_id="ab")
-        got = []
-        async for d in gen:
-            got.append(d)
-            if sum(len(x.token_ids) for x in got) >= 3:
-                await engine.abort("ab")
-        return got, await engine.stats()
-
-    got, stats = run(main())
-    assert got[-1].finished and got[-1].finish_reason == "abort"
-    assert sum(len(d.token_ids) for d in got) == got[-1].completion_tokens < 400
-    assert_no_leak(stats)
-
-
-def test_consumer_leaving_early_aborts(engine):
-    async def main():
-        before = await engine.stats()
-        gen = engine.generate([9, 10, 11], SamplingParams(max_tokens=400, **GREEDY), request_id="early")
-        async for _ in gen:
-            break
-        await gen.aclose()  # queues the abort; commands reach the child in order, so ...
-        return before, await engine.stats()  # ... these stats come after it
-
-    before, stats = run(main())
-    assert stats["aborted_requests"] == before["aborted_requests"] + 1
-    assert_no_leak(stats)
 
 
 def test_invalid_requests_fail_on_the_callers_side(engine):
