@@ -188,12 +188,10 @@ class Grammars:
         `limit`, cut after a stop token id), or [] when there are none or the boundary is
         not clean. Requests asking for logprobs never jump: skipped tokens have none."""
         p = req.params
-        if not self.enable_jump_forward or p.logprobs or p.top_logprobs or limit <= 0:
+        forced = self._forced_after(req, last_token, limit)
+        if not forced:
             return []
         matcher = self.matcher_of(req)
-        forced = matcher.jump_forward_tokens()[:limit]
-        if not forced or not self._clean_boundary(last_token, forced):
-            return []
         cut = next((i + 1 for i, t in enumerate(forced) if t in p.stop_token_ids), len(forced))
         accepted = []
         for token in forced[:cut]:
@@ -201,6 +199,22 @@ class Grammars:
                 break  # cannot happen for forced text; stop at a valid prefix if it does
             accepted.append(token)
         return accepted
+
+    def would_jump(self, req: Request, last_token: int) -> bool:
+        """Whether `jump_forward` would append forced tokens after `last_token` (the
+        request's matcher already advanced by it), without advancing anything. Speculative
+        drafts stop before such a token: plain decoding jumps after it rather than decode."""
+        return bool(self._forced_after(req, last_token, 1))
+
+    def _forced_after(self, req: Request, last_token: int, limit: int) -> list[int]:
+        """The forced tokens jump-forward would take after `last_token` (at most `limit`)."""
+        p = req.params
+        if not self.enable_jump_forward or p.logprobs or p.top_logprobs or limit <= 0:
+            return []
+        forced = self.matcher_of(req).jump_forward_tokens()[:limit]
+        if not forced or not self._clean_boundary(last_token, forced):
+            return []
+        return forced
 
     def _clean_boundary(self, last_token: int, forced: list[int]) -> bool:
         """True when no vocabulary token starts with the last sampled token's bytes plus the

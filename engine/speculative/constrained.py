@@ -2,9 +2,11 @@
 and a grammar mask for every verified position.
 
 A constrained request's draft d_1..d_k is walked through its matcher: the draft stops
-before the first token the grammar refuses, and before a token that would end the grammar
+before the first token the grammar refuses, before a token that would end the grammar
 (the request then finishes on it, and plain decoding samples that last token under its
-mask). Verification masks row i (the logits after d_1..d_i) with the grammar state after
+mask), and before a token after which jump-forward would append forced text (plain
+decoding jumps there instead of decoding the next position; the target's own token at
+that position, the step's last, jumps as plain decoding's does). Verification masks row i (the logits after d_1..d_i) with the grammar state after
 those drafts, so greedy requests keep exactly what masked plain decoding would pick and
 sampled requests sample from the masked target distribution. The matcher is rolled back
 after each walk: the verified tokens advance it later, one at a time, as plain decoding's
@@ -29,7 +31,8 @@ def matcher_or_none(grammars: Grammars, req: Request) -> Matcher | None:
 
 
 def cut_to_grammar(grammars: Grammars, req: Request, draft: list[int]) -> list[int]:
-    """The longest prefix of `draft` the request's grammar accepts without ending."""
+    """The longest prefix of `draft` the request's grammar accepts without ending or
+    jumping forward."""
     matcher = matcher_or_none(grammars, req)
     if matcher is None:
         return []
@@ -38,8 +41,8 @@ def cut_to_grammar(grammars: Grammars, req: Request, draft: list[int]) -> list[i
         if not matcher.accept(token):
             break
         accepted += 1
-        if matcher.is_terminated:  # ends the grammar: leave that token to plain decoding
-            break
+        if matcher.is_terminated or grammars.would_jump(req, token):
+            break  # leave that token to the step's last position, as plain decoding has it
         kept += 1
     matcher.rollback(accepted)
     return draft[:kept]

@@ -6,7 +6,10 @@ own ModelRunner, KV pool and radix cache (engine/speculative/draft_kv.py).
 Greedy requests draft by argmax. Sampled requests draw each draft from the draft's own
 distribution at the request's temperature / top-k / top-p (the engine's Sampler), and that
 distribution `q` goes to rejection sampling (verify.py), so the output follows the
-target's distribution exactly.
+target's distribution exactly. A constrained request drafts under its grammar: the draft's
+logits are masked with the grammar state after the drafts before (its matcher advanced
+through them, rolled back after the step), so `q` is the masked distribution the target's
+masked one is compared against, and drafting stops at a token that ends the grammar.
 
 On a GPU the draft replays its own CUDA graphs as the target does (decode forwards and
 short catch-up extends: a small model's eager forward is all launch overhead), and runs on
@@ -21,12 +24,14 @@ import time
 import torch
 
 from engine.config import EngineConfig
+from engine.grammar import Grammars
 from engine.kv_pool import KVPool
 from engine.model_runner import MemoryReserve, ModelRunner, kv_shape
 from engine.models import load_hf_config, resolve_device, resolve_dtype
 from engine.quantization.fp8 import FP8
 from engine.request import Request
 from engine.sampler import Sampler
+from engine.speculative.constrained import matcher_or_none
 from engine.speculative.draft_kv import DraftKV, DraftSeq
 from engine.speculative.proposer import Proposer
 from engine.step_plan import Chunk, StepPlan
@@ -72,7 +77,8 @@ def draft_runner_config(config: EngineConfig, num_slots: int, max_context: int) 
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, config: EngineConfig, sampler: Sampler, target: ModelRunner) -> None:
+    def __init__(self, config: EngineConfig, sampler: Sampler, target: ModelRunner,
+                 grammars: Grammars) -> None:
         hf = load_draft_config(config)
         if hf.vocab_size != target.vocab_size:
             raise ValueError(
@@ -84,6 +90,7 @@ class DraftModelProposer(Proposer):
         self.kv = DraftKV(self.runner.kv_pool.allocator, config.max_running_requests,
                           config.enable_radix_cache)
         self.sampler = sampler
+        self.grammars = grammars
         # Tokens one catch-up forward computes at most (a long prompt is caught up in
         # chunks, as the target prefills it), unless every request has one token left.
         self.catch_up_budget = config.chunked_prefill_size if config.chunked_prefill_size > 0 \
@@ -103,29 +110,43 @@ class DraftModelProposer(Proposer):
         # forward per further draft position, over the requests with room left.
         self._catch_up_long([seq for _, seq, _ in picked])
         chunks = [self.kv.grow(seq, len(seq.token_ids) - len(seq.kv.slots)) for _, seq, _ in picked]
-        while picked:
-            tokens = self._draft_one(chunks, [req for req, _, _ in picked])
-            for (req, seq, _), token in zip(picked, tokens):
-                drafts[req].append(token)
-                seq.token_ids.append(token)
-                if seq.fresh:  # its prompt's KV exists now: share it
-                    seq.fresh = False
-                    self.kv.cache_verified(seq)
-            picked = [p for p in picked if len(drafts[p[0]]) < p[2]]
-            chunks = [self.kv.grow(seq, 1) for _, seq, _ in picked]
+        walked: dict[Request, int] = {}  # drafts each constrained request's matcher took
+        try:
+            while picked:
+                tokens = self._draft_one(chunks, [req for req, _, _ in picked])
+                ended = set()
+                for (req, seq, _), token in zip(picked, tokens):
+                    drafts[req].append(token)
+                    seq.token_ids.append(token)
+                    if seq.fresh:  # its prompt's KV exists now: share it
+                        seq.fresh = False
+                        self.kv.cache_verified(seq)
+                    if req.grammar is not None and not self._walk(req, token, walked):
+                        ended.add(req)
+                picked = [p for p in picked if len(drafts[p[0]]) < p[2] and p[0] not in ended]
+                chunks = [self.kv.grow(seq, 1) for _, seq, _ in picked]
+        finally:
+            for req, n in walked.items():
+                self.grammars.matcher_of(req).rollback(n)
         self.seconds += time.perf_counter() - t0
         return [drafts.get(req, []) for req in reqs]
+
+    def _walk(self, req: Request, token: int, walked: dict[Request, int]) -> bool:
+        """Advance the request's matcher by its draft token; False when drafting must stop
+        there (the grammar refused, ended or would jump forward after it, or failed to
+        compile): `cut_to_grammar` cuts the draft before that token."""
+        matcher = matcher_or_none(self.grammars, req)
+        if matcher is None or not matcher.accept(token):
+            return False
+        walked[req] = walked.get(req, 0) + 1
+        return not (matcher.is_terminated or self.grammars.would_jump(req, token))
 
     def _pick_requests(self, reqs: list[Request], rooms: list[int]
                        ) -> list[tuple[Request, DraftSeq, int]]:
         """The requests the draft serves this step, with their seqs brought up to date and
-        the KV they need reserved (catch-up + room - 1 slots). Sampled requests with a
-        grammar do not draft here: their drafts would be cut to the grammar
-        (constrained.py), which changes the distribution they were drawn from."""
+        the KV they need reserved (catch-up + room - 1 slots)."""
         seqs = []
         for req, room in zip(reqs, rooms):
-            if req.grammar is not None and not req.params.is_greedy:
-                continue
             room = min(room, self.runner.max_context - len(req.token_ids))
             seq = self.kv.open(req) if room > 0 else None
             if seq is not None:
@@ -159,9 +180,13 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def _draft_one(self, chunks: list[Chunk], reqs: list[Request]) -> list[int]:
-        """One draft forward: each chunk's next token (argmax, or drawn from q)."""
+        """One draft forward: each chunk's next token (argmax, or drawn from q), under the
+        grammar state after the drafts so far for constrained requests."""
         logits, _ = self.runner.forward(StepPlan(chunks))
         self.forwards += 1
+        masks, _ = self.grammars.token_masks(reqs)
+        if masks is not None:
+            logits = logits.masked_fill(~masks, float("-inf"))
         greedy = [r.params.is_greedy for r in reqs]
         if all(greedy):
             return logits.argmax(dim=-1).tolist()

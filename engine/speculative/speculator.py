@@ -32,7 +32,7 @@ class Speculator:
         if config.speculative_algorithm == "draft_model":
             # One draft token per draft forward: at most num_steps of them.
             self.max_draft = min(self.max_draft, config.speculative_num_steps)
-            self.proposer = DraftModelProposer(config, sampler, target)
+            self.proposer = DraftModelProposer(config, sampler, target, grammars)
         else:
             self.proposer = NgramProposer(config.speculative_ngram_min_match,
                                           config.speculative_ngram_max_match)
