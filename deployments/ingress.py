@@ -24,6 +24,7 @@ from deployments.sampling_defaults import model_sampling_defaults, with_defaults
 from deployments.request_body import DEFAULT_MAX_BODY_BYTES, read_json_body
 from deployments.metrics import install_http_metrics
 from deployments.stats import summary
+from deployments.sse_chunks import PlainChunks
 from deployments.protocol import (
     SSE_DONE, ChatCompletionRequest, ChatCompletionStreamResponse, CompletionRequest,
     CompletionStreamResponse, ModelCard, ModelList, TokenizeRequest, chat_sampling_kwargs,
@@ -328,6 +329,7 @@ class OpenAIIngress:
         head = kind(model=self.model_name)
         base = {"id": head.id, "created": head.created, "model": self.model_name}
         started = [False] * len(choices)
+        plain = PlainChunks(head, chat) if not want_lp and echo is None and not outputs else None
         try:
             async for batch in batches:
                 events, error = [], None
@@ -335,6 +337,11 @@ class OpenAIIngress:
                     if (error := error_of(item)) is not None:
                         break
                     text = choices[i].add(item)
+                    if plain is not None:
+                        reason = item["finish_reason"] if item["finished"] else None
+                        events.append(plain.event(i, text, reason, not started[i]))
+                        started[i] = True
+                        continue
                     if chat:
                         chunk = chat_chunk(base, choices[i], item, text, want_lp, self.name_token,
                                            not started[i], outputs[i] if outputs else None)

@@ -488,3 +488,32 @@ def test_bench_against_fake_server(tmp_path: Path) -> None:
     metrics = asyncio.run(run())
     assert metrics["config"]["model"] == "fake-model"  # discovered via GET /v1/models
     assert json.loads((tmp_path / "out.json").read_text())["completed"] == 4
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_plain_chunks_equal_the_chunk_models(chat):
+    """The ingress's direct SSE writer for plain streams gives the bytes the pydantic chunk
+    models dump: quotes, backslashes, control characters, non-ASCII, emoji, U+2028, empty
+    text, first chunks (role) and finish reasons."""
+    from deployments.protocol import (
+        ChatCompletionStreamChoice, ChatCompletionStreamResponse, CompletionStreamChoice,
+        CompletionStreamResponse, DeltaMessage, sse_event,
+    )
+    from deployments.sse_chunks import PlainChunks
+
+    kind = ChatCompletionStreamResponse if chat else CompletionStreamResponse
+    head = kind(model="llama-3 \"8b\"/ü")
+    plain = PlainChunks(head, chat)
+    base = {"id": head.id, "created": head.created, "model": head.model}
+    texts = ["", "hi", ' "quoted" \\ back', "line\nbreak\ttab\r\x00\x1f\x7f", "é ü 中文 😀",
+             "\u2028\u2029", "</script>", "{}[],:"]
+    for i, text in enumerate(texts):
+        for reason in (None, "stop", "length", "abort"):
+            for first in (True, False):
+                if chat:
+                    delta = DeltaMessage(role="assistant" if first else None, content=text or None)
+                    choice = ChatCompletionStreamChoice(index=i, delta=delta, finish_reason=reason)
+                else:
+                    choice = CompletionStreamChoice(index=i, text=text, finish_reason=reason)
+                expected = sse_event(kind(**base, choices=[choice]))
+                assert plain.event(i, text, reason, first) == expected, (text, reason, first)
