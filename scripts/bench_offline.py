@@ -4,7 +4,7 @@ with `--model moe`, a Qwen3-30B-A3B-shaped one), against its physical floors and
 Hugging Face transformers peer.
 
     python scripts/bench_offline.py [--model llama3-8b|moe|demo] [--workloads W1,W2,W3] [--json PATH]
-                                    [--no-hf] [--w2-modes cache_on,...] [--profile-w2 A:B]
+                                    [--no-hf] [--w2-modes cache_on,...] [--profile-w2 A:B] [--profile-w3 A:B]
                                     [--ttft-sweep] [--cold-start] [--long-prefill] [--w4]
 
 Issue 14's rows, each by its flag (when any is given, W1-W3 run only if --workloads names them):
@@ -427,7 +427,7 @@ def kv_read_per_step(engine: Engine) -> dict:
             "kv_gb_per_step_grouped": g.kv_tokens_read / g.steps * per_token / 1e9}
 
 
-def bench_w3(path: str, ceilings: dict) -> dict:
+def bench_w3(path: str, ceilings: dict, profile_steps: tuple[int, int] | None = None) -> dict:
     """Batch-1 latency, with the overlap scheduler and without, plus the forward alone
     (graph replay timed with CUDA events): host overhead = sync step - forward."""
     (ids, n_out), = w3()
@@ -439,7 +439,7 @@ def bench_w3(path: str, ceilings: dict) -> dict:
         # other tokens so that the measured prompt misses the cache.
         run_requests(engine, [(ids[::-1], 8)], "warm")
         engine.cache.reset()
-        res = run_requests(engine, [(ids, n_out)], "w3")
+        res = run_requests(engine, [(ids, n_out)], "w3", profile_steps=profile_steps if overlap else None)
         key = "step_ms" if overlap else "sync_step_ms"
         out[key] = 1e3 * (res["wall_s"] - res["ttft_s"]) / (n_out - 1)
         if overlap:
@@ -680,6 +680,8 @@ def main() -> None:
     ap.add_argument("--w1-plain", action="store_true", help="also run W1 without grouped decode")
     ap.add_argument("--profile-w2", default=None, metavar="A:B",
                     help="print torch.profiler's kernel table for steps A..B-1 of W2 cache-on")
+    ap.add_argument("--profile-w3", default=None, metavar="A:B",
+                    help="the same for steps A..B-1 of W3 (batch-1 decode; e.g. MoE or FP8 weights)")
     ap.add_argument("--ttft-sweep", action="store_true", help="warm TTFT per prompt length, batch 1")
     ap.add_argument("--ttft-lengths", default=",".join(map(str, TTFT_LENGTHS)))
     ap.add_argument("--ttft-reps", type=int, default=5)
@@ -709,6 +711,7 @@ def main() -> None:
     issue14 = args.ttft_sweep or args.cold_start or args.long_prefill or args.w4
     work = (args.workloads or ("" if issue14 else "W1,W2,W3")).split(",")
     profile = tuple(int(x) for x in args.profile_w2.split(":")) if args.profile_w2 else None
+    profile3 = tuple(int(x) for x in args.profile_w3.split(":")) if args.profile_w3 else None
     if args.model == DEMO:
         args.skip_check = args.no_hf = True  # no Triton kernels on the CPU; no HF peer
     if not args.skip_check:
@@ -718,7 +721,7 @@ def main() -> None:
     results: dict = {"ceilings": ceilings}
     if issue14:
         run_issue14(args, lengths, ceilings, results)
-    for name, bench in (("W3", lambda: bench_w3(path, ceilings)),
+    for name, bench in (("W3", lambda: bench_w3(path, ceilings, profile3)),
                         ("W2", lambda: bench_w2(path, args.w2_modes.split(","), profile)),
                         ("W1", lambda: bench_w1(path, ceilings, args.w1_plain, MODELS[args.model]))):
         if name in work:
