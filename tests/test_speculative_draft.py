@@ -73,6 +73,26 @@ def test_target_as_draft_keeps_every_draft(target):
     assert_draft_pool_full(s)
 
 
+def test_draft_tokens_stay_on_the_device_between_forwards(target):
+    """Unconstrained requests: every draft forward after a step's first takes the previous
+    forward's tokens as in-flight inputs (no host read in between), and drafts stay exact
+    (the target as its own draft keeps them all). A constrained request walks its grammar on
+    the host, one read per forward."""
+    from test_speculative_constrained import PROMPT
+
+    llm = LLM(model=target, dtype="float32", max_total_tokens=4096, **draft_kw(target))
+    runner, chained = llm.engine.speculator.proposer.runner, []
+    forward = runner.forward
+    runner.forward = lambda plan, pending=None: chained.append(pending is not None) or forward(plan, pending)
+    llm.generate(copy_prompts(3, seed=2), SamplingParams(max_tokens=30, **GREEDY))
+    s = llm.stats()
+    assert s["spec_accepted_tokens"] == s["spec_drafted_tokens"] > 30
+    assert chained.count(True) >= 2 * chained.count(False) > 0, chained  # 4 drafts: 1 + 3
+    chained.clear()
+    llm.generate([PROMPT], SamplingParams(max_tokens=20, temperature=0.0, regex=r"(ab|cd| )+"))
+    assert chained and not any(chained)
+
+
 def test_draft_goes_on_right_after_rejections(tiny_llama):
     """The target as its own draft, but the third draft token of every step is replaced by
     a wrong one, from which the draft goes on: the target rejects it, and the draft must
@@ -80,13 +100,13 @@ def test_draft_goes_on_right_after_rejections(tiny_llama):
     after step, exactly the two drafts before the wrong one are kept."""
     llm = LLM(model=tiny_llama, dtype="float32", max_total_tokens=4096, **draft_kw(tiny_llama))
     proposer = llm.engine.speculator.proposer
-    draft_one, propose_batch = proposer._draft_one, proposer.propose_batch
+    forward_tokens, propose_batch = proposer._forward_tokens, proposer.propose_batch
     position, lengths = [0], []
 
-    def corrupted_draft_one(chunks, reqs):
-        tokens = draft_one(chunks, reqs)
+    def corrupted_forward_tokens(chunks, reqs, pending=None):
+        tokens = forward_tokens(chunks, reqs, pending)  # (on the device, fed to the next forward)
         position[0] += 1
-        return [(t + 1) % 700 for t in tokens] if position[0] == 3 else tokens
+        return (tokens + 1) % 700 if position[0] == 3 else tokens
 
     def counted_propose_batch(reqs, rooms):
         position[0] = 0
@@ -94,7 +114,7 @@ def test_draft_goes_on_right_after_rejections(tiny_llama):
         lengths.extend(len(d) for d in drafts if d)
         return drafts
 
-    proposer._draft_one, proposer.propose_batch = corrupted_draft_one, counted_propose_batch
+    proposer._forward_tokens, proposer.propose_batch = corrupted_forward_tokens, counted_propose_batch
     prompts = copy_prompts(4, seed=6)
     params = SamplingParams(max_tokens=40, **GREEDY)
     plain = LLM(model=tiny_llama, dtype="float32", max_total_tokens=4096).generate(prompts, params)
@@ -162,7 +182,7 @@ def test_chunked_prefill_stops_shared_prefix_and_preemption(target, draft):
     llm = LLM(**kw, **draft_kw(draft))
     runner, sizes = llm.engine.speculator.proposer.runner, []
     forward = runner.forward
-    runner.forward = lambda plan: sizes.append((plan.num_tokens, len(plan.chunks))) or forward(plan)
+    runner.forward = lambda plan, *rest: sizes.append((plan.num_tokens, len(plan.chunks))) or forward(plan, *rest)
     spec = llm.generate(prompts, params)
     for a, b in zip(spec, plain):
         assert (a.token_ids, a.finish_reason, a.text) == (b.token_ids, b.finish_reason, b.text)
