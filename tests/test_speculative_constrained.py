@@ -66,6 +66,26 @@ def test_drafts_are_cut_where_the_grammar_refuses_or_ends(looping_model):
     assert torch.equal(verify_masks(llm.engine.grammars, [Chunk(req, 0, 1)]), before)
 
 
+@pytest.mark.parametrize("jump_forward", [True, False])
+def test_drafts_stop_before_a_jump_forward_point(looping_model, jump_forward):
+    """After "q" the regex forces " the lighthouse": plain decoding with jump-forward appends
+    that text instead of decoding it, so a draft must not carry "q" (its verified span would
+    run past the jump); without jump-forward the same draft is kept whole."""
+    llm = LLM(model=looping_model, dtype="float32", max_total_tokens=1024,
+              enable_jump_forward=jump_forward)
+    grammars = llm.engine.grammars
+    req = a_request(llm, regex=r"q( the lighthouse)")
+    draft = letters(llm, "q the")
+    matcher = grammars.matcher_of(req)
+    assert matcher.accept(draft[0])
+    assert grammars.would_jump(req, draft[0]) == jump_forward
+    matcher.rollback(1)
+    assert cut_to_grammar(grammars, req, draft) == ([] if jump_forward else draft)
+    logprobs = a_request(llm, regex=r"q( the lighthouse)")
+    logprobs.params.logprobs = True  # requests asking for logprobs never jump
+    assert cut_to_grammar(grammars, logprobs, draft) == draft
+
+
 def test_verify_masks_follow_the_draft(looping_model):
     llm = LLM(model=looping_model, dtype="float32", max_total_tokens=1024)
     grammars = llm.engine.grammars
