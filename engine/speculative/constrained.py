@@ -6,11 +6,11 @@ before the first token the grammar refuses, before a token that would end the gr
 (the request then finishes on it, and plain decoding samples that last token under its
 mask), and before a token after which jump-forward would append forced text (plain
 decoding jumps there instead of decoding the next position; the target's own token at
-that position, the step's last, jumps as plain decoding's does). Verification masks row i (the logits after d_1..d_i) with the grammar state after
-those drafts, so greedy requests keep exactly what masked plain decoding would pick and
-sampled requests sample from the masked target distribution. The matcher is rolled back
-after each walk: the verified tokens advance it later, one at a time, as plain decoding's
-tokens do."""
+that position, the step's last, jumps as plain decoding's does). Verification masks row i
+(the logits after d_1..d_i) with the grammar state after those drafts, so greedy requests
+keep exactly what masked plain decoding would pick and sampled requests sample from the
+masked target distribution. The matcher is rolled back after each walk: the verified
+tokens advance it later, one at a time, as plain decoding's tokens do."""
 from __future__ import annotations
 
 import torch

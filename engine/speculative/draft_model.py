@@ -73,8 +73,8 @@ def draft_runner_config(config: EngineConfig, num_slots: int, max_context: int) 
     radix-grouped decode (its steps are small), no speculation of its own."""
     return dataclasses.replace(
         config, model=config.speculative_draft_model, tokenizer=None, max_total_tokens=num_slots,
-        max_model_len=max_context, tp_size=1, enable_prefix_grouped_decode=False, enable_warmup=False, speculative_algorithm=None,
-        speculative_draft_model=None)
+        max_model_len=max_context, tp_size=1, enable_prefix_grouped_decode=False,
+        enable_warmup=False, speculative_algorithm=None, speculative_draft_model=None)
 
 
 class DraftModelProposer(Proposer):
@@ -110,7 +110,7 @@ class DraftModelProposer(Proposer):
         # forward per further draft position, over the requests with room left.
         self._catch_up_long([seq for _, seq, _ in picked])
         if any(req.grammar is not None for req, _, _ in picked):
-            drafts = self._draft_walking(picked)
+            drafts = self._draft_walking(picked)  # (the whole batch: its forwards are shared)
         else:
             drafts = self._draft_chained(picked)
         self.seconds += time.perf_counter() - t0
