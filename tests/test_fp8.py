@@ -15,6 +15,9 @@ tests exercise the same code path as the GPU. Tolerances:
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +30,8 @@ from engine.kv_pool import KVPool
 from engine.layers.linear import LinearBase
 from engine.models import load_model
 from engine.quantization.fp8 import FP8, dequantize, fp8_linear, quantize_rows
+
+ROOT = Path(__file__).resolve().parent.parent
 
 FORMATS = ["ct-tensor", "ct-channel", "ct-channel-weight-only", "fp8-block"]
 
@@ -233,3 +238,33 @@ def test_runner_builds_fp8_kv_pool(tiny_llama):
         EngineConfig(kv_cache_dtype="fp8_e5m2")
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(quantization="int4")
+
+
+# ---- the GPU kernels, on the CPU --------------------------------------------------------------
+
+def test_fp8_weight_kernels_under_the_interpreter():
+    """tests/test_fp8_kernels.py (GPU tests) on the CPU through TRITON_INTERPRET=1."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                           "-W", "ignore::RuntimeWarning", str(ROOT / "tests" / "test_fp8_kernels.py")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_fp8_weight_kernels_compile_for_hopper():
+    """Every variant the GPU path launches compiles for sm_90, and the activations' cast to
+    float8 is the hardware's saturating round-to-nearest (the interpreter's is not exact)."""
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
+    from sm90_compile import compile_for_sm90
+    from engine.quantization.fp8_kernels import _quantize_rows_kernel, _w8a16_kernel
+
+    gemv = dict(X="*bf16", W="*fp8e4nv", Scale="*fp32", Out="*bf16", M="i32", N="i32", K="i32")
+    for block_m in (1, 16, 32):
+        compile_for_sm90(_w8a16_kernel, gemv, dict(PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=32,
+                                                   BLOCK_K=256), num_stages=4)
+    ptx = compile_for_sm90(_quantize_rows_kernel, dict(X="*bf16", Q="*fp8e4nv", Scale="*fp32", K="i32",
+                                                       fp8_max="fp32", min_scale="fp32"),
+                           dict(BLOCK_K=2048))
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert "div.rn.f32" in ptx  # IEEE division, as the torch expression

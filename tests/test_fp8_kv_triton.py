@@ -62,30 +62,11 @@ def test_fp8_grouped_decode_padded(monkeypatch):
 
 # ------------------------------------------------------------------ compiles for Hopper
 def _compile_for_sm90(fn, dtypes: dict[str, str], constexprs: dict) -> str:
-    """PTX of a kernel compiled for sm_90 on this machine (no GPU needed: Triton's NVIDIA
-    backend compiles ahead of time). Pointers not in `dtypes` are int64 metadata."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    """`compile_for_sm90` with pointer dtypes named without their "*"."""
+    from sm90_compile import compile_for_sm90
 
-    constexprs = dict(constexprs)
-    sig = {}
-    for prm in fn.params:
-        if prm.is_constexpr:
-            constexprs.setdefault(prm.name, prm.default)  # as a launch binds defaults
-            sig[prm.name] = "constexpr"
-        elif prm.name in dtypes:
-            sig[prm.name] = "*" + dtypes[prm.name]
-        elif prm.name == "sm_scale_log2":
-            sig[prm.name] = "fp32"
-        elif prm.name[0].isupper():
-            sig[prm.name] = "*i32" if prm.name == "ReqToToken" else "*i64"
-        else:
-            sig[prm.name] = "i32"
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v
-                                                      for k, v in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, num_stages=3)).asm["ptx"]
+    return compile_for_sm90(fn, {"sm_scale_log2": "fp32", **{k: "*" + v for k, v in dtypes.items()}},
+                            constexprs)
 
 
 @pytest.mark.parametrize("kv_scale", [1.0, 0.5])

@@ -217,3 +217,25 @@ def test_sliding_window_logits_and_greedy_equal_hf(moe_factory, arch, overrides)
     prompts = random_sequences(768, [4, 11], seed=9)
     outs = LLM(model=path, dtype="float32", max_total_tokens=1024).generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == [hf_greedy(path, p, 8) for p in prompts]
+
+
+def test_moe_kernels_compile_for_hopper():
+    """The interpreter runs the kernels' Python, not Triton's compiler: every MoE kernel
+    variant the GPU path launches compiles for sm_90 too."""
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
+    from sm90_compile import compile_for_sm90
+    from engine.layers.moe_kernels import _grouped_gemm_kernel
+    from engine.layers.moe_pair_kernels import _down_combine_kernel, _gate_up_kernel
+    from engine.layers.moe_router_kernel import _softmax_topk_kernel
+
+    bf16 = dict(X="*bf16", W13="*bf16", W2="*bf16", Act="*bf16", Out="*bf16", TopkWeights="*fp32",
+                K="i32", N="i32")
+    tiles = dict(TOP_K=8, BLOCK_N=32, BLOCK_K=128)
+    compile_for_sm90(_gate_up_kernel, bf16, tiles)
+    compile_for_sm90(_down_combine_kernel, bf16, tiles)
+    compile_for_sm90(_softmax_topk_kernel, dict(Logits="*bf16", Weights="*fp32"),
+                     dict(TOP_K=8, RENORMALIZE=True, BLOCK_E=128, BLOCK_TOPK=8))
+    compile_for_sm90(_grouped_gemm_kernel, dict(A="*bf16", W="*bf16", C="*bf16", PairWeights="*fp32",
+                                                N="i32", K="i32"),
+                     dict(ROWS_PER_A=8, WEIGHTED=True, PRECISION="tf32", BLOCK_M=16, BLOCK_N=128,
+                          BLOCK_K=64))

@@ -10,7 +10,10 @@ import os
 import pytest
 import torch
 
+from engine.layers import moe_pair_kernels
 from engine.layers.moe import experts_torch, experts_triton
+from engine.layers.moe_pair_kernels import PairConfig, experts_per_pair
+from engine.layers.moe_router_kernel import softmax_topk
 from engine.layers.moe_routing import select_experts
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -18,11 +21,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if INTERPRET else None)
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(DEVICE is None, reason="needs a CUDA GPU (or TRITON_INTERPRET=1)")]
 
-# (tokens, experts, top_k, hidden, intermediate): decode-sized, a prefill with more pairs than
-# one block per expert, widths that are not multiples of the tile sizes.
+# (tokens, experts, top_k, hidden, intermediate): decode-sized (the per-pair path), a prefill
+# with more pairs than one block per expert (grouped), widths not multiples of the tiles.
 CASES = [(1, 8, 2, 64, 32), (3, 16, 4, 48, 40), (70, 8, 2, 32, 24)]
 # Qwen3-30B-A3B's expert shapes at decode and prefill batch sizes (too slow to interpret).
-GPU_CASES = [(1, 128, 8, 2048, 768), (256, 128, 8, 2048, 768), (4096, 128, 8, 2048, 768)]
+GPU_CASES = [(1, 128, 8, 2048, 768), (8, 128, 8, 2048, 768), (256, 128, 8, 2048, 768),
+             (4096, 128, 8, 2048, 768)]
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
@@ -59,9 +63,12 @@ def test_grouped_gemm_matches_reference(case, dtype):
     assert r["ok"], r
 
 
+@pytest.mark.parametrize("path", ["per_pair", "grouped"])
 @pytest.mark.parametrize("rank", [0, 1])
-def test_expert_parallel_slices_add_up(rank):
+def test_expert_parallel_slices_add_up(rank, path, monkeypatch):
     """Each rank's half of the experts gives its share; the shares add up to the whole."""
+    if path == "grouped":  # 18 pairs would take the per-pair path
+        monkeypatch.setattr(moe_pair_kernels, "MAX_PAIRS", 0)
     x, w13, w2, weights, ids = random_moe(9, 8, 2, 32, 16, torch.float32, seed=1)
     half = slice(4 * rank, 4 * rank + 4)
     ours = experts_triton(x, w13[half].contiguous(), w2[half].contiguous(), weights, ids,
@@ -72,3 +79,31 @@ def test_expert_parallel_slices_add_up(rank):
     rest = experts_torch(x, w13[other], w2[other], weights, ids, first_expert=4 * (1 - rank))
     torch.testing.assert_close(ours + rest, experts_torch(x, w13, w2, weights, ids),
                                atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("config", [PairConfig(), PairConfig(block_n=16, block_k=32, num_warps=2)],
+                         ids=["default", "small_tiles"])
+def test_per_pair_path_any_tiling(config):
+    """Tiles that do not divide the widths, and a token whose choices share an expert."""
+    x, w13, w2, weights, ids = random_moe(3, 8, 4, 48, 40, torch.float32, seed=2)
+    ids[1] = torch.tensor([5, 5, 2, 5])  # as if the router picked one expert thrice
+    ref = experts_torch(x, w13, w2, weights, ids)
+    out = experts_per_pair(x, w13, w2, weights, ids, config=config)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 128, 8), (5, 60, 4), (3, 8, 2)])
+def test_softmax_topk_kernel_matches_select_experts(tokens, experts, top_k, renormalize):
+    g = torch.Generator().manual_seed(tokens)
+    logits = (torch.randn(tokens, experts, generator=g) * 3).to(DEVICE)
+    weights, ids = softmax_topk(logits, top_k, renormalize)
+    ref_probs = torch.softmax(logits.float().cpu(), dim=-1)
+    ref_w, ref_ids = torch.topk(ref_probs, top_k, dim=-1)
+    if renormalize:
+        ref_w = ref_w / ref_w.sum(dim=-1, keepdim=True)
+    assert ids.dtype == torch.int64 and torch.equal(ids.cpu(), ref_ids)
+    torch.testing.assert_close(weights.cpu(), ref_w, atol=1e-6, rtol=1e-5)
+    if DEVICE == "cuda":  # what the model calls on the GPU is the kernel
+        w2, i2 = select_experts(logits.bfloat16(), top_k, renormalize)
+        assert torch.equal(i2, softmax_topk(logits.bfloat16(), top_k, renormalize)[1])

@@ -15,6 +15,8 @@ The forward has two implementations of the same computation:
 - GPU: pairs grouped into expert blocks (`moe_routing.group_by_expert`), then two Triton
   grouped GEMMs (`moe_kernels.grouped_gemm`) around SiLU-and-mul: no Python loop over
   experts, no host sync, shapes fixed by the token count (CUDA-graph capturable).
+  Decode-sized batches skip the grouping: one matrix-vector product per (token, choice)
+  pair (`moe_pair_kernels`).
 """
 from __future__ import annotations
 
@@ -64,9 +66,12 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     """The same as `experts_torch`, as two grouped GEMMs (GPU, or TRITON_INTERPRET=1)."""
     from engine.layers.fused_kernels import silu_and_mul as silu_and_mul_kernel
     from engine.layers.moe_kernels import grouped_gemm
+    from engine.layers.moe_pair_kernels import MAX_PAIRS, experts_per_pair
 
     t, k = topk_ids.shape
     num_pairs = t * k
+    if num_pairs <= MAX_PAIRS:
+        return experts_per_pair(x, w13, w2, topk_weights, topk_ids, first_expert)
     # Small batches (decode) use short blocks: less padding per expert in use.
     block_m = 16 if num_pairs <= 64 * w13.shape[0] else 64
     blocks = group_by_expert(topk_ids, w13.shape[0], first_expert, block_m)

@@ -10,6 +10,8 @@ Imported only by the GPU path of `engine.layers.moe`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -51,16 +53,25 @@ def _grouped_gemm_kernel(A, W, C, SortedPairs, BlockExpert, PairWeights, num_pai
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
+@dataclass(frozen=True)
+class GemmConfig:
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, out: torch.Tensor,
-                 rows_per_a: int, pair_weights: torch.Tensor | None = None) -> torch.Tensor:
+                 rows_per_a: int, pair_weights: torch.Tensor | None = None,
+                 config: GemmConfig = GemmConfig()) -> torch.Tensor:
     """out[p] = a[p // rows_per_a] @ w[expert(p)].T (times pair_weights[p]) for every pair p
     of a local expert; rows of other pairs are left as they are.
 
     a [rows, K] (unit last stride), w [E, N, K] contiguous, out [num_pairs, N].
     """
     n, k = w.shape[1], w.shape[2]
-    block_n = min(128, max(16, triton.next_power_of_2(n)))
-    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    block_n = min(config.block_n, max(16, triton.next_power_of_2(n)))
+    block_k = min(config.block_k, max(16, triton.next_power_of_2(k)))
     grid = (blocks.block_expert.numel(), triton.cdiv(n, block_n))
     weights = pair_weights if pair_weights is not None else out  # unread unless WEIGHTED
     _grouped_gemm_kernel[grid](a, w, out, blocks.sorted_pairs, blocks.block_expert, weights,
@@ -70,5 +81,6 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, out: to
                                # float32 models get float32 products, not TF32's 10-bit mantissa
                                PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
                                BLOCK_M=blocks.block_m,
-                               BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+                               BLOCK_N=block_n, BLOCK_K=block_k, num_warps=config.num_warps,
+                               num_stages=config.num_stages)
     return out

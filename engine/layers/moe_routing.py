@@ -1,7 +1,7 @@
 """Mixture-of-experts routing: which experts each token goes to, and the token order the
 grouped GEMM reads them in.
 
-Every function here is plain torch with shapes fixed by the number of tokens alone (no
+Every function here is plain torch (the GPU's `select_experts` is one Triton kernel) with shapes fixed by the number of tokens alone (no
 `.item()`, no data-dependent sizes), so the GPU path can be captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -18,6 +18,9 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
     With `renormalize` the chosen probabilities are rescaled to sum to 1 (Mixtral always,
     Qwen MoE when `norm_topk_prob`). Returns (weights float32 [T, k], expert ids int64 [T, k]).
     """
+    if router_logits.is_cuda:  # one launch instead of six (engine/layers/moe_router_kernel.py)
+        from engine.layers.moe_router_kernel import softmax_topk
+        return softmax_topk(router_logits.contiguous(), top_k, renormalize)
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

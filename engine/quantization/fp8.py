@@ -49,14 +49,27 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                bias: torch.Tensor | None, quantize_input: bool = True) -> torch.Tensor:
     """y = x W^T (+ bias) for an FP8 weight; output in x's dtype.
 
-    Per-channel weights with dynamic per-token activations run as one `torch._scaled_mm`.
+    On the GPU, decode-sized batches with per-channel weights run the weight-only kernel
+    (`fp8_kernels.w8a16_linear`: bf16 activations, half the weight bytes). Otherwise
+    per-channel weights with dynamic per-token activations run as one `torch._scaled_mm`.
     Block-scaled weights, weight-only checkpoints (no activation quantization) and shapes
     `_scaled_mm` refuses dequantize the weight and run a plain matmul: the same math, slower.
     """
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    if x.is_cuda and weight_scale.shape[1] == 1:
+        from engine.quantization import fp8_kernels
+        if rows.shape[0] <= fp8_kernels.W8A16_MAX_ROWS:
+            y = fp8_kernels.w8a16_linear(rows, weight, weight_scale)
+            y = y + bias if bias is not None else y
+            return y.view(*shape[:-1], weight.shape[0])
     if not (quantize_input and _scaled_mm_ok(weight, weight_scale)):
         return F.linear(x, dequantize(weight, weight_scale, x.dtype), bias)
-    shape = x.shape
-    x_q, x_scale = quantize_rows(x.reshape(-1, shape[-1]))
+    if x.is_cuda:
+        from engine.quantization.fp8_kernels import quantize_rows as quantize_rows_kernel
+        x_q, x_scale = quantize_rows_kernel(rows)
+    else:
+        x_q, x_scale = quantize_rows(rows)
     y = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.t(),
                          out_dtype=x.dtype)
     if bias is not None:

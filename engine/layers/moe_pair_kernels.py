@@ -1,0 +1,122 @@
+"""MoE experts for decode-sized batches: one matrix-vector product per (token, choice) pair.
+
+At a handful of tokens almost every pair has an expert of its own, so grouping pairs by
+expert (`moe_routing.group_by_expert`: a sort and ~15 small kernels) buys nothing and costs
+more than the experts' weight reads. Here each pair reads its expert's rows directly:
+- `_gate_up_kernel`: program (pair, n-block) computes the gate and up rows of its block
+  and writes silu(gate) * up: the SiLU-and-mul is fused;
+- `_down_combine_kernel`: program (token, n-block) sums over the token's top-k choices
+  weight * down(act): the router-weighted combine is fused, no [T * k, H] buffer.
+Two launches per layer, shapes fixed by the token count (CUDA-graph capturable). Pairs of
+another rank's experts (expert parallelism) add nothing.
+
+Imported only by the GPU path of `engine.layers.moe` (and under TRITON_INTERPRET=1 by tests).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Up to this many (token, choice) pairs the per-pair path beats grouping (H200, Qwen3-30B-A3B
+# shapes: scripts/bench_layer_kernels.py).
+MAX_PAIRS = 64
+
+
+@dataclass(frozen=True)
+class PairConfig:
+    block_n: int = 32
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _gate_up_kernel(X, W13, TopkIds, Out, inter, K, stride_x, stride_we, stride_wn, stride_o,
+                    first_expert, num_local,
+                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(TopkIds + pair).to(tl.int64) - first_expert
+    if (expert < 0) | (expert >= num_local):
+        return  # another rank's expert: the down kernel skips this pair
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < inter
+    x_ptrs = X + (pair // TOP_K) * stride_x + offs_k
+    gate_ptrs = W13 + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+    up_ptrs = gate_ptrs + inter * stride_wn
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        acc_gate += tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
+        acc_up += tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    gate = tl.sum(acc_gate, axis=1)
+    up = tl.sum(acc_up, axis=1)
+    # Rounded where the grouped path rounds: the GEMM's output, then the activation.
+    gate = gate.to(Out.dtype.element_ty).to(tl.float32)
+    up = up.to(Out.dtype.element_ty).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(Out.dtype.element_ty).to(tl.float32)
+    tl.store(Out + pair * stride_o + offs_n, (act * up).to(Out.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _down_combine_kernel(Act, W2, TopkIds, TopkWeights, Out, N, inter, stride_a, stride_we,
+                         stride_wn, stride_o, first_expert, num_local,
+                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for choice in tl.static_range(TOP_K):
+        pair = token * TOP_K + choice
+        expert = tl.load(TopkIds + pair).to(tl.int64) - first_expert
+        if (expert >= 0) & (expert < num_local):  # other ranks' experts add nothing here
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            a_ptrs = Act + pair * stride_a + offs_k
+            w_ptrs = W2 + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+            for k0 in range(0, inter, BLOCK_K):
+                k_mask = offs_k < inter - k0
+                a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+                w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                acc += w.to(tl.float32) * a
+                a_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
+            # Each pair's product is rounded to the model dtype before its weight, as the
+            # grouped path's GEMM output is; the sum over choices stays in fp32.
+            y = tl.sum(acc, axis=1).to(Out.dtype.element_ty).to(tl.float32)
+            out += y * tl.load(TopkWeights + pair).to(tl.float32)
+    tl.store(Out + token * stride_o + offs_n, out.to(Out.dtype.element_ty), mask=n_mask)
+
+
+def experts_per_pair(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, first_expert: int = 0,
+                     config: PairConfig = PairConfig(),
+                     down_config: PairConfig | None = None) -> torch.Tensor:
+    """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), local experts only:
+    `moe.experts_torch`'s result, for batches of at most a few tokens."""
+    t, top_k = topk_ids.shape
+    num_local, two_i, hidden = w13.shape
+    inter = two_i // 2
+    down_config = down_config or config
+    ids = topk_ids.contiguous()
+    act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(t * top_k, triton.cdiv(inter, config.block_n))](
+        x, w13, ids, act, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        first_expert, num_local, TOP_K=top_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
+    _down_combine_kernel[(t, triton.cdiv(hidden, down_config.block_n))](
+        act, w2, ids, topk_weights.contiguous(), out, hidden, inter, act.stride(0), w2.stride(0),
+        w2.stride(1), out.stride(0), first_expert, num_local, TOP_K=top_k,
+        BLOCK_N=down_config.block_n, BLOCK_K=down_config.block_k,
+        num_warps=down_config.num_warps, num_stages=down_config.num_stages)
+    return out

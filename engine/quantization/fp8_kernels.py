@@ -1,0 +1,113 @@
+"""Triton kernels for FP8 weights on the GPU (also run under TRITON_INTERPRET=1).
+
+- `w8a16_linear`: y = x (w * scale)^T for a float8 weight with one scale per output row,
+  the activations kept in bf16. For decode-sized batches the GEMM reads the weight once and
+  is bound by those bytes, so half the bytes is the whole gain; quantizing the activations
+  first (what `torch._scaled_mm` needs) only adds launches there.
+- `quantize_rows`: the activations' per-row float8 quantization for `torch._scaled_mm` in
+  one launch (the torch expression is seven).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.quantization.fp8 import FP8, FP8_MAX, _MIN_SCALE
+
+# Rows of activations up to which the weight-only kernel beats `torch._scaled_mm` (H200,
+# Llama-3-8B shapes: scripts/bench_layer_kernels.py).
+W8A16_MAX_ROWS = 16
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int = 32
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@triton.jit
+def _w8a16_kernel(X, W, Scale, Out, M, N, K, stride_xm, stride_wn, stride_om,
+                  PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    if BLOCK_M == 1:  # one row: multiply-add on the CUDA cores, reduce once at the end
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k0
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc2 += w.to(tl.float32) * x.to(tl.float32)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        acc = tl.sum(acc2, axis=1)[None, :]
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k0
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    acc = acc * tl.load(Scale + offs_n, mask=n_mask, other=0.0)[None, :]
+    tl.store(Out + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(Out.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 config: GemvConfig = GemvConfig()) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32), weight float8 [N, K], weight_scale float32 [N, 1] ->
+    [M, N] in x's dtype. M is small (decode): the whole batch is one row block."""
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    # tl.dot wants at least 16 rows; one row multiplies on the CUDA cores.
+    block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
+    _w8a16_kernel[(triton.cdiv(n, config.block_n),)](
+        x, weight, weight_scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        # float32 activations get float32 products, not TF32's 10-bit mantissa
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+@triton.jit
+def _quantize_rows_kernel(X, Q, Scale, K, stride_x, stride_q, fp8_max, min_scale,
+                          BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(X + row * stride_x + k0 + offs, mask=offs < K - k0, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    # IEEE division (Triton's `/` is approximate), as the torch expression divides
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), min_scale), fp8_max)
+    tl.store(Scale + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        mask = offs < K - k0
+        x = tl.load(X + row * stride_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
+        tl.store(Q + row * stride_q + k0 + offs, q.to(Q.dtype.element_ty), mask=mask)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`engine.quantization.fp8.quantize_rows` in one launch: x [M, K] -> (float8 [M, K],
+    float32 scale [M, 1])."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX, _MIN_SCALE,
+                                    BLOCK_K=min(2048, triton.next_power_of_2(k)), num_warps=4)
+    return q, scale

@@ -1,0 +1,242 @@
+"""GPU time of the MoE and FP8 layer kernels against their memory floors, per tile config.
+
+    python scripts/bench_layer_kernels.py [--moe] [--fp8] [--quick] [--json PATH]
+
+MoE (Qwen3-30B-A3B's expert shapes: 128 experts, top-8, hidden 2048, width 768, bf16): per
+batch size, the router (torch vs the Triton kernel), the per-pair path and the grouped
+path per tile config (each GEMM alone, and the whole layer: routing + experts), against the
+floor (bytes of the experts the batch touches, at the measured copy rate) and, at batch
+256, a dense GEMM of the same FLOPs (issue 18's goal). FP8 (Llama-3-8B's linear shapes):
+the weight-only kernel per tile config, `torch._scaled_mm` with the activations quantized by
+torch and by the Triton kernel, and the bf16 GEMM, against the float8 weight bytes.
+
+Every time is a CUDA graph replay of 20 calls (as the engine's decode steps run), so
+launch overhead from Python is not counted. Best configs are printed last: they are what
+`moe_pair_kernels`, `moe_kernels` and `fp8_kernels` default to.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from engine.layers import moe_pair_kernels  # noqa: E402
+from engine.layers.moe import experts_triton  # noqa: E402
+from engine.layers.moe_kernels import GemmConfig, grouped_gemm  # noqa: E402
+from engine.layers.moe_pair_kernels import PairConfig  # noqa: E402
+from engine.layers.moe_router_kernel import softmax_topk  # noqa: E402
+from engine.layers.moe_routing import group_by_expert  # noqa: E402
+from engine.quantization import fp8, fp8_kernels  # noqa: E402
+
+E, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
+LLAMA_LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+                 "down": (4096, 14336)}
+
+
+def graph_us(fn, calls: int = 20, replays: int = 5) -> float:
+    """Mean GPU time of one `fn()` in microseconds, replayed from a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1e3 * start.elapsed_time(end) / (calls * replays)
+
+
+def copy_tb_s() -> float:
+    a = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    us = graph_us(lambda: b.copy_(a), calls=5, replays=4)
+    del a, b
+    return 2 * 2 * 2**30 / us / 1e6
+
+
+def try_time(fn) -> float:
+    try:
+        return graph_us(fn)
+    except Exception as e:  # a config that does not compile or fit: reported, not fatal
+        print(f"  config failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        return float("inf")
+
+
+# ------------------------------------------------------------------------------------------ MoE
+def moe_case(t: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(t, HIDDEN, device="cuda", generator=g).bfloat16()
+    logits = torch.randn(t, E, device="cuda", generator=g).bfloat16()
+    weights, ids = softmax_topk(logits, TOP_K, True)
+    return x, logits, weights, ids
+
+
+def bench_moe(bw: float, batches: list[int], quick: bool) -> dict:
+    w13 = (torch.randn(E, 2 * INTER, HIDDEN, device="cuda") / HIDDEN ** 0.5).bfloat16()
+    w2 = (torch.randn(E, HIDDEN, INTER, device="cuda") / INTER ** 0.5).bfloat16()
+    expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
+    pair_cfgs = [PairConfig(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
+        (16, 32, 64), (64, 128, 256), (4,) if quick else (2, 4, 8), (2, 4))]
+    gemm_cfgs = [GemmConfig(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
+        (64, 128), (64, 128), (4,) if quick else (4, 8), (3, 4))]
+    rows, best = [], {}
+    for t in batches:
+        x, logits, weights, ids = moe_case(t)
+        touched = torch.unique(ids).numel()
+        floor_us = touched * expert_bytes / bw / 1e6
+        row = {"tokens": t, "experts_touched": touched, "floor_us": floor_us,
+               "router_torch_us": graph_us(lambda: torch.topk(torch.softmax(logits.float(), -1), TOP_K)),
+               "router_kernel_us": graph_us(lambda: softmax_topk(logits, TOP_K, True))}
+        if t * TOP_K <= 128:  # the per-pair path
+            act = torch.empty(t * TOP_K, INTER, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(t, HIDDEN, device="cuda", dtype=torch.bfloat16)
+            gate = {c: try_time(lambda c=c: launch_gate_up(x, w13, ids, act, c)) for c in pair_cfgs}
+            down = {c: try_time(lambda c=c: launch_down(act, w2, ids, weights, out, c)) for c in pair_cfgs}
+            cg, cd = min(gate, key=gate.get), min(down, key=down.get)
+            row.update(pair_gate_up_us=gate[cg], pair_down_us=down[cd], pair_gate_up_cfg=str(cg),
+                       pair_down_cfg=str(cd), pair_default_us=gate[PairConfig()] + down[PairConfig()])
+            best[f"pair t={t}"] = (cg, cd)
+        for block_m in (16, 32, 64):
+            blocks = group_by_expert(ids, E, 0, block_m)
+            gate_up = torch.empty(t * TOP_K, 2 * INTER, device="cuda", dtype=torch.bfloat16)
+            act2 = torch.empty(t * TOP_K, INTER, device="cuda", dtype=torch.bfloat16)
+            out2 = torch.empty(t * TOP_K, HIDDEN, device="cuda", dtype=torch.bfloat16)
+            pw = weights.flatten().float().contiguous()
+            g1 = {c: try_time(lambda c=c: grouped_gemm(x, w13, blocks, gate_up, TOP_K, config=c))
+                  for c in gemm_cfgs}
+            g2 = {c: try_time(lambda c=c: grouped_gemm(act2, w2, blocks, out2, 1, pw, config=c))
+                  for c in gemm_cfgs}
+            c1, c2 = min(g1, key=g1.get), min(g2, key=g2.get)
+            row[f"grouped_bm{block_m}_us"] = g1[c1] + g2[c2]
+            row[f"grouped_bm{block_m}_default_us"] = g1[GemmConfig()] + g2[GemmConfig()]
+            row[f"grouped_bm{block_m}_cfgs"] = f"{c1} / {c2}"
+        row["group_by_expert_us"] = graph_us(lambda: group_by_expert(ids, E, 0, 16))
+        row["layer_now_us"] = graph_us(lambda: experts_triton(x, w13, w2, weights, ids))
+        saved = moe_pair_kernels.MAX_PAIRS
+        moe_pair_kernels.MAX_PAIRS = 0
+        row["layer_grouped_default_us"] = graph_us(lambda: experts_triton(x, w13, w2, weights, ids))
+        moe_pair_kernels.MAX_PAIRS = saved
+        if t == 256:  # issue 18's goal: the same FLOPs as one dense GEMM pair
+            a1 = torch.randn(t * TOP_K, HIDDEN, device="cuda").bfloat16()
+            a2 = torch.randn(t * TOP_K, INTER, device="cuda").bfloat16()
+            row["dense_same_flops_us"] = graph_us(lambda: (a1 @ w13[0].t(), a2 @ w2[0].t()))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return {"rows": rows, "best": {k: [str(c) for c in v] for k, v in best.items()}}
+
+
+def launch_gate_up(x, w13, ids, act, c: PairConfig):
+    moe_pair_kernels._gate_up_kernel[(ids.numel(), -(-INTER // c.block_n))](
+        x, w13, ids, act, INTER, HIDDEN, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        0, E, TOP_K=TOP_K, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps,
+        num_stages=c.num_stages)
+
+
+def launch_down(act, w2, ids, weights, out, c: PairConfig):
+    moe_pair_kernels._down_combine_kernel[(ids.shape[0], -(-HIDDEN // c.block_n))](
+        act, w2, ids, weights, out, HIDDEN, INTER, act.stride(0), w2.stride(0), w2.stride(1),
+        out.stride(0), 0, E, TOP_K=TOP_K, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        num_warps=c.num_warps, num_stages=c.num_stages)
+
+
+# ------------------------------------------------------------------------------------------ FP8
+def bench_fp8(bw: float, batches: list[int], quick: bool) -> dict:
+    cfgs = [fp8_kernels.GemvConfig(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
+        (16, 32, 64, 128), (128, 256, 512), (4,) if quick else (4, 8), (3, 4))]
+    rows, best = [], {}
+    for name, (n, k) in LLAMA_LINEARS.items():
+        w_bf16 = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
+        wq, ws = fp8.quantize_rows(w_bf16)
+        for m in batches:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            row = {"linear": name, "rows": m, "floor_us": n * k / bw / 1e6,
+                   "bf16_us": graph_us(lambda: x @ w_bf16.t()),
+                   "scaled_mm_torch_quant_us": try_time(lambda: scaled_mm(x, wq, ws, fp8.quantize_rows)),
+                   "scaled_mm_kernel_quant_us": try_time(lambda: scaled_mm(x, wq, ws, fp8_kernels.quantize_rows))}
+            if m <= 32:
+                times = {c: try_time(lambda c=c: fp8_kernels.w8a16_linear(x, wq, ws, c)) for c in cfgs}
+                c = min(times, key=times.get)
+                row.update(w8a16_us=times[c], w8a16_cfg=str(c),
+                           w8a16_default_us=times[fp8_kernels.GemvConfig()])
+                best[f"{name} m={m}"] = str(c)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return {"rows": rows, "best": best}
+
+
+def scaled_mm(x, wq, ws, quantize):
+    x_q, sx = quantize(x)
+    return torch._scaled_mm(x_q, wq.t(), scale_a=sx, scale_b=ws.t(), out_dtype=x.dtype)
+
+
+def print_tables(res: dict) -> None:
+    if "moe" in res:
+        print("\nMoE layer (experts only unless noted), us per call, CUDA-graph replay")
+        print(f"{'T':>5} {'touched':>7} {'floor':>7} {'router t/k':>11} {'pair best':>9} "
+              f"{'pair dflt':>9} {'grp16':>7} {'grp32':>7} {'grp64':>7} {'group':>6} {'now':>7} "
+              f"{'grp dflt':>8} {'now/floor':>9}")
+        for r in res["moe"]["rows"]:
+            pair = r.get("pair_gate_up_us", 0) + r.get("pair_down_us", 0)
+            print(f"{r['tokens']:>5} {r['experts_touched']:>7} {r['floor_us']:>7.1f} "
+                  f"{r['router_torch_us']:>5.1f}/{r['router_kernel_us']:<5.1f} {pair:>9.1f} "
+                  f"{r.get('pair_default_us', 0):>9.1f} {r['grouped_bm16_us']:>7.1f} "
+                  f"{r['grouped_bm32_us']:>7.1f} {r['grouped_bm64_us']:>7.1f} "
+                  f"{r['group_by_expert_us']:>6.1f} {r['layer_now_us']:>7.1f} "
+                  f"{r['layer_grouped_default_us']:>8.1f} {r['layer_now_us'] / r['floor_us']:>9.2f}")
+            if "dense_same_flops_us" in r:
+                print(f"      dense GEMMs of the same FLOPs: {r['dense_same_flops_us']:.1f} us")
+        for r in res["moe"]["rows"]:
+            print(f"T={r['tokens']}: " + ", ".join(f"bm{b} {r[f'grouped_bm{b}_cfgs']}" for b in (16, 32, 64))
+                  + (f"; pair {r['pair_gate_up_cfg']} / {r['pair_down_cfg']}" if "pair_gate_up_cfg" in r else ""))
+    if "fp8" in res:
+        print("\nFP8 linears (Llama-3-8B), us per call")
+        print(f"{'linear':>8} {'M':>4} {'floor':>7} {'bf16':>7} {'w8a16':>7} {'dflt':>7} "
+              f"{'smm+tq':>7} {'smm+kq':>7}  best w8a16 config")
+        for r in res["fp8"]["rows"]:
+            print(f"{r['linear']:>8} {r['rows']:>4} {r['floor_us']:>7.1f} {r['bf16_us']:>7.1f} "
+                  f"{r.get('w8a16_us', float('nan')):>7.1f} {r.get('w8a16_default_us', float('nan')):>7.1f} "
+                  f"{r['scaled_mm_torch_quant_us']:>7.1f} {r['scaled_mm_kernel_quant_us']:>7.1f}  "
+                  f"{r.get('w8a16_cfg', '')}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--moe", action="store_true")
+    ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="fewer tile configs")
+    ap.add_argument("--moe-batches", default="1,2,4,8,16,64,256,480")
+    ap.add_argument("--fp8-batches", default="1,4,16,32,256")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_layer_kernels.py needs a CUDA GPU")
+    bw = copy_tb_s()
+    print(f"copy rate {bw:.2f} TB/s", flush=True)
+    res = {"copy_tb_s": bw}
+    if args.moe or not args.fp8:
+        res["moe"] = bench_moe(bw, [int(b) for b in args.moe_batches.split(",")], args.quick)
+    if args.fp8 or not args.moe:
+        res["fp8"] = bench_fp8(bw, [int(b) for b in args.fp8_batches.split(",")], args.quick)
+    print_tables(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The FP8 weight kernels (engine/quantization/fp8_kernels.py) against torch references.
+
+Marked `gpu` and skipped without CUDA; tests/test_fp8.py runs the weight-only GEMM cases
+through TRITON_INTERPRET=1 on the CPU (float32 activations: the interpreter's bf16 `tl.dot`
+and its float8 casts are not exact; both run here on a GPU). tests/test_fp8.py also
+compiles every variant for sm_90.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine.quantization import fp8
+from engine.quantization.fp8_kernels import GemvConfig, quantize_rows, w8a16_linear
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if INTERPRET else None)
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(DEVICE is None, reason="needs a CUDA GPU (or TRITON_INTERPRET=1)")]
+cuda_only = pytest.mark.skipif(DEVICE != "cuda", reason="float8 casts and bf16 dots: GPU only")
+
+DTYPES = [torch.float32] + ([] if INTERPRET else [torch.bfloat16])
+# (rows, out features, in features): batch 1 (CUDA cores), a few rows and 16 (tensor cores),
+# widths not multiples of the tiles; on a GPU, Llama-3-8B's down projection.
+SHAPES = [(1, 72, 200), (3, 72, 200), (16, 40, 136)] + \
+    ([] if INTERPRET else [(1, 4096, 14336), (8, 4096, 14336)])
+
+
+def random_fp8_weight(n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    weight, scale = fp8.quantize_rows(torch.randn(n, k, generator=g) / k ** 0.5)
+    return weight.to(DEVICE), scale.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("config", [GemvConfig(), GemvConfig(block_n=16, block_k=64, num_warps=2)],
+                         ids=["default", "small_tiles"])
+def test_w8a16_matches_dequantized_matmul(shape, dtype, config):
+    m, n, k = shape
+    weight, scale = random_fp8_weight(n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    ref = x.double() @ fp8.dequantize(weight, scale, torch.float64).t()
+    out = w8a16_linear(x, weight, scale, config)
+    assert out.dtype == dtype and out.shape == (m, n)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
+    assert (out.double() - ref).abs().max().item() <= tol * (1 + ref.abs().max().item())
+
+
+@cuda_only
+def test_fp8_linear_dispatch_on_gpu():
+    """Decode-sized batches take the weight-only kernel, larger ones `_scaled_mm`; both
+    close to the dequantized bf16 product."""
+    weight, scale = random_fp8_weight(256, 512, seed=3)
+    dense = fp8.dequantize(weight, scale, torch.float32)
+    for rows in (1, 16, 17, 300):
+        x = torch.randn(rows, 512, device=DEVICE).bfloat16()
+        out = fp8.fp8_linear(x, weight, scale, None)
+        ref = x.float() @ dense.t()
+        # W8A8 above 16 rows: the activations' rounding to float8 (~2^-4 relative) shows
+        tol = 0.02 if rows <= 16 else 0.08
+        assert (out.float() - ref).abs().max().item() <= tol * ref.abs().max().item(), rows
+
+
+@cuda_only
+@pytest.mark.parametrize("shape", [(1, 4096), (7, 14336), (300, 4096), (2, 100)])
+def test_quantize_rows_kernel_equals_torch(shape):
+    x = torch.randn(*shape, device=DEVICE).bfloat16() * 3
+    x[0, :7] = 0  # rows and runs of zeros
+    q, s = quantize_rows(x)
+    q_ref, s_ref = fp8.quantize_rows(x)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
