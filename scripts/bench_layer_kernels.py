@@ -25,6 +25,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from bench_offline import measure_ceilings  # noqa: E402
 
 from engine.layers import moe_pair_kernels  # noqa: E402
 from engine.layers.moe import experts_triton  # noqa: E402
@@ -61,14 +64,6 @@ def graph_us(fn, calls: int = 20, replays: int = 5) -> float:
     return 1e3 * start.elapsed_time(end) / (calls * replays)
 
 
-def copy_tb_s() -> float:
-    a = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty_like(a)
-    us = graph_us(lambda: b.copy_(a), calls=5, replays=4)
-    del a, b
-    return 2 * 2 * 2**30 / us / 1e6
-
-
 def try_time(fn) -> float:
     try:
         return graph_us(fn)
@@ -90,9 +85,9 @@ def bench_moe(bw: float, batches: list[int], quick: bool) -> dict:
     w13 = (torch.randn(E, 2 * INTER, HIDDEN, device="cuda") / HIDDEN ** 0.5).bfloat16()
     w2 = (torch.randn(E, HIDDEN, INTER, device="cuda") / INTER ** 0.5).bfloat16()
     expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
-    pair_cfgs = [PairConfig(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
+    pair_cfgs = [PairConfig()] + [PairConfig(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
         (16, 32, 64), (64, 128, 256), (4,) if quick else (2, 4, 8), (2, 4))]
-    gemm_cfgs = [GemmConfig(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
+    gemm_cfgs = [GemmConfig()] + [GemmConfig(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
         (64, 128), (64, 128), (4,) if quick else (4, 8), (3, 4))]
     rows, best = [], {}
     for t in batches:
@@ -156,7 +151,7 @@ def launch_down(act, w2, ids, weights, out, c: PairConfig):
 
 # ------------------------------------------------------------------------------------------ FP8
 def bench_fp8(bw: float, batches: list[int], quick: bool) -> dict:
-    cfgs = [fp8_kernels.GemvConfig(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
+    cfgs = [fp8_kernels.GemvConfig()] + [fp8_kernels.GemvConfig(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
         (16, 32, 64, 128), (128, 256, 512), (4,) if quick else (4, 8), (3, 4))]
     rows, best = [], {}
     for name, (n, k) in LLAMA_LINEARS.items():
@@ -219,13 +214,13 @@ def main() -> None:
     ap.add_argument("--moe", action="store_true")
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--quick", action="store_true", help="fewer tile configs")
-    ap.add_argument("--moe-batches", default="1,2,4,8,16,64,256,480")
-    ap.add_argument("--fp8-batches", default="1,4,16,32,256")
+    ap.add_argument("--moe-batches", default="1,4,8,16,64,256,480")
+    ap.add_argument("--fp8-batches", default="1,4,16,256")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_layer_kernels.py needs a CUDA GPU")
-    bw = copy_tb_s()
+    bw = measure_ceilings()["copy_tb_s"]  # as bench_offline's floors
     print(f"copy rate {bw:.2f} TB/s", flush=True)
     res = {"copy_tb_s": bw}
     if args.moe or not args.fp8:
