@@ -174,6 +174,11 @@ class AsyncEngine:
         limit = self.config.max_queued_requests
         return self.config.max_running_requests + limit if limit else None
 
+    @property
+    def in_flight(self) -> int:
+        """Streams open now: what `check_capacity` compares with `capacity`."""
+        return len(self._streams)
+
     def check_capacity(self) -> None:
         """Raise QueueFullError when no more requests fit. Counted on the caller's side
         (streams in flight), so a burst is refused at once, not after the engine thread

@@ -205,6 +205,10 @@ class ProcessAsyncEngine:
         limit = self.config.max_queued_requests
         return self.config.max_running_requests + limit if limit else None
 
+    @property
+    def in_flight(self) -> int:  # streams open now: what check_capacity counts
+        return len(self._streams)
+
     def check_capacity(self) -> None:
         """Raise QueueFullError when no more requests fit (streams in flight, counted here)."""
         capacity = self.capacity

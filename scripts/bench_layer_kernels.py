@@ -31,6 +31,7 @@ from bench_offline import measure_ceilings  # noqa: E402
 
 from engine.layers import moe_pair_kernels  # noqa: E402
 from engine.layers.moe import experts_triton  # noqa: E402
+from engine.layers.moe_align_kernel import group_by_expert_kernel  # noqa: E402
 from engine.layers.moe_kernels import GemmConfig, grouped_gemm  # noqa: E402
 from engine.layers.moe_pair_kernels import PairConfig  # noqa: E402
 from engine.layers.moe_router_kernel import softmax_topk  # noqa: E402
@@ -38,6 +39,7 @@ from engine.layers.moe_routing import group_by_expert  # noqa: E402
 from engine.quantization import fp8, fp8_kernels  # noqa: E402
 
 E, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
+COPIES = 4  # weight copies used in turn (see bench_moe)
 LLAMA_LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
                  "down": (4096, 14336)}
 
@@ -82,8 +84,13 @@ def moe_case(t: int, seed: int = 0):
 
 
 def bench_moe(bw: float, batches: list[int], quick: bool) -> dict:
-    w13 = (torch.randn(E, 2 * INTER, HIDDEN, device="cuda") / HIDDEN ** 0.5).bfloat16()
-    w2 = (torch.randn(E, HIDDEN, INTER, device="cuda") / INTER ** 0.5).bfloat16()
+    # Copies of the layer's weights, used in turn, as a model's layers are: one copy replayed
+    # would serve a decode step's few experts from L2 (50 MB) and beat the floor.
+    layers = [((torch.randn(E, 2 * INTER, HIDDEN, device="cuda") / HIDDEN ** 0.5).bfloat16(),
+               (torch.randn(E, HIDDEN, INTER, device="cuda") / INTER ** 0.5).bfloat16())
+              for _ in range(COPIES)]
+    turn = itertools.cycle(layers)
+    w13, w2 = layers[0]
     expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
     pair_cfgs = [PairConfig()] + [PairConfig(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
         (16, 32, 64), (64, 128, 256), (4,) if quick else (2, 4, 8), (2, 4))]
@@ -99,9 +106,9 @@ def bench_moe(bw: float, batches: list[int], quick: bool) -> dict:
                "router_kernel_us": graph_us(lambda: softmax_topk(logits, TOP_K, True))}
         if t * TOP_K <= 128:  # the per-pair path
             act = torch.empty(t * TOP_K, INTER, device="cuda", dtype=torch.bfloat16)
-            out = torch.empty(t, HIDDEN, device="cuda", dtype=torch.bfloat16)
-            gate = {c: try_time(lambda c=c: launch_gate_up(x, w13, ids, act, c)) for c in pair_cfgs}
-            down = {c: try_time(lambda c=c: launch_down(act, w2, ids, weights, out, c)) for c in pair_cfgs}
+            out = torch.empty(t * TOP_K, HIDDEN, device="cuda", dtype=torch.bfloat16)
+            gate = {c: try_time(lambda c=c: launch_gate_up(x, next(turn)[0], ids, act, c)) for c in pair_cfgs}
+            down = {c: try_time(lambda c=c: launch_down(act, next(turn)[1], ids, weights, out, c)) for c in pair_cfgs}
             cg, cd = min(gate, key=gate.get), min(down, key=down.get)
             row.update(pair_gate_up_us=gate[cg], pair_down_us=down[cd], pair_gate_up_cfg=str(cg),
                        pair_down_cfg=str(cd), pair_default_us=gate[PairConfig()] + down[PairConfig()])
@@ -112,19 +119,20 @@ def bench_moe(bw: float, batches: list[int], quick: bool) -> dict:
             act2 = torch.empty(t * TOP_K, INTER, device="cuda", dtype=torch.bfloat16)
             out2 = torch.empty(t * TOP_K, HIDDEN, device="cuda", dtype=torch.bfloat16)
             pw = weights.flatten().float().contiguous()
-            g1 = {c: try_time(lambda c=c: grouped_gemm(x, w13, blocks, gate_up, TOP_K, config=c))
+            g1 = {c: try_time(lambda c=c: grouped_gemm(x, next(turn)[0], blocks, gate_up, TOP_K, config=c))
                   for c in gemm_cfgs}
-            g2 = {c: try_time(lambda c=c: grouped_gemm(act2, w2, blocks, out2, 1, pw, config=c))
+            g2 = {c: try_time(lambda c=c: grouped_gemm(act2, next(turn)[1], blocks, out2, 1, pw, config=c))
                   for c in gemm_cfgs}
             c1, c2 = min(g1, key=g1.get), min(g2, key=g2.get)
             row[f"grouped_bm{block_m}_us"] = g1[c1] + g2[c2]
             row[f"grouped_bm{block_m}_default_us"] = g1[GemmConfig()] + g2[GemmConfig()]
             row[f"grouped_bm{block_m}_cfgs"] = f"{c1} / {c2}"
         row["group_by_expert_us"] = graph_us(lambda: group_by_expert(ids, E, 0, 16))
-        row["layer_now_us"] = graph_us(lambda: experts_triton(x, w13, w2, weights, ids))
+        row["group_kernel_us"] = graph_us(lambda: group_by_expert_kernel(ids, E, 0, 16))
+        row["layer_now_us"] = graph_us(lambda: experts_triton(x, *next(turn), weights, ids))
         saved = moe_pair_kernels.MAX_PAIRS
         moe_pair_kernels.MAX_PAIRS = 0
-        row["layer_grouped_default_us"] = graph_us(lambda: experts_triton(x, w13, w2, weights, ids))
+        row["layer_grouped_default_us"] = graph_us(lambda: experts_triton(x, *next(turn), weights, ids))
         moe_pair_kernels.MAX_PAIRS = saved
         if t == 256:  # issue 18's goal: the same FLOPs as one dense GEMM pair
             a1 = torch.randn(t * TOP_K, HIDDEN, device="cuda").bfloat16()
@@ -143,31 +151,33 @@ def launch_gate_up(x, w13, ids, act, c: PairConfig):
 
 
 def launch_down(act, w2, ids, weights, out, c: PairConfig):
-    moe_pair_kernels._down_combine_kernel[(ids.shape[0], -(-HIDDEN // c.block_n))](
+    moe_pair_kernels._down_kernel[(ids.numel(), -(-HIDDEN // c.block_n))](
         act, w2, ids, weights, out, HIDDEN, INTER, act.stride(0), w2.stride(0), w2.stride(1),
-        out.stride(0), 0, E, TOP_K=TOP_K, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        out.stride(0), 0, E, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         num_warps=c.num_warps, num_stages=c.num_stages)
+    return out.view(ids.shape[0], TOP_K, HIDDEN).sum(dim=1)
 
 
 # ------------------------------------------------------------------------------------------ FP8
 def bench_fp8(bw: float, batches: list[int], quick: bool) -> dict:
-    cfgs = [fp8_kernels.GemvConfig()] + [fp8_kernels.GemvConfig(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
+    cfgs = [fp8_kernels.GemvConfig(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
         (16, 32, 64, 128), (128, 256, 512), (4,) if quick else (4, 8), (3, 4))]
     rows, best = [], {}
     for name, (n, k) in LLAMA_LINEARS.items():
-        w_bf16 = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
-        wq, ws = fp8.quantize_rows(w_bf16)
+        dense = [(torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16() for _ in range(COPIES)]
+        quantized = [fp8.quantize_rows(w) for w in dense]
+        dense_turn, fp8_turn = itertools.cycle(dense), itertools.cycle(quantized)
         for m in batches:
             x = torch.randn(m, k, device="cuda").bfloat16()
             row = {"linear": name, "rows": m, "floor_us": n * k / bw / 1e6,
-                   "bf16_us": graph_us(lambda: x @ w_bf16.t()),
-                   "scaled_mm_torch_quant_us": try_time(lambda: scaled_mm(x, wq, ws, fp8.quantize_rows)),
-                   "scaled_mm_kernel_quant_us": try_time(lambda: scaled_mm(x, wq, ws, fp8_kernels.quantize_rows))}
+                   "bf16_us": graph_us(lambda: x @ next(dense_turn).t()),
+                   "scaled_mm_torch_quant_us": try_time(lambda: scaled_mm(x, *next(fp8_turn), fp8.quantize_rows)),
+                   "scaled_mm_kernel_quant_us": try_time(lambda: scaled_mm(x, *next(fp8_turn), fp8_kernels.quantize_rows))}
             if m <= 32:
-                times = {c: try_time(lambda c=c: fp8_kernels.w8a16_linear(x, wq, ws, c)) for c in cfgs}
+                times = {c: try_time(lambda c=c: fp8_kernels.w8a16_linear(x, *next(fp8_turn), c)) for c in cfgs}
                 c = min(times, key=times.get)
                 row.update(w8a16_us=times[c], w8a16_cfg=str(c),
-                           w8a16_default_us=times[fp8_kernels.GemvConfig()])
+                           w8a16_default_us=try_time(lambda: fp8_kernels.w8a16_linear(x, *next(fp8_turn))))
                 best[f"{name} m={m}"] = str(c)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -183,7 +193,7 @@ def print_tables(res: dict) -> None:
     if "moe" in res:
         print("\nMoE layer (experts only unless noted), us per call, CUDA-graph replay")
         print(f"{'T':>5} {'touched':>7} {'floor':>7} {'router t/k':>11} {'pair best':>9} "
-              f"{'pair dflt':>9} {'grp16':>7} {'grp32':>7} {'grp64':>7} {'group':>6} {'now':>7} "
+              f"{'pair dflt':>9} {'grp16':>7} {'grp32':>7} {'grp64':>7} {'group t/k':>11} {'now':>7} "
               f"{'grp dflt':>8} {'now/floor':>9}")
         for r in res["moe"]["rows"]:
             pair = r.get("pair_gate_up_us", 0) + r.get("pair_down_us", 0)
@@ -191,7 +201,7 @@ def print_tables(res: dict) -> None:
                   f"{r['router_torch_us']:>5.1f}/{r['router_kernel_us']:<5.1f} {pair:>9.1f} "
                   f"{r.get('pair_default_us', 0):>9.1f} {r['grouped_bm16_us']:>7.1f} "
                   f"{r['grouped_bm32_us']:>7.1f} {r['grouped_bm64_us']:>7.1f} "
-                  f"{r['group_by_expert_us']:>6.1f} {r['layer_now_us']:>7.1f} "
+                  f"{r['group_by_expert_us']:>5.1f}/{r['group_kernel_us']:<5.1f} {r['layer_now_us']:>7.1f} "
                   f"{r['layer_grouped_default_us']:>8.1f} {r['layer_now_us'] / r['floor_us']:>9.2f}")
             if "dense_same_flops_us" in r:
                 print(f"      dense GEMMs of the same FLOPs: {r['dense_same_flops_us']:.1f} us")
@@ -214,7 +224,7 @@ def main() -> None:
     ap.add_argument("--moe", action="store_true")
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--quick", action="store_true", help="fewer tile configs")
-    ap.add_argument("--moe-batches", default="1,4,8,16,64,256,480")
+    ap.add_argument("--moe-batches", default="1,4,8,16,64,256,480,2048")
     ap.add_argument("--fp8-batches", default="1,4,16,256")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

@@ -491,7 +491,7 @@ def test_draining_replica_ends_idle_channels_and_busy_ones_after_their_last_requ
             await asyncio.wait_for(idle_next, 2)
         # The busy channel still delivers its request's deltas, then ends once it is done.
         outboxes["busy"].put(("req", [1], True, "stop", 1, None))
-        assert await asyncio.wait_for(busy.__anext__(), 2) == [("req", [1], True, "stop", 1, None)]
+        assert await asyncio.wait_for(busy.__anext__(), 2) == ([("req", [1], True, "stop", 1, None)], 0, None)
         busy_next = asyncio.ensure_future(busy.__anext__())
         await asyncio.sleep(0.7)
         assert not busy_next.done()

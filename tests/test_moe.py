@@ -224,17 +224,21 @@ def test_moe_kernels_compile_for_hopper():
     variant the GPU path launches compiles for sm_90 too."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
     from sm90_compile import compile_for_sm90
+    from engine.layers.moe_align_kernel import _align_kernel
     from engine.layers.moe_kernels import _grouped_gemm_kernel
-    from engine.layers.moe_pair_kernels import _down_combine_kernel, _gate_up_kernel
+    from engine.layers.moe_pair_kernels import _down_kernel, _gate_up_kernel
     from engine.layers.moe_router_kernel import _softmax_topk_kernel
 
     bf16 = dict(X="*bf16", W13="*bf16", W2="*bf16", Act="*bf16", Out="*bf16", TopkWeights="*fp32",
                 K="i32", N="i32")
     tiles = dict(TOP_K=8, BLOCK_N=32, BLOCK_K=128)
     compile_for_sm90(_gate_up_kernel, bf16, tiles)
-    compile_for_sm90(_down_combine_kernel, bf16, tiles)
+    compile_for_sm90(_down_kernel, bf16, dict(BLOCK_N=16, BLOCK_K=256))
     compile_for_sm90(_softmax_topk_kernel, dict(Logits="*bf16", Weights="*fp32"),
                      dict(TOP_K=8, RENORMALIZE=True, BLOCK_E=128, BLOCK_TOPK=8))
+    compile_for_sm90(_align_kernel, dict(TopkIds="*i64", SortedPairs="*i64", BlockExpert="*i64",
+                                         Cursor="*i32"), dict(BLOCK_M=16, BLOCK_E=256, CHUNK=128),
+                     num_warps=8)
     compile_for_sm90(_grouped_gemm_kernel, dict(A="*bf16", W="*bf16", C="*bf16", PairWeights="*fp32",
                                                 N="i32", K="i32"),
                      dict(ROWS_PER_A=8, WEIGHTED=True, PRECISION="tf32", BLOCK_M=16, BLOCK_N=128,

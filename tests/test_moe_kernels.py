@@ -14,7 +14,8 @@ from engine.layers import moe_pair_kernels
 from engine.layers.moe import experts_torch, experts_triton
 from engine.layers.moe_pair_kernels import PairConfig, experts_per_pair
 from engine.layers.moe_router_kernel import softmax_topk
-from engine.layers.moe_routing import select_experts
+from engine.layers.moe_align_kernel import group_by_expert_kernel
+from engine.layers.moe_routing import group_by_expert, select_experts
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if INTERPRET else None)
@@ -81,14 +82,14 @@ def test_expert_parallel_slices_add_up(rank, path, monkeypatch):
                                atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("config", [PairConfig(), PairConfig(block_n=16, block_k=32, num_warps=2)],
+@pytest.mark.parametrize("config", [PairConfig(), PairConfig(block_n=32, block_k=32, num_warps=2)],
                          ids=["default", "small_tiles"])
 def test_per_pair_path_any_tiling(config):
     """Tiles that do not divide the widths, and a token whose choices share an expert."""
     x, w13, w2, weights, ids = random_moe(3, 8, 4, 48, 40, torch.float32, seed=2)
     ids[1] = torch.tensor([5, 5, 2, 5])  # as if the router picked one expert thrice
     ref = experts_torch(x, w13, w2, weights, ids)
-    out = experts_per_pair(x, w13, w2, weights, ids, config=config)
+    out = experts_per_pair(x, w13, w2, weights, ids, config=config, down_config=config)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -107,3 +108,17 @@ def test_softmax_topk_kernel_matches_select_experts(tokens, experts, top_k, reno
     if DEVICE == "cuda":  # what the model calls on the GPU is the kernel
         w2, i2 = select_experts(logits.bfloat16(), top_k, renormalize)
         assert torch.equal(i2, softmax_topk(logits.bfloat16(), top_k, renormalize)[1])
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,block_m,first,num_local", [
+    (1, 128, 8, 16, 0, 128), (37, 8, 2, 16, 0, 8), (300, 16, 4, 32, 4, 8), (70, 8, 2, 64, 0, 8),
+    (5, 6, 2, 16, 3, 3)], ids=lambda v: str(v))
+def test_align_kernel_equals_torch_grouping(tokens, experts, top_k, block_m, first, num_local):
+    """The one-launch grouping gives the torch version's rows in the same order (EP ranks,
+    chunks of 128 pairs, blocks of 16-64, experts left empty)."""
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(DEVICE)
+    ref = group_by_expert(ids, num_local, first, block_m)
+    ours = group_by_expert_kernel(ids, num_local, first, block_m)
+    assert torch.equal(ours.sorted_pairs, ref.sorted_pairs)
+    assert torch.equal(ours.block_expert, ref.block_expert)

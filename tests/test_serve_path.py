@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 
 import httpx
 import pytest
@@ -136,6 +137,59 @@ def test_burst_over_the_bound_is_refused_at_once_and_loses_nothing(server):
     texts = {r.json()["choices"][0]["text"] for r in ok}
     assert len(texts) == 1  # every accepted request ran to its end, greedy: the same text
     assert all(r.json()["usage"]["completion_tokens"] == 48 for r in ok)
+    _no_kv_leak(SMALL)
+
+
+def _engine_calls(base: str) -> int:
+    stats = _stats(base)
+    return stats["requests_on_channel"] + stats["requests_on_own_stream"]
+
+
+def test_full_engine_refused_at_the_ingress_and_room_admitted(server):
+    """With the engine full, the ingress answers the engine's 503 itself (the engine's load
+    reports on the delta channel say it is full: deployments/admission.py), so the probes
+    never reach the engine; once the streams are gone, a request is admitted at once."""
+    for _ in range(30):  # the ingress's delta channel to the engine replica is open
+        httpx.post(f"{SMALL}/v1/completions", json={"prompt": "warm", "max_tokens": 2}, timeout=60)
+        if _stats(SMALL)["open_channels"] == 1:
+            break
+    hold = {"model": "radixserve-demo", "prompt": "A long road", "max_tokens": 480,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+    probe = {"model": "radixserve-demo", "prompt": "A long road", "max_tokens": 4}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=40)) as client:
+            async def held():
+                async with client.stream("POST", f"{SMALL}/v1/completions", json=hold) as r:
+                    async for _ in r.aiter_bytes():
+                        pass
+
+            holders = [asyncio.create_task(held()) for _ in range(12)]  # 4 running + 8 queued
+            for _ in range(600):
+                stats = (await client.get(f"{SMALL}/v1/stats")).json()
+                if stats["running"] + stats["waiting"] == 12:
+                    break
+                await asyncio.sleep(0.05)
+            before = _engine_calls(SMALL)
+            probes = [await client.post(f"{SMALL}/v1/completions", json=probe) for _ in range(5)]
+            reached = _engine_calls(SMALL) - before
+            for task in holders:
+                task.cancel()
+            await asyncio.gather(*holders, return_exceptions=True)
+            return probes, reached
+
+    probes, reached = asyncio.run(run())
+    assert [r.status_code for r in probes] == [503] * 5, [r.text for r in probes]
+    for r in probes:
+        assert r.headers["retry-after"] == "1" and r.json()["error"]["message"] == OVERLOADED_MESSAGE
+    assert reached < 5, reached  # without the ingress's gate every probe reaches the engine
+    for _ in range(100):  # the cancelled streams are aborted in the engine
+        stats = _stats(SMALL)
+        if stats["running"] + stats["waiting"] == 0:
+            break
+        time.sleep(0.1)
+    r = httpx.post(f"{SMALL}/v1/completions", json=probe, timeout=60)
+    assert r.status_code == 200, r.text  # room again: the gate lets it through
     _no_kv_leak(SMALL)
 
 

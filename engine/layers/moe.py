@@ -12,7 +12,7 @@ and the owner of the layer adds the ranks' partial sums with one all-reduce.
 
 The forward has two implementations of the same computation:
 - CPU (reference): pairs sorted by expert, one matmul per expert in use.
-- GPU: pairs grouped into expert blocks (`moe_routing.group_by_expert`), then two Triton
+- GPU: pairs grouped into expert blocks (`moe_align_kernel`, one launch), then two Triton
   grouped GEMMs (`moe_kernels.grouped_gemm`) around SiLU-and-mul: no Python loop over
   experts, no host sync, shapes fixed by the token count (CUDA-graph capturable).
   Decode-sized batches skip the grouping: one matrix-vector product per (token, choice)
@@ -61,27 +61,36 @@ def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return out.view(t, k, w2.shape[1]).sum(dim=1)
 
 
+def block_rows(num_pairs: int, num_local_experts: int) -> int:
+    """Rows per expert block: about one block per expert in use (fewer padded rows at
+    decode sizes, fewer weight re-reads at prefill sizes)."""
+    per_expert = num_pairs / num_local_experts
+    return 16 if per_expert <= 8 else 32 if per_expert <= 24 else 64
+
+
 def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
     """The same as `experts_torch`, as two grouped GEMMs (GPU, or TRITON_INTERPRET=1)."""
     from engine.layers.fused_kernels import silu_and_mul as silu_and_mul_kernel
-    from engine.layers.moe_kernels import grouped_gemm
+    from engine.layers import moe_align_kernel
+    from engine.layers.moe_kernels import DOWN_TILES, GATE_UP_TILES, grouped_gemm
     from engine.layers.moe_pair_kernels import MAX_PAIRS, experts_per_pair
 
     t, k = topk_ids.shape
     num_pairs = t * k
     if num_pairs <= MAX_PAIRS:
         return experts_per_pair(x, w13, w2, topk_weights, topk_ids, first_expert)
-    # Small batches (decode) use short blocks: less padding per expert in use.
-    block_m = 16 if num_pairs <= 64 * w13.shape[0] else 64
-    blocks = group_by_expert(topk_ids, w13.shape[0], first_expert, block_m)
+    block_m = block_rows(num_pairs, w13.shape[0])
+    group = (moe_align_kernel.group_by_expert_kernel if num_pairs <= moe_align_kernel.MAX_PAIRS
+             else group_by_expert)
+    blocks = group(topk_ids, w13.shape[0], first_expert, block_m)
     gate_up = torch.empty((num_pairs, w13.shape[1]), dtype=x.dtype, device=x.device)
-    grouped_gemm(x, w13, blocks, gate_up, rows_per_a=k)
+    grouped_gemm(x, w13, blocks, gate_up, rows_per_a=k, config=GATE_UP_TILES)
     act = silu_and_mul_kernel(gate_up)
     # Pairs of other ranks' experts are not written: their rows must read as zero.
     out = torch.zeros((num_pairs, w2.shape[1]), dtype=x.dtype, device=x.device)
     grouped_gemm(act, w2, blocks, out, rows_per_a=1,
-                 pair_weights=topk_weights.flatten().float().contiguous())
+                 pair_weights=topk_weights.flatten().float().contiguous(), config=DOWN_TILES)
     return out.view(t, k, w2.shape[1]).sum(dim=1)
 
 

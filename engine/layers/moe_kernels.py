@@ -61,6 +61,11 @@ class GemmConfig:
     num_stages: int = 3
 
 
+# H200, Qwen3-30B-A3B expert shapes (scripts/bench_layer_kernels.py): tiles per GEMM.
+GATE_UP_TILES = GemmConfig(block_n=128, block_k=128)
+DOWN_TILES = GemmConfig(block_n=64, block_k=128)
+
+
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, out: torch.Tensor,
                  rows_per_a: int, pair_weights: torch.Tensor | None = None,
                  config: GemmConfig = GemmConfig()) -> torch.Tensor:

@@ -5,10 +5,11 @@ expert (`moe_routing.group_by_expert`: a sort and ~15 small kernels) buys nothin
 more than the experts' weight reads. Here each pair reads its expert's rows directly:
 - `_gate_up_kernel`: program (pair, n-block) computes the gate and up rows of its block
   and writes silu(gate) * up: the SiLU-and-mul is fused;
-- `_down_combine_kernel`: program (token, n-block) sums over the token's top-k choices
-  weight * down(act): the router-weighted combine is fused, no [T * k, H] buffer.
-Two launches per layer, shapes fixed by the token count (CUDA-graph capturable). Pairs of
-another rank's experts (expert parallelism) add nothing.
+- `_down_kernel`: program (pair, n-block) writes weight * down(act) for its block; one
+  torch sum over each token's choices follows. (Summing the choices inside the kernel left
+  too few programs at batch 1: 80 us per layer on the H200 against ~10 us of weights.)
+Three launches per layer, shapes fixed by the token count (CUDA-graph capturable). Pairs of
+another rank's experts (expert parallelism) give zero rows.
 
 Imported only by the GPU path of `engine.layers.moe` (and under TRITON_INTERPRET=1 by tests).
 """
@@ -27,10 +28,15 @@ MAX_PAIRS = 64
 
 @dataclass(frozen=True)
 class PairConfig:
-    block_n: int = 32
-    block_k: int = 128
+    block_n: int = 16
+    block_k: int = 256
     num_warps: int = 4
     num_stages: int = 3
+
+
+# H200, no weight reuse through L2 between calls (scripts/bench_layer_kernels.py):
+GATE_UP_CONFIG = PairConfig(block_n=16, block_k=256)
+DOWN_CONFIG = PairConfig(block_n=16, block_k=256)
 
 
 @triton.jit
@@ -68,55 +74,50 @@ def _gate_up_kernel(X, W13, TopkIds, Out, inter, K, stride_x, stride_we, stride_
 
 
 @triton.jit
-def _down_combine_kernel(Act, W2, TopkIds, TopkWeights, Out, N, inter, stride_a, stride_we,
-                         stride_wn, stride_o, first_expert, num_local,
-                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
+def _down_kernel(Act, W2, TopkIds, TopkWeights, Out, N, inter, stride_a, stride_we, stride_wn,
+                 stride_o, first_expert, num_local, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(TopkIds + pair).to(tl.int64) - first_expert
+    local = (expert >= 0) & (expert < num_local)
+    expert = tl.where(local, expert, 0)
+    k_end = tl.where(local, inter, 0)  # another rank's expert: no loads, the row is zero
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
-    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for choice in tl.static_range(TOP_K):
-        pair = token * TOP_K + choice
-        expert = tl.load(TopkIds + pair).to(tl.int64) - first_expert
-        if (expert >= 0) & (expert < num_local):  # other ranks' experts add nothing here
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            a_ptrs = Act + pair * stride_a + offs_k
-            w_ptrs = W2 + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
-            for k0 in range(0, inter, BLOCK_K):
-                k_mask = offs_k < inter - k0
-                a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-                w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                acc += w.to(tl.float32) * a
-                a_ptrs += BLOCK_K
-                w_ptrs += BLOCK_K
-            # Each pair's product is rounded to the model dtype before its weight, as the
-            # grouped path's GEMM output is; the sum over choices stays in fp32.
-            y = tl.sum(acc, axis=1).to(Out.dtype.element_ty).to(tl.float32)
-            out += y * tl.load(TopkWeights + pair).to(tl.float32)
-    tl.store(Out + token * stride_o + offs_n, out.to(Out.dtype.element_ty), mask=n_mask)
+    a_ptrs = Act + pair * stride_a + offs_k
+    w_ptrs = W2 + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, k_end, BLOCK_K):
+        k_mask = offs_k < inter - k0
+        a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += w.to(tl.float32) * a
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    # Rounded as the grouped path rounds: the weighted product, in the model dtype.
+    y = tl.sum(acc, axis=1) * tl.load(TopkWeights + pair).to(tl.float32)
+    tl.store(Out + pair * stride_o + offs_n, y.to(Out.dtype.element_ty), mask=n_mask)
 
 
 def experts_per_pair(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, first_expert: int = 0,
-                     config: PairConfig = PairConfig(),
-                     down_config: PairConfig | None = None) -> torch.Tensor:
+                     config: PairConfig = GATE_UP_CONFIG,
+                     down_config: PairConfig = DOWN_CONFIG) -> torch.Tensor:
     """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), local experts only:
     `moe.experts_torch`'s result, for batches of at most a few tokens."""
     t, top_k = topk_ids.shape
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
-    down_config = down_config or config
     ids = topk_ids.contiguous()
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(t * top_k, triton.cdiv(inter, config.block_n))](
         x, w13, ids, act, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         first_expert, num_local, TOP_K=top_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages)
-    out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
-    _down_combine_kernel[(t, triton.cdiv(hidden, down_config.block_n))](
+    out = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
+    _down_kernel[(t * top_k, triton.cdiv(hidden, down_config.block_n))](
         act, w2, ids, topk_weights.contiguous(), out, hidden, inter, act.stride(0), w2.stride(0),
-        w2.stride(1), out.stride(0), first_expert, num_local, TOP_K=top_k,
+        w2.stride(1), out.stride(0), first_expert, num_local,
         BLOCK_N=down_config.block_n, BLOCK_K=down_config.block_k,
         num_warps=down_config.num_warps, num_stages=down_config.num_stages)
-    return out
+    return out.view(t, top_k, hidden).sum(dim=1)

@@ -30,6 +30,15 @@ class GemvConfig:
     num_stages: int = 4
 
 
+def gemv_config(rows: int, n: int) -> GemvConfig:
+    """Tiles by shape, from scripts/bench_layer_kernels.py on the H200 (Llama-3-8B linears):
+    wide outputs have programs to spare and take short K steps; narrower ones need thin
+    row blocks (more programs) and long K steps (more bytes in flight per program)."""
+    if n >= 16384:
+        return GemvConfig(block_n=32, block_k=128, num_stages=4)
+    return GemvConfig(block_n=16 if rows == 1 else 32, block_k=512, num_stages=4 if rows == 1 else 3)
+
+
 @triton.jit
 def _w8a16_kernel(X, W, Scale, Out, M, N, K, stride_xm, stride_wn, stride_om,
                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -65,11 +74,12 @@ def _w8a16_kernel(X, W, Scale, Out, M, N, K, stride_xm, stride_wn, stride_om,
 
 
 def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                 config: GemvConfig = GemvConfig()) -> torch.Tensor:
+                 config: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32), weight float8 [N, K], weight_scale float32 [N, 1] ->
     [M, N] in x's dtype. M is small (decode): the whole batch is one row block."""
     m, k = x.shape
     n = weight.shape[0]
+    config = config or gemv_config(m, n)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     # tl.dot wants at least 16 rows; one row multiplies on the CUDA cores.
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
