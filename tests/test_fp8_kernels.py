@@ -75,3 +75,30 @@ def test_quantize_rows_kernel_equals_torch(shape):
     torch.testing.assert_close(s, s_ref, rtol=2e-7, atol=0)
     q_ref = fp8.to_fp8(x.float() / s)  # the same scale: the same float8 bits
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@cuda_only
+def test_fp8_model_on_gpu_is_the_dequantized_model(tiny_llama):
+    """A whole model with on-the-fly FP8 weights on the GPU (decode-sized batches: the
+    weight-only kernel) gives the logits of the same model with those weights dequantized,
+    and stays close to the unquantized model (top-1 agreement reported)."""
+    from torch import nn
+
+    from engine.models import load_model
+    from test_fp8 import _linears, _prompt_logits, _rel
+    from test_models import random_sequences
+
+    model = load_model(tiny_llama, dtype="float32", device=DEVICE, quantization="fp8")
+    dequantized = load_model(tiny_llama, dtype="float32", device=DEVICE, quantization="fp8")
+    for layer in _linears(dequantized):
+        layer.weight = nn.Parameter(fp8.dequantize(layer.weight, layer.weight_scale, torch.float32),
+                                    requires_grad=False)
+        layer.weight_scale = None
+    full = load_model(tiny_llama, dtype="float32", device=DEVICE)
+    prompts = random_sequences(model.config.vocab_size, [5, 7], seed=4)  # 12 rows: <= 16
+    logits = _prompt_logits(model, prompts)
+    torch.testing.assert_close(logits, _prompt_logits(dequantized, prompts), atol=1e-4, rtol=1e-4)
+    ref = _prompt_logits(full, prompts)
+    top1 = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"fp8 weights on the GPU: relative logit error {_rel(logits, ref):.3f}, top-1 {top1:.2f}")
+    assert top1 > 0.6
