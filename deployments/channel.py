@@ -14,6 +14,10 @@ it yields nothing else but one `ON_CHANNEL` marker. A request that reaches a rep
 there streams its deltas on its own call, led by an `{"open_channel": replica_id}` item
 telling the ingress to open one.
 
+Each batch also carries the replica's streams in flight (after the batch: its finishing
+streams are not counted) and capacity: the load report the ingress's admission gate reads
+(deployments/admission.py).
+
 A channel call counts as one of the replica's ongoing requests, to Serve. Two places must
 not count it: Serve's graceful shutdown (a draining replica waits for its ongoing requests
 to reach zero, and an open channel never ends by itself), and autoscaling
@@ -44,6 +48,9 @@ DRAIN_CHECK_PERIOD_S = 0.5  # how often a replica with channels asks whether it 
 # "RuntimeError: Unexpected error (StatusCode.OK)" (Serve itself sends a dummy message when
 # it rejects a call, for the same reason).
 ON_CHANNEL = {"on_channel": True}
+
+# What a channel yields after its first item: (deltas, streams in flight, capacity or None).
+ChannelBatch = tuple[list[WireDelta], int, int | None]
 
 
 @dataclass
@@ -97,13 +104,16 @@ def submit(method, arg):
 
 
 class ChannelHub:
-    """Ingress side: this ingress replica's channels, and who waits for which request's deltas."""
+    """Ingress side: this ingress replica's channels, and who waits for which request's
+    deltas. `loads` (deployments/admission.py's AdmissionGate, or None) hears the replicas'
+    load reports and every engine call's end."""
 
-    def __init__(self, stream_handle) -> None:
+    def __init__(self, stream_handle, loads=None) -> None:
         self.ingress_id = uuid.uuid4().hex
         self._handle = stream_handle
         self._listeners: dict[str, Callable[[dict], None]] = {}
         self._channels: dict[str, asyncio.Task] = {}
+        self.loads = loads
 
     def listen(self, request_id: str, on_delta: Callable[[dict], None]) -> None:
         self._listeners[request_id] = on_delta
@@ -127,11 +137,13 @@ class ChannelHub:
             # The router waits for that replica; if it is gone, give up (the next request
             # that lands on a replica without our channel asks again).
             await asyncio.wait_for(stream.__anext__(), CHANNEL_OPEN_TIMEOUT_S)
-            async for batch in stream:
+            async for batch, in_flight, capacity in stream:
                 for delta in batch:
                     listener = self._listeners.get(delta[0])
                     if listener is not None:
                         listener(wire_dict(delta))
+                if self.loads is not None:  # after the deltas: it counts their ends
+                    self.loads.report(replica_id, in_flight, capacity)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - its requests fail on their own calls
@@ -139,11 +151,19 @@ class ChannelHub:
         finally:
             stream.cancel()
             self._channels.pop(replica_id, None)
+            if self.loads is not None:
+                self.loads.forget(replica_id)
+
+
+def _no_load() -> tuple[int, int | None]:
+    return 0, None
 
 
 async def serve_channel(outboxes: dict[str, Outbox], replica_id: str, request: ChannelOpen,
-                        abort: Callable[[str], None]) -> AsyncIterator:
-    """Replica side of one channel: yield batches until the ingress goes away."""
+                        abort: Callable[[str], None],
+                        load: Callable[[], tuple[int, int | None]] = _no_load) -> AsyncIterator:
+    """Replica side of one channel: yield batches (`ChannelBatch`, with `load()`'s streams
+    in flight and capacity) until the ingress goes away."""
     outbox = Outbox()
     old = outboxes.get(request.ingress_id)
     outboxes[request.ingress_id] = outbox
@@ -154,7 +174,9 @@ async def serve_channel(outboxes: dict[str, Outbox], replica_id: str, request: C
         while True:
             batch = await outbox.take()
             if batch:
-                yield batch
+                in_flight, capacity = load()
+                ending = sum(1 for delta in batch if delta[2])  # may not have closed yet
+                yield batch, max(0, in_flight - ending), capacity
             if outbox.ended and not outbox.request_ids:
                 return  # the ingress's pump ends quietly; its requests here are all done
     finally:

@@ -122,7 +122,8 @@ class EngineReplica:
             yield {"error": str(e), "status": 400}
         except QueueFullError:
             timer.close("rejected")
-            yield {"error": OVERLOADED_MESSAGE, "status": 503}
+            # with this replica's load: the ingress's admission gate (deployments/admission.py)
+            yield {"error": OVERLOADED_MESSAGE, "status": 503, "load": [self.replica_id, *self.load()]}
         finally:
             timer.close()  # no-op unless the caller left early
 
@@ -153,8 +154,13 @@ class EngineReplica:
         """The delta channel of one ingress replica (deployments/channel.py)."""
         if self._drain_watch is None:
             self._drain_watch = asyncio.ensure_future(end_idle_channels_when_draining(self.outboxes))
-        async for item in serve_channel(self.outboxes, self.replica_id, request, self._cut_off):
+        async for item in serve_channel(self.outboxes, self.replica_id, request, self._cut_off,
+                                        self.load):
             yield item
+
+    def load(self) -> tuple[int, int | None]:
+        """(streams in flight, capacity or None): what the engine's admission compares."""
+        return self.engine.in_flight, self.engine.capacity
 
     def _cut_off(self, request_id: str) -> None:
         """A request whose channel closed: its own call ends with an error."""

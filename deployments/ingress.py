@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
+from deployments.admission import engine_replica_ids, install_admission
 from deployments.auth import install_auth
 from deployments.channel import ChannelHub
 from deployments.chat_request import ChatFeatures
@@ -41,6 +42,8 @@ from engine import (
 
 api = FastAPI(title="radixserve", description="OpenAI-compatible API over radixserve engines")
 install_error_handlers(api)
+# Middleware added last runs first: metrics, then the key check, then admission.
+admission = install_admission(api)  # fed by the delta channels (deployments/admission.py)
 auth = install_auth(api)  # keys set by the ingress constructor
 install_http_metrics(api)
 
@@ -67,7 +70,8 @@ class OpenAIIngress:
         self.sampling_defaults = model_sampling_defaults(path)  # generation_config.json
         self.engine = engine_handle.options(stream=True)
         self.control = engine_handle
-        self.hub = ChannelHub(self.engine)
+        admission.replicas = lambda: engine_replica_ids(self.engine)
+        self.hub = ChannelHub(self.engine, loads=admission)
         self.model_name = served_model_name
         self.tokenizer = Tokenizer(tokenizer or path)  # the engine's `tokenizer` setting wins
         hf_config = load_hf_config(path)

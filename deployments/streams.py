@@ -81,10 +81,15 @@ async def merged_stream(handle, calls: list[EngineCall],
     finished = [asyncio.Event() for _ in calls]
     closing = False  # the consumer left: the calls' cancellation below is expected
 
+    loads = hub.loads if hub is not None else None  # the ingress's admission gate
+    refused: set[int] = set()  # calls the engine's bound refused: they freed no room
+
     def deliver(i: int, item: dict) -> None:
         if item.get("finished"):
             record_finished_engine_call(item)
             finished[i].set()
+            if loads is not None:
+                loads.call_finished()
         queue.put_nowait((i, item))
 
     for i, call in enumerate(calls):
@@ -101,6 +106,9 @@ async def merged_stream(handle, calls: list[EngineCall],
                 elif "on_channel" in item:
                     continue  # its deltas come on the channel (ON_CHANNEL, deployments/channel.py)
                 elif "error" in item:
+                    if loads is not None and "load" in item:  # the engine's bound refused it
+                        refused.add(i)
+                        loads.report(*item["load"])
                     await queue.put((i, item))
                     return
                 else:
@@ -138,6 +146,8 @@ async def merged_stream(handle, calls: list[EngineCall],
                 yield batch
     finally:
         closing = True
+        if loads is not None and any(not f.is_set() and i not in refused for i, f in enumerate(finished)):
+            loads.call_finished()  # calls cut short (client gone, failures): room may have opened
         for task in tasks:
             task.cancel()
         for response in responses:

@@ -23,7 +23,10 @@ ingress cores (replicas) that engine needs.
 `--admission` instead measures admission control through HTTP: a burst of 256 requests at
 an engine that takes 64 (503 latency, Retry-After, every accepted request complete); single
 requests arriving while 64 long streams fill that engine (their 503 latency: the bound in
-steady state); and how much a 10 MB text prompt delays a small request sent beside it.
+steady state), then GET /v1/models the same way (the proxy -> ingress floor under that
+load); how much a 10 MB text prompt delays a small request sent beside it; and a burst of
+256 GET /v1/models on the idle server (how long any burst takes to get through the proxy
+and the ingress: the floor of a burst's 503s).
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ from engine.engine import TokenUpdate  # noqa: E402
 from engine.request import Request, Status  # noqa: E402
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
 
-PORT = 8000
+PORT = int(os.environ.get("RADIXSERVE_TEST_PORT", "8000"))  # the Serve proxy's port
 PROMPT = list(range(20, 52))
 TEXT = ("The quick brown fox jumps over the lazy dog while the engine streams tokens "
         "to every client at once, and the path must keep up with it. ") * 4
@@ -297,13 +300,16 @@ async def run_burst(n: int, capacity: int, tokens: int) -> dict:
             "other_statuses": sorted({r[0] for r in results} - {200, 503})}
 
 
-async def run_probes_when_full(capacity: int, probes: int, gap_s: float) -> dict:
+async def run_probes_when_full(capacity: int, probes: int, gap_s: float,
+                               hold_tokens: int = 2000) -> dict:
     """The bound in steady state: `capacity` long streams fill the engine, then `probes`
-    single requests arrive one every `gap_s`; each should get its 503 at once."""
+    single requests arrive one every `gap_s`; each should get its 503 at once. Then as many
+    GET /v1/models (proxy -> ingress, no engine, no body) the same way: what any answer
+    from the ingress costs under the same load, the floor of a 503."""
     import aiohttp
 
     url = f"http://127.0.0.1:{PORT}/v1/completions"
-    hold = {"prompt": PROMPT, "max_tokens": 470, "ignore_eos": True, "stream": True}
+    hold = {"prompt": PROMPT, "max_tokens": hold_tokens, "ignore_eos": True, "stream": True}
     probe = {"prompt": PROMPT, "max_tokens": 8}
 
     async def held(session, started):
@@ -312,9 +318,10 @@ async def run_probes_when_full(capacity: int, probes: int, gap_s: float) -> dict
             async for _ in resp.content:
                 pass
 
-    async def timed(session):
+    async def timed(session, models=False):
         t0 = time.perf_counter()
-        async with session.post(url, json=probe) as resp:
+        request = session.get(url.replace("/completions", "/models")) if models else session.post(url, json=probe)
+        async with request as resp:
             await resp.read()
             return resp.status, time.perf_counter() - t0
 
@@ -324,17 +331,42 @@ async def run_probes_when_full(capacity: int, probes: int, gap_s: float) -> dict
         while len(started) < capacity:
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.5)
-        results = []
+        results, models = [], []
         for _ in range(probes):
             results.append(await timed(session))
             await asyncio.sleep(gap_s)
+        for _ in range(probes):
+            models.append((await timed(session, models=True))[1])
+            await asyncio.sleep(gap_s)
+        still_held = sum(not t.done() for t in holders)
         for t in holders:
             t.cancel()
         await asyncio.gather(*holders, return_exceptions=True)
     refused = sorted(t for status, t in results if status == 503)
+    models.sort()
     return {"holders_accepted": started.count(200), "probes": probes, "refused": len(refused),
             "refused_p50_ms": 1e3 * _pct(refused, 0.5), "refused_p99_ms": 1e3 * _pct(refused, 0.99),
-            "other_statuses": sorted({s for s, _ in results} - {503})}
+            "other_statuses": sorted({s for s, _ in results} - {503}),
+            "models_p50_ms": 1e3 * _pct(models, 0.5), "models_p99_ms": 1e3 * _pct(models, 0.99),
+            "holders_still_streaming": still_held}
+
+
+async def run_burst_floor(n: int) -> dict:
+    """`n` GET /v1/models at once on an idle server: how long a burst takes to get through
+    Serve's proxy and the ingress when the ingress answers at once (a 503's floor)."""
+    import aiohttp
+
+    url = f"http://127.0.0.1:{PORT}/v1/models"
+
+    async def one(session):
+        t0 = time.perf_counter()
+        async with session.get(url) as resp:
+            await resp.read()
+            return time.perf_counter() - t0
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        times = sorted(await asyncio.gather(*[one(session) for _ in range(n)]))
+    return {"requests": n, "p50_ms": 1e3 * _pct(times, 0.5), "p99_ms": 1e3 * _pct(times, 0.99)}
 
 
 async def run_intake(n: int, prompt_len: int) -> dict:
@@ -386,6 +418,12 @@ async def run_big_prompt(megabytes: float) -> dict:
             "delay_ms": 1e3 * (during - alone), "big_status": big_status, "big_s": big_s}
 
 
+async def _engine_calls(handle) -> int:
+    """Requests that reached the engine replica so far (accepted or refused there)."""
+    stats = await handle.stats.remote()
+    return stats["requests_on_channel"] + stats["requests_on_own_stream"]
+
+
 def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
 
@@ -426,20 +464,30 @@ def format_table(rows: list[dict]) -> str:
 
 async def admission(args) -> None:
     """The bound and the body: a burst 4x over a small engine's capacity, and a big prompt."""
-    start_serve(args.step_ms, args.step_cpu_ms, args.ingress_replicas, running=16, queued=48)
+    # A context long enough for holders that outlast the probes (the stand-in has no model).
+    handle = start_serve(args.step_ms, args.step_cpu_ms, args.ingress_replicas, running=16,
+                         queued=48, context=4096)
+    before = await _engine_calls(handle)
     burst = await run_burst(256, 64, 32)
+    after_burst = await _engine_calls(handle)
+    burst["reached_engine"] = after_burst - before  # the rest were refused by the ingress
     await asyncio.sleep(2.0)  # the burst's accepted requests finish
     full = await run_probes_when_full(64, 50, 0.02)
+    full["probes_reached_engine"] = await _engine_calls(handle) - after_burst - 64  # - holders
     big = await run_big_prompt(10.0)
+    floor = await run_burst_floor(256)
     print("\nburst of 256 at an engine of capacity 64 (16 running + 48 queued):")
     print("  " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in burst.items()))
-    print("engine full (64 streams held), 50 single requests 20 ms apart:")
+    print("engine full (64 streams held), 50 single requests 20 ms apart, then 50 GET /v1/models:")
     print("  " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in full.items()))
     print("a 10 MB prompt beside a small request:")
     print("  " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in big.items()))
+    print("a burst of 256 GET /v1/models, idle (the floor of a burst's 503s):")
+    print("  " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in floor.items()))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "burst": burst, "full": full, "big_prompt": big}, f, indent=1)
+            json.dump({"args": vars(args), "burst": burst, "full": full, "big_prompt": big,
+                       "burst_floor": floor}, f, indent=1)
 
 
 async def main_async(args) -> list[dict]:
