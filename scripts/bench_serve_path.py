@@ -436,7 +436,10 @@ def start_serve(step_ms: float, cpu_ms: float, ingress_replicas: int | None,
     from deployments.app import build_app_with
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.path.abspath(ROOT)}})
+    # Keep the caller's PYTHONPATH: on the GPU machine Ray itself comes from it (/tmp/site),
+    # and workers without it die on `import ray`.
+    path = os.pathsep.join(p for p in (os.path.abspath(ROOT), os.environ.get("PYTHONPATH")) if p)
+    ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     engine = {"max_running_requests": running, "max_queued_requests": queued, "device": "cpu",
               "max_model_len": context}

@@ -16,9 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
-_MIN_SCALE = 1e-12  # an all-zero row still gets a finite, non-zero scale
+from engine.quantization.fp8_format import FP8, FP8_MAX, MIN_SCALE
 
 
 def to_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -29,7 +27,7 @@ def to_fp8(x: torch.Tensor) -> torch.Tensor:
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, K] -> (float8 [N, K], float32 scale [N, 1]) with one scale per row, chosen so
     the row's largest magnitude maps to FP8_MAX."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=_MIN_SCALE) / FP8_MAX
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=MIN_SCALE) / FP8_MAX
     return to_fp8(x.float() / scale), scale
 
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.quantization.fp8 import FP8, FP8_MAX, _MIN_SCALE
+from engine.quantization.fp8_format import FP8, FP8_MAX, MIN_SCALE
 
 # Rows of activations up to which the weight-only kernel beats `torch._scaled_mm` (H200,
 # Llama-3-8B shapes: scripts/bench_layer_kernels.py).
@@ -118,6 +118,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((m, k), dtype=FP8, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
-        _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX, _MIN_SCALE,
+        _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX, MIN_SCALE,
                                     BLOCK_K=min(2048, triton.next_power_of_2(k)), num_warps=4)
     return q, scale
