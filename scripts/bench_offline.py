@@ -6,6 +6,7 @@ Hugging Face transformers peer.
     python scripts/bench_offline.py [--model llama3-8b|moe|demo] [--workloads W1,W2,W3] [--json PATH]
                                     [--no-hf] [--w2-modes cache_on,...] [--profile-w2 A:B] [--profile-w3 A:B]
                                     [--ttft-sweep] [--cold-start] [--long-prefill] [--w4]
+                                    [--quantization fp8] [--kv-cache-dtype fp8_e4m3] [--engine KEY=VALUE]
 
 Issue 14's rows, each by its flag (when any is given, W1-W3 run only if --workloads names them):
 - `--ttft-sweep`: warm time to first token at batch 1 for 1 ... 8,192 prompt tokens (median).
@@ -16,6 +17,9 @@ Issue 14's rows, each by its flag (when any is given, W1-W3 run only if --worklo
   new user message); wall time per turn against the weight + KV-read floor of its decode steps.
 `--model demo` runs any of them on the tiny demo model, on the CPU when there is no GPU (a
 smoke test: tests/test_bench_offline.py; its "floors" use the CPU's measured ceilings).
+
+With `--quantization fp8` the weight floors count float8 bytes (the parameters as loaded), and
+with `--kv-cache-dtype fp8_e4m3` the KV floors count the pool's float8 bytes.
 
 For an MoE model the floors count only the experts a step touches: at batch 1 the top-k of
 each layer (W3), at batch B the expected number of distinct experts under uniform routing
@@ -700,8 +704,15 @@ def main() -> None:
     ap.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                     help="an EngineConfig override for every engine this process makes (repeatable), "
                          "e.g. --engine cuda_graph_max_extend_tokens=0")
+    ap.add_argument("--quantization", choices=["fp8"], default=None,
+                    help="FP8 weights (issue 19): the same as --engine quantization=fp8")
+    ap.add_argument("--kv-cache-dtype", choices=["fp8_e4m3"], default=None,
+                    help="an FP8 KV pool: the same as --engine kv_cache_dtype=fp8_e4m3")
     args = ap.parse_args()
     ENGINE_OVERRIDES.update(parse_overrides(args.engine))
+    ENGINE_OVERRIDES.update({key: value for key, value in (("quantization", args.quantization),
+                                                           ("kv_cache_dtype", args.kv_cache_dtype))
+                             if value is not None})
     lengths = [int(x) for x in args.ttft_lengths.split(",")]
     if args.cold_start_child:
         batch = tuple(int(x) for x in args.cold_batch.split(","))
@@ -718,7 +729,7 @@ def main() -> None:
         check_kernels(moe=args.model == "moe")
     path = model_dir(args.model)
     ceilings = measure_ceilings()
-    results: dict = {"ceilings": ceilings}
+    results: dict = {"ceilings": ceilings, "engine_overrides": dict(ENGINE_OVERRIDES)}
     if issue14:
         run_issue14(args, lengths, ceilings, results)
     for name, bench in (("W3", lambda: bench_w3(path, ceilings, profile3)),

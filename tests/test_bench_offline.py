@@ -45,3 +45,18 @@ def test_issue14_rows_on_demo_model(tmp_path):
 
     for heading in ("TTFT, batch 1, warm", "cold start, warmup", "long prefill 2 x 40", "W4: 2"):
         assert heading in proc.stdout
+
+
+def test_fp8_flags_reach_the_engine(tmp_path):
+    """--quantization / --kv-cache-dtype (issue 19's rows) build FP8 engines: the TTFT sweep
+    runs on the demo model with both, and the JSON records what the engines were given."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_offline.py"), "--model", "demo",
+           "--ttft-sweep", "--ttft-lengths", "1,16", "--ttft-reps", "1", "--quantization", "fp8",
+           "--kv-cache-dtype", "fp8_e4m3", "--json", str(out)]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["engine_overrides"] == {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}
+    assert set(r["ttft"]) == {"1", "16"} and all(t["ttft_ms"] > 0 for t in r["ttft"].values())
