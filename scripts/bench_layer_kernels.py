@@ -33,7 +33,7 @@ from engine.layers import moe_pair_kernels  # noqa: E402
 from engine.layers.moe import experts_triton  # noqa: E402
 from engine.layers.moe_align_kernel import group_by_expert_kernel  # noqa: E402
 from engine.layers.moe_kernels import GemmConfig, grouped_gemm  # noqa: E402
-from engine.layers.moe_pair_kernels import PairConfig  # noqa: E402
+from engine.layers.moe_pair_kernels import PairConfig, tiles_for  # noqa: E402
 from engine.layers.moe_router_kernel import softmax_topk  # noqa: E402
 from engine.layers.moe_routing import group_by_expert  # noqa: E402
 from engine.quantization import fp8, fp8_kernels  # noqa: E402
@@ -92,7 +92,7 @@ def bench_moe(bw: float, batches: list[int], quick: bool) -> dict:
     turn = itertools.cycle(layers)
     w13, w2 = layers[0]
     expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
-    pair_cfgs = [PairConfig()] + [PairConfig(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
+    pair_cfgs = [PairConfig(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
         (16, 32, 64), (64, 128, 256), (4,) if quick else (2, 4, 8), (2, 4))]
     gemm_cfgs = [GemmConfig()] + [GemmConfig(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
         (64, 128), (64, 128), (4,) if quick else (4, 8), (3, 4))]
@@ -111,7 +111,7 @@ def bench_moe(bw: float, batches: list[int], quick: bool) -> dict:
             down = {c: try_time(lambda c=c: launch_down(act, next(turn)[1], ids, weights, out, c)) for c in pair_cfgs}
             cg, cd = min(gate, key=gate.get), min(down, key=down.get)
             row.update(pair_gate_up_us=gate[cg], pair_down_us=down[cd], pair_gate_up_cfg=str(cg),
-                       pair_down_cfg=str(cd), pair_default_us=gate[PairConfig()] + down[PairConfig()])
+                       pair_down_cfg=str(cd), pair_default_us=gate[tiles_for(t)[0]] + down[tiles_for(t)[1]])
             best[f"pair t={t}"] = (cg, cd)
         for block_m in (16, 32, 64):
             blocks = group_by_expert(ids, E, 0, block_m)

@@ -226,14 +226,18 @@ def test_moe_kernels_compile_for_hopper():
     from sm90_compile import compile_for_sm90
     from engine.layers.moe_align_kernel import _align_kernel
     from engine.layers.moe_kernels import _grouped_gemm_kernel
-    from engine.layers.moe_pair_kernels import _down_kernel, _gate_up_kernel
+    from engine.layers.moe_pair_kernels import _down_kernel, _gate_up_kernel, tiles_for
     from engine.layers.moe_router_kernel import _softmax_topk_kernel
 
     bf16 = dict(X="*bf16", W13="*bf16", W2="*bf16", Act="*bf16", Out="*bf16", TopkWeights="*fp32",
                 K="i32", N="i32")
-    tiles = dict(TOP_K=8, BLOCK_N=32, BLOCK_K=128)
-    compile_for_sm90(_gate_up_kernel, bf16, tiles)
-    compile_for_sm90(_down_kernel, bf16, dict(BLOCK_N=16, BLOCK_K=256))
+    for tokens in (1, 4):  # the tiles the per-pair path launches
+        gate_up, down = tiles_for(tokens)
+        compile_for_sm90(_gate_up_kernel, bf16, dict(TOP_K=8, BLOCK_N=gate_up.block_n,
+                                                     BLOCK_K=gate_up.block_k),
+                         num_warps=gate_up.num_warps, num_stages=gate_up.num_stages)
+        compile_for_sm90(_down_kernel, bf16, dict(BLOCK_N=down.block_n, BLOCK_K=down.block_k),
+                         num_warps=down.num_warps, num_stages=down.num_stages)
     compile_for_sm90(_softmax_topk_kernel, dict(Logits="*bf16", Weights="*fp32"),
                      dict(TOP_K=8, RENORMALIZE=True, BLOCK_E=128, BLOCK_TOPK=8))
     compile_for_sm90(_align_kernel, dict(TopkIds="*i64", SortedPairs="*i64", BlockExpert="*i64",

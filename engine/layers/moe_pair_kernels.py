@@ -34,9 +34,13 @@ class PairConfig:
     num_stages: int = 3
 
 
-# H200, no weight reuse through L2 between calls (scripts/bench_layer_kernels.py):
-GATE_UP_CONFIG = PairConfig(block_n=16, block_k=256)
-DOWN_CONFIG = PairConfig(block_n=16, block_k=256)
+def tiles_for(tokens: int) -> tuple[PairConfig, PairConfig]:
+    """(gate/up tiles, down tiles): the fastest of the sweep on the H200 at 1, 4 and 8 tokens
+    (scripts/bench_layer_kernels.py, 2026-12-02, Qwen3-30B-A3B shapes; the first choice
+    of each was within 1 us of the next at the other sizes)."""
+    if tokens == 1:
+        return PairConfig(32, 256, num_stages=4), PairConfig(64, 256, num_stages=4)
+    return PairConfig(32, 256, num_stages=4), PairConfig(16, 64, num_stages=2)
 
 
 @triton.jit
@@ -101,11 +105,13 @@ def _down_kernel(Act, W2, TopkIds, TopkWeights, Out, N, inter, stride_a, stride_
 
 def experts_per_pair(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, first_expert: int = 0,
-                     config: PairConfig = GATE_UP_CONFIG,
-                     down_config: PairConfig = DOWN_CONFIG) -> torch.Tensor:
+                     config: PairConfig | None = None,
+                     down_config: PairConfig | None = None) -> torch.Tensor:
     """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), local experts only:
     `moe.experts_torch`'s result, for batches of at most a few tokens."""
     t, top_k = topk_ids.shape
+    default_gate_up, default_down = tiles_for(t)
+    config, down_config = config or default_gate_up, down_config or default_down
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
     ids = topk_ids.contiguous()
