@@ -226,6 +226,7 @@ def test_moe_kernels_compile_for_hopper():
     from sm90_compile import compile_for_sm90
     from engine.layers.moe_align_kernel import _align_kernel
     from engine.layers.moe_kernels import _grouped_gemm_kernel
+    from engine.layers.moe_kernels import tiles_for as grouped_tiles_for
     from engine.layers.moe_pair_kernels import _down_kernel, _gate_up_kernel, tiles_for
     from engine.layers.moe_router_kernel import _softmax_topk_kernel
 
@@ -243,7 +244,10 @@ def test_moe_kernels_compile_for_hopper():
     compile_for_sm90(_align_kernel, dict(TopkIds="*i64", SortedPairs="*i64", BlockExpert="*i64",
                                          Cursor="*i32"), dict(BLOCK_M=16, BLOCK_E=256, CHUNK=128),
                      num_warps=8)
-    compile_for_sm90(_grouped_gemm_kernel, dict(A="*bf16", W="*bf16", C="*bf16", PairWeights="*fp32",
-                                                N="i32", K="i32"),
-                     dict(ROWS_PER_A=8, WEIGHTED=True, PRECISION="tf32", BLOCK_M=16, BLOCK_N=128,
-                          BLOCK_K=64))
+    grouped = dict(A="*bf16", W="*bf16", C="*bf16", PairWeights="*fp32", N="i32", K="i32")
+    for block_m in (16, 32, 64):
+        for rows_per_a, tiles in zip((8, 1), grouped_tiles_for(block_m)):
+            compile_for_sm90(_grouped_gemm_kernel, grouped,
+                             dict(ROWS_PER_A=rows_per_a, WEIGHTED=rows_per_a == 1, PRECISION="tf32",
+                                  BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k),
+                             num_warps=tiles.num_warps, num_stages=tiles.num_stages)

@@ -73,7 +73,7 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     """The same as `experts_torch`, as two grouped GEMMs (GPU, or TRITON_INTERPRET=1)."""
     from engine.layers.fused_kernels import silu_and_mul as silu_and_mul_kernel
     from engine.layers import moe_align_kernel
-    from engine.layers.moe_kernels import DOWN_TILES, GATE_UP_TILES, grouped_gemm
+    from engine.layers.moe_kernels import grouped_gemm, tiles_for
     from engine.layers.moe_pair_kernels import MAX_PAIRS, experts_per_pair
 
     t, k = topk_ids.shape
@@ -84,13 +84,14 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     group = (moe_align_kernel.group_by_expert_kernel if num_pairs <= moe_align_kernel.MAX_PAIRS
              else group_by_expert)
     blocks = group(topk_ids, w13.shape[0], first_expert, block_m)
+    gate_up_tiles, down_tiles = tiles_for(block_m)
     gate_up = torch.empty((num_pairs, w13.shape[1]), dtype=x.dtype, device=x.device)
-    grouped_gemm(x, w13, blocks, gate_up, rows_per_a=k, config=GATE_UP_TILES)
+    grouped_gemm(x, w13, blocks, gate_up, rows_per_a=k, config=gate_up_tiles)
     act = silu_and_mul_kernel(gate_up)
     # Pairs of other ranks' experts are not written: their rows must read as zero.
     out = torch.zeros((num_pairs, w2.shape[1]), dtype=x.dtype, device=x.device)
     grouped_gemm(act, w2, blocks, out, rows_per_a=1,
-                 pair_weights=topk_weights.flatten().float().contiguous(), config=DOWN_TILES)
+                 pair_weights=topk_weights.flatten().float().contiguous(), config=down_tiles)
     return out.view(t, k, w2.shape[1]).sum(dim=1)
 
 

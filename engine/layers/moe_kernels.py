@@ -61,9 +61,15 @@ class GemmConfig:
     num_stages: int = 3
 
 
-# H200, Qwen3-30B-A3B expert shapes (scripts/bench_layer_kernels.py): tiles per GEMM.
-GATE_UP_TILES = GemmConfig(block_n=128, block_k=128)
-DOWN_TILES = GemmConfig(block_n=64, block_k=128)
+def tiles_for(block_m: int) -> tuple[GemmConfig, GemmConfig]:
+    """(gate/up tiles, down tiles) for expert blocks of `block_m` rows: the sweep's fastest on
+    the H200 at the batch sizes that pick each block size (scripts/bench_layer_kernels.py,
+    2026-12-02, Qwen3-30B-A3B shapes)."""
+    if block_m <= 16:
+        return GemmConfig(64, 128, num_stages=4), GemmConfig(64, 128)
+    if block_m <= 32:
+        return GemmConfig(128, 128), GemmConfig(64, 128)
+    return GemmConfig(128, 64), GemmConfig(128, 64)
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, out: torch.Tensor,
