@@ -224,7 +224,7 @@ def test_moe_kernels_compile_for_hopper():
     variant the GPU path launches compiles for sm_90 too."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
     from sm90_compile import compile_for_sm90
-    from engine.layers.moe_align_kernel import _align_kernel
+    from engine.layers.moe_align_kernel import _count_kernel, _offsets_kernel, _scatter_kernel
     from engine.layers.moe_kernels import _grouped_gemm_kernel
     from engine.layers.moe_kernels import tiles_for as grouped_tiles_for
     from engine.layers.moe_pair_kernels import _down_kernel, _gate_up_kernel, tiles_for
@@ -241,9 +241,13 @@ def test_moe_kernels_compile_for_hopper():
                          num_warps=down.num_warps, num_stages=down.num_stages)
     compile_for_sm90(_softmax_topk_kernel, dict(Logits="*bf16", Weights="*fp32"),
                      dict(TOP_K=8, RENORMALIZE=True, BLOCK_E=128, BLOCK_TOPK=8))
-    compile_for_sm90(_align_kernel, dict(TopkIds="*i64", SortedPairs="*i64", BlockExpert="*i64",
-                                         Cursor="*i32"), dict(BLOCK_M=16, BLOCK_E=256, CHUNK=128),
-                     num_warps=8)
+    align = dict(TopkIds="*i64", Counts="*i32", ChunkBase="*i32", SortedPairs="*i64",
+                 BlockExpert="*i64")
+    compile_for_sm90(_count_kernel, align, dict(BLOCK_E=256, CHUNK=128))
+    for block_m in (16, 32, 64):
+        compile_for_sm90(_offsets_kernel, align, dict(BLOCK_M=block_m, BLOCK_E=256, TILE=64),
+                         num_warps=8)
+    compile_for_sm90(_scatter_kernel, align, dict(BLOCK_E=256, CHUNK=128), num_warps=8)
     grouped = dict(A="*bf16", W="*bf16", C="*bf16", PairWeights="*fp32", N="i32", K="i32")
     for block_m in (16, 32, 64):
         for rows_per_a, tiles in zip((8, 1), grouped_tiles_for(block_m)):

@@ -112,10 +112,11 @@ def test_softmax_topk_kernel_matches_select_experts(tokens, experts, top_k, reno
 
 @pytest.mark.parametrize("tokens,experts,top_k,block_m,first,num_local", [
     (1, 128, 8, 16, 0, 128), (37, 8, 2, 16, 0, 8), (300, 16, 4, 32, 4, 8), (70, 8, 2, 64, 0, 8),
-    (5, 6, 2, 16, 3, 3)], ids=lambda v: str(v))
+    (5, 6, 2, 16, 3, 3), (1100, 128, 8, 64, 0, 128)], ids=lambda v: str(v))
 def test_align_kernel_equals_torch_grouping(tokens, experts, top_k, block_m, first, num_local):
-    """The one-launch grouping gives the torch version's rows in the same order (EP ranks,
-    chunks of 128 pairs, blocks of 16-64, experts left empty)."""
+    """The kernels' grouping gives the torch version's rows in the same order (EP ranks,
+    blocks of 16-64, experts left empty, one chunk of 128 pairs and more chunks than the
+    offsets program sums at once)."""
     g = torch.Generator().manual_seed(tokens)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(DEVICE)
     ref = group_by_expert(ids, num_local, first, block_m)

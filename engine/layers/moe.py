@@ -12,7 +12,7 @@ and the owner of the layer adds the ranks' partial sums with one all-reduce.
 
 The forward has two implementations of the same computation:
 - CPU (reference): pairs sorted by expert, one matmul per expert in use.
-- GPU: pairs grouped into expert blocks (`moe_align_kernel`, one launch), then two Triton
+- GPU: pairs grouped into expert blocks (`moe_align_kernel`, three launches), then two Triton
   grouped GEMMs (`moe_kernels.grouped_gemm`) around SiLU-and-mul: no Python loop over
   experts, no host sync, shapes fixed by the token count (CUDA-graph capturable).
   Decode-sized batches skip the grouping: one matrix-vector product per (token, choice)
@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.parallel import Loadable, TPContext, copy_into, divide, narrow
-from engine.layers.moe_routing import group_by_expert
 
 MoEParallel = Literal["tp", "ep"]
 MOE_PARALLEL_MODES = ("tp", "ep")
@@ -72,7 +71,7 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
                    topk_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
     """The same as `experts_torch`, as two grouped GEMMs (GPU, or TRITON_INTERPRET=1)."""
     from engine.layers.fused_kernels import silu_and_mul as silu_and_mul_kernel
-    from engine.layers import moe_align_kernel
+    from engine.layers.moe_align_kernel import group_by_expert_kernel
     from engine.layers.moe_kernels import grouped_gemm, tiles_for
     from engine.layers.moe_pair_kernels import MAX_PAIRS, experts_per_pair
 
@@ -81,9 +80,7 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     if num_pairs <= MAX_PAIRS:
         return experts_per_pair(x, w13, w2, topk_weights, topk_ids, first_expert)
     block_m = block_rows(num_pairs, w13.shape[0])
-    group = (moe_align_kernel.group_by_expert_kernel if num_pairs <= moe_align_kernel.MAX_PAIRS
-             else group_by_expert)
-    blocks = group(topk_ids, w13.shape[0], first_expert, block_m)
+    blocks = group_by_expert_kernel(topk_ids, w13.shape[0], first_expert, block_m)
     gate_up_tiles, down_tiles = tiles_for(block_m)
     gate_up = torch.empty((num_pairs, w13.shape[1]), dtype=x.dtype, device=x.device)
     grouped_gemm(x, w13, blocks, gate_up, rows_per_a=k, config=gate_up_tiles)
