@@ -69,7 +69,8 @@ def block_rows(num_pairs: int, num_local_experts: int) -> int:
 
 def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
-    """The same as `experts_torch`, as two grouped GEMMs (GPU, or TRITON_INTERPRET=1)."""
+    """The same as `experts_torch` in Triton (GPU, or TRITON_INTERPRET=1): per-pair products
+    for decode-sized batches, two grouped GEMMs over expert blocks above."""
     from engine.layers.fused_kernels import silu_and_mul as silu_and_mul_kernel
     from engine.layers.moe_align_kernel import group_by_expert_kernel
     from engine.layers.moe_kernels import grouped_gemm, tiles_for
