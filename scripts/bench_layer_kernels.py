@@ -33,6 +33,7 @@ from engine.layers import moe_pair_kernels  # noqa: E402
 from engine.layers.moe import experts_triton  # noqa: E402
 from engine.layers.moe_align_kernel import group_by_expert_kernel  # noqa: E402
 from engine.layers.moe_kernels import GemmConfig, grouped_gemm  # noqa: E402
+from engine.layers.moe_kernels import tiles_for as moe_tiles_for  # noqa: E402
 from engine.layers.moe_pair_kernels import PairConfig, tiles_for  # noqa: E402
 from engine.layers.moe_router_kernel import softmax_topk  # noqa: E402
 from engine.layers.moe_routing import group_by_expert  # noqa: E402
@@ -40,6 +41,7 @@ from engine.quantization import fp8, fp8_kernels  # noqa: E402
 
 E, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 COPIES = 4  # weight copies used in turn (see bench_moe)
+BLOCK_ROWS = (16, 32, 64, 128)  # expert block sizes tried
 LLAMA_LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
                  "down": (4096, 14336)}
 
@@ -113,19 +115,25 @@ def bench_moe(bw: float, batches: list[int], quick: bool) -> dict:
             row.update(pair_gate_up_us=gate[cg], pair_down_us=down[cd], pair_gate_up_cfg=str(cg),
                        pair_down_cfg=str(cd), pair_default_us=gate[tiles_for(t)[0]] + down[tiles_for(t)[1]])
             best[f"pair t={t}"] = (cg, cd)
-        for block_m in (16, 32, 64):
+        for block_m in BLOCK_ROWS:
             blocks = group_by_expert(ids, E, 0, block_m)
+            # 128-row blocks (long prefills) need the larger tiles' registers: 8 warps too
+            cfgs = gemm_cfgs if block_m < 128 else gemm_cfgs + [
+                GemmConfig(bn, bk, 8, ns) for bn, bk, ns in itertools.product((64, 128), (64, 128), (3, 4))]
             gate_up = torch.empty(t * TOP_K, 2 * INTER, device="cuda", dtype=torch.bfloat16)
             act2 = torch.empty(t * TOP_K, INTER, device="cuda", dtype=torch.bfloat16)
             out2 = torch.empty(t * TOP_K, HIDDEN, device="cuda", dtype=torch.bfloat16)
             pw = weights.flatten().float().contiguous()
             g1 = {c: try_time(lambda c=c: grouped_gemm(x, next(turn)[0], blocks, gate_up, TOP_K, config=c))
-                  for c in gemm_cfgs}
+                  for c in cfgs}
             g2 = {c: try_time(lambda c=c: grouped_gemm(act2, next(turn)[1], blocks, out2, 1, pw, config=c))
-                  for c in gemm_cfgs}
+                  for c in cfgs}
             c1, c2 = min(g1, key=g1.get), min(g2, key=g2.get)
             row[f"grouped_bm{block_m}_us"] = g1[c1] + g2[c2]
-            row[f"grouped_bm{block_m}_default_us"] = g1[GemmConfig()] + g2[GemmConfig()]
+            up_tiles, down_tiles = moe_tiles_for(block_m)  # what the layer launches
+            row[f"grouped_bm{block_m}_default_us"] = (
+                try_time(lambda: grouped_gemm(x, next(turn)[0], blocks, gate_up, TOP_K, config=up_tiles))
+                + try_time(lambda: grouped_gemm(act2, next(turn)[1], blocks, out2, 1, pw, config=down_tiles)))
             row[f"grouped_bm{block_m}_cfgs"] = f"{c1} / {c2}"
         row["group_by_expert_us"] = graph_us(lambda: group_by_expert(ids, E, 0, 16))
         row["group_kernel_us"] = graph_us(lambda: group_by_expert_kernel(ids, E, 0, 16))
@@ -193,20 +201,20 @@ def print_tables(res: dict) -> None:
     if "moe" in res:
         print("\nMoE layer (experts only unless noted), us per call, CUDA-graph replay")
         print(f"{'T':>5} {'touched':>7} {'floor':>7} {'router t/k':>11} {'pair best':>9} "
-              f"{'pair dflt':>9} {'grp16':>7} {'grp32':>7} {'grp64':>7} {'group t/k':>11} {'now':>7} "
+              f"{'pair dflt':>9} {'grp16':>7} {'grp32':>7} {'grp64':>7} {'grp128':>7} {'group t/k':>11} {'now':>7} "
               f"{'grp dflt':>8} {'now/floor':>9}")
         for r in res["moe"]["rows"]:
             pair = r.get("pair_gate_up_us", 0) + r.get("pair_down_us", 0)
             print(f"{r['tokens']:>5} {r['experts_touched']:>7} {r['floor_us']:>7.1f} "
                   f"{r['router_torch_us']:>5.1f}/{r['router_kernel_us']:<5.1f} {pair:>9.1f} "
                   f"{r.get('pair_default_us', 0):>9.1f} {r['grouped_bm16_us']:>7.1f} "
-                  f"{r['grouped_bm32_us']:>7.1f} {r['grouped_bm64_us']:>7.1f} "
+                  f"{r['grouped_bm32_us']:>7.1f} {r['grouped_bm64_us']:>7.1f} {r['grouped_bm128_us']:>7.1f} "
                   f"{r['group_by_expert_us']:>5.1f}/{r['group_kernel_us']:<5.1f} {r['layer_now_us']:>7.1f} "
                   f"{r['layer_grouped_default_us']:>8.1f} {r['layer_now_us'] / r['floor_us']:>9.2f}")
             if "dense_same_flops_us" in r:
                 print(f"      dense GEMMs of the same FLOPs: {r['dense_same_flops_us']:.1f} us")
         for r in res["moe"]["rows"]:
-            print(f"T={r['tokens']}: " + ", ".join(f"bm{b} {r[f'grouped_bm{b}_cfgs']}" for b in (16, 32, 64))
+            print(f"T={r['tokens']}: " + ", ".join(f"bm{b} {r[f'grouped_bm{b}_cfgs']}" for b in BLOCK_ROWS)
                   + (f"; pair {r['pair_gate_up_cfg']} / {r['pair_down_cfg']}" if "pair_gate_up_cfg" in r else ""))
     if "fp8" in res:
         print("\nFP8 linears (Llama-3-8B), us per call")
@@ -224,7 +232,7 @@ def main() -> None:
     ap.add_argument("--moe", action="store_true")
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--quick", action="store_true", help="fewer tile configs")
-    ap.add_argument("--moe-batches", default="1,4,8,16,64,256,480,2048")
+    ap.add_argument("--moe-batches", default="1,4,8,16,64,256,480,2048,8192")
     ap.add_argument("--fp8-batches", default="1,4,16,256")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
