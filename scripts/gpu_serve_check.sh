@@ -11,7 +11,8 @@
 # PARTS (default "serve,offline,path") picks what runs; "profile" adds py-spy of the engine
 # replica and an ingress during W2 over HTTP; "gil" runs batch-1 and W2 again with the
 # replica's GIL switch interval at 0.5 ms; "fast" runs them under Ray's high-throughput mode
-# (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, RAY_SERVE_ENABLE_HA_PROXY=1); "process" runs batch-1 and W2
+# (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, RAY_SERVE_ENABLE_HA_PROXY=1); "tput" under the first of
+# those alone (no HAProxy: none of its caveats, docs/deploy.md); "process" runs batch-1 and W2
 # with the engine's step loop in a child process of the replica (engine_process: true), and
 # with ASYNC_PATH=1 bench_async_path's offline / AsyncEngine / ProcessAsyncEngine rows; "admission" measures the bound, request intake
 # and a 10 MB body with the stand-in engine. PATH_ARGS overrides the path bench's options.
@@ -96,7 +97,8 @@ def load(name):
     return json.load(open(path)) if os.path.exists(path) else None
 print(f"\n{'run':<12} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT mean':>9} {'ITL p50':>8} {'ITL mean':>8} {'TPOT':>7} {'ok':>5} {'fail':>5}")
 for name in ("batch1", "batch1short", "w2", "poisson4", "poisson16", "poisson64", "gil_batch1", "gil_w2",
-             "fast_batch1", "fast_batch1short", "fast_w2", "fast_poisson64", "proc_batch1", "proc_w2"):
+             "fast_batch1", "fast_batch1short", "fast_w2", "fast_poisson64", "tput_batch1",
+             "tput_batch1short", "tput_w2", "proc_batch1", "proc_w2"):
     m = load(f"http_{name}.json")
     if m:
         m = m.get("metrics", m)
@@ -159,6 +161,19 @@ if [[ $PARTS == *fast* ]]; then  # the same app with Ray's high-throughput mode:
   fi
   serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1
   pkill -f haproxy > /dev/null 2>&1  # it would keep port 8000 from the parts after this one
+fi
+checkpoint
+
+if [[ $PARTS == *tput* ]]; then  # RAY_SERVE_THROUGHPUT_OPTIMIZED=1 alone: Serve's Python proxy kept
+  SECONDS=0
+  if RAY_SERVE_THROUGHPUT_OPTIMIZED=1 serve_up; then
+    bench warm --num-prompts 64 --input-len 512 --output-len 32
+    bench tput_batch1 --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1
+    bench tput_batch1short --num-prompts 16 --input-len 32 --output-len 64 --max-concurrency 1
+    bench tput_w2 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
+      --question-len 128 --output-len 256
+  fi
+  serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1
 fi
 checkpoint
 
