@@ -32,9 +32,10 @@ from bench_offline import measure_ceilings  # noqa: E402
 from engine.layers import moe_pair_kernels  # noqa: E402
 from engine.layers.moe import experts_triton  # noqa: E402
 from engine.layers.moe_align_kernel import group_by_expert_kernel  # noqa: E402
-from engine.layers.moe_kernels import GemmConfig, grouped_gemm  # noqa: E402
+from engine.layers.moe_kernels import grouped_gemm  # noqa: E402
 from engine.layers.moe_kernels import tiles_for as moe_tiles_for  # noqa: E402
-from engine.layers.moe_pair_kernels import PairConfig, tiles_for  # noqa: E402
+from engine.layers.moe_pair_kernels import tiles_for  # noqa: E402
+from engine.layers.tiles import Tiles  # noqa: E402
 from engine.layers.moe_router_kernel import softmax_topk  # noqa: E402
 from engine.layers.moe_routing import group_by_expert  # noqa: E402
 from engine.quantization import fp8, fp8_kernels  # noqa: E402
@@ -94,9 +95,9 @@ def bench_moe(bw: float, batches: list[int], quick: bool) -> dict:
     turn = itertools.cycle(layers)
     w13, w2 = layers[0]
     expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
-    pair_cfgs = [PairConfig(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
+    pair_cfgs = [Tiles(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
         (16, 32, 64), (64, 128, 256), (4,) if quick else (2, 4, 8), (2, 4))]
-    gemm_cfgs = [GemmConfig()] + [GemmConfig(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
+    gemm_cfgs = [Tiles(128, 64)] + [Tiles(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
         (64, 128), (64, 128), (4,) if quick else (4, 8), (3, 4))]
     rows, best = [], {}
     for t in batches:
@@ -119,7 +120,7 @@ def bench_moe(bw: float, batches: list[int], quick: bool) -> dict:
             blocks = group_by_expert(ids, E, 0, block_m)
             # 128-row blocks (long prefills) need the larger tiles' registers: 8 warps too
             cfgs = gemm_cfgs if block_m < 128 else gemm_cfgs + [
-                GemmConfig(bn, bk, 8, ns) for bn, bk, ns in itertools.product((64, 128), (64, 128), (3, 4))]
+                Tiles(bn, bk, 8, ns) for bn, bk, ns in itertools.product((64, 128), (64, 128), (3, 4))]
             gate_up = torch.empty(t * TOP_K, 2 * INTER, device="cuda", dtype=torch.bfloat16)
             act2 = torch.empty(t * TOP_K, INTER, device="cuda", dtype=torch.bfloat16)
             out2 = torch.empty(t * TOP_K, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -151,14 +152,14 @@ def bench_moe(bw: float, batches: list[int], quick: bool) -> dict:
     return {"rows": rows, "best": {k: [str(c) for c in v] for k, v in best.items()}}
 
 
-def launch_gate_up(x, w13, ids, act, c: PairConfig):
+def launch_gate_up(x, w13, ids, act, c: Tiles):
     moe_pair_kernels._gate_up_kernel[(ids.numel(), -(-INTER // c.block_n))](
         x, w13, ids, act, INTER, HIDDEN, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         0, E, TOP_K=TOP_K, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps,
         num_stages=c.num_stages)
 
 
-def launch_down(act, w2, ids, weights, out, c: PairConfig):
+def launch_down(act, w2, ids, weights, out, c: Tiles):
     moe_pair_kernels._down_kernel[(ids.numel(), -(-HIDDEN // c.block_n))](
         act, w2, ids, weights, out, HIDDEN, INTER, act.stride(0), w2.stride(0), w2.stride(1),
         out.stride(0), 0, E, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
@@ -168,7 +169,7 @@ def launch_down(act, w2, ids, weights, out, c: PairConfig):
 
 # ------------------------------------------------------------------------------------------ FP8
 def bench_fp8(bw: float, batches: list[int], quick: bool) -> dict:
-    cfgs = [fp8_kernels.GemvConfig(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
+    cfgs = [Tiles(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
         (16, 32, 64, 128), (128, 256, 512), (4,) if quick else (4, 8), (3, 4))]
     rows, best = [], {}
     for name, (n, k) in LLAMA_LINEARS.items():

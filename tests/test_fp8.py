@@ -15,9 +15,6 @@ tests exercise the same code path as the GPU. Tolerances:
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,13 +22,13 @@ import torch
 from fp8_checkpoints import write_fp8_checkpoints, set_quantization_config
 from safetensors.torch import load_file, save_file
 from test_models import MiniRunner, random_sequences
+from triton_on_cpu import compile_for_sm90, run_under_interpreter
 
 from engine.kv_pool import KVPool
 from engine.layers.linear import LinearBase
 from engine.models import load_model
 from engine.quantization.fp8 import FP8, dequantize, fp8_linear, quantize_rows
 
-ROOT = Path(__file__).resolve().parent.parent
 
 FORMATS = ["ct-tensor", "ct-channel", "ct-channel-weight-only", "fp8-block"]
 
@@ -245,18 +242,13 @@ def test_runner_builds_fp8_kv_pool(tiny_llama):
 def test_fp8_weight_kernels_under_the_interpreter():
     """tests/test_fp8_kernels.py (GPU tests) on the CPU through TRITON_INTERPRET=1."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-                           "-W", "ignore::RuntimeWarning", str(ROOT / "tests" / "test_fp8_kernels.py")],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    run_under_interpreter("test_fp8_kernels.py", allow_skipped=True)  # GPU-only cases skip
 
 
 def test_fp8_weight_kernels_compile_for_hopper():
     """Every variant the GPU path launches compiles for sm_90, and the activations' cast to
     float8 is the hardware's saturating round-to-nearest (the interpreter's is not exact)."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
-    from sm90_compile import compile_for_sm90
     from engine.quantization.fp8_kernels import _quantize_rows_kernel, _w8a16_kernel
 
     gemv = dict(X="*bf16", W="*fp8e4nv", Scale="*fp32", Out="*bf16", M="i32", N="i32", K="i32")

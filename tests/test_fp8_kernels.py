@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from engine.quantization import fp8
-from engine.quantization.fp8_kernels import GemvConfig, quantize_rows, w8a16_linear
+from engine.layers.tiles import Tiles
+from engine.quantization.fp8_kernels import quantize_rows, w8a16_linear
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if INTERPRET else None)
@@ -36,7 +37,7 @@ def random_fp8_weight(n: int, k: int, seed: int):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("config", [GemvConfig(), GemvConfig(block_n=16, block_k=64, num_warps=2)],
+@pytest.mark.parametrize("config", [Tiles(32, 256, num_stages=4), Tiles(block_n=16, block_k=64, num_warps=2, num_stages=4)],
                          ids=["default", "small_tiles"])
 def test_w8a16_matches_dequantized_matmul(shape, dtype, config):
     m, n, k = shape

@@ -63,7 +63,7 @@ def test_fp8_grouped_decode_padded(monkeypatch):
 # ------------------------------------------------------------------ compiles for Hopper
 def _compile_for_sm90(fn, dtypes: dict[str, str], constexprs: dict) -> str:
     """`compile_for_sm90` with pointer dtypes named without their "*"."""
-    from sm90_compile import compile_for_sm90
+    from triton_on_cpu import compile_for_sm90
 
     return compile_for_sm90(fn, {"sm_scale_log2": "fp32", **{k: "*" + v for k, v in dtypes.items()}},
                             constexprs)

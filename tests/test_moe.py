@@ -3,9 +3,6 @@ and at tp 2 with experts sharded ("tp") or split whole ("ep"); the routing and t
 computation on their own; the Triton path under Triton's interpreter."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,9 +16,9 @@ from engine.layers.parallel import TPContext
 from engine.models import load_model
 from hf_reference import hf_greedy
 from moe_models import MOE_ARCHS, moe_factory  # noqa: F401 (a fixture)
+from triton_on_cpu import compile_for_sm90, run_under_interpreter
 from test_models import MiniRunner, assert_close, assert_ranks_match_single, hf_logits, random_sequences
 
-ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
@@ -173,12 +170,7 @@ def test_experts_torch_equals_every_expert_applied_densely():
 def test_triton_grouped_gemm_under_the_interpreter():
     """tests/test_moe_kernels.py (GPU tests) on the CPU through TRITON_INTERPRET=1."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-                           "-W", "ignore::RuntimeWarning", str(ROOT / "tests" / "test_moe_kernels.py")],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, \
-        done.stdout[-3000:] + done.stderr[-3000:]
+    run_under_interpreter("test_moe_kernels.py")
 
 
 # ---- loading and unsupported options -------------------------------------------------------------
@@ -223,7 +215,6 @@ def test_moe_kernels_compile_for_hopper():
     """The interpreter runs the kernels' Python, not Triton's compiler: every MoE kernel
     variant the GPU path launches compiles for sm_90 too."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
-    from sm90_compile import compile_for_sm90
     from engine.layers.moe_align_kernel import _count_kernel, _offsets_kernel, _scatter_kernel
     from engine.layers.moe_kernels import _grouped_gemm_kernel
     from engine.layers.moe_kernels import tiles_for as grouped_tiles_for

@@ -12,7 +12,8 @@ import torch
 
 from engine.layers import moe_pair_kernels
 from engine.layers.moe import experts_torch, experts_triton
-from engine.layers.moe_pair_kernels import PairConfig, experts_per_pair
+from engine.layers.moe_pair_kernels import experts_per_pair
+from engine.layers.tiles import Tiles
 from engine.layers.moe_router_kernel import softmax_topk
 from engine.layers.moe_align_kernel import group_by_expert_kernel
 from engine.layers.moe_routing import group_by_expert, select_experts
@@ -82,7 +83,7 @@ def test_expert_parallel_slices_add_up(rank, path, monkeypatch):
                                atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("config", [PairConfig(), PairConfig(block_n=32, block_k=32, num_warps=2)],
+@pytest.mark.parametrize("config", [Tiles(16, 256), Tiles(block_n=32, block_k=32, num_warps=2)],
                          ids=["default", "small_tiles"])
 def test_per_pair_path_any_tiling(config):
     """Tiles that do not divide the widths, and a token whose choices share an expert."""

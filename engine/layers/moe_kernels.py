@@ -10,13 +10,12 @@ Imported only by the GPU path of `engine.layers.moe`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from engine.layers.moe_routing import ExpertBlocks
+from engine.layers.tiles import Tiles
 
 
 # num_pairs (tokens x top-k) changes every step and is only compared against: not
@@ -53,28 +52,20 @@ def _grouped_gemm_kernel(A, W, C, SortedPairs, BlockExpert, PairWeights, num_pai
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
-@dataclass(frozen=True)
-class GemmConfig:
-    block_n: int = 128
-    block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-def tiles_for(block_m: int) -> tuple[GemmConfig, GemmConfig]:
+def tiles_for(block_m: int) -> tuple[Tiles, Tiles]:
     """(gate/up tiles, down tiles) for expert blocks of `block_m` rows: the sweep's fastest on
     the H200 at the batch sizes that pick each block size (scripts/bench_layer_kernels.py,
     2026-12-02, Qwen3-30B-A3B shapes)."""
     if block_m <= 16:
-        return GemmConfig(64, 128, num_stages=4), GemmConfig(64, 128)
+        return Tiles(64, 128, num_stages=4), Tiles(64, 128)
     if block_m <= 32:
-        return GemmConfig(128, 128), GemmConfig(64, 128)
-    return GemmConfig(128, 64), GemmConfig(128, 64)
+        return Tiles(128, 128), Tiles(64, 128)
+    return Tiles(128, 64), Tiles(128, 64)
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, out: torch.Tensor,
                  rows_per_a: int, pair_weights: torch.Tensor | None = None,
-                 config: GemmConfig = GemmConfig()) -> torch.Tensor:
+                 config: Tiles = Tiles(128, 64)) -> torch.Tensor:
     """out[p] = a[p // rows_per_a] @ w[expert(p)].T (times pair_weights[p]) for every pair p
     of a local expert; rows of other pairs are left as they are.
 

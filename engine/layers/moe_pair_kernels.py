@@ -15,11 +15,11 @@ Imported only by the GPU path of `engine.layers.moe` (and under TRITON_INTERPRET
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
+
+from engine.layers.tiles import Tiles
 
 # Up to this many (token, choice) pairs the per-pair path runs. On the H200 (Qwen3-30B-A3B
 # shapes, scripts/bench_layer_kernels.py, 2026-12-02) at 1/4/8 tokens it took 29/78/140 us
@@ -28,21 +28,13 @@ import triton.language as tl
 MAX_PAIRS = 64
 
 
-@dataclass(frozen=True)
-class PairConfig:
-    block_n: int = 16
-    block_k: int = 256
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-def tiles_for(tokens: int) -> tuple[PairConfig, PairConfig]:
+def tiles_for(tokens: int) -> tuple[Tiles, Tiles]:
     """(gate/up tiles, down tiles) from the sweep on the H200 (scripts/bench_layer_kernels.py,
     2026-12-02, Qwen3-30B-A3B shapes): gate/up's fastest at 1 and 4 tokens (at 8, 64 x 128
     tiles were); down's fastest at 1 token, and at 4 and 8."""
     if tokens == 1:
-        return PairConfig(32, 256, num_stages=4), PairConfig(64, 256, num_stages=4)
-    return PairConfig(32, 256, num_stages=4), PairConfig(16, 64, num_stages=2)
+        return Tiles(32, 256, num_stages=4), Tiles(64, 256, num_stages=4)
+    return Tiles(32, 256, num_stages=4), Tiles(16, 64, num_stages=2)
 
 
 @triton.jit
@@ -107,8 +99,8 @@ def _down_kernel(Act, W2, TopkIds, TopkWeights, Out, N, inter, stride_a, stride_
 
 def experts_per_pair(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, first_expert: int = 0,
-                     config: PairConfig | None = None,
-                     down_config: PairConfig | None = None) -> torch.Tensor:
+                     config: Tiles | None = None,
+                     down_config: Tiles | None = None) -> torch.Tensor:
     """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), local experts only:
     `moe.experts_torch`'s result, for batches of at most a few tokens."""
     t, top_k = topk_ids.shape

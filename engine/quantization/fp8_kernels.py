@@ -9,12 +9,11 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from engine.layers.tiles import Tiles
 from engine.quantization.fp8_format import FP8, FP8_MAX, MIN_SCALE
 
 # Rows of activations up to which the weight-only kernel beats `torch._scaled_mm` (H200,
@@ -22,21 +21,13 @@ from engine.quantization.fp8_format import FP8, FP8_MAX, MIN_SCALE
 W8A16_MAX_ROWS = 16
 
 
-@dataclass(frozen=True)
-class GemvConfig:
-    block_n: int = 32
-    block_k: int = 256
-    num_warps: int = 4
-    num_stages: int = 4
-
-
-def gemv_config(rows: int, n: int) -> GemvConfig:
+def gemv_config(rows: int, n: int) -> Tiles:
     """Tiles by shape, from scripts/bench_layer_kernels.py on the H200 (Llama-3-8B linears):
     wide outputs have programs to spare and take short K steps; narrower ones need thin
     row blocks (more programs) and long K steps (more bytes in flight per program)."""
     if n >= 16384:
-        return GemvConfig(block_n=32, block_k=128, num_stages=4)
-    return GemvConfig(block_n=16 if rows == 1 else 32, block_k=512, num_stages=4 if rows == 1 else 3)
+        return Tiles(block_n=32, block_k=128, num_stages=4)
+    return Tiles(block_n=16 if rows == 1 else 32, block_k=512, num_stages=4 if rows == 1 else 3)
 
 
 @triton.jit
@@ -74,7 +65,7 @@ def _w8a16_kernel(X, W, Scale, Out, M, N, K, stride_xm, stride_wn, stride_om,
 
 
 def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                 config: GemvConfig | None = None) -> torch.Tensor:
+                 config: Tiles | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32), weight float8 [N, K], weight_scale float32 [N, 1] ->
     [M, N] in x's dtype. M is small (decode): the whole batch is one row block."""
     m, k = x.shape

@@ -1,9 +1,28 @@
-"""Compiling a Triton kernel for Hopper (sm_90) on a machine without a GPU.
-
-Triton's interpreter runs a kernel's Python, not Triton's compiler, which is stricter (types
-across branches, what lowers to PTX): CPU tests compile each GPU kernel variant here too.
+"""GPU kernels checked on a machine without a GPU, two ways:
+- `run_under_interpreter`: a file of `gpu`-marked kernel tests run through TRITON_INTERPRET=1;
+- `compile_for_sm90`: a kernel compiled for Hopper. The interpreter runs a kernel's Python,
+  not Triton's compiler, which is stricter (types across branches, what lowers to PTX).
 """
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_under_interpreter(test_file: str, allow_skipped: bool = False) -> None:
+    """Run tests/`test_file`'s `gpu` tests on the CPU through Triton's interpreter; assert
+    they passed (and, unless `allow_skipped`, that none was skipped)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                           "-W", "ignore::RuntimeWarning", str(ROOT / "tests" / test_file)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    ok = done.returncode == 0 and " passed" in done.stdout
+    assert ok and (allow_skipped or "skipped" not in done.stdout), \
+        done.stdout[-3000:] + done.stderr[-3000:]
 
 
 def compile_for_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int = 4,

@@ -1,0 +1,17 @@
+"""Tile sizes and launch options of one Triton GEMM-like kernel launch.
+
+The MoE and FP8 kernels each pick theirs per shape from a sweep on the GPU
+(scripts/bench_layer_kernels.py): a BLOCK_N x BLOCK_K tile of the weight per program step,
+and the warps and pipeline stages of the launch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
