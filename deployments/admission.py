@@ -12,7 +12,8 @@ The rule (`AdmissionGate.full`): a generation request (`GATED`) is refused at th
 only when, for every engine replica this ingress's router can send it to, the latest load
 report from that replica said its streams in flight had reached its capacity, that report
 arrived at most `REPORT_FRESH_S` ago, and no engine call of this ingress has finished since
-(a finished call may have left room). Reports come from the engines: every delta-channel
+or within `REPORT_FRESH_S` before (a finished call may have left room, and a report sent
+before it ended may arrive after). Reports come from the engines: every delta-channel
 batch carries its replica's streams in flight after that batch (its finishing streams not
 counted) and capacity, and every engine 503 for capacity carries the same. Anything else -
 no report, an old one, a replica without one, a router this Ray does not let us read -
@@ -48,6 +49,7 @@ class AdmissionGate:
         # Replica ids the router can send to now (None: unknown, so never refuse).
         self.replicas: Callable[[], Iterable[str] | None] = lambda: None
         self._full_since: dict[str, float] = {}  # replica id -> when it last said "full"
+        self._last_call_end = float("-inf")
         self.refused = 0  # requests this gate refused
 
     def report(self, replica_id: str, in_flight: int, capacity: int | None) -> None:
@@ -58,7 +60,11 @@ class AdmissionGate:
             self._full_since.pop(replica_id, None)
 
     def call_finished(self) -> None:
-        """An engine call of this ingress ended: room may have opened; believe no report."""
+        """An engine call of this ingress ended: room may have opened; believe no report
+        for `fresh_s`. A channel batch sent before the call ended can arrive after it, and
+        its "full" is already stale (seen in tests/test_serve_path.py: the gate stayed shut
+        after every stream was cancelled)."""
+        self._last_call_end = self.clock()
         if self._full_since:
             self._full_since.clear()
 
@@ -67,7 +73,7 @@ class AdmissionGate:
 
     def full(self) -> bool:
         """Every replica the router can pick has said, recently enough, that it is full."""
-        if not self._full_since:
+        if not self._full_since or self.clock() - self._last_call_end < self.fresh_s:
             return False
         replicas = self.replicas()
         if not replicas:

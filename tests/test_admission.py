@@ -56,6 +56,20 @@ def test_gate_forgets_full_reports_when_a_call_ends_or_a_channel_closes():
     assert not gate.full()
 
 
+def test_gate_disbelieves_full_reports_arriving_just_after_a_call_ended():
+    """A channel batch sent while a stream still ran can arrive after its call ended: its
+    "full" must not shut the gate (tests/test_serve_path.py's full-engine test then got a 503
+    on an empty engine, and so did the tests after it)."""
+    gate, clock = gate_of(["a"])
+    gate.call_finished()
+    clock.now += 0.1
+    gate.report("a", 4, 4)  # in transit when the call ended
+    assert not gate.full()
+    clock.now += 0.2  # the window has passed: a new "full" is believed
+    gate.report("a", 4, 4)
+    assert gate.full()
+
+
 def test_gate_without_bound_or_replica_list_never_refuses():
     gate, _ = gate_of(["a"])
     gate.report("a", 10**6, None)  # an engine without max_queued_requests
