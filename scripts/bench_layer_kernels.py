@@ -171,6 +171,9 @@ def launch_down(act, w2, ids, weights, out, c: Tiles):
 def bench_fp8(bw: float, batches: list[int], quick: bool) -> dict:
     cfgs = [Tiles(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
         (16, 32, 64, 128), (128, 256, 512), (4,) if quick else (4, 8), (3, 4))]
+    # split-K: more programs for one row's long K, a second launch to sum the slices
+    cfgs += [Tiles(bn, bk, 4, 4, split_k=sk) for bn, bk, sk in itertools.product(
+        (32, 64, 128), (128, 256), (2, 4, 8))]
     rows, best = [], {}
     for name, (n, k) in LLAMA_LINEARS.items():
         dense = [(torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16() for _ in range(COPIES)]

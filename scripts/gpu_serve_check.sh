@@ -10,7 +10,7 @@
 #   2: carry [".whl/c2"], command: bash scripts/gpu_serve_check.sh
 # PARTS (default "serve,offline,path") picks what runs; "profile" adds py-spy of the engine
 # replica and an ingress during W2 over HTTP; "gil" runs batch-1 and W2 again with the
-# replica's GIL switch interval at 0.5 ms; "fast" runs them under Ray's high-throughput mode
+# replica's GIL switch interval at 0.5 ms ("sw05": that under "tput"'s mode); "fast" runs them under Ray's high-throughput mode
 # (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, RAY_SERVE_ENABLE_HA_PROXY=1); "tput" under the first of
 # those alone (no HAProxy: none of its caveats, docs/deploy.md); "process" runs batch-1 and W2
 # with the engine's step loop in a child process of the replica (engine_process: true), and
@@ -98,7 +98,7 @@ def load(name):
 print(f"\n{'run':<12} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT mean':>9} {'ITL p50':>8} {'ITL mean':>8} {'TPOT':>7} {'ok':>5} {'fail':>5}")
 for name in ("batch1", "batch1short", "w2", "poisson4", "poisson16", "poisson64", "gil_batch1", "gil_w2",
              "fast_batch1", "fast_batch1short", "fast_w2", "fast_poisson64", "tput_batch1",
-             "tput_batch1short", "tput_w2", "proc_batch1", "proc_w2"):
+             "tput_batch1short", "tput_w2", "sw05_batch1", "sw05_w2", "proc_batch1", "proc_w2"):
     m = load(f"http_{name}.json")
     if m:
         m = m.get("metrics", m)
@@ -191,6 +191,9 @@ variant() {  # name prefix, then the app args it adds: batch-1 and W2 over HTTP 
 
 if [[ $PARTS == *gil* ]]; then  # the engine replica's GIL switch interval at 0.5 ms
   variant gil "gil_switch_interval_ms: 0.5"
+fi
+if [[ $PARTS == *sw05* ]]; then  # both: Ray's high-throughput mode and the 0.5 ms switch interval
+  RAY_SERVE_THROUGHPUT_OPTIMIZED=1 variant sw05 "gil_switch_interval_ms: 0.5"
 fi
 checkpoint
 

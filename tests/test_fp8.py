@@ -15,6 +15,8 @@ tests exercise the same code path as the GPU. Tolerances:
 """
 from __future__ import annotations
 
+import itertools
+
 from pathlib import Path
 
 import pytest
@@ -249,12 +251,16 @@ def test_fp8_weight_kernels_compile_for_hopper():
     """Every variant the GPU path launches compiles for sm_90, and the activations' cast to
     float8 is the hardware's saturating round-to-nearest (the interpreter's is not exact)."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
-    from engine.quantization.fp8_kernels import _quantize_rows_kernel, _w8a16_kernel
+    from engine.quantization.fp8_kernels import _quantize_rows_kernel, _sum_splits_kernel, _w8a16_kernel
 
-    gemv = dict(X="*bf16", W="*fp8e4nv", Scale="*fp32", Out="*bf16", M="i32", N="i32", K="i32")
-    for block_m in (1, 16, 32):
-        compile_for_sm90(_w8a16_kernel, gemv, dict(PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=32,
-                                                   BLOCK_K=256), num_stages=4)
+    gemv = dict(X="*bf16", W="*fp8e4nv", Scale="*fp32", Out="*bf16", M="i32", N="i32", K="i32",
+                k_per_split="i32")
+    for block_m, split_k in itertools.product((1, 16, 32), (1, 4)):
+        compile_for_sm90(_w8a16_kernel, {**gemv, "Out": "*fp32" if split_k > 1 else "*bf16"},
+                         dict(PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=256, SPLIT_K=split_k),
+                         num_stages=4)
+    compile_for_sm90(_sum_splits_kernel, dict(Partial="*fp32", Out="*bf16", size="i32"),
+                     dict(SPLIT_K=4, BLOCK=1024))
     ptx = compile_for_sm90(_quantize_rows_kernel, dict(X="*bf16", Q="*fp8e4nv", Scale="*fp32", K="i32",
                                                        fp8_max="fp32", min_scale="fp32"),
                            dict(BLOCK_K=2048))

@@ -37,8 +37,9 @@ def random_fp8_weight(n: int, k: int, seed: int):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("config", [Tiles(32, 256, num_stages=4), Tiles(block_n=16, block_k=64, num_warps=2, num_stages=4)],
-                         ids=["default", "small_tiles"])
+@pytest.mark.parametrize("config", [Tiles(32, 256, num_stages=4), Tiles(block_n=16, block_k=64, num_warps=2, num_stages=4),
+                                    Tiles(32, 64, split_k=3), Tiles(64, 128, split_k=8)],
+                         ids=["default", "small_tiles", "split3", "split8"])
 def test_w8a16_matches_dequantized_matmul(shape, dtype, config):
     m, n, k = shape
     weight, scale = random_fp8_weight(n, k, seed=m)

@@ -2,7 +2,9 @@
 
 The MoE and FP8 kernels each pick theirs per shape from a sweep on the GPU
 (scripts/bench_layer_kernels.py): a BLOCK_N x BLOCK_K tile of the weight per program step,
-and the warps and pipeline stages of the launch.
+and the warps and pipeline stages of the launch. `split_k` > 1 (the FP8 weight-only kernel)
+cuts K into that many slices, one program each, summed by a second launch: at one row a long
+K leaves too few programs to keep the memory system busy.
 """
 from __future__ import annotations
 
@@ -15,3 +17,4 @@ class Tiles:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
