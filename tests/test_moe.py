@@ -235,12 +235,12 @@ def test_moe_kernels_compile_for_hopper():
     align = dict(TopkIds="*i64", Counts="*i32", ChunkBase="*i32", SortedPairs="*i64",
                  BlockExpert="*i64")
     compile_for_sm90(_count_kernel, align, dict(BLOCK_E=256, CHUNK=128))
-    for block_m in (16, 32, 64):
+    for block_m in (16, 32, 64, 128):
         compile_for_sm90(_offsets_kernel, align, dict(BLOCK_M=block_m, BLOCK_E=256, TILE=64),
                          num_warps=8)
     compile_for_sm90(_scatter_kernel, align, dict(BLOCK_E=256, CHUNK=128), num_warps=8)
     grouped = dict(A="*bf16", W="*bf16", C="*bf16", PairWeights="*fp32", N="i32", K="i32")
-    for block_m in (16, 32, 64):
+    for block_m in (16, 32, 64, 128):
         for rows_per_a, tiles in zip((8, 1), grouped_tiles_for(block_m)):
             compile_for_sm90(_grouped_gemm_kernel, grouped,
                              dict(ROWS_PER_A=rows_per_a, WEIGHTED=rows_per_a == 1, PRECISION="tf32",

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.gpu,
 
 # (tokens, experts, top_k, hidden, intermediate): decode-sized (the per-pair path), a prefill
 # with more pairs than one block per expert (grouped), widths not multiples of the tiles.
-CASES = [(1, 8, 2, 64, 32), (3, 16, 4, 48, 40), (70, 8, 2, 32, 24)]
+CASES = [(1, 8, 2, 64, 32), (3, 16, 4, 48, 40), (70, 8, 2, 32, 24), (600, 4, 1, 32, 24)]  # the last: blocks of 128
 # Qwen3-30B-A3B's expert shapes at decode and prefill batch sizes (too slow to interpret).
 GPU_CASES = [(1, 128, 8, 2048, 768), (8, 128, 8, 2048, 768), (256, 128, 8, 2048, 768),
              (4096, 128, 8, 2048, 768)]
@@ -113,10 +113,10 @@ def test_softmax_topk_kernel_matches_select_experts(tokens, experts, top_k, reno
 
 @pytest.mark.parametrize("tokens,experts,top_k,block_m,first,num_local", [
     (1, 128, 8, 16, 0, 128), (37, 8, 2, 16, 0, 8), (300, 16, 4, 32, 4, 8), (70, 8, 2, 64, 0, 8),
-    (5, 6, 2, 16, 3, 3), (1100, 128, 8, 64, 0, 128)], ids=lambda v: str(v))
+    (5, 6, 2, 16, 3, 3), (1100, 128, 8, 64, 0, 128), (700, 4, 1, 128, 0, 4)], ids=lambda v: str(v))
 def test_align_kernel_equals_torch_grouping(tokens, experts, top_k, block_m, first, num_local):
     """The kernels' grouping gives the torch version's rows in the same order (EP ranks,
-    blocks of 16-64, experts left empty, one chunk of 128 pairs and more chunks than the
+    blocks of 16-128, experts left empty, one chunk of 128 pairs and more chunks than the
     offsets program sums at once)."""
     g = torch.Generator().manual_seed(tokens)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(DEVICE)

@@ -64,7 +64,7 @@ def block_rows(num_pairs: int, num_local_experts: int) -> int:
     """Rows per expert block: about one block per expert in use (fewer padded rows at
     decode sizes, fewer weight re-reads at prefill sizes)."""
     per_expert = num_pairs / num_local_experts
-    return 16 if per_expert <= 8 else 32 if per_expert <= 24 else 64
+    return 16 if per_expert <= 8 else 32 if per_expert <= 24 else 64 if per_expert <= 64 else 128
 
 
 def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

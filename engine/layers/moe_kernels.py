@@ -60,7 +60,9 @@ def tiles_for(block_m: int) -> tuple[Tiles, Tiles]:
         return Tiles(64, 128, num_stages=4), Tiles(64, 128)
     if block_m <= 32:
         return Tiles(128, 128), Tiles(64, 128)
-    return Tiles(128, 64), Tiles(128, 64)
+    if block_m <= 64:
+        return Tiles(128, 64), Tiles(128, 64)
+    return Tiles(128, 64), Tiles(128, 64, num_warps=8)
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, out: torch.Tensor,
