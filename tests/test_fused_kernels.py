@@ -67,8 +67,10 @@ def check_silu_and_mul(rows: int, d: int, dtype: torch.dtype, seed: int) -> dict
     return _compare(SiluAndMul()(x), silu_and_mul(x), dtype)
 
 
-def check_rope(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int) -> dict:
-    """q and k as the attention layer has them: strided views into one fused QKV output."""
+def check_rope(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int,
+               qk_norm: bool = False) -> dict:
+    """q and k as the attention layer has them: strided views into one fused QKV output;
+    with `qk_norm`, Qwen3's per-head q and k RMSNorms first (fused into the same kernel)."""
     from engine.layers.fused_kernels import rope
 
     torch.manual_seed(seed)
@@ -79,8 +81,15 @@ def check_rope(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int)
     q = qkv[:, :hq * d].view(t, hq, d)
     k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
     pos = torch.randint(0, 4096, (t,), device=DEVICE)
-    ref_q, ref_k = emb(pos, q, k)
-    got_q, got_k = rope(pos, q, k, emb.cos_sin_cache)
+    norms = None
+    if qk_norm:
+        norms = tuple(RMSNorm(d, 1e-6).to(device=DEVICE) for _ in range(2))
+        for norm in norms:
+            norm.weight.data = torch.randn(d, device=DEVICE)
+            norm.to(dtype)
+    ref_q, ref_k = emb(pos, q, k, norms)
+    got_q, got_k = rope(pos, q, k, emb.cos_sin_cache,
+                        None if norms is None else (norms[0].weight, norms[1].weight, 1e-6))
     a, b = _compare(ref_q, got_q, dtype), _compare(ref_k, got_k, dtype)
     return {"err": max(a["err"], b["err"]), "ok": a["ok"] and b["ok"]}
 
@@ -94,6 +103,8 @@ def all_fused_checks() -> list[tuple[str, dict]]:
         for i, shape in enumerate(ROPE):
             rows.append((f"fused/rope_{'x'.join(map(str, shape))}_{dt}",
                          check_rope(*shape, DT[dt], i)))
+            rows.append((f"fused/qk_norm_rope_{'x'.join(map(str, shape))}_{dt}",
+                         check_rope(*shape, DT[dt], i, qk_norm=True)))
     return rows
 
 
@@ -115,6 +126,13 @@ def test_silu_and_mul(shape, dt):
 @pytest.mark.parametrize("shape", ROPE)
 def test_rope(shape, dt):
     r = check_rope(*shape, DT[dt], 2)
+    assert r["ok"], r
+
+
+@pytest.mark.parametrize("dt", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("shape", ROPE)
+def test_qk_norm_then_rope(shape, dt):
+    r = check_rope(*shape, DT[dt], 3, qk_norm=True)
     assert r["ok"], r
 
 

@@ -216,7 +216,7 @@ def test_moe_kernels_compile_for_hopper():
     variant the GPU path launches compiles for sm_90 too."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
     from engine.layers.moe_align_kernel import _count_kernel, _offsets_kernel, _scatter_kernel
-    from engine.layers.moe_kernels import _grouped_gemm_kernel
+    from engine.layers.moe_kernels import _grouped_gemm_kernel, _sum_choices_kernel
     from engine.layers.moe_kernels import tiles_for as grouped_tiles_for
     from engine.layers.moe_pair_kernels import _down_kernel, _gate_up_kernel, tiles_for
     from engine.layers.moe_router_kernel import _softmax_topk_kernel
@@ -246,3 +246,4 @@ def test_moe_kernels_compile_for_hopper():
                              dict(ROWS_PER_A=rows_per_a, WEIGHTED=rows_per_a == 1, PRECISION="tf32",
                                   BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k),
                              num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    compile_for_sm90(_sum_choices_kernel, dict(PerPair="*bf16", Out="*bf16"), dict(TOP_K=8, BLOCK=1024))

@@ -81,10 +81,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # other fields' lengths; it is read one scalar per program, so the hint buys nothing and
 # would only compile a second binary on a fresh replica (see attention/triton_common.py).
 @triton.jit(do_not_specialize_on_alignment=["Pos"])
-def _rope_kernel(Q, K, Pos, Cache, QOut, KOut,
+def _rope_kernel(Q, K, Pos, Cache, QOut, KOut, QNormW, KNormW, eps,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_ct,
                  stride_qot, stride_qoh, stride_kot, stride_koh,
-                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
+                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t).to(tl.int64)
@@ -106,6 +106,14 @@ def _rope_kernel(Q, K, Pos, Cache, QOut, KOut,
         x1 = tl.load(src_q, mask=qm, other=0.0) + tl.load(src_k, mask=km, other=0.0)
         x2 = tl.load(src_q + HALF, mask=qm, other=0.0) + tl.load(src_k + HALF, mask=km, other=0.0)
         a, b = x1.to(tl.float32), x2.to(tl.float32)
+        if HAS_NORM:  # per-head RMSNorm first (Qwen3), rounded where RMSNorm's torch path rounds
+            rstd = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)[:, None]
+            w1 = tl.where(is_q[:, None], tl.load(QNormW + j, mask=jmask, other=0.0)[None, :],
+                          tl.load(KNormW + j, mask=jmask, other=0.0)[None, :]).to(tl.float32)
+            w2 = tl.where(is_q[:, None], tl.load(QNormW + HALF + j, mask=jmask, other=0.0)[None, :],
+                          tl.load(KNormW + HALF + j, mask=jmask, other=0.0)[None, :]).to(tl.float32)
+            a = (w1 * (a * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+            b = (w2 * (b * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
         o1 = (a * cos - b * sin).to(x1.dtype)
         o2 = (b * cos + a * sin).to(x1.dtype)
         dst_q = QOut + t * stride_qot + heads[:, None] * stride_qoh + j[None, :]
@@ -116,10 +124,13 @@ def _rope_kernel(Q, K, Pos, Cache, QOut, KOut,
         tl.store(dst_k + HALF, o2, mask=km)
 
 
-def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-         cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+         qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D], k [T, Hkv, D] (any row and head strides, unit last stride), rotated by
-    full-width "rotate half" RoPE into new contiguous tensors."""
+    full-width "rotate half" RoPE into new contiguous tensors. `qk_norm` = (q weight [D],
+    k weight [D], eps): each head RMS-normalised first, in the same launch (Qwen3's q/k norms:
+    three kernels and two copies of q and k before)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
@@ -128,9 +139,10 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         return q_out, k_out
     half = d // 2
     block_h = min(16, triton.next_power_of_2(hq + hkv))
-    _rope_kernel[(t,)](q, k, positions, cos_sin_cache, q_out, k_out,
+    q_weight, k_weight, eps = qk_norm or (q, k, 0.0)  # unread without the norm
+    _rope_kernel[(t,)](q, k, positions, cos_sin_cache, q_out, k_out, q_weight, k_weight, eps,
                        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
                        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-                       HQ=hq, HKV=hkv, HALF=half, BLOCK_H=block_h,
+                       HQ=hq, HKV=hkv, HALF=half, HAS_NORM=qk_norm is not None, BLOCK_H=block_h,
                        BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
     return q_out, k_out

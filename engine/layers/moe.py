@@ -73,7 +73,7 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     for decode-sized batches, two grouped GEMMs over expert blocks above."""
     from engine.layers.fused_kernels import silu_and_mul as silu_and_mul_kernel
     from engine.layers.moe_align_kernel import group_by_expert_kernel
-    from engine.layers.moe_kernels import grouped_gemm, tiles_for
+    from engine.layers.moe_kernels import grouped_gemm, sum_choices, tiles_for
     from engine.layers.moe_pair_kernels import MAX_PAIRS, experts_per_pair
 
     t, k = topk_ids.shape
@@ -90,7 +90,7 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     out = torch.zeros((num_pairs, w2.shape[1]), dtype=x.dtype, device=x.device)
     grouped_gemm(act, w2, blocks, out, rows_per_a=1,
                  pair_weights=topk_weights.flatten().float().contiguous(), config=down_tiles)
-    return out.view(t, k, w2.shape[1]).sum(dim=1)
+    return sum_choices(out, k)
 
 
 class FusedMoE(nn.Module):

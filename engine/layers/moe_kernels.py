@@ -88,3 +88,27 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, out: to
                                BLOCK_N=block_n, BLOCK_K=block_k, num_warps=config.num_warps,
                                num_stages=config.num_stages)
     return out
+
+
+@triton.jit
+def _sum_choices_kernel(PerPair, Out, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < hidden
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c in tl.static_range(TOP_K):
+        acc += tl.load(PerPair + (token * TOP_K + c) * hidden + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + token * hidden + offs, acc.to(Out.dtype.element_ty), mask=mask)
+
+
+def sum_choices(per_pair: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[tokens * top_k, hidden] (contiguous, a token's choices adjacent) -> [tokens, hidden]:
+    each token's weighted expert outputs added up in float32, rounded once. One launch; torch's
+    `.view(t, k, h).sum(1)` took 4.8 us at one token on the H200, a third of an expert GEMV."""
+    pairs, hidden = per_pair.shape
+    out = torch.empty((pairs // top_k, hidden), dtype=per_pair.dtype, device=per_pair.device)
+    block = min(1024, triton.next_power_of_2(hidden))
+    if pairs:
+        _sum_choices_kernel[(pairs // top_k, triton.cdiv(hidden, block))](
+            per_pair, out, hidden, TOP_K=top_k, BLOCK=block, num_warps=4)
+    return out

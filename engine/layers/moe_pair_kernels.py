@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.layers.moe_kernels import sum_choices
 from engine.layers.tiles import Tiles
 
 # Up to this many (token, choice) pairs the per-pair path runs. On the H200 (Qwen3-30B-A3B
@@ -120,4 +121,4 @@ def experts_per_pair(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         w2.stride(1), out.stride(0), first_expert, num_local,
         BLOCK_N=down_config.block_n, BLOCK_K=down_config.block_k,
         num_warps=down_config.num_warps, num_stages=down_config.num_stages)
-    return out.view(t, top_k, hidden).sum(dim=1)
+    return sum_choices(out, top_k)

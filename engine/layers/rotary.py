@@ -136,13 +136,19 @@ class RotaryEmbedding(nn.Module):
                              persistent=False)
         self.fused = False  # one Triton kernel on GPUs (engine/layers/fused_kernels.py)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hkv, D] rotated by their tokens' positions [T]."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                norms: tuple[nn.Module, nn.Module] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] rotated by their tokens' positions [T]; with `norms`
+        (per-head RMSNorms of q and of k, Qwen3) normalised first."""
         if self.fused and q.is_cuda and self.rotary_dim == self.head_dim:
             from engine.layers.fused_kernels import rope
 
-            return rope(positions, q, k, self.cos_sin_cache)
+            q_norm, k_norm = norms or (None, None)
+            qk_norm = None if norms is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+            assert norms is None or q_norm.eps == k_norm.eps
+            return rope(positions, q, k, self.cos_sin_cache, qk_norm)
+        if norms is not None:
+            q, k = norms[0](q), norms[1](k)
         cos, sin = self.cos_sin_cache[positions].unsqueeze(-2).chunk(2, dim=-1)  # [T, 1, rd/2]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 

@@ -103,9 +103,7 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(positions, q, k, (self.q_norm, self.k_norm) if self.qk_norm else None)
         out = self.attn_backend.forward(q, k, v, self.layer_id, batch)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
