@@ -290,6 +290,12 @@ class StepPhases:
     def close(self) -> None:
         self.runner.forward = self._forward
 
+    def decode_rows(self) -> list[tuple[float, int, int]]:
+        """(GPU ms, batch, context tokens read) of every decode step, in order."""
+        sync()
+        steps = [(s.elapsed_time(e), b) for s, e, d, b, _ in self.events if d]
+        return [(ms, b, ctx) for (ms, b), (_, ctx) in zip(steps, self.decode_ctx)]
+
     def summary(self, wall_s: float) -> dict:
         sync()
         out: dict = {}
@@ -350,7 +356,8 @@ def run_requests(engine: Engine, reqs, tag: str, phases: bool = False,
             "cached_tokens": sum(h.cached_tokens for h in handles),
             "ttft_s": (first_token_at - t0) if first_token_at else None,
             "phases": timer.summary(wall) if timer else None,
-            "decode_ctx": timer.decode_ctx if timer else None}
+            "decode_ctx": timer.decode_ctx if timer else None,
+            "decode_rows": timer.decode_rows() if timer else None}
 
 
 def bench_w1(path: str, ceilings: dict, plain_too: bool = False, cfg: dict = LLAMA3_8B) -> dict:
@@ -363,7 +370,7 @@ def bench_w1(path: str, ceilings: dict, plain_too: bool = False, cfg: dict = LLA
         engine.cache.reset()
         res = run_requests(engine, w1(), "w1", phases=grouped)
         if grouped and "num_experts" in cfg:
-            out.update(moe_decode_floor(engine, res["phases"]["decode"], ceilings))
+            out.update(moe_decode_floor(engine, res, ceilings))
         del engine
         release_memory()
         if not grouped:
@@ -380,13 +387,51 @@ def bench_w1(path: str, ceilings: dict, plain_too: bool = False, cfg: dict = LLA
     return out
 
 
-def moe_decode_floor(engine: Engine, decode: dict, ceilings: dict) -> dict:
-    """W1's mean decode step against the bytes it must read at its mean batch (weights of
-    the experts touched + the rest; KV reads not counted)."""
+def decode_floor_s(engine: Engine, decode_ctx: list[tuple[int, int]], ceilings: dict) -> float:
+    """Seconds the given decode steps must take at the copy rate: per step, the weights its
+    batch touches (`decode_weight_bytes`) + every context token's K/V read once."""
+    k = engine.runner.kv_pool.k
+    kv_per_token = KVPool.bytes_per_token(len(k), k[0].shape[1], k[0].shape[2], k[0].dtype)
+    weights: dict[int, float] = {}  # batch -> weight bytes per decode step
+    total = 0.0
+    for batch, ctx in decode_ctx:
+        if batch not in weights:
+            weights[batch] = decode_weight_bytes(engine.runner.model, batch)
+        total += weights[batch] + ctx * kv_per_token
+    return total / (ceilings["copy_tb_s"] * 1e12)
+
+
+def moe_decode_floor(engine: Engine, res: dict, ceilings: dict) -> dict:
+    """W1's mean decode step against the bytes it must read: at its mean batch, the weights
+    of the experts touched + the rest; and per step, those + the K/V of every context token
+    (the floor as issue 18 defines it: experts touched + attention + embeddings)."""
+    decode = res["phases"]["decode"]
     batch = max(1, round(decode["mean_batch"]))
     floor_ms = 1e3 * decode_weight_bytes(engine.runner.model, batch) / (ceilings["copy_tb_s"] * 1e12)
+    with_kv_ms = 1e3 * decode_floor_s(engine, res["decode_ctx"], ceilings) / max(1, len(res["decode_ctx"]))
     return {"decode_mean_batch": batch, "decode_step_ms": decode["mean_ms"],
-            "decode_weight_floor_ms": floor_ms}
+            "decode_weight_floor_ms": floor_ms, "decode_floor_ms": with_kv_ms}
+
+
+def bench_decode_batch(path: str, ceilings: dict, batch: int, prompt: int = 512,
+                       out: int = 128) -> dict:
+    """The decode step at a fixed batch (issue 18's batch-256 goal): `batch` requests of
+    `prompt` random tokens and `out` output tokens, all at once; the decode steps that ran
+    the whole batch, against their floor (weights touched + K/V read)."""
+    engine = make_engine(path, max_running_requests=max(batch, 8), cuda_graph_max_bs=max(batch, 8))
+    rng, vocab = random.Random(5), engine.runner.vocab_size
+    run_requests(engine, [(random_prompt(rng, vocab, prompt), 8) for _ in range(16)], "warm")
+    engine.cache.reset()
+    reqs = [(random_prompt(rng, vocab, prompt), out) for _ in range(batch)]
+    res = run_requests(engine, reqs, f"b{batch}", phases=True)
+    full = [(ms, b, ctx) for ms, b, ctx in res["decode_rows"] if b == batch]
+    floor = decode_floor_s(engine, [(b, ctx) for _, b, ctx in full], ceilings)
+    del engine
+    release_memory()
+    step_ms = sum(ms for ms, _, _ in full) / max(1, len(full))
+    floor_ms = 1e3 * floor / max(1, len(full))
+    return {"batch": batch, "prompt": prompt, "steps": len(full), "step_ms": step_ms,
+            "floor_ms": floor_ms, "ratio": step_ms / floor_ms if floor_ms else None}
 
 
 W2_MODES = {"cache_on": (True, True), "plain_decode": (True, False), "cache_off": (False, False)}
@@ -641,21 +686,13 @@ def bench_w4(engine: Engine, ceilings: dict, conversations: int = 64, turns: int
     per step, at the copy rate), radix hit rate, and the GPU time split of the run."""
     rng = random.Random(4)
     vocab = engine.runner.vocab_size
-    k = engine.runner.kv_pool.k
-    kv_per_token = KVPool.bytes_per_token(len(k), k[0].shape[1], k[0].shape[2], k[0].dtype)
-    bw = ceilings["copy_tb_s"] * 1e12
-    weights: dict[int, float] = {}  # batch -> weight bytes per decode step
     prompts = [random_prompt(rng, vocab, first) for _ in range(conversations)]
     rows = []
     for turn in range(turns):
         if max(map(len, prompts)) + answer + 1 > engine.max_context:
             break
         res = run_requests(engine, [(p, answer) for p in prompts], f"w4-{turn}", phases=True)
-        floor_s = 0.0
-        for batch, ctx in res["decode_ctx"]:
-            if batch not in weights:
-                weights[batch] = decode_weight_bytes(engine.runner.model, batch)
-            floor_s += (weights[batch] + ctx * kv_per_token) / bw
+        floor_s = decode_floor_s(engine, res["decode_ctx"], ceilings)
         ph = res["phases"]
         rows.append({"turn": turn + 1, "prompt_tokens": res["prompt_tokens"] / conversations,
                      "hit_rate": res["cached_tokens"] / res["prompt_tokens"],
@@ -694,6 +731,9 @@ def main() -> None:
     ap.add_argument("--long-prefill", action="store_true", help="N x L-token prompts vs the FLOP floor")
     ap.add_argument("--long-shape", default="8x16000", metavar="NxL")
     ap.add_argument("--w4", action="store_true", help="multi-turn conversations (W4)")
+    ap.add_argument("--decode-batch", default=None, metavar="N[,PROMPT,OUT]",
+                    help="the decode step at batch N (prompts of PROMPT tokens, default 512; OUT "
+                         "output tokens, default 128) against its floor (weights + K/V)")
     ap.add_argument("--w4-shape", default="64,4,1024,128,64",
                     metavar="CONVS,TURNS,FIRST,ANSWER,USER")
     ap.add_argument("--cold-batch", default="40,32", metavar="N,OUT",
@@ -720,7 +760,7 @@ def main() -> None:
                          args.launched_at or time.time())
         return
     issue14 = args.ttft_sweep or args.cold_start or args.long_prefill or args.w4
-    work = (args.workloads or ("" if issue14 else "W1,W2,W3")).split(",")
+    work = (args.workloads or ("" if issue14 or args.decode_batch else "W1,W2,W3")).split(",")
     profile = tuple(int(x) for x in args.profile_w2.split(":")) if args.profile_w2 else None
     profile3 = tuple(int(x) for x in args.profile_w3.split(":")) if args.profile_w3 else None
     if args.model == DEMO:
@@ -739,6 +779,11 @@ def main() -> None:
             results[name] = bench()
             print(name, results[name], flush=True)
             save(results, args.json)
+    if args.decode_batch:
+        results["decode_batch"] = bench_decode_batch(
+            path, ceilings, *(int(x) for x in args.decode_batch.split(",")))
+        print("decode batch", results["decode_batch"], flush=True)
+        save(results, args.json)
     if not args.no_hf and any(w in work for w in ("W1", "W2", "W3")):
         hf = bench_hf(path)
         if "W1" in results:
@@ -799,7 +844,13 @@ def print_table(r: dict) -> None:
         if "decode_weight_floor_ms" in w:
             label = f"W1 decode step ms (batch {w['decode_mean_batch']})"
             print(f"{label:<34} {w['decode_step_ms']:>10.2f} {w['decode_weight_floor_ms']:>10.2f} "
-                  f"{w['decode_step_ms'] / w['decode_weight_floor_ms']:>7.2f}")
+                  f"{w['decode_step_ms'] / w['decode_weight_floor_ms']:>7.2f}  (floor: weights)")
+            print(f"{label:<34} {w['decode_step_ms']:>10.2f} {w['decode_floor_ms']:>10.2f} "
+                  f"{w['decode_step_ms'] / w['decode_floor_ms']:>7.2f}  (floor: weights + K/V)")
+    if "decode_batch" in r:
+        d = r["decode_batch"]
+        print(f"{'decode step ms at batch ' + str(d['batch']):<34} {d['step_ms']:>10.2f} {d['floor_ms']:>10.2f} "
+              f"{d['ratio'] or 0:>7.2f}  ({d['steps']} steps, floor: weights + K/V)")
     if "W2" in r:
         w = r["W2"]
         for key, label in (("cache_on", "cache on"), ("plain_decode", "plain decode"),

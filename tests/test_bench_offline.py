@@ -60,3 +60,19 @@ def test_fp8_flags_reach_the_engine(tmp_path):
     r = json.loads(out.read_text())
     assert r["engine_overrides"] == {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}
     assert set(r["ttft"]) == {"1", "16"} and all(t["ttft_ms"] > 0 for t in r["ttft"].values())
+
+
+def test_decode_step_at_a_fixed_batch(tmp_path):
+    """--decode-batch (issue 18's batch-256 row): only steps that ran the whole batch count,
+    against a floor of weights + K/V that grows with the context."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_offline.py"), "--model", "demo",
+           "--decode-batch", "4,24,6", "--json", str(out)]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    d = json.loads(out.read_text())["decode_batch"]
+    assert d["batch"] == 4 and d["prompt"] == 24
+    assert d["steps"] == 5  # 6 output tokens: the first comes from the prefill
+    assert d["floor_ms"] > 0 and d["step_ms"] > 0 and d["ratio"] == d["step_ms"] / d["floor_ms"]
+    assert "decode step ms at batch 4" in proc.stdout
