@@ -35,8 +35,16 @@ def capture_graphs(keys: list, run: Callable, pool=None,
     """One CUDA graph per key, in the order given (largest first: the others reuse its
     memory in the shared `pool`). `prepare(key)` sets the static inputs (outside the graph),
     `run(key)` is the captured work and returns its output tensor. Two warm-up runs first:
-    Triton compiles, workspaces grow to size. Returns (graphs, outputs, pool) by key."""
+    Triton compiles, workspaces grow to size. Returns (graphs, outputs, pool) by key.
+
+    Cached memory goes back to the driver once, before the first (largest) graph, not before
+    every capture as `torch.cuda.graph` does: after each such release the next warm-up runs
+    allocate all their tensors anew through cudaMalloc (vLLM skips the release after its first
+    graph for the same reason). The capture is otherwise `torch.cuda.graph`'s: synchronize,
+    then capture_begin/capture_end on the side stream."""
     graphs, outputs = {}, {}
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -45,8 +53,12 @@ def capture_graphs(keys: list, run: Callable, pool=None,
             for _ in range(2):
                 run(key)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
+            torch.cuda.synchronize()
+            graph.capture_begin(pool=pool)
+            try:
                 outputs[key] = run(key)
+            finally:
+                graph.capture_end()
             if pool is None:
                 pool = graph.pool()
             graphs[key] = graph
