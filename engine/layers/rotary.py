@@ -143,9 +143,11 @@ class RotaryEmbedding(nn.Module):
         if self.fused and q.is_cuda and self.rotary_dim == self.head_dim:
             from engine.layers.fused_kernels import rope
 
-            q_norm, k_norm = norms or (None, None)
-            qk_norm = None if norms is None else (q_norm.weight, k_norm.weight, q_norm.eps)
-            assert norms is None or q_norm.eps == k_norm.eps
+            qk_norm = None
+            if norms is not None:
+                q_norm, k_norm = norms
+                assert q_norm.eps == k_norm.eps  # the kernel takes one
+                qk_norm = (q_norm.weight, k_norm.weight, q_norm.eps)
             return rope(positions, q, k, self.cos_sin_cache, qk_norm)
         if norms is not None:
             q, k = norms[0](q), norms[1](k)
