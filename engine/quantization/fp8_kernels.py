@@ -25,7 +25,8 @@ def gemv_config(rows: int, n: int, k: int) -> Tiles:
     """Tiles by shape, from scripts/bench_layer_kernels.py on the H200 (Llama-3-8B linears,
     2026-12-02): wide outputs have programs to spare and take short K steps; a K much longer
     than the output is split into slices (down: 27.9 -> 20.9 us at one row); the other
-    narrow outputs take thin row blocks at one row and split K in two to four above."""
+    narrow outputs take thin row blocks at one row, and above it each shape the sweep's
+    fastest for qkv (n > k) and o (n == k)."""
     if k >= 3 * n:
         if rows == 1:
             return Tiles(block_n=64, block_k=128, num_stages=4, split_k=8)
@@ -34,7 +35,11 @@ def gemv_config(rows: int, n: int, k: int) -> Tiles:
         return Tiles(block_n=32, block_k=128 if rows <= 4 else 256, num_stages=4 if rows <= 4 else 3)
     if rows == 1:
         return Tiles(block_n=16, block_k=512, num_stages=4)
-    return Tiles(block_n=32, block_k=128, num_stages=4, split_k=4 if rows <= 4 else 2)
+    if rows <= 4:
+        return Tiles(block_n=32, block_k=128, num_stages=4, split_k=4 if n > k else 2)
+    if n > k:
+        return Tiles(block_n=32, block_k=256, num_stages=4, split_k=2)
+    return Tiles(block_n=32, block_k=512, num_stages=3)
 
 
 @triton.jit
