@@ -5,7 +5,7 @@ Hugging Face transformers peer.
 
     python scripts/bench_offline.py [--model llama3-8b|moe|demo] [--workloads W1,W2,W3] [--json PATH]
                                     [--no-hf] [--w2-modes cache_on,...] [--profile-w2 A:B] [--profile-w3 A:B]
-                                    [--ttft-sweep] [--cold-start] [--long-prefill] [--w4]
+                                    [--ttft-sweep] [--cold-start] [--long-prefill] [--w4] [--decode-batch N]
                                     [--quantization fp8] [--kv-cache-dtype fp8_e4m3] [--engine KEY=VALUE]
 
 Issue 14's rows, each by its flag (when any is given, W1-W3 run only if --workloads names them):
@@ -23,7 +23,10 @@ with `--kv-cache-dtype fp8_e4m3` the KV floors count the pool's float8 bytes.
 
 For an MoE model the floors count only the experts a step touches: at batch 1 the top-k of
 each layer (W3), at batch B the expected number of distinct experts under uniform routing
-(W1's decode steps, at their mean batch).
+(W1's decode steps, at their mean batch). W1's MoE decode row gives two floors: those weights
+alone, and with every context token's K/V read once per step (issue 18's floor counts
+attention). `--decode-batch N[,PROMPT,OUT]` times the decode steps that ran exactly N requests
+(issue 18's batch-256 goal) against that second floor.
 
 W1 and W2 also report where their time goes: GPU time of decode steps vs steps with
 prefill chunks (CUDA events), and the rest (host work the GPU waited for).
@@ -830,6 +833,10 @@ def save(results: dict, path: str | None) -> None:
             json.dump(results, f, indent=1)
 
 
+def print_step_row(label: str, step_ms: float, floor_ms: float, note: str) -> None:
+    print(f"{label:<34} {step_ms:>10.2f} {floor_ms:>10.2f} {step_ms / floor_ms if floor_ms else 0:>7.2f}  ({note})")
+
+
 def print_table(r: dict) -> None:
     c = r["ceilings"]
     print(f"\nceilings: copy {c['copy_tb_s']:.3f} TB/s, matmul {c['matmul_tflop_s']:.1f} TFLOP/s")
@@ -843,14 +850,12 @@ def print_table(r: dict) -> None:
             print(f"{'W1 output tok/s, plain decode':<34} {w['plain_decode_output_tok_s']:>10.0f}")
         if "decode_weight_floor_ms" in w:
             label = f"W1 decode step ms (batch {w['decode_mean_batch']})"
-            print(f"{label:<34} {w['decode_step_ms']:>10.2f} {w['decode_weight_floor_ms']:>10.2f} "
-                  f"{w['decode_step_ms'] / w['decode_weight_floor_ms']:>7.2f}  (floor: weights)")
-            print(f"{label:<34} {w['decode_step_ms']:>10.2f} {w['decode_floor_ms']:>10.2f} "
-                  f"{w['decode_step_ms'] / w['decode_floor_ms']:>7.2f}  (floor: weights + K/V)")
+            print_step_row(label, w["decode_step_ms"], w["decode_weight_floor_ms"], "floor: weights")
+            print_step_row(label, w["decode_step_ms"], w["decode_floor_ms"], "floor: weights + K/V")
     if "decode_batch" in r:
         d = r["decode_batch"]
-        print(f"{'decode step ms at batch ' + str(d['batch']):<34} {d['step_ms']:>10.2f} {d['floor_ms']:>10.2f} "
-              f"{d['ratio'] or 0:>7.2f}  ({d['steps']} steps, floor: weights + K/V)")
+        print_step_row(f"decode step ms at batch {d['batch']}", d["step_ms"], d["floor_ms"],
+                       f"{d['steps']} steps, floor: weights + K/V")
     if "W2" in r:
         w = r["W2"]
         for key, label in (("cache_on", "cache on"), ("plain_decode", "plain decode"),

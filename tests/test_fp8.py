@@ -16,7 +16,6 @@ tests exercise the same code path as the GPU. Tolerances:
 from __future__ import annotations
 
 import itertools
-
 from pathlib import Path
 
 import pytest
