@@ -243,7 +243,10 @@ async def run_http(handle, streams: int, tokens: int) -> dict:
             **_cpu_per_ktok(cpu_before, cpu_after, count)}
 
 
-ROLES = {"proxy": "ProxyActor", "ingress": "OpenAIIngress", "replica": "EngineReplica"}
+# Process-title markers per role; under RAY_SERVE_ENABLE_HA_PROXY=1 the proxy is HAProxy's
+# own process (beside Serve's ProxyActor, which then only manages it).
+ROLES = {"proxy": ("ProxyActor", "haproxy"), "ingress": ("OpenAIIngress",),
+         "replica": ("EngineReplica",)}
 
 
 def role_cpu_seconds() -> dict[str, float]:
@@ -254,8 +257,8 @@ def role_cpu_seconds() -> dict[str, float]:
     totals = dict.fromkeys(ROLES, 0.0)
     for proc in psutil.process_iter(["cmdline"]):
         title = " ".join(proc.info["cmdline"] or [])
-        for role, marker in ROLES.items():
-            if marker in title:
+        for role, markers in ROLES.items():
+            if any(marker in title for marker in markers):
                 try:
                     times = proc.cpu_times()
                     totals[role] += times.user + times.system
@@ -500,7 +503,9 @@ async def main_async(args) -> list[dict]:
             rows.append(await run_inproc(n, args.tokens, args.step_ms, args.step_cpu_ms))
             print(format_table(rows[-1:]).splitlines()[-1], flush=True)
     if {"handle", "http"} & set(args.hops):
-        handle = start_serve(args.step_ms, args.step_cpu_ms, args.ingress_replicas)
+        # The stand-in's context is whatever the streams need (the demo model's is 512).
+        handle = start_serve(args.step_ms, args.step_cpu_ms, args.ingress_replicas,
+                             context=max(512, len(PROMPT) + args.tokens))
         for hop, run in (("handle", run_handle), ("http", run_http)):
             if hop in args.hops:
                 await run(handle, 8, 8)  # warm-up: connections, first imports

@@ -15,7 +15,9 @@
 # those alone (no HAProxy: none of its caveats, docs/deploy.md); "process" runs batch-1 and W2
 # with the engine's step loop in a child process of the replica (engine_process: true), and
 # with ASYNC_PATH=1 bench_async_path's offline / AsyncEngine / ProcessAsyncEngine rows; "admission" measures the bound, request intake
-# and a 10 MB body with the stand-in engine. PATH_ARGS overrides the path bench's options.
+# and a 10 MB body with the stand-in engine. PATH_ARGS overrides the path bench's options; "ceiling"
+# runs the path bench's HTTP hop at 512 streams under default Serve and under the high-throughput
+# mode (CEILING_ARGS overrides its options). POISSON_RATES (default "4 16 64") sets "serve"'s sweep.
 # After each part the table so far goes to $OUT/summary.txt and every file written to
 # $OUT/results.tgz (the device brings back eight files at most; a cut-short run keeps what
 # its finished parts measured). Budget about 570 s for serve+fast+path+admission.
@@ -109,7 +111,7 @@ if off:
     w2, w3 = off.get("W2", {}), off.get("W3", {})
     print(f"offline W2 cache_on: {w2.get('cache_on_output_tok_s', 0):.0f} tok/s; "
           f"W3: TTFT {w3.get('ttft_ms', 0):.1f} ms, step {w3.get('step_ms', 0):.2f} ms")
-for name in ("path.txt", "admission.txt", "intake.txt", "async_path.txt"):
+for name in ("path.txt", "ceiling.txt", "admission.txt", "intake.txt", "async_path.txt"):
     path = os.path.join(out, name)
     if os.path.exists(path):
         print(f"\n{name}:\n" + open(path).read().rstrip())
@@ -140,7 +142,7 @@ if [[ $PARTS == *serve* ]]; then
     bench batch1short --num-prompts 16 --input-len 32 --output-len 64 --max-concurrency 1
     bench w2 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
       --question-len 128 --output-len 256
-    for rate in 4 16 64; do
+    for rate in ${POISSON_RATES-4 16 64}; do
       bench "poisson$rate" --num-prompts $((rate * 10)) --input-len 512 --output-len 128 --request-rate $rate
     done
     top -b -n 1 -o %CPU | head -15 > "$RES/top.txt"
@@ -218,6 +220,17 @@ if [[ $PARTS == *path* ]]; then
     --json "$RES/path.json" 2>&1 | tee "$RES/path.log" | grep -E "^(inproc|handle|http) " > "$RES/path.txt"
   [ -s "$RES/path.txt" ] || { echo "bench_serve_path printed no rows:"; tail -20 "$RES/path.log"; }
   ray stop --force > /dev/null 2>&1
+fi
+checkpoint
+
+if [[ $PARTS == *ceiling* ]]; then  # the path's ceiling: default Serve, then HAProxy + gRPC
+  args=${CEILING_ARGS:---hops http --streams 512 --tokens 512 --step-ms 5 --ingress-replicas 2}
+  for mode in default fast; do
+    if [ $mode = fast ]; then envs="RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1"; else envs=""; fi
+    env $envs timeout 150 python3 scripts/bench_serve_path.py $args --json "$RES/ceiling_$mode.json" 2>&1 \
+      | tee "$RES/ceiling_$mode.log" | grep -E "^http " | sed "s/^/$mode /" >> "$RES/ceiling.txt"
+    ray stop --force > /dev/null 2>&1; pkill -f haproxy > /dev/null 2>&1
+  done
 fi
 checkpoint
 
