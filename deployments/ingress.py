@@ -20,6 +20,7 @@ from deployments.channel import ChannelHub
 from deployments.chat_request import ChatFeatures
 from deployments.engine_replica import EngineCall, resolve_model
 from deployments.errors import APIError, as_api_error, install_error_handlers
+from deployments.keepalive import behind_haproxy, respond
 from deployments.prompt_encoder import PromptEncoder
 from deployments.sampling_defaults import model_sampling_defaults, with_defaults
 from deployments.request_body import DEFAULT_MAX_BODY_BYTES, read_json_body
@@ -80,6 +81,9 @@ class OpenAIIngress:
         self.name_token = TokenNamer(self.tokenizer)
         self.encoder = PromptEncoder(self.tokenizer, self.max_context)
         self.max_body_bytes = max_body_bytes
+        # Behind HAProxy a client leaving a non-streamed request is noticed only on a write
+        # (deployments/keepalive.py).
+        self.keepalives = behind_haproxy()
         # Ray's PrefixCacheAffinityRouter reads prompt text; ours hashes token ids, and
         # decoding every prompt again for nothing costs the event loop ~1 ms per 2k tokens.
         self.router_reads_text = router_reads_text
@@ -153,8 +157,12 @@ class OpenAIIngress:
         if req.stream:
             return await self._stream(calls, choices, req.include_usage, chat=False,
                                       want_lp=want_lp, echo=echo)
-        await self._gather(calls, choices)
-        return completion_response(self.model_name, choices, want_lp, self.name_token, echo)
+
+        async def whole():
+            await self._gather(calls, choices)
+            return completion_response(self.model_name, choices, want_lp, self.name_token, echo)
+
+        return await respond(whole(), self.keepalives)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
@@ -177,8 +185,12 @@ class OpenAIIngress:
         if req.stream:
             return await self._stream(calls, choices, req.include_usage, chat=True, want_lp=want_lp,
                                       outputs=outputs)
-        await self._gather(calls, choices)
-        return chat_response(self.model_name, choices, want_lp, self.name_token, outputs)
+
+        async def whole():
+            await self._gather(calls, choices)
+            return chat_response(self.model_name, choices, want_lp, self.name_token, outputs)
+
+        return await respond(whole(), self.keepalives)
 
     # -- SGLang's native API (deployments/sglang_api.py) ---------------------------------
 
@@ -229,9 +241,13 @@ class OpenAIIngress:
             render = output if len(choices) == 1 else lambda c: {**output(c), "index": c.index}
             return StreamingResponse(sglang_api.sse_outputs(batches, stream, choices, render),
                                      media_type="text/event-stream")
-        await self._gather(calls, choices)
-        outputs = [output(c) for c in choices]
-        return JSONResponse(outputs if req.is_batch or len(outputs) > 1 else outputs[0])
+
+        async def whole():
+            await self._gather(calls, choices)
+            outputs = [output(c) for c in choices]
+            return JSONResponse(outputs if req.is_batch or len(outputs) > 1 else outputs[0])
+
+        return await respond(whole(), self.keepalives)
 
     # -- helpers ------------------------------------------------------------------------
 

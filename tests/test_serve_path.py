@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from deployments.admission import REPORT_FRESH_S
 from deployments.errors import OVERLOADED_MESSAGE
 from engine.demo_model import ensure_demo_model
 from serve_helpers import BASE, run_app, serve_config_args, start_ray, stop_ray
@@ -170,6 +171,10 @@ def test_full_engine_refused_at_the_ingress_and_room_admitted(server):
                 if stats["running"] + stats["waiting"] == 12:
                     break
                 await asyncio.sleep(0.05)
+            # The gate defers to the engine for REPORT_FRESH_S after any call of this ingress
+            # ends (the warm-up's last one may have just ended; under HAProxy the holders are
+            # in within that window).
+            await asyncio.sleep(2 * REPORT_FRESH_S)
             before = _engine_calls(SMALL)
             probes = [await client.post(f"{SMALL}/v1/completions", json=probe) for _ in range(5)]
             reached = _engine_calls(SMALL) - before

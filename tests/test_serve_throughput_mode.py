@@ -24,7 +24,8 @@ import openai
 import pytest
 
 from serve_helpers import (
-    ROOT, THROUGHPUT_MODE_ENV, serve_run, served_model_name, wait_for_serve_run, wait_until,
+    ROOT, THROUGHPUT_MODE_ENV, leave_a_non_streamed_request, serve_run, served_model_name,
+    wait_for_serve_run, wait_until,
 )
 
 pytestmark = pytest.mark.slow
@@ -101,3 +102,26 @@ def test_errors_and_client_disconnect(app):
     after = wait_until(lambda: (s := _stats())["aborted_requests"] > before and s["running"] == 0
                        and s, timeout=30)
     assert after, "the stream's request was not aborted after its client left"
+
+
+def test_client_leaving_a_non_streamed_request_aborts_it(app):
+    """HAProxy keeps its replica connection when a client leaves a non-streamed request;
+    the ingress's whitespace keep-alives (deployments/keepalive.py) make it notice."""
+    leave_a_non_streamed_request(URL, served_model_name(), n=4, max_tokens=400)
+
+
+def test_a_long_non_streamed_answer_is_json_after_its_keepalives(app):
+    """Past one second a non-streamed answer is spaces, then the JSON: raw, and through the
+    openai client."""
+    model = served_model_name()
+    body = {"model": model, "prompt": "Count slowly:", "max_tokens": 200, "ignore_eos": True,
+            "temperature": 0}
+    r = httpx.post(f"{URL}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text[:300]
+    assert r.text.startswith(" "), "the answer took under a second: no keep-alive was written"
+    assert json.loads(r.text)["usage"]["completion_tokens"] == 200
+    client = openai.OpenAI(base_url=f"{URL}/v1", api_key="unused", max_retries=0, timeout=120)
+    chat = client.chat.completions.create(model=model, max_tokens=200, temperature=0,
+                                          messages=[{"role": "user", "content": "Count to 100."}],
+                                          extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 200 and chat.choices[0].message.content
