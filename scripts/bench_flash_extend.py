@@ -1,0 +1,107 @@
+"""Extend attention on a GPU: our Triton kernel against PyTorch's bundled FlashAttention-2
+(varlen) fed by a gather of each request's K/V from the pool, per case: time, TFLOP/s,
+relative difference.
+
+    python3 scripts/bench_flash_extend.py
+
+The question it answered (benchmarks/attention_notes.md, 2026-12-02, H200): should large
+prefill steps leave the Triton kernel for `torch.ops.aten._flash_attention_forward`? No: the
+Triton kernel was faster at every case, 1.1-1.5x at long prompts. Cases (requests x new
+tokens on a cached prefix): long prompts' chunks, fresh prompt batches, short extends over
+long contexts. The flash time includes the per-layer K/V gather; the per-step index build is
+timed apart.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from check_attention import D, extend_batch, extend_flops, extend_reference  # noqa: E402
+from engine.attention.base import ForwardBatch  # noqa: E402
+from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+
+# The candidate rule for sending a step to flash: enough new tokens, contexts not much longer.
+MIN_NEW_TOKENS, MAX_KEYS_PER_NEW_TOKEN = 1024, 4
+
+
+def worth_it(batch: ForwardBatch) -> bool:
+    new = sum(batch.extend_lens_cpu)
+    return new >= MIN_NEW_TOKENS and sum(batch.seq_lens_cpu) <= MAX_KEYS_PER_NEW_TOKEN * new
+
+
+class FlashExtend:
+    """One step's gather indices and lengths (built once), then one call per layer."""
+
+    def __init__(self, batch: ForwardBatch) -> None:
+        lens = batch.seq_lens.long()
+        total = sum(batch.seq_lens_cpu)
+        self.cu_k = torch.zeros(batch.batch_size + 1, dtype=torch.int32, device=lens.device)
+        torch.cumsum(batch.seq_lens, 0, out=self.cu_k[1:])
+        # slot of key j of request i = req_to_token[row_i, j], for j < seq_len_i, flattened
+        rows = torch.repeat_interleave(batch.req_rows, lens, output_size=total)
+        starts = torch.repeat_interleave(self.cu_k[:-1].long(), lens, output_size=total)
+        positions = torch.arange(total, device=lens.device) - starts
+        self.slots = batch.req_to_token[rows, positions].long()
+        self.cu_q = batch.qo_indptr
+        self.max_q = max(batch.extend_lens_cpu)
+        self.max_k = max(batch.seq_lens_cpu)
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 scale: float, out: torch.Tensor) -> None:
+        """q [T, Hq, D] of the step's new tokens (their K/V already in the pool) -> out."""
+        k = k_cache.index_select(0, self.slots)
+        v = v_cache.index_select(0, self.slots)
+        attn = torch.ops.aten._flash_attention_forward(
+            q, k, v, self.cu_q, self.cu_k, self.max_q, self.max_k, 0.0, True, False,
+            scale=scale)[0]
+        out.copy_(attn)
+
+
+CASES = [("1x8192 p0", [(0, 8192)]), ("1x8192 p8192", [(8192, 8192)]),
+         ("2x8192 p0", [(0, 8192)] * 2), ("8x2048 p0", [(0, 2048)] * 8),
+         ("8x512 p0", [(0, 512)] * 8), ("4x1024 p1024", [(1024, 1024)] * 4),
+         ("64x64 p1216", [(1216, 64)] * 64), ("1x16000 p0", [(0, 16000)])]
+
+
+def main() -> None:
+    rows = []
+    for name, reqs in CASES:
+        pool, batch, q, k, v = extend_batch(reqs)
+        be = TritonAttentionBackend(pool, D ** -0.5)
+        be.prepare(batch)
+        tri = torch.empty_like(q)
+        be.forward(q, k, v, 0, batch, out=tri)  # also stores the new K/V in the pool
+        t_tri = do_bench(lambda: be.extend(q, k, v, pool.k[0], pool.v[0], tri, batch),
+                         warmup=10, rep=50, return_mode="median")
+        prep = FlashExtend(batch)
+        t_prep = do_bench(lambda: FlashExtend(batch), warmup=5, rep=20, return_mode="median")
+        fl = torch.empty_like(q)
+        prep(q, pool.k[0], pool.v[0], D ** -0.5, fl)
+        t_fl = do_bench(lambda: prep(q, pool.k[0], pool.v[0], D ** -0.5, fl),
+                        warmup=10, rep=50, return_mode="median")
+        diff = float((fl.float() - tri.float()).norm() / tri.float().norm())
+        ref_err = float("nan")
+        if sum(p + e for p, e in reqs) * len(reqs) <= 20000:
+            ref = extend_reference(pool, batch, q, k, v)
+            ref_err = float((fl.float() - ref).norm() / ref.norm())
+        flops = extend_flops(reqs)
+        rows.append((name, t_tri * 1e3, t_fl * 1e3, t_prep * 1e3, flops / (t_tri * 1e9),
+                     flops / (t_fl * 1e9), diff, ref_err, worth_it(batch)))
+        print(rows[-1], flush=True)
+        del pool, batch, q, k, v, be, prep, tri, fl
+        torch.cuda.empty_cache()
+    print(f"\n{'case':<14} {'triton us':>10} {'flash us':>9} {'index us':>9} {'tri TF/s':>9} "
+          f"{'fl TF/s':>8} {'speed-up':>8} {'rel diff':>9} {'vs ref':>8} rule")
+    for name, tt, tf, tp, ft, ff, diff, ref_err, used in rows:
+        print(f"{name:<14} {tt:>10.1f} {tf:>9.1f} {tp:>9.1f} {ft:>9.0f} {ff:>8.0f} {tt / tf:>8.2f} "
+              f"{diff:>9.1e} {ref_err:>8.1e} {'yes' if used else 'no'}")
+
+
+if __name__ == "__main__":
+    main()
