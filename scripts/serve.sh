@@ -12,7 +12,6 @@
 # RAY_SERVE_LOG_TO_STDERR=1 keeps the replicas' logs in this terminal (the mode sends them to
 # files only). RADIXSERVE_PLAIN_SERVE=1 runs plain `serve run` instead.
 set -euo pipefail
-cd "$(dirname "$0")/.."
 if [ "${RADIXSERVE_PLAIN_SERVE:-0}" != 1 ]; then
   export RAY_SERVE_THROUGHPUT_OPTIMIZED=${RAY_SERVE_THROUGHPUT_OPTIMIZED:-1}
   export RAY_SERVE_ENABLE_HA_PROXY=${RAY_SERVE_ENABLE_HA_PROXY:-1}
