@@ -27,8 +27,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deployments.errors import as_api_error
 
-KEEPALIVE_AFTER_S = 1.0
-KEEPALIVE_PERIOD_S = 1.0
+KEEPALIVE_AFTER_S = 0.5
+KEEPALIVE_PERIOD_S = 0.5
 
 
 def behind_haproxy() -> bool:
