@@ -10,7 +10,7 @@
 #   2: carry [".whl/c2"], command: bash scripts/gpu_serve_check.sh
 # PARTS (default "serve,offline,path") picks what runs; "profile" adds py-spy of the engine
 # replica and an ingress during W2 over HTTP; "gil" runs batch-1 and W2 again with the
-# replica's GIL switch interval at 0.5 ms ("sw05": that under "tput"'s mode); "fast" runs them under Ray's high-throughput mode
+# replica's GIL switch interval at 0.5 ms ("sw05": that under "tput"'s mode); "fast" runs them under Ray's high-throughput mode (the README's, scripts/serve.sh)
 # (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, RAY_SERVE_ENABLE_HA_PROXY=1); "tput" under the first of
 # those alone (no HAProxy: none of its caveats, docs/deploy.md); "process" runs batch-1 and W2
 # with the engine's step loop in a child process of the replica (engine_process: true), and
