@@ -6,7 +6,7 @@ into one engine call per (prompt, choice), and streams or gathers the results.
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -157,12 +157,8 @@ class OpenAIIngress:
         if req.stream:
             return await self._stream(calls, choices, req.include_usage, chat=False,
                                       want_lp=want_lp, echo=echo)
-
-        async def whole():
-            await self._gather(calls, choices)
-            return completion_response(self.model_name, choices, want_lp, self.name_token, echo)
-
-        return await respond(whole(), self.keepalives)
+        return await self._answer(calls, choices, lambda: completion_response(
+            self.model_name, choices, want_lp, self.name_token, echo))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
@@ -185,12 +181,8 @@ class OpenAIIngress:
         if req.stream:
             return await self._stream(calls, choices, req.include_usage, chat=True, want_lp=want_lp,
                                       outputs=outputs)
-
-        async def whole():
-            await self._gather(calls, choices)
-            return chat_response(self.model_name, choices, want_lp, self.name_token, outputs)
-
-        return await respond(whole(), self.keepalives)
+        return await self._answer(calls, choices, lambda: chat_response(
+            self.model_name, choices, want_lp, self.name_token, outputs))
 
     # -- SGLang's native API (deployments/sglang_api.py) ---------------------------------
 
@@ -242,12 +234,11 @@ class OpenAIIngress:
             return StreamingResponse(sglang_api.sse_outputs(batches, stream, choices, render),
                                      media_type="text/event-stream")
 
-        async def whole():
-            await self._gather(calls, choices)
+        def body() -> JSONResponse:
             outputs = [output(c) for c in choices]
             return JSONResponse(outputs if req.is_batch or len(outputs) > 1 else outputs[0])
 
-        return await respond(whole(), self.keepalives)
+        return await self._answer(calls, choices, body)
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -328,6 +319,16 @@ class OpenAIIngress:
                 if (err := error_of(item)) is not None:
                     raise err
                 choices[i].add(item)
+
+    async def _answer(self, calls: list[EngineCall], choices: list[ChoiceState],
+                      build: Callable[[], Any]) -> Any:
+        """A non-streamed answer: every choice gathered, then `build()`; behind HAProxy with
+        keep-alives (deployments/keepalive.py)."""
+        async def whole():
+            await self._gather(calls, choices)
+            return build()
+
+        return await respond(whole(), self.keepalives)
 
     async def _stream(self, calls: list[EngineCall], choices: list[ChoiceState],
                       include_usage: bool, chat: bool, want_lp: bool, echo=None,
