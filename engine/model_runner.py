@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.base import ForwardBatch
+from engine.attention.base import ForwardBatch, leading_decode_rows
 from engine.batch_builder import build_step
 from engine.config import EngineConfig
 from engine.distributed import CMD_FORWARD
@@ -191,7 +191,8 @@ class ModelRunner:
             req_rows=s.req_rows, seq_lens=s.seq_lens.to(torch.int32),
             extend_lens=s.extend_lens.to(torch.int32), qo_indptr=s.qo_indptr.to(torch.int32),
             logits_indices=s.logits_indices, req_to_token=self.req_to_token,
-            is_decode=step.is_decode, seq_lens_cpu=step.seq_lens, extend_lens_cpu=step.extend_lens)
+            is_decode=step.is_decode, seq_lens_cpu=step.seq_lens, extend_lens_cpu=step.extend_lens,
+            decode_rows=0 if step.is_decode else leading_decode_rows(step.extend_lens))
         if s.prefix_groups.numel():
             from engine.prefix_group_batch import PrefixGroupBatch
 

@@ -15,7 +15,8 @@ real requests through the engine that reach each of them:
 - a prompt longer than one chunk: an eager, many-program extend (the other extend kernel
   config, and MoE's large expert blocks), then its second chunk extends a cached prefix;
 - a prompt that hits the radix cache (extend over a cached prefix), alone and eager;
-- a mixed step: decoding requests plus a new prompt's prefill in one batch;
+- a mixed step: decoding requests plus a new prompt's prefill in one batch; and eager mixed
+  steps whose decoders take the decode kernel at every launch it can make there;
 - sampled (temperature, top-p, top-k) as well as greedy requests;
 - eager decode at every (split count, kernel config) the decode heuristics can pick for a
   batch no decode graph covers (batches above cuda_graph_max_bs, or graphs off), plain and
@@ -202,10 +203,22 @@ def warmup_waves(engine) -> list[Wave]:
             prefill_steps = -(-bs * plen // max(1, min(chunk, cfg.max_prefill_tokens))) + 1
             waves.append([(0, list(prefix) + prompt(plen), greedy(prefill_steps + 3))
                           for _ in range(bs)])
+
+    # Eager mixed steps: `bs` requests decoding when a prompt too long for an extend graph
+    # arrives, so the step's decoders take the decode kernel at each launch it can make.
+    arriving = min(max_prompt, graphs.max_tokens + 1 if graphs is not None else 37)
+    for bs, seq_len in eager_decode_shapes(engine, mixed=True):
+        plen = seq_len - 1
+        if bs * (plen + 64) + arriving > runner.kv_pool.num_slots // 2 or plen + 8 > max_prompt:
+            logger.info("warm-up: mixed step at %d x %d tokens skipped (room)", bs, seq_len)
+            continue
+        prefill_steps = -(-bs * plen // max(1, min(chunk, cfg.max_prefill_tokens))) + 1
+        wave = [(0, prompt(plen), greedy(prefill_steps + 4)) for _ in range(bs)]
+        waves.append(wave + [(prefill_steps + 1, prompt(arriving), greedy(1))])
     return waves
 
 
-def eager_decode_shapes(engine, min_batch: int = 1) -> list[tuple[int, int]]:
+def eager_decode_shapes(engine, min_batch: int = 1, mixed: bool = False) -> list[tuple[int, int]]:
     """One (batch, sequence length) per distinct launch of the Triton decode kernels that a
     decode step outside the decode graphs can make, the cheapest in tokens. A launch is set
     by the split count (DIRECT when 1; the reduce kernel's BLOCK_S = its next power of two)
@@ -213,20 +226,23 @@ def eager_decode_shapes(engine, min_batch: int = 1) -> list[tuple[int, int]]:
     batches above the largest graph run eagerly and their split count depends on the batch
     alone (graph_mode); with graphs off it also depends on the longest sequence (for
     radix-grouped decode, the longest suffix after the shared prefix: then `min_batch` 2,
-    as a group needs two requests)."""
+    as a group needs two requests). `mixed`: the decoders of an eager mixed step instead
+    (any batch; split counts bounded by the lengths, graphs or not)."""
     runner, cfg = engine.runner, engine.config
     backend = runner.attn_backend
     if not hasattr(backend, "choose_num_splits"):
         return []
     graphs = runner.graphs
-    first = graphs.max_bs + 1 if graphs is not None else 1
+    first = graphs.max_bs + 1 if graphs is not None and not mixed else 1
+    by_length = mixed or not backend.graph_mode
     m = backend.decode_split_min_tokens
     best: dict[tuple, tuple[int, int]] = {}
     for bs in range(max(first, min_batch), cfg.max_running_requests + 1):
-        cap = backend.choose_num_splits(bs, runner.max_context)
-        for s in ([cap] if backend.graph_mode else range(1, cap + 1)):
+        cap = backend.choose_num_splits(bs, runner.max_context, eager=mixed)
+        for s in (range(1, cap + 1) if by_length else [cap]):
             seq_len = max(2, m * (s - 1) + 1)
-            if seq_len + 8 > runner.max_context or backend.choose_num_splits(bs, seq_len) != s:
+            if (seq_len + 8 > runner.max_context
+                    or backend.choose_num_splits(bs, seq_len, eager=mixed) != s):
                 continue
             conf = backend.pick_decode_cfg(backend.kv_heads * bs * s)
             key = (s == 1, tuple(sorted(conf.items())), 1 << (s - 1).bit_length() if s > 1 else 0)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from engine.attention.base import ForwardBatch
+from engine.attention.base import ForwardBatch, leading_decode_rows
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kv_pool import KVPool
 from engine.quantization.fp8 import FP8
@@ -58,8 +58,10 @@ def make_case(reqs: list[tuple[int, int]], hq: int, hkv: int, d: int, dtype: tor
               device: str, *, num_layers: int = 2, pad_to: int = 0, num_slots: int | None = None,
               max_ctx: int | None = None, fused_qkv: bool = True, seed: int = 0,
               fill_pool: bool = True, kv_dtype: torch.dtype | None = None,
-              kv_scale: float = 1.0) -> Case:
+              kv_scale: float = 1.0, split_mixed: bool = True) -> Case:
     """A random step. reqs = [(prefix_len, extend_len)]; all extend_len == 1 makes a decode.
+    In a mixed step the leading one-token requests go to the decode kernel (`decode_rows`)
+    unless `split_mixed` is off (every request through the extend kernel).
     kv_dtype=FP8 makes a float8 pool with scale kv_scale (q/k/v stay in `dtype`).
 
     Slots are a random permutation (never contiguous), rows are random, unused
@@ -130,6 +132,8 @@ def make_case(reqs: list[tuple[int, int]], hq: int, hkv: int, d: int, dtype: tor
         seq_lens_cpu=seq_lens,
         extend_lens_cpu=ext_lens,
     )
+    if not batch.is_decode and split_mixed:  # as ModelRunner: leading decoders by decode kernel
+        batch.decode_rows = leading_decode_rows(ext_lens)
     return Case(pool, batch, q.to(dev), k.to(dev), v.to(dev), num_layers - 1, n_real)
 
 
@@ -177,9 +181,10 @@ def compare(case: Case, out: torch.Tensor, ref: torch.Tensor, ref_pool: KVPool) 
 
 
 def check(reqs, hq, hkv, d, dtype, *, seed=0, pad_to=0, fused_qkv=True, kv_dtype=None,
-          kv_scale=1.0, **kw) -> dict:
+          kv_scale=1.0, split_mixed=True, **kw) -> dict:
     case = make_case(reqs, hq, hkv, d, dtype, DEVICE, seed=seed, pad_to=pad_to,
-                     fused_qkv=fused_qkv, kv_dtype=kv_dtype, kv_scale=kv_scale)
+                     fused_qkv=fused_qkv, kv_dtype=kv_dtype, kv_scale=kv_scale,
+                     split_mixed=split_mixed)
     ref, ref_pool = reference(case)
     out = run_backend(case, **kw)
     return compare(case, out, ref, ref_pool)
@@ -345,6 +350,38 @@ def test_extend(case):
     name, reqs, hq, hkv, d, dt = case
     i = EXTEND_CASES.index(case)
     r = check(extend_reqs(reqs), hq, hkv, d, DT[dt], seed=100 + i)
+    assert r["ok"], r
+
+
+# Mixed steps: decoders first (as the scheduler orders them), then prefill chunks; the
+# decoders take the decode kernel (several split counts: short and long contexts) and the
+# extend kernel the rest, or with split_mixed off the extend kernel takes all.
+MIXED_CASES = [
+    ("decoders_then_prefill", [(700, 1), (30, 1), (2500, 1), (0, 1)] * 2 + [(0, 300), (90, 70)],
+     32, 8, 128, "bf16"),
+    ("one_decoder_long_ctx", [(4000, 1), (10, 129)], 16, 4, 64, "fp16"),
+    ("fp32_g1", [(64, 1), (200, 1), (5, 33), (0, 1)], 4, 4, 64, "fp32"),
+]
+
+
+def mixed_reqs(reqs):
+    """Under the CPU interpreter: every request kept (the mix is the point), sizes shrunk."""
+    if DEVICE != "cpu":
+        return reqs
+    return [(min(p, 150), min(e, 70)) for p, e in reqs]
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["decode_kernel", "extend_only"])
+@pytest.mark.parametrize("case", MIXED_CASES, ids=[c[0] for c in MIXED_CASES])
+def test_mixed_step(case, split):
+    name, reqs, hq, hkv, d, dt = case
+    r = check(mixed_reqs(reqs), hq, hkv, d, DT[dt], seed=300 + MIXED_CASES.index(case), split_mixed=split)
+    assert r["ok"], r
+
+
+def test_mixed_step_fp8_pool():
+    reqs = mixed_reqs([(900, 1), (17, 1), (0, 200), (40, 1)])
+    r = check(reqs, 16, 4, 128, torch.bfloat16, seed=310, kv_dtype=FP8, kv_scale=0.5)
     assert r["ok"], r
 
 

@@ -39,6 +39,11 @@ class ForwardBatch:
     # Radix-grouped decode (engine/prefix_group_batch.PrefixGroupBatch): requests sharing a
     # cached prefix attend over it once. None = plain decode; backends may ignore it.
     prefix_groups: Any = None
+    # A mixed step (not is_decode): its first `decode_rows` requests have one new token each
+    # (the scheduler puts decoders first), so a backend may attend for them with its decode
+    # kernel and run the extend kernel on the rest only. 0 = every request through extend
+    # (what a captured extend graph must assume). Set by `leading_decode_rows`.
+    decode_rows: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -51,6 +56,16 @@ class ForwardBatch:
     @property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu) if self.seq_lens_cpu else 0
+
+
+def leading_decode_rows(extend_lens: list[int]) -> int:
+    """How many requests at the front of a step have exactly one new token."""
+    n = 0
+    for e in extend_lens:
+        if e != 1:
+            break
+        n += 1
+    return n
 
 
 class AttentionBackend(Protocol):

@@ -115,6 +115,7 @@ class TritonAttentionBackend(TritonLaunchConfigs):
         # Per-step state set by prepare().
         self._prepared: ForwardBatch | None = None
         self._num_splits = 1
+        self._mixed_splits = 1  # decode splits of a mixed step's leading decoders
         self._max_extend = 0
         # Decode partials: flat fp32 buffers, grown geometrically and never freed while
         # the backend lives (a captured CUDA graph may still point at an older one).
@@ -149,7 +150,14 @@ class TritonAttentionBackend(TritonLaunchConfigs):
                     bound = pg.max_suffix  # the suffixes are what the decode kernel reads
             self._num_splits = self.choose_num_splits(batch.batch_size, bound)
         else:
-            self._max_extend = max(batch.extend_lens_cpu) if batch.extend_lens_cpu else 0
+            # A mixed step's leading decoders go to the decode kernel: through the extend
+            # kernel each would be a 64-row query tile holding one row, per query head, which
+            # made a W1 mixed step's attention several times its K/V bytes.
+            d = batch.decode_rows
+            self._mixed_splits = self.choose_num_splits(
+                d, max(batch.seq_lens_cpu[:d]), eager=True) if d else 1
+            rest = batch.extend_lens_cpu[d:]
+            self._max_extend = max(rest) if rest else 0
 
     def _mid_buffers(self, bsz: int, hq: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._mid.get(bsz, hq, splits)
@@ -179,9 +187,16 @@ class TritonAttentionBackend(TritonLaunchConfigs):
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         window = self.windows.get(layer_id, 0)
         if batch.is_decode:
-            self.decode(q, k_cache, v_cache, out, batch, window)
-        else:
-            self.extend(q, k, v, k_cache, v_cache, out, batch, window)
+            pg = self._grouped if not window else None
+            self.decode(q, k_cache, v_cache, out, batch.req_rows, batch.seq_lens,
+                        batch.req_to_token, self._num_splits, pg, window)
+            return out
+        d = batch.decode_rows
+        if d:  # (its new K/V are in the pool already: store_kv ran above)
+            self.decode(q[:d], k_cache, v_cache, out[:d], batch.req_rows[:d],
+                        batch.seq_lens[:d], batch.req_to_token, self._mixed_splits, None, window)
+        if d < batch.batch_size:
+            self.extend(q, k, v, k_cache, v_cache, out, batch, d, window)
         return out
 
     def store_kv(self, k, v, k_cache, v_cache, slots) -> None:
@@ -195,11 +210,14 @@ class TritonAttentionBackend(TritonLaunchConfigs):
             HKV=hkv, HEAD_DIM=d, BLOCK_H=_pow2_at_least(hkv, 2), BLOCK_D=self.block_d,
             **self._store_kw, num_warps=4 if hkv * d >= 1024 else 1)
 
-    def decode(self, q, k_cache, v_cache, out, batch: ForwardBatch, window: int = 0) -> None:
+    def decode(self, q, k_cache, v_cache, out, req_rows, seq_lens, req_to_token, splits: int,
+               pg, window: int = 0) -> None:
+        """One new token per request: q [B, Hq, D], request i's row `req_rows[i]` of
+        `req_to_token` holds its `seq_lens[i]` slots (its new token's last). `pg`: the step's
+        prefix groups (radix-grouped decode), or None."""
         bsz, hq, d = q.shape
         hkv = k_cache.shape[1]
         group = hq // hkv
-        splits = self._num_splits
         cfg = self.pick_decode_cfg(hkv * bsz * splits)
         block_h = _pow2_at_least(group, 16)
         sm_scale_log2 = self.scale * _LOG2E
@@ -211,28 +229,27 @@ class TritonAttentionBackend(TritonLaunchConfigs):
             mid_o, mid_lse = self._mid_buffers(bsz, hq, splits)
             smb, smh, sms = mid_o.stride(0), mid_o.stride(1), mid_o.stride(2)
             slb, slh = mid_lse.stride(0), mid_lse.stride(1)
-        pg = self._grouped if not window else None
         if pg is not None:
             # 1) each group's shared prefix, once per tile, into per-member partials;
             # 2) below, each request's own suffix, merged with them (log-sum-exp)
             pfx_o, pfx_lse = self._pfx_buffers(bsz, hq)
-            pcfg = self.prefix_attention(q, k_cache, v_cache, batch, pg, pfx_o, pfx_lse)
+            pcfg = self.prefix_attention(q, k_cache, v_cache, req_to_token, pg, pfx_o, pfx_lse)
             pfx_args = (pg.pfx_len, pfx_o, pfx_lse, pg.ctrl)
             pstrides = (pfx_o.stride(0), pfx_o.stride(1), pfx_o.stride(2),
                         pfx_lse.stride(0), pfx_lse.stride(1))
             pkw = dict(HAS_PREFIX=True, PFX_BLOCK_N=pcfg["BLOCK_N"], PMAX=PREFIX_MAX_SPLITS)
         else:
-            pfx_args = (batch.seq_lens, out, out, batch.seq_lens)  # unused
+            pfx_args = (seq_lens, out, out, seq_lens)  # unused
             pstrides = (0, 0, 0, 0, 0)
             pkw = {}
         if window:
             pkw = dict(WINDOW=window)
         decode_partial_kernel[(hkv, bsz, splits)](
-            q, k_cache, v_cache, batch.req_to_token, batch.req_rows, batch.seq_lens, out,
+            q, k_cache, v_cache, req_to_token, req_rows, seq_lens, out,
             mid_o, mid_lse, *pfx_args, sm_scale_log2, splits,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            batch.req_to_token.stride(0),
+            req_to_token.stride(0),
             out.stride(0), out.stride(1),
             smb, smh, sms, slb, slh, *pstrides,
             GROUP=group, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=d,
@@ -240,7 +257,7 @@ class TritonAttentionBackend(TritonLaunchConfigs):
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         if not direct:
             decode_reduce_kernel[(hq, bsz)](
-                mid_o, mid_lse, batch.seq_lens, out, splits,
+                mid_o, mid_lse, seq_lens, out, splits,
                 smb, smh, sms, slb, slh,
                 out.stride(0), out.stride(1),
                 *pfx_args, *pstrides,
@@ -248,8 +265,7 @@ class TritonAttentionBackend(TritonLaunchConfigs):
                 BLOCK_S=triton.next_power_of_2(splits), **pkw,
                 num_warps=1 if self.block_d <= 64 else 2)
 
-    def prefix_attention(self, q, k_cache, v_cache, batch: ForwardBatch, pg, pfx_o,
-                         pfx_lse) -> dict:
+    def prefix_attention(self, q, k_cache, v_cache, req_to_token, pg, pfx_o, pfx_lse) -> dict:
         """Launch the shared-prefix kernel (persistent grid): in graph mode the grid is
         sized by capacity (the live tile and split counts are read on the device)."""
         hq, d = q.shape[1], q.shape[2]
@@ -262,12 +278,12 @@ class TritonAttentionBackend(TritonLaunchConfigs):
             items = pg.num_tiles * hkv * pg.num_splits
         nprog = max(1, min(items, self.prefix_programs()))
         prefix_attn_kernel[(nprog,)](
-            q, k_cache, v_cache, batch.req_to_token, pg.ctrl, pg.tile_row, pg.tile_len,
+            q, k_cache, v_cache, req_to_token, pg.ctrl, pg.tile_row, pg.tile_len,
             pg.tile_mstart, pg.tile_mcount, pg.members, pfx_o, pfx_lse,
             self.scale * _LOG2E,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            batch.req_to_token.stride(0),
+            req_to_token.stride(0),
             pfx_o.stride(0), pfx_o.stride(1), pfx_o.stride(2),
             pfx_lse.stride(0), pfx_lse.stride(1),
             HKV=hkv, GROUP=group, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=d,
@@ -275,17 +291,20 @@ class TritonAttentionBackend(TritonLaunchConfigs):
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return cfg
 
-    def extend(self, q, k, v, k_cache, v_cache, out, batch: ForwardBatch, window: int = 0) -> None:
+    def extend(self, q, k, v, k_cache, v_cache, out, batch: ForwardBatch, first: int = 0,
+               window: int = 0) -> None:
+        """The batch's requests from `first` on (their q/k/v rows are found through
+        qo_indptr, so q, k, v and out stay whole)."""
         t, hq, d = q.shape
         hkv = k.shape[1]
-        bsz = batch.batch_size
-        if t == 0 or bsz == 0:
+        bsz = batch.batch_size - first
+        if t == 0 or bsz <= 0:
             return
         cfg = self.pick_extend_cfg(hq, bsz, self._max_extend)
         num_m_blocks = triton.cdiv(max(1, self._max_extend), cfg["BLOCK_M"])
         extend_kernel[(hq, bsz, num_m_blocks)](
-            q, k, v, k_cache, v_cache, out, batch.req_to_token, batch.req_rows,
-            batch.seq_lens, batch.extend_lens, batch.qo_indptr,
+            q, k, v, k_cache, v_cache, out, batch.req_to_token, batch.req_rows[first:],
+            batch.seq_lens[first:], batch.extend_lens[first:], batch.qo_indptr[first:],
             self.scale * _LOG2E, num_m_blocks,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),

@@ -102,13 +102,15 @@ class TritonLaunchConfigs:
         p = min(p, triton.cdiv(max(1, max_prefix), PREFIX_SPLIT_MIN_TOKENS), PREFIX_MAX_SPLITS)
         return max(1, p)
 
-    def choose_num_splits(self, batch_size: int, max_seq_len: int) -> int:
-        """Decode split count from host-side sizes only (no device reads)."""
+    def choose_num_splits(self, batch_size: int, max_seq_len: int, eager: bool = False) -> int:
+        """Decode split count from host-side sizes only (no device reads). `eager`: for a
+        launch no graph captures (a mixed step's decoders), bounded by the lengths even in
+        graph mode."""
         if self.force_num_splits is not None:
             return max(1, min(int(self.force_num_splits), self.max_kv_splits))
         base = max(1, batch_size * self.kv_heads)
         target = 2 * self.num_sms  # programs for about two waves
         splits = triton.cdiv(target, base)
-        if not self.graph_mode:
+        if eager or not self.graph_mode:
             splits = min(splits, triton.cdiv(max(1, max_seq_len), self.decode_split_min_tokens))
         return max(1, min(splits, self.max_kv_splits))
