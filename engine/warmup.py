@@ -244,7 +244,7 @@ def eager_decode_shapes(engine, min_batch: int = 1, mixed: bool = False) -> list
             if (seq_len + 8 > runner.max_context
                     or backend.choose_num_splits(bs, seq_len, eager=mixed) != s):
                 continue
-            conf = backend.pick_decode_cfg(backend.kv_heads * bs * s)
+            conf = backend.pick_decode_cfg(backend.kv_heads * bs * s, mixed)
             key = (s == 1, tuple(sorted(conf.items())), 1 << (s - 1).bit_length() if s > 1 else 0)
             if key not in best or bs * seq_len < best[key][0] * best[key][1]:
                 best[key] = (bs, seq_len)

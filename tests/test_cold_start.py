@@ -118,6 +118,11 @@ def test_no_compile_after_start_and_first_ttft_within_2x(tmp_path, monkeypatch):
         _run_all(engine, [(prompt(37), g(24)) for _ in range(8)]
                  + [(prompt(3000), g(2)), (prompt(45), g(2)), (prompt(700), g(2))],
                  "mixed", delays=[0] * 8 + [3, 5, 7])
+        # eager mixed steps whose decoders' attention splits their contexts (decode kernel)
+        _run_all(engine, [(prompt(rng.randint(300, 2500)), g(24)) for _ in range(20)]
+                 + [(prompt(3000), g(2))], "mixed-split", delays=[0] * 20 + [8])
+        _run_all(engine, [(prompt(3000), g(24)), (prompt(700), g(2))], "mixed-one",
+                 delays=[0, 3])
         system = prompt(2000)
         _run_all(engine, [(system, g(1))], "sys")
         _run_all(engine, [(system + prompt(rng.randint(1, 300)), g(16)) for _ in range(24)],

@@ -13,12 +13,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_under_interpreter(test_file: str, allow_skipped: bool = False) -> None:
-    """Run tests/`test_file`'s `gpu` tests on the CPU through Triton's interpreter; assert
-    they passed (and, unless `allow_skipped`, that none was skipped)."""
+def run_under_interpreter(test_file: str, allow_skipped: bool = False, select: str = "") -> None:
+    """Run tests/`test_file`'s `gpu` tests (those `select` picks, as pytest's -k) on the CPU
+    through Triton's interpreter; assert they passed (and, unless `allow_skipped`, that none
+    was skipped)."""
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-                           "-W", "ignore::RuntimeWarning", str(ROOT / "tests" / test_file)],
+                           "-W", "ignore::RuntimeWarning", str(ROOT / "tests" / test_file)]
+                          + (["-k", select] if select else []),
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     ok = done.returncode == 0 and " passed" in done.stdout
     assert ok and (allow_skipped or "skipped" not in done.stdout), \

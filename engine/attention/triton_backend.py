@@ -194,7 +194,8 @@ class TritonAttentionBackend(TritonLaunchConfigs):
         d = batch.decode_rows
         if d:  # (its new K/V are in the pool already: store_kv ran above)
             self.decode(q[:d], k_cache, v_cache, out[:d], batch.req_rows[:d],
-                        batch.seq_lens[:d], batch.req_to_token, self._mixed_splits, None, window)
+                        batch.seq_lens[:d], batch.req_to_token, self._mixed_splits, None, window,
+                        mixed=True)
         if d < batch.batch_size:
             self.extend(q, k, v, k_cache, v_cache, out, batch, d, window)
         return out
@@ -211,14 +212,14 @@ class TritonAttentionBackend(TritonLaunchConfigs):
             **self._store_kw, num_warps=4 if hkv * d >= 1024 else 1)
 
     def decode(self, q, k_cache, v_cache, out, req_rows, seq_lens, req_to_token, splits: int,
-               pg, window: int = 0) -> None:
+               pg, window: int = 0, mixed: bool = False) -> None:
         """One new token per request: q [B, Hq, D], request i's row `req_rows[i]` of
         `req_to_token` holds its `seq_lens[i]` slots (its new token's last). `pg`: the step's
-        prefix groups (radix-grouped decode), or None."""
+        prefix groups (radix-grouped decode), or None. `mixed`: a mixed step's decoders."""
         bsz, hq, d = q.shape
         hkv = k_cache.shape[1]
         group = hq // hkv
-        cfg = self.pick_decode_cfg(hkv * bsz * splits)
+        cfg = self.pick_decode_cfg(hkv * bsz * splits, mixed)
         block_h = _pow2_at_least(group, 16)
         sm_scale_log2 = self.scale * _LOG2E
         direct = splits == 1

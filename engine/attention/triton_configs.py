@@ -29,17 +29,20 @@ class TritonLaunchConfigs:
         """K and V tiles of `rows` x BLOCK_D per pipeline stage fit in shared memory."""
         return stages * rows * self.block_d * elt * 2 + extra <= self.smem_limit - 8 * 1024
 
-    def pick_decode_cfg(self, programs: int) -> dict:
+    def pick_decode_cfg(self, programs: int, mixed: bool = False) -> dict:
         """Decode launch config from the number of stage-1 programs. Measured on an H200
         (2026-11-29, Llama-3-8B shapes): BLOCK_N 128 with 3 stages is best when the grid is
         either tiny (latency: fewer iterations) or many waves deep; BLOCK_N 64 in between
-        (b64 x 1024: 70 us against 78)."""
+        (b64 x 1024: 70 us against 78). `mixed`: for a mixed step's decoders, always the
+        in-between config: a few us matter little beside the step's prefill, and it is the
+        one decode graph capture has compiled at every split count (a fresh replica's first
+        mixed steps compile nothing: 3.8 s of start-up warm-up otherwise, 2026-12-02)."""
         if self.decode_cfg is not None:
             return self.decode_cfg
         elt = self.dot_dtype.itemsize
         if self.dot_dtype == torch.float32 or self.block_d > 128:
             return dict(BLOCK_N=32, num_warps=4, num_stages=2)
-        if programs < self.num_sms or programs >= 8 * self.num_sms:
+        if not mixed and (programs < self.num_sms or programs >= 8 * self.num_sms):
             cands = [(128, 3), (64, 3), (64, 2), (32, 2)]
         else:
             cands = [(64, 3), (64, 2), (32, 2)]
