@@ -34,12 +34,16 @@ from engine.kv_pool import KVPool  # noqa: E402
 HQ, HKV, D, DT = 32, 8, 128, torch.bfloat16
 DECODE_SHAPES = [(1, 768), (64, 1024), (256, 2048), (512, 2300)]
 EXTEND_SHAPES = [("8x512_p0", [(0, 512)] * 8), ("1x128_p2048", [(2048, 128)])]
+# Long prompts' chunks (issue 14's long prefill): --extend-shapes long
+LONG_EXTEND_SHAPES = [("1x8192_p0", [(0, 8192)]), ("1x8192_p8192", [(8192, 8192)]),
+                      ("2x8192_p0", [(0, 8192)] * 2), ("8x2048_p0", [(0, 2048)] * 8)]
 DECODE_CFGS = [dict(BLOCK_N=n, num_warps=w, num_stages=s)
                for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)] + \
               [dict(BLOCK_N=64, num_warps=4, num_stages=1), dict(BLOCK_N=64, num_warps=4, num_stages=4)]
 EXTEND_CFGS = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for (m, n, w, s) in [
     (64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2),
-    (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (32, 64, 4, 3), (32, 128, 4, 2)]]
+    (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (32, 64, 4, 3), (32, 128, 4, 2),
+    (128, 128, 8, 1), (128, 32, 8, 3), (64, 128, 4, 3), (128, 64, 4, 2)]]
 
 
 def graph_time_us(fn, n_inner: int) -> float:
@@ -184,7 +188,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", choices=["none", "decode", "extend", "all"], default="none")
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--extend-shapes", choices=["short", "long"], default="short")
+    ap.add_argument("--no-decode", action="store_true", help="time the extend shapes only")
     args = ap.parse_args()
+    extend_shapes = LONG_EXTEND_SHAPES if args.extend_shapes == "long" else EXTEND_SHAPES
     assert torch.cuda.is_available(), "needs a GPU"
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
@@ -206,7 +213,7 @@ def main() -> None:
     print(f"ceilings: copy {ceil['copy_TBps']:.2f} TB/s, bf16 mm {ceil['mm_TFLOPs']:.0f} TFLOP/s")
     bw_ref = 4.3e12
 
-    for bsz, seqlen in DECODE_SHAPES:
+    for bsz, seqlen in [] if args.no_decode else DECODE_SHAPES:
         kv_bytes = bsz * seqlen * HKV * D * 2 * 2
         layers = max(1, min(8, int(2e9 // kv_bytes)))
         pool, batch, q, k, v = decode_batch(bsz, seqlen, layers, contiguous=False)
@@ -251,7 +258,7 @@ def main() -> None:
               f"graph_mode {row.get('us_graph_mode', float('nan')):.1f} us "
               f"(splits {row.get('splits_graph_mode')})")
 
-    for name, reqs in EXTEND_SHAPES:
+    for name, reqs in extend_shapes:
         pool, batch, q, k, v = extend_batch(reqs)
         flops = extend_flops(reqs)
         ref = extend_reference(pool, batch, q, k, v)
