@@ -20,3 +20,40 @@ def test_leading_decode_rows():
 def test_mixed_steps_under_the_interpreter():
     pytest.importorskip("triton")
     run_under_interpreter("test_triton_attention.py", select="mixed")
+
+
+def _launch_key(backend, batch: int, splits: int) -> tuple:
+    """What sets a decode launch's binaries: DIRECT, the config, the reduce's BLOCK_S."""
+    cfg = backend.pick_decode_cfg(backend.kv_heads * batch * splits, True)
+    return splits == 1, tuple(sorted(cfg.items())), 1 << (splits - 1).bit_length() if splits > 1 else 0
+
+
+def test_warmup_reaches_every_mixed_decode_launch():
+    """The start-up warm-up's mixed steps (engine/warmup.py) reach every decode launch a mixed
+    step's decoders can make, for any decoder count and context length, so a fresh replica
+    compiles nothing when its first mixed steps arrive (tests/test_cold_start.py checks the
+    same on a GPU); and they cost the warm-up little (a handful of one-request waves)."""
+    import types
+
+    import torch
+
+    from engine.attention.triton_configs import TritonLaunchConfigs
+    from engine.warmup import eager_decode_shapes
+
+    backend = TritonLaunchConfigs()  # the launch heuristics alone, as on an H200 with 8B shapes
+    backend.__dict__.update(decode_cfg=None, dot_dtype=torch.bfloat16, block_d=128,
+                            smem_limit=227 * 1024, num_sms=132, kv_heads=8, max_kv_splits=32,
+                            graph_mode=True, decode_split_min_tokens=128, force_num_splits=None)
+    max_context, max_running = 16384, 1024
+    engine = types.SimpleNamespace(
+        runner=types.SimpleNamespace(attn_backend=backend, max_context=max_context,
+                                     graphs=types.SimpleNamespace(max_bs=256)),
+        config=types.SimpleNamespace(max_running_requests=max_running))
+    shapes = eager_decode_shapes(engine, mixed=True)
+    assert 1 <= len(shapes) <= 8 and all(bs == 1 for bs, _ in shapes)
+    warmed = {_launch_key(backend, bs, backend.choose_num_splits(bs, n, eager=True))
+              for bs, n in shapes}
+    for decoders in list(range(1, 40)) + [63, 64, 65, 128, 131, 132, 133, 500, 1024]:
+        for longest in (1, 2, 64, 128, 129, 200, 257, 1000, 2049, 4000, 8000, max_context - 8):
+            splits = backend.choose_num_splits(decoders, longest, eager=True)
+            assert _launch_key(backend, decoders, splits) in warmed, (decoders, longest, splits)
