@@ -2,7 +2,7 @@
 engine attends for a mixed step's leading decoders with the decode kernel and runs the
 extend kernel on the prefill chunks only; before 2026-12-02 the extend kernel took every
 request, each decoder as a one-row query tile per query head. This runs W1 (where 71 of
-~580 steps are mixed and hold most of the GPU time) both ways, prints the GPU time per
+~580 steps are mixed and take over half its GPU time) both ways, prints the GPU time per
 phase, and with `--profile A:B` the kernel table of steps A..B-1 of the engine's way.
 
     python scripts/bench_mixed_steps.py [--model llama3-8b|moe] [--profile 20:22] [--engine KEY=VALUE]
