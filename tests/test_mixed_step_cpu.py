@@ -57,3 +57,26 @@ def test_warmup_reaches_every_mixed_decode_launch():
         for longest in (1, 2, 64, 128, 129, 200, 257, 1000, 2049, 4000, 8000, max_context - 8):
             splits = backend.choose_num_splits(decoders, longest, eager=True)
             assert _launch_key(backend, decoders, splits) in warmed, (decoders, longest, splits)
+
+
+def test_attention_kernels_compile_for_hopper():
+    """The interpreter runs the kernels' Python, not Triton's compiler (stricter about types
+    across branches): compile the decode kernels and the extend kernel for sm_90, bf16 pool,
+    as a mixed step launches them (split or direct, with and without a sliding window)."""
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
+    from triton_on_cpu import compile_for_sm90
+
+    from engine.attention.triton_decode import decode_partial_kernel, decode_reduce_kernel
+    from engine.attention.triton_extend import extend_kernel
+
+    types = dict(Q="*bf16", K="*bf16", V="*bf16", Out="*bf16", KC="*bf16", VC="*bf16",
+                 MidO="*fp32", MidLse="*fp32", PfxO="*fp32", PfxLse="*fp32", SeqLens="*i32",
+                 ExtendLens="*i32", QoIndptr="*i32", sm_scale_log2="fp32")
+    attn = dict(HEAD_DIM=128, BLOCK_D=128, F32_DOT=False, GROUP=4, BLOCK_N=64)
+    for direct in (True, False):
+        for window in (0, 512):
+            compile_for_sm90(decode_partial_kernel, types,
+                             dict(attn, BLOCK_H=16, DIRECT=direct, WINDOW=window))
+    compile_for_sm90(decode_reduce_kernel, types, dict(BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128,
+                                                       BLOCK_S=4), num_warps=2)
+    compile_for_sm90(extend_kernel, types, dict(attn, BLOCK_M=64))
