@@ -1,7 +1,8 @@
 """Mixed steps (decoders and prefill chunks in one batch) in the Triton attention backend,
 checked without a GPU: the decoders through the decode kernel and the chunks through the
 extend kernel, against the torch reference, via tests/test_triton_attention.py's mixed-step
-cases under Triton's interpreter; and the row count the runner hands the backend."""
+cases under Triton's interpreter (kernels alone, and the engine against the torch backend on
+steps where prompts join decoding requests); and the row count the runner hands the backend."""
 from __future__ import annotations
 
 import pytest

@@ -379,6 +379,45 @@ def test_mixed_step(case, split):
     assert r["ok"], r
 
 
+def test_mixed_steps_in_the_engine_match_torch(tiny_model_factory):
+    """The engine with Triton attention against the torch backend, greedy, on steps where
+    new prompts join requests already decoding (eager mixed steps: 3, 4 and 5 leading
+    decoders through the decode kernel): the same tokens, logprobs within 1e-4."""
+    from engine import LLM, SamplingParams
+
+    path = tiny_model_factory("llama")
+    rng = random.Random(12)
+    prompts = [[rng.randint(3, 700) for _ in range(rng.randint(20, 60))] for _ in range(6)]
+    arrivals = [0, 0, 0, 3, 5, 6]  # the engine step each prompt arrives at
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True)
+    runs, mixed = {}, []
+    for backend in ("triton", "torch"):
+        graphs = dict(cuda_graph_max_extend_tokens=0) if backend == "triton" else \
+            dict(enable_cuda_graph=False)  # (the torch backend is not graph-capturable)
+        engine = LLM(model=path, dtype="float32", device=DEVICE, max_total_tokens=4096,
+                     attention_backend=backend, chunked_prefill_size=512, **graphs).engine
+        if backend == "triton":
+            forward = engine.runner.attn_backend.forward
+
+            def spy(q, k, v, layer_id, batch, *args, **kw):
+                if layer_id == 0 and not batch.is_decode:
+                    mixed.append(batch.decode_rows)
+                return forward(q, k, v, layer_id, batch, *args, **kw)
+
+            engine.runner.attn_backend.forward = spy
+        reqs, step = [], 0
+        while len(reqs) < len(prompts) or engine.has_work:
+            while len(reqs) < len(prompts) and arrivals[len(reqs)] <= step:
+                reqs.append(engine.add_request(f"r{len(reqs)}", prompts[len(reqs)], params))
+            engine.step()
+            step += 1
+        runs[backend] = [(list(r.output_ids), list(r.output_logprobs)) for r in reqs]
+    assert sorted(mixed)[-3:] == [3, 4, 5], mixed
+    for (ids, lps), (ref_ids, ref_lps) in zip(runs["triton"], runs["torch"]):
+        assert ids == ref_ids
+        assert max(abs(x - y) for x, y in zip(lps, ref_lps)) < 1e-4
+
+
 def test_mixed_step_fp8_pool():
     reqs = mixed_reqs([(900, 1), (17, 1), (0, 200), (40, 1)])
     r = check(reqs, 16, 4, 128, torch.bfloat16, seed=310, kv_dtype=FP8, kv_scale=0.5)
