@@ -21,6 +21,7 @@ def test_leading_decode_rows():
 def test_mixed_steps_under_the_interpreter():
     pytest.importorskip("triton")
     run_under_interpreter("test_triton_attention.py", select="mixed")
+    run_under_interpreter("test_triton_window.py", select="mixed_decoders")
 
 
 def _launch_key(backend, batch: int, splits: int) -> tuple:

@@ -61,6 +61,8 @@ EXTEND_CASES = [
     ("ragged_w7", [(0, 1), (40, 300), (300, 5)], 8, 2, 64, "fp32", 7),
     ("chunks_w129", [(256, 256), (1, 255)], 16, 2, 128, "bf16", 129),
     ("w_beyond_all", [(70, 90), (3, 1)], 4, 2, 80, "fp32", 10000),
+    # a mixed step: leading decoders (the decode kernel, windowed) with long contexts
+    ("mixed_decoders_w64", [(500, 1), (90, 1), (1500, 1), (0, 200)], 16, 4, 64, "bf16", 64),
 ]
 
 
