@@ -137,6 +137,13 @@ def warmup_waves(engine) -> list[Wave]:
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
     sampled = SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, top_k=50, ignore_eos=True)
 
+    chunk = cfg.chunked_prefill_size if cfg.chunked_prefill_size > 0 else 2048
+    step_tokens = max(1, min(chunk, cfg.max_prefill_tokens))
+
+    def prefill_steps(bs: int, plen: int) -> int:
+        """Steps until `bs` prompts of `plen` tokens, sent together, are all decoding."""
+        return -(-bs * plen // step_tokens) + 1
+
     def with_prompt_logprobs(n_tokens: int, start: int) -> SamplingParams:
         return SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True,
                               prompt_logprobs_start=start)
@@ -157,7 +164,6 @@ def warmup_waves(engine) -> list[Wave]:
 
     # Longer than a chunk and than one wave of extend programs: the many-program extend
     # config, then a chunk extending the cached first chunk.
-    chunk = cfg.chunked_prefill_size if cfg.chunked_prefill_size > 0 else 2048
     backend = runner.attn_backend
     heads = max(1, runner.hf_config.num_attention_heads // runner.tp.size)
     wave_tokens = 64 * (getattr(backend, "num_sms", 132) // heads + 1)
@@ -200,8 +206,7 @@ def warmup_waves(engine) -> list[Wave]:
             if prefix:
                 waves.append([(0, prefix, greedy(1))])  # caches the shared prefix
             # decode steps at the full batch once every prompt has been prefilled
-            prefill_steps = -(-bs * plen // max(1, min(chunk, cfg.max_prefill_tokens))) + 1
-            waves.append([(0, list(prefix) + prompt(plen), greedy(prefill_steps + 3))
+            waves.append([(0, list(prefix) + prompt(plen), greedy(prefill_steps(bs, plen) + 3))
                           for _ in range(bs)])
 
     # Eager mixed steps: `bs` requests decoding when a prompt too long for an extend graph
@@ -212,9 +217,9 @@ def warmup_waves(engine) -> list[Wave]:
         if bs * (plen + 64) + arriving > runner.kv_pool.num_slots // 2 or plen + 8 > max_prompt:
             logger.info("warm-up: mixed step at %d x %d tokens skipped (room)", bs, seq_len)
             continue
-        prefill_steps = -(-bs * plen // max(1, min(chunk, cfg.max_prefill_tokens))) + 1
-        wave = [(0, prompt(plen), greedy(prefill_steps + 4)) for _ in range(bs)]
-        waves.append(wave + [(prefill_steps + 1, prompt(arriving), greedy(1))])
+        decoding_at = prefill_steps(bs, plen)
+        wave = [(0, prompt(plen), greedy(decoding_at + 4)) for _ in range(bs)]
+        waves.append(wave + [(decoding_at + 1, prompt(arriving), greedy(1))])
     return waves
 
 
