@@ -10,7 +10,9 @@ replayed instead.
 Padding: extra tokens write their K/V to slot 0 (the pool's padding slot) and their rows'
 outputs are never read; extra requests have no new tokens, so the extend kernel's programs
 for them exit at once (the kernel reads every length from device tensors, so one graph
-serves any prefix length). A graph ends at the hidden states of every token, and the rows
+serves any prefix length). A mixed step's decoders (one new token) are found on the device
+too (`ForwardBatch.decoders_on_device`): the Triton backend attends for them with its decode
+kernel, wherever they sit in the step. A graph ends at the hidden states of every token, and the rows
 that need logits are picked after replay: the last token of each request, every verified
 position of a speculative draft, prompt-logprob rows alike.
 """
@@ -75,7 +77,8 @@ class ExtendGraphs:
             seq_lens=self.seq_lens[:bs], extend_lens=self.extend_lens[:bs],
             qo_indptr=self.qo_indptr[:bs + 1], logits_indices=self.no_rows,
             req_to_token=self.req_to_token, is_decode=False,
-            seq_lens_cpu=[tokens] + [0] * (bs - 1), extend_lens_cpu=[tokens] + [0] * (bs - 1))
+            seq_lens_cpu=[tokens] + [0] * (bs - 1), extend_lens_cpu=[tokens] + [0] * (bs - 1),
+            decoders_on_device=bs > 1)  # (one request is a prefill: no empty decode launches)
 
     def _run(self, bs: int, tokens: int) -> torch.Tensor:
         batch = self._batch(bs, tokens)

@@ -6,6 +6,12 @@ request, each decoder as a one-row query tile per query head. This runs W1 (wher
 phase, and with `--profile A:B` the kernel table of steps A..B-1 of the engine's way.
 
     python scripts/bench_mixed_steps.py [--model llama3-8b|moe] [--profile 20:22] [--engine KEY=VALUE]
+    python scripts/bench_mixed_steps.py --graph-attention
+
+`--graph-attention` times instead one layer's attention of mixed steps small enough for an
+extend CUDA graph (<= 16 requests), captured as the extend graphs capture it: decoders found
+on the device and sent to the decode kernel, against the extend kernel taking every request
+(as those graphs did before), with the two outputs' relative difference.
 """
 from __future__ import annotations
 
@@ -44,13 +50,46 @@ def run_w1(path: str, split: bool, profile: tuple[int, int] | None) -> dict:
             "other_s": ph["other_s"], "engine_start": start}
 
 
+GRAPH_CASES = [("15 decoders x 2,048 + 300 new", [(2047, 1)] * 15 + [(0, 300)]),
+               ("15 decoders x 512 + 300 new", [(511, 1)] * 15 + [(0, 300)]),
+               ("7 decoders x 4,096 + 64 new", [(4095, 1)] * 7 + [(0, 64)]),
+               ("3 decoders x 1,024 + 500 new", [(1023, 1)] * 3 + [(0, 500)])]
+
+
+def graph_attention_rows() -> None:
+    import torch
+    from check_attention import D, extend_batch, graph_time_us
+
+    from engine.attention.triton_backend import TritonAttentionBackend
+
+    print(f"\none layer's attention of a mixed step in an extend graph, us (32 q / 8 KV heads, {D} wide)")
+    print(f"{'step':<32} {'extend only':>11} {'decoders found':>14} {'speed-up':>8} {'rel diff':>9}")
+    for name, reqs in GRAPH_CASES:
+        pool, batch, q, k, v = extend_batch(reqs)
+        times, outs = [], []
+        for on_device in (False, True):
+            batch.decoders_on_device = on_device
+            backend = TritonAttentionBackend(pool, D ** -0.5, graph_mode=True)
+            backend.prepare(batch)
+            out = torch.empty_like(q)
+            times.append(graph_time_us(lambda: backend.forward(q, k, v, 0, batch, out=out), 4))
+            outs.append(out.float())
+        rel = float((outs[1] - outs[0]).norm() / outs[0].norm())
+        print(f"{name:<32} {times[0]:>11.1f} {times[1]:>14.1f} {times[0] / times[1]:>7.2f}x "
+              f"{rel:>9.1e}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="llama3-8b", choices=sorted(bo.MODELS))
     ap.add_argument("--profile", default=None, metavar="A:B")
     ap.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--graph-attention", action="store_true")
     args = ap.parse_args()
+    if args.graph_attention:
+        graph_attention_rows()
+        return
     bo.ENGINE_OVERRIDES.update(bo.parse_overrides(args.engine))
     profile = tuple(int(x) for x in args.profile.split(":")) if args.profile else None
     path = bo.model_dir(args.model)

@@ -20,7 +20,7 @@ def test_leading_decode_rows():
 
 def test_mixed_steps_under_the_interpreter():
     pytest.importorskip("triton")
-    run_under_interpreter("test_triton_attention.py", select="mixed")
+    run_under_interpreter("test_triton_attention.py", select="mixed and not graph_replay")
     run_under_interpreter("test_triton_window.py", select="mixed_decoders")
 
 
@@ -63,8 +63,9 @@ def test_warmup_reaches_every_mixed_decode_launch():
 
 def test_attention_kernels_compile_for_hopper():
     """The interpreter runs the kernels' Python, not Triton's compiler (stricter about types
-    across branches): compile the decode kernels and the extend kernel for sm_90, bf16 pool,
-    as a mixed step launches them (split or direct, with and without a sliding window)."""
+    across branches): compile the decode kernels (with the run-time `by_qo` rows
+    of extend graphs) and the extend kernel (`skip_decoders`) for sm_90, bf16 pool, as a mixed
+    step launches them (split or direct, with and without a sliding window)."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
     from triton_on_cpu import compile_for_sm90
 

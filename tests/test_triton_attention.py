@@ -58,10 +58,13 @@ def make_case(reqs: list[tuple[int, int]], hq: int, hkv: int, d: int, dtype: tor
               device: str, *, num_layers: int = 2, pad_to: int = 0, num_slots: int | None = None,
               max_ctx: int | None = None, fused_qkv: bool = True, seed: int = 0,
               fill_pool: bool = True, kv_dtype: torch.dtype | None = None,
-              kv_scale: float = 1.0, split_mixed: bool = True) -> Case:
+              kv_scale: float = 1.0, split_mixed: bool = True,
+              decoders_on_device: bool = False) -> Case:
     """A random step. reqs = [(prefix_len, extend_len)]; all extend_len == 1 makes a decode.
     In a mixed step the leading one-token requests go to the decode kernel (`decode_rows`)
-    unless `split_mixed` is off (every request through the extend kernel).
+    unless `split_mixed` is off (every request through the extend kernel); with
+    `decoders_on_device` (as an extend graph) the kernels find every one-token request on
+    the device instead, wherever it is. A (0, 0) request is an extend graph's padding.
     kv_dtype=FP8 makes a float8 pool with scale kv_scale (q/k/v stay in `dtype`).
 
     Slots are a random permutation (never contiguous), rows are random, unused
@@ -132,7 +135,9 @@ def make_case(reqs: list[tuple[int, int]], hq: int, hkv: int, d: int, dtype: tor
         seq_lens_cpu=seq_lens,
         extend_lens_cpu=ext_lens,
     )
-    if not batch.is_decode and split_mixed:  # as ModelRunner: leading decoders by decode kernel
+    if decoders_on_device:
+        batch.decoders_on_device = True
+    elif not batch.is_decode and split_mixed:  # as ModelRunner: leading decoders by decode kernel
         batch.decode_rows = leading_decode_rows(ext_lens)
     return Case(pool, batch, q.to(dev), k.to(dev), v.to(dev), num_layers - 1, n_real)
 
@@ -181,10 +186,10 @@ def compare(case: Case, out: torch.Tensor, ref: torch.Tensor, ref_pool: KVPool) 
 
 
 def check(reqs, hq, hkv, d, dtype, *, seed=0, pad_to=0, fused_qkv=True, kv_dtype=None,
-          kv_scale=1.0, split_mixed=True, **kw) -> dict:
+          kv_scale=1.0, split_mixed=True, decoders_on_device=False, **kw) -> dict:
     case = make_case(reqs, hq, hkv, d, dtype, DEVICE, seed=seed, pad_to=pad_to,
                      fused_qkv=fused_qkv, kv_dtype=kv_dtype, kv_scale=kv_scale,
-                     split_mixed=split_mixed)
+                     split_mixed=split_mixed, decoders_on_device=decoders_on_device)
     ref, ref_pool = reference(case)
     out = run_backend(case, **kw)
     return compare(case, out, ref, ref_pool)
@@ -416,6 +421,62 @@ def test_mixed_steps_in_the_engine_match_torch(tiny_model_factory):
     for (ids, lps), (ref_ids, ref_lps) in zip(runs["triton"], runs["torch"]):
         assert ids == ref_ids
         assert max(abs(x - y) for x, y in zip(lps, ref_lps)) < 1e-4
+
+
+# Extend graphs: decoders anywhere in the step, found on the device; (0, 0) = graph padding.
+DEVICE_MIXED_CASES = [
+    ("interleaved", [(0, 40), (700, 1), (30, 1), (90, 70), (2500, 1), (0, 0), (0, 0)],
+     32, 8, 128, "bf16"),
+    ("decoders_only_padded", [(300, 1), (1000, 1), (0, 0)], 16, 4, 64, "fp16"),
+    ("fp32_g1", [(64, 1), (5, 33), (200, 1)], 4, 4, 64, "fp32"),
+]
+
+
+@pytest.mark.parametrize("case", DEVICE_MIXED_CASES, ids=[c[0] for c in DEVICE_MIXED_CASES])
+def test_mixed_step_decoders_found_on_device(case):
+    name, reqs, hq, hkv, d, dt = case
+    r = check(mixed_reqs(reqs), hq, hkv, d, DT[dt], seed=320 + DEVICE_MIXED_CASES.index(case),
+              decoders_on_device=True)
+    assert r["ok"], r
+
+
+def test_mixed_step_decoders_found_on_device_fp8_pool():
+    reqs = mixed_reqs([(17, 50), (900, 1), (0, 0)])
+    r = check(reqs, 16, 4, 128, torch.bfloat16, seed=330, kv_dtype=FP8, kv_scale=0.5,
+              decoders_on_device=True)
+    assert r["ok"], r
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_mixed_step_graph_replay_finds_other_decoders():
+    """Capture a mixed step as an extend graph does, then replay it on another step of the
+    same shape whose decoders sit at other positions."""
+    from engine.attention.triton_backend import TritonAttentionBackend
+
+    hq, hkv, d, dt = 32, 8, 128, torch.bfloat16
+    kw = dict(num_slots=8000, max_ctx=3000, decoders_on_device=True)
+    a = make_case([(0, 40), (700, 1), (30, 1), (0, 0)], hq, hkv, d, dt, DEVICE, seed=11, **kw)
+    b = make_case([(300, 1), (5, 40), (1200, 1), (0, 0)], hq, hkv, d, dt, DEVICE, seed=12, **kw)
+    be = TritonAttentionBackend(a.pool, 1.0 / math.sqrt(d), graph_mode=True)
+    out = torch.full(a.q.shape, float("nan"), dtype=dt, device=DEVICE)
+    be.prepare(a.batch)
+    be.forward(a.q, a.k, a.v, a.layer, a.batch, out=out)  # compile, outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        be.forward(a.q, a.k, a.v, a.layer, a.batch, out=out)
+    ref, ref_pool = reference(b)
+    for x, y in zip(a.pool.k + a.pool.v, b.pool.k + b.pool.v):
+        x.copy_(y)
+    for name in ("out_slots", "req_rows", "seq_lens", "extend_lens", "qo_indptr", "req_to_token",
+                 "positions"):
+        getattr(a.batch, name).copy_(getattr(b.batch, name))
+    a.q.copy_(b.q), a.k.copy_(b.k), a.v.copy_(b.v)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    r = compare(Case(a.pool, b.batch, b.q, b.k, b.v, b.layer, b.real), out, ref, ref_pool)
+    assert r["ok"], r
 
 
 def test_mixed_step_fp8_pool():

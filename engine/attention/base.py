@@ -44,6 +44,10 @@ class ForwardBatch:
     # kernel and run the extend kernel on the rest only. 0 = every request through extend
     # (what a captured extend graph must assume). Set by `leading_decode_rows`.
     decode_rows: int = 0
+    # A captured extend graph's step: the host cannot know which requests will decode when
+    # it is replayed, so a backend that can finds them on the device (every request with
+    # one new token, wherever it is) and attends for them as `decode_rows` would.
+    decoders_on_device: bool = False
 
     @property
     def batch_size(self) -> int:

@@ -154,8 +154,12 @@ class TritonAttentionBackend(TritonLaunchConfigs):
             # kernel each would be a 64-row query tile holding one row, per query head, which
             # made a W1 mixed step's attention several times its K/V bytes.
             d = batch.decode_rows
-            self._mixed_splits = self.choose_num_splits(
-                d, max(batch.seq_lens_cpu[:d]), eager=True) if d else 1
+            if batch.decoders_on_device:  # sized for any lengths (the graph's capacity)
+                self._mixed_splits = self.choose_num_splits(batch.batch_size,
+                                                            batch.req_to_token.shape[1])
+            else:
+                self._mixed_splits = self.choose_num_splits(
+                    d, max(batch.seq_lens_cpu[:d]), eager=True) if d else 1
             rest = batch.extend_lens_cpu[d:]
             self._max_extend = max(rest) if rest else 0
 
@@ -191,8 +195,17 @@ class TritonAttentionBackend(TritonLaunchConfigs):
             self.decode(q, k_cache, v_cache, out, batch.req_rows, batch.seq_lens,
                         batch.req_to_token, self._num_splits, pg, window)
             return out
+        # A mixed step's decoders take the decode kernel (their new K/V are in the pool
+        # already: store_kv ran above): the leading `decode_rows`, or in an extend graph
+        # every one-token request, found on the device.
+        if batch.decoders_on_device:
+            self.decode(q, k_cache, v_cache, out, batch.req_rows, batch.seq_lens,
+                        batch.req_to_token, self._mixed_splits, None, window, mixed=True,
+                        rows_by=(batch.qo_indptr, batch.extend_lens))
+            self.extend(q, k, v, k_cache, v_cache, out, batch, 0, window, skip_decoders=True)
+            return out
         d = batch.decode_rows
-        if d:  # (its new K/V are in the pool already: store_kv ran above)
+        if d:
             self.decode(q[:d], k_cache, v_cache, out[:d], batch.req_rows[:d],
                         batch.seq_lens[:d], batch.req_to_token, self._mixed_splits, None, window,
                         mixed=True)
@@ -212,11 +225,14 @@ class TritonAttentionBackend(TritonLaunchConfigs):
             **self._store_kw, num_warps=4 if hkv * d >= 1024 else 1)
 
     def decode(self, q, k_cache, v_cache, out, req_rows, seq_lens, req_to_token, splits: int,
-               pg, window: int = 0, mixed: bool = False) -> None:
+               pg, window: int = 0, mixed: bool = False, rows_by=None) -> None:
         """One new token per request: q [B, Hq, D], request i's row `req_rows[i]` of
         `req_to_token` holds its `seq_lens[i]` slots (its new token's last). `pg`: the step's
-        prefix groups (radix-grouped decode), or None. `mixed`: a mixed step's decoders."""
-        bsz, hq, d = q.shape
+        prefix groups (radix-grouped decode), or None. `mixed`: a mixed step's decoders.
+        `rows_by` = (qo_indptr, extend_lens): request i's query is row qo_indptr[i] of q
+        and out, and only requests with extend_lens[i] == 1 are attended."""
+        bsz = req_rows.shape[0]
+        hq, d = q.shape[1], q.shape[2]
         hkv = k_cache.shape[1]
         group = hq // hkv
         cfg = self.pick_decode_cfg(hkv * bsz * splits, mixed)
@@ -245,9 +261,11 @@ class TritonAttentionBackend(TritonLaunchConfigs):
             pkw = {}
         if window:
             pkw = dict(WINDOW=window)
+        qo_indptr, extend_lens = rows_by if rows_by is not None else (seq_lens, seq_lens)
+        by_qo = int(rows_by is not None)
         decode_partial_kernel[(hkv, bsz, splits)](
             q, k_cache, v_cache, req_to_token, req_rows, seq_lens, out,
-            mid_o, mid_lse, *pfx_args, sm_scale_log2, splits,
+            mid_o, mid_lse, *pfx_args, qo_indptr, extend_lens, sm_scale_log2, splits, by_qo,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             req_to_token.stride(0),
@@ -261,7 +279,7 @@ class TritonAttentionBackend(TritonLaunchConfigs):
                 mid_o, mid_lse, seq_lens, out, splits,
                 smb, smh, sms, slb, slh,
                 out.stride(0), out.stride(1),
-                *pfx_args, *pstrides,
+                *pfx_args, qo_indptr, extend_lens, by_qo, *pstrides,
                 BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=d, BLOCK_D=self.block_d,
                 BLOCK_S=triton.next_power_of_2(splits), **pkw,
                 num_warps=1 if self.block_d <= 64 else 2)
@@ -293,9 +311,10 @@ class TritonAttentionBackend(TritonLaunchConfigs):
         return cfg
 
     def extend(self, q, k, v, k_cache, v_cache, out, batch: ForwardBatch, first: int = 0,
-               window: int = 0) -> None:
+               window: int = 0, skip_decoders: bool = False) -> None:
         """The batch's requests from `first` on (their q/k/v rows are found through
-        qo_indptr, so q, k, v and out stay whole)."""
+        qo_indptr, so q, k, v and out stay whole); `skip_decoders`: not those with one new
+        token (the decode kernel's)."""
         t, hq, d = q.shape
         hkv = k.shape[1]
         bsz = batch.batch_size - first
@@ -306,7 +325,7 @@ class TritonAttentionBackend(TritonLaunchConfigs):
         extend_kernel[(hq, bsz, num_m_blocks)](
             q, k, v, k_cache, v_cache, out, batch.req_to_token, batch.req_rows[first:],
             batch.seq_lens[first:], batch.extend_lens[first:], batch.qo_indptr[first:],
-            self.scale * _LOG2E, num_m_blocks,
+            self.scale * _LOG2E, num_m_blocks, int(skip_decoders),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             batch.req_to_token.stride(0), out.stride(0), out.stride(1),

@@ -21,13 +21,19 @@ from engine.attention.triton_common import attend_slots
 # past the end do nothing. With DIRECT (num_splits == 1) the program writes the final
 # output; otherwise it writes a normalised partial output and its log2-sum-exp.
 # ----------------------------------------------------------------------------------------
+# With `by_qo` (a mixed step in a captured extend graph, where the host cannot know which
+# requests decode) the grid covers every request: request b's query and output row is
+# QoIndptr[b], and requests without exactly one new token are left to the extend kernel.
+#
 # num_splits and the log-sum-exp strides (multiples of it) vary with batch size and
-# sequence length in eager decode; ReqRows/SeqLens/PfxLens/Ctrl are step metadata.
-@triton.jit(do_not_specialize=["num_splits", "stride_lb", "stride_lh"],
-            do_not_specialize_on_alignment=["ReqRows", "SeqLens", "PfxLens", "Ctrl"])
+# sequence length in eager decode; ReqRows/SeqLens/PfxLens/Ctrl/QoIndptr/ExtendLens are
+# step metadata; by_qo is a run-time switch, not a specialization.
+@triton.jit(do_not_specialize=["num_splits", "stride_lb", "stride_lh", "by_qo"],
+            do_not_specialize_on_alignment=["ReqRows", "SeqLens", "PfxLens", "Ctrl", "QoIndptr",
+                                            "ExtendLens"])
 def decode_partial_kernel(Q, KC, VC, ReqToToken, ReqRows, SeqLens, Out, MidO, MidLse,
-                          PfxLens, PfxO, PfxLse, Ctrl,
-                          sm_scale_log2, num_splits,
+                          PfxLens, PfxO, PfxLse, Ctrl, QoIndptr, ExtendLens,
+                          sm_scale_log2, num_splits, by_qo,
                           stride_qt, stride_qh,
                           stride_kt, stride_kh, stride_vt, stride_vh,
                           stride_rt,
@@ -47,6 +53,10 @@ def decode_partial_kernel(Q, KC, VC, ReqToToken, ReqRows, SeqLens, Out, MidO, Mi
     s = tl.program_id(2)
 
     seq_len = tl.load(SeqLens + b)
+    qrow = b
+    if by_qo != 0:
+        qrow = tl.load(QoIndptr + b).to(tl.int64)
+        seq_len = tl.where(tl.load(ExtendLens + b) == 1, seq_len, 0)
     if HAS_PREFIX:
         # grouped decode: this request's tokens [0, kv0) are attended by the prefix kernel
         kv0 = tl.load(PfxLens + b).to(tl.int32)
@@ -72,7 +82,7 @@ def decode_partial_kernel(Q, KC, VC, ReqToToken, ReqRows, SeqLens, Out, MidO, Mi
         else:
             dmask = d < HEAD_DIM
 
-        q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        q = tl.load(Q + qrow * stride_qt + heads[:, None] * stride_qh + d[None, :],
                     mask=hmask[:, None] & dmask[None, :], other=0.0)
         m_i, l_i, acc = attend_slots(
             q, ReqToToken + row * stride_rt, KC + kvh * stride_kh, VC + kvh * stride_vh,
@@ -86,7 +96,7 @@ def decode_partial_kernel(Q, KC, VC, ReqToToken, ReqRows, SeqLens, Out, MidO, Mi
         out = acc / l_i[:, None]
         omask = hmask[:, None] & dmask[None, :]
         if DIRECT:
-            tl.store(Out + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            tl.store(Out + qrow * stride_ot + heads[:, None] * stride_oh + d[None, :],
                      out.to(Out.dtype.element_ty), mask=omask)
         else:
             tl.store(MidO + b * stride_mb + heads[:, None] * stride_mh + s * stride_ms + d[None, :],
@@ -98,13 +108,13 @@ def decode_partial_kernel(Q, KC, VC, ReqToToken, ReqRows, SeqLens, Out, MidO, Mi
 # ----------------------------------------------------------------------------------------
 # Decode, stage 2: grid (Hq, B). Merges the non-empty splits of one (request, head).
 # ----------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["num_splits", "stride_lb", "stride_lh"],
-            do_not_specialize_on_alignment=["SeqLens", "PfxLens", "Ctrl"])
+@triton.jit(do_not_specialize=["num_splits", "stride_lb", "stride_lh", "by_qo"],
+            do_not_specialize_on_alignment=["SeqLens", "PfxLens", "Ctrl", "QoIndptr", "ExtendLens"])
 def decode_reduce_kernel(MidO, MidLse, SeqLens, Out, num_splits,
                          stride_mb, stride_mh, stride_ms,
                          stride_lb, stride_lh,
                          stride_ot, stride_oh,
-                         PfxLens, PfxO, PfxLse, Ctrl,
+                         PfxLens, PfxO, PfxLse, Ctrl, QoIndptr, ExtendLens, by_qo,
                          stride_pb, stride_ph, stride_pp,
                          stride_plb, stride_plh,
                          BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -114,6 +124,11 @@ def decode_reduce_kernel(MidO, MidLse, SeqLens, Out, num_splits,
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     seq_len = tl.load(SeqLens + b)
+    orow = b
+    live = seq_len >= 0  # (a tensor, as the branch's)
+    if by_qo != 0:  # as in the partial kernel; other requests' rows are the extend kernel's
+        orow = tl.load(QoIndptr + b).to(tl.int64)
+        live = tl.load(ExtendLens + b) == 1
     if HAS_PREFIX:
         kv0 = tl.load(PfxLens + b).to(tl.int32)
     elif WINDOW > 0:
@@ -148,7 +163,8 @@ def decode_reduce_kernel(MidO, MidLse, SeqLens, Out, num_splits,
         num += tl.sum(w_p[:, None] * o_p, 0)
         den += tl.sum(w_p, 0)
     out = num / den
-    tl.store(Out + b * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=dmask)
+    tl.store(Out + orow * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty),
+             mask=d < tl.where(live, HEAD_DIM, 0))  # dmask, or none for a request not ours
 
 
 @triton.jit

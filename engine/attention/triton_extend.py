@@ -19,10 +19,12 @@ from engine.attention.triton_common import in_window, kv_decode, kv_roundtrip, l
 # ----------------------------------------------------------------------------------------
 # num_m_blocks only bounds the grid walk (== 1 for prompts up to BLOCK_M tokens, else a
 # multiple of 16 or not); the per-request arrays are step metadata.
-@triton.jit(do_not_specialize=["num_m_blocks"],
+# skip_decoders (run-time): requests with one new token are the decode kernel's (a mixed
+# step in a captured extend graph, triton_decode.py's by_qo).
+@triton.jit(do_not_specialize=["num_m_blocks", "skip_decoders"],
             do_not_specialize_on_alignment=["ReqRows", "SeqLens", "ExtendLens", "QoIndptr"])
 def extend_kernel(Q, K, V, KC, VC, Out, ReqToToken, ReqRows, SeqLens, ExtendLens, QoIndptr,
-                  sm_scale_log2, num_m_blocks,
+                  sm_scale_log2, num_m_blocks, skip_decoders,
                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                   stride_kct, stride_kch, stride_vct, stride_vch,
                   stride_rt, stride_ot, stride_oh,
@@ -34,6 +36,8 @@ def extend_kernel(Q, K, V, KC, VC, Out, ReqToToken, ReqRows, SeqLens, ExtendLens
     b = tl.program_id(1)
     mblk = num_m_blocks - 1 - tl.program_id(2)
     ext = tl.load(ExtendLens + b)
+    if skip_decoders != 0:
+        ext = tl.where(ext == 1, 0, ext)
     if mblk * BLOCK_M < ext:
         seq_len = tl.load(SeqLens + b)
         prefix = seq_len - ext
