@@ -31,12 +31,17 @@ def compile_for_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int
                      num_stages: int = 3) -> str:
     """PTX of `fn` compiled for sm_90. `types` gives Triton types by parameter name ("*bf16",
     "fp32", "i32"); other capitalised parameters are int64 pointers (ReqToToken int32), other
-    lower-case ones int32 scalars; constexprs unset take their defaults."""
+    lower-case ones int32 scalars; constexprs unset take their defaults, except `PDL`, which is
+    on as on an H200 (engine/layers/pdl.py), and then checked to come before any global
+    memory access."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     constexprs = dict(constexprs)
+    check_pdl = "PDL" in fn.arg_names and "PDL" not in constexprs
+    if check_pdl:
+        constexprs["PDL"] = True
     sig = {}
     for prm in fn.params:
         if prm.is_constexpr:
@@ -50,5 +55,21 @@ def compile_for_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int
             sig[prm.name] = "i32"
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v
                                                       for k, v in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ptx"]
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ptx"]
+    if check_pdl:
+        assert_waits_before_memory(ptx, fn.__name__)
+    return ptx
+
+
+GLOBAL_ACCESS = ("ld.global", "st.global", "cp.async", "atom.global", "red.global")
+
+
+def assert_waits_before_memory(ptx: str, name: str) -> None:
+    """Under PDL a kernel may start before the previous one has finished: it must wait
+    (griddepcontrol.wait) before it touches global memory, and it lets the next one start."""
+    body = ptx[ptx.index(".entry"):]
+    wait = body.find("griddepcontrol.wait")
+    assert wait >= 0 and "griddepcontrol.launch_dependents" in body, f"{name}: no PDL prologue"
+    first = min((i for i in (body.find(op) for op in GLOBAL_ACCESS) if i >= 0), default=len(body))
+    assert wait < first, f"{name}: global memory accessed before griddepcontrol.wait"

@@ -18,6 +18,7 @@ from engine.attention.triton_decode import (decode_partial_kernel, decode_reduce
                                             prefix_attn_kernel)
 from engine.attention.triton_extend import extend_kernel
 from engine.kv_pool import KVPool
+from engine.layers.pdl import pdl_launch
 
 _LOG2E = 1.4426950408889634
 
@@ -107,6 +108,7 @@ class TritonAttentionBackend(TritonLaunchConfigs):
         # fp32 models use IEEE fp32 dots; the CPU interpreter's bf16/fp16 dot is broken,
         # so it upcasts too.
         self.f32_dot = self.dot_dtype == torch.float32 or _interpreting()
+        self._pdl = pdl_launch(device)  # every launch below: see engine/layers/pdl.py
         self.smem_limit = smem_limit_of(device)
         # Kernel launch configs: None = heuristics below; a dict overrides them (the
         # benchmark script sweeps these).
@@ -222,7 +224,7 @@ class TritonAttentionBackend(TritonLaunchConfigs):
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             HKV=hkv, HEAD_DIM=d, BLOCK_H=_pow2_at_least(hkv, 2), BLOCK_D=self.block_d,
-            **self._store_kw, num_warps=4 if hkv * d >= 1024 else 1)
+            **self._store_kw, **self._pdl, num_warps=4 if hkv * d >= 1024 else 1)
 
     def decode(self, q, k_cache, v_cache, out, req_rows, seq_lens, req_to_token, splits: int,
                pg, window: int = 0, mixed: bool = False, rows_by=None) -> None:
@@ -273,7 +275,7 @@ class TritonAttentionBackend(TritonLaunchConfigs):
             smb, smh, sms, slb, slh, *pstrides,
             GROUP=group, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=d,
             BLOCK_D=self.block_d, DIRECT=direct, F32_DOT=self.f32_dot, **pkw, **self._kv_kw,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            **self._pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         if not direct:
             decode_reduce_kernel[(hq, bsz)](
                 mid_o, mid_lse, seq_lens, out, splits,
@@ -281,7 +283,7 @@ class TritonAttentionBackend(TritonLaunchConfigs):
                 out.stride(0), out.stride(1),
                 *pfx_args, qo_indptr, extend_lens, by_qo, *pstrides,
                 BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=d, BLOCK_D=self.block_d,
-                BLOCK_S=triton.next_power_of_2(splits), **pkw,
+                BLOCK_S=triton.next_power_of_2(splits), **pkw, **self._pdl,
                 num_warps=1 if self.block_d <= 64 else 2)
 
     def prefix_attention(self, q, k_cache, v_cache, req_to_token, pg, pfx_o, pfx_lse) -> dict:
@@ -306,7 +308,7 @@ class TritonAttentionBackend(TritonLaunchConfigs):
             pfx_o.stride(0), pfx_o.stride(1), pfx_o.stride(2),
             pfx_lse.stride(0), pfx_lse.stride(1),
             HKV=hkv, GROUP=group, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=d,
-            BLOCK_D=self.block_d, F32_DOT=self.f32_dot, **self._kv_kw,
+            BLOCK_D=self.block_d, F32_DOT=self.f32_dot, **self._kv_kw, **self._pdl,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return cfg
 
@@ -331,7 +333,7 @@ class TritonAttentionBackend(TritonLaunchConfigs):
             batch.req_to_token.stride(0), out.stride(0), out.stride(1),
             GROUP=hq // hkv, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=d,
             BLOCK_D=self.block_d, F32_DOT=self.f32_dot, **self._store_kw,
-            **({"WINDOW": window} if window else {}),
+            **({"WINDOW": window} if window else {}), **self._pdl,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 

@@ -41,6 +41,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from engine.layers.pdl import pdl_prologue
+
 
 @triton.jit
 def dot(a, b, F32_DOT: tl.constexpr):
@@ -160,7 +162,8 @@ def store_kv_kernel(K, V, KC, VC, Slots,
                     HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                     KV_FP8: tl.constexpr = False, KV_SCALE: tl.constexpr = 1.0,
-                    FP8_SW_ROUND: tl.constexpr = False):
+                    FP8_SW_ROUND: tl.constexpr = False, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)

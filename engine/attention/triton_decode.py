@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from engine.attention.triton_common import attend_slots
+from engine.layers.pdl import pdl_prologue
 
 # ----------------------------------------------------------------------------------------
 # Decode, stage 1: grid (Hkv, B, num_splits). One program = one request, one KV head, one
@@ -47,7 +48,9 @@ def decode_partial_kernel(Q, KC, VC, ReqToToken, ReqRows, SeqLens, Out, MidO, Mi
                           DIRECT: tl.constexpr, F32_DOT: tl.constexpr,
                           HAS_PREFIX: tl.constexpr = False, PFX_BLOCK_N: tl.constexpr = 64,
                           PMAX: tl.constexpr = 4, KV_FP8: tl.constexpr = False,
-                          KV_SCALE: tl.constexpr = 1.0, WINDOW: tl.constexpr = 0):
+                          KV_SCALE: tl.constexpr = 1.0, WINDOW: tl.constexpr = 0,
+                          PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     kvh = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     s = tl.program_id(2)
@@ -120,7 +123,8 @@ def decode_reduce_kernel(MidO, MidLse, SeqLens, Out, num_splits,
                          BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_S: tl.constexpr, HAS_PREFIX: tl.constexpr = False,
                          PFX_BLOCK_N: tl.constexpr = 64, PMAX: tl.constexpr = 4,
-                         WINDOW: tl.constexpr = 0):
+                         WINDOW: tl.constexpr = 0, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     seq_len = tl.load(SeqLens + b)
@@ -216,7 +220,8 @@ def prefix_attn_kernel(Q, KC, VC, ReqToToken, Ctrl, TileRow, TileLen, TileMStart
                        HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        F32_DOT: tl.constexpr, KV_FP8: tl.constexpr = False,
-                       KV_SCALE: tl.constexpr = 1.0):
+                       KV_SCALE: tl.constexpr = 1.0, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     num_tiles = tl.load(Ctrl).to(tl.int32)

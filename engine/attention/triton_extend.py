@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from engine.attention.triton_common import in_window, kv_decode, kv_roundtrip, load_kv, softmax_step
+from engine.layers.pdl import pdl_prologue
 
 # ----------------------------------------------------------------------------------------
 # Extend / prefill: grid (Hq, B, num_m_blocks). One program = BLOCK_M new tokens of one
@@ -31,7 +32,9 @@ def extend_kernel(Q, K, V, KC, VC, Out, ReqToToken, ReqRows, SeqLens, ExtendLens
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
                   KV_FP8: tl.constexpr = False, KV_SCALE: tl.constexpr = 1.0,
-                  FP8_SW_ROUND: tl.constexpr = False, WINDOW: tl.constexpr = 0):
+                  FP8_SW_ROUND: tl.constexpr = False, WINDOW: tl.constexpr = 0,
+                  PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     h = tl.program_id(0)
     b = tl.program_id(1)
     mblk = num_m_blocks - 1 - tl.program_id(2)

@@ -14,10 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.layers.pdl import pdl_launch, pdl_prologue
+
 
 @triton.jit
 def _rmsnorm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -44,18 +47,21 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     warps = min(16, max(1, block // 256))
     if residual is None:
         _rmsnorm_kernel[(rows,)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0,
-                                 n, eps, HAS_RESIDUAL=False, BLOCK=block, num_warps=warps)
+                                 n, eps, HAS_RESIDUAL=False, BLOCK=block, num_warps=warps,
+                                 **pdl_launch(x.device))
         return out.view(shape)
     r2 = residual.reshape(-1, n)
     res_out = torch.empty_like(out)
     _rmsnorm_kernel[(rows,)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0),
                              out.stride(0), res_out.stride(0), n, eps, HAS_RESIDUAL=True,
-                             BLOCK=block, num_warps=warps)
+                             BLOCK=block, num_warps=warps, **pdl_launch(x.device))
     return out.view(shape), res_out.view(shape)
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, Out, stride_x, stride_o, d, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(X, Out, stride_x, stride_o, d, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -73,7 +79,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, d), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(d))
     _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](x2, out, x2.stride(0), out.stride(0), d,
-                                                          BLOCK=block, num_warps=4)
+                                                          BLOCK=block, num_warps=4,
+                                                          **pdl_launch(x.device))
     return out.view(*x.shape[:-1], d)
 
 
@@ -85,7 +92,8 @@ def _rope_kernel(Q, K, Pos, Cache, QOut, KOut, QNormW, KNormW, eps,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_ct,
                  stride_qot, stride_qoh, stride_kot, stride_koh,
                  HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
@@ -144,5 +152,6 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cach
                        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
                        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
                        HQ=hq, HKV=hkv, HALF=half, HAS_NORM=qk_norm is not None, BLOCK_H=block_h,
-                       BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
+                       BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
+                       **pdl_launch(q.device))
     return q_out, k_out

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from engine.layers.moe_routing import ExpertBlocks, max_blocks
+from engine.layers.pdl import pdl_launch, pdl_prologue
 
 CHUNK = 128
 CHUNKS_PER_TILE = 64  # chunks the offsets program prefix-sums at once
@@ -34,7 +35,8 @@ def _local_experts(TopkIds, pairs, num_pairs, first_expert, num_local, BLOCK_E: 
 
 @triton.jit
 def _count_kernel(TopkIds, Counts, num_pairs, first_expert, num_local,
-                  BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+                  BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     chunk = tl.program_id(0)
     pairs = chunk * CHUNK + tl.arange(0, CHUNK)
     expert, _ = _local_experts(TopkIds, pairs, num_pairs, first_expert, num_local, BLOCK_E)
@@ -43,7 +45,8 @@ def _count_kernel(TopkIds, Counts, num_pairs, first_expert, num_local,
 
 @triton.jit
 def _offsets_kernel(Counts, ChunkBase, BlockExpert, num_chunks, num_local, num_blocks,
-                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, TILE: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     offs_e = tl.arange(0, BLOCK_E)
     offs_t = tl.arange(0, TILE)
     totals = tl.zeros((BLOCK_E,), dtype=tl.int32)
@@ -74,7 +77,8 @@ def _offsets_kernel(Counts, ChunkBase, BlockExpert, num_chunks, num_local, num_b
 
 @triton.jit
 def _scatter_kernel(TopkIds, ChunkBase, SortedPairs, num_pairs, first_expert, num_local,
-                    BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+                    BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     chunk = tl.program_id(0)
     offs = tl.arange(0, CHUNK)
     pairs = chunk * CHUNK + offs
@@ -98,10 +102,13 @@ def group_by_expert_kernel(topk_ids: torch.Tensor, num_local_experts: int, first
     chunk_base = torch.empty_like(counts)
     sorted_pairs = torch.full((n_blocks * block_m,), num_pairs, dtype=torch.long, device=device)
     block_expert = torch.empty(n_blocks, dtype=torch.long, device=device)
+    pdl = pdl_launch(device)
     _count_kernel[(num_chunks,)](ids, counts, num_pairs, first_expert, num_local_experts,
-                                 BLOCK_E=block_e, CHUNK=CHUNK, num_warps=4)
+                                 BLOCK_E=block_e, CHUNK=CHUNK, num_warps=4, **pdl)
     _offsets_kernel[(1,)](counts, chunk_base, block_expert, num_chunks, num_local_experts, n_blocks,
-                          BLOCK_M=block_m, BLOCK_E=block_e, TILE=CHUNKS_PER_TILE, num_warps=8)
+                          BLOCK_M=block_m, BLOCK_E=block_e, TILE=CHUNKS_PER_TILE, num_warps=8,
+                          **pdl)
     _scatter_kernel[(num_chunks,)](ids, chunk_base, sorted_pairs, num_pairs, first_expert,
-                                   num_local_experts, BLOCK_E=block_e, CHUNK=CHUNK, num_warps=8)
+                                   num_local_experts, BLOCK_E=block_e, CHUNK=CHUNK, num_warps=8,
+                                   **pdl)
     return ExpertBlocks(sorted_pairs, block_expert, num_pairs, block_m)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from engine.layers.moe_routing import ExpertBlocks
+from engine.layers.pdl import pdl_launch, pdl_prologue
 from engine.layers.tiles import Tiles
 
 
@@ -24,7 +25,8 @@ from engine.layers.tiles import Tiles
 def _grouped_gemm_kernel(A, W, C, SortedPairs, BlockExpert, PairWeights, num_pairs, N, K,
                          stride_am, stride_we, stride_wn, stride_cm,
                          ROWS_PER_A: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
     expert = tl.load(BlockExpert + pid_m)
@@ -86,12 +88,13 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, out: to
                                PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
                                BLOCK_M=blocks.block_m,
                                BLOCK_N=block_n, BLOCK_K=block_k, num_warps=config.num_warps,
-                               num_stages=config.num_stages)
+                               num_stages=config.num_stages, **pdl_launch(a.device))
     return out
 
 
 @triton.jit
-def _sum_choices_kernel(PerPair, Out, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_choices_kernel(PerPair, Out, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -110,5 +113,6 @@ def sum_choices(per_pair: torch.Tensor, top_k: int) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(hidden))
     if pairs:
         _sum_choices_kernel[(pairs // top_k, triton.cdiv(hidden, block))](
-            per_pair, out, hidden, TOP_K=top_k, BLOCK=block, num_warps=4)
+            per_pair, out, hidden, TOP_K=top_k, BLOCK=block, num_warps=4,
+            **pdl_launch(per_pair.device))
     return out

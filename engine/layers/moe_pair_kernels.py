@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from engine.layers.moe_kernels import sum_choices
+from engine.layers.pdl import pdl_launch, pdl_prologue
 from engine.layers.tiles import Tiles
 
 # Up to this many (token, choice) pairs the per-pair path runs. On the H200 (Qwen3-30B-A3B
@@ -41,7 +42,8 @@ def tiles_for(tokens: int) -> tuple[Tiles, Tiles]:
 @triton.jit
 def _gate_up_kernel(X, W13, TopkIds, Out, inter, K, stride_x, stride_we, stride_wn, stride_o,
                     first_expert, num_local,
-                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(TopkIds + pair).to(tl.int64) - first_expert
     if (expert < 0) | (expert >= num_local):
@@ -74,7 +76,8 @@ def _gate_up_kernel(X, W13, TopkIds, Out, inter, K, stride_x, stride_we, stride_
 
 @triton.jit
 def _down_kernel(Act, W2, TopkIds, TopkWeights, Out, N, inter, stride_a, stride_we, stride_wn,
-                 stride_o, first_expert, num_local, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 stride_o, first_expert, num_local, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(TopkIds + pair).to(tl.int64) - first_expert
     local = (expert >= 0) & (expert < num_local)
@@ -114,11 +117,12 @@ def experts_per_pair(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     _gate_up_kernel[(t * top_k, triton.cdiv(inter, config.block_n))](
         x, w13, ids, act, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         first_expert, num_local, TOP_K=top_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device))
     out = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
     _down_kernel[(t * top_k, triton.cdiv(hidden, down_config.block_n))](
         act, w2, ids, topk_weights.contiguous(), out, hidden, inter, act.stride(0), w2.stride(0),
         w2.stride(1), out.stride(0), first_expert, num_local,
         BLOCK_N=down_config.block_n, BLOCK_K=down_config.block_k,
-        num_warps=down_config.num_warps, num_stages=down_config.num_stages)
+        num_warps=down_config.num_warps, num_stages=down_config.num_stages,
+        **pdl_launch(x.device))
     return sum_choices(out, top_k)

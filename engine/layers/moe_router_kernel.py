@@ -14,11 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.layers.pdl import pdl_launch, pdl_prologue
+
 
 @triton.jit
 def _softmax_topk_kernel(Logits, Weights, Ids, num_experts, stride_l,
                          TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                         BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr):
+                         BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E)
     logits = tl.load(Logits + token * stride_l + offs_e, mask=offs_e < num_experts,
@@ -53,5 +56,6 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool
         _softmax_topk_kernel[(t,)](router_logits, weights, ids, num_experts,
                                    router_logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize,
                                    BLOCK_E=triton.next_power_of_2(num_experts),
-                                   BLOCK_TOPK=triton.next_power_of_2(top_k), num_warps=4)
+                                   BLOCK_TOPK=triton.next_power_of_2(top_k), num_warps=4,
+                                   **pdl_launch(router_logits.device))
     return weights, ids

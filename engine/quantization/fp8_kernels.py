@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.layers.pdl import pdl_launch, pdl_prologue
 from engine.layers.tiles import Tiles
 from engine.quantization.fp8_format import FP8, FP8_MAX, MIN_SCALE
 
@@ -45,9 +46,10 @@ def gemv_config(rows: int, n: int, k: int) -> Tiles:
 @triton.jit
 def _w8a16_kernel(X, W, Scale, Out, M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr = False):
     """Program (n block, K slice). With SPLIT_K > 1, Out is float32 [SPLIT_K, M, N] partial
     sums (scaled) that `_sum_splits_kernel` adds up."""
+    pdl_prologue(PDL)
     k_start = tl.program_id(1) * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     offs_m = tl.arange(0, BLOCK_M)
@@ -83,7 +85,9 @@ def _w8a16_kernel(X, W, Scale, Out, M, N, K, k_per_split, stride_xm, stride_wn, 
 
 
 @triton.jit
-def _sum_splits_kernel(Partial, Out, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(Partial, Out, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < size
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -112,16 +116,18 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         # float32 activations get float32 products, not TF32's 10-bit mantissa
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device))
     if split_k > 1:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m * n, SPLIT_K=split_k, BLOCK=block)
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m * n, SPLIT_K=split_k,
+                                                         BLOCK=block, **pdl_launch(x.device))
     return out
 
 
 @triton.jit
 def _quantize_rows_kernel(X, Q, Scale, K, stride_x, stride_q, fp8_max, min_scale,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -146,5 +152,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
         _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX, MIN_SCALE,
-                                    BLOCK_K=min(2048, triton.next_power_of_2(k)), num_warps=4)
+                                    BLOCK_K=min(2048, triton.next_power_of_2(k)), num_warps=4,
+                                    **pdl_launch(x.device))
     return q, scale
