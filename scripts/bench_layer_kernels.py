@@ -1,6 +1,6 @@
 """GPU time of the MoE and FP8 layer kernels against their memory floors, per tile config.
 
-    python scripts/bench_layer_kernels.py [--moe] [--fp8] [--quick] [--json PATH]
+    python scripts/bench_layer_kernels.py [--moe] [--fp8] [--gemv] [--quick] [--json PATH]
 
 MoE (Qwen3-30B-A3B's expert shapes: 128 experts, top-8, hidden 2048, width 768, bf16): per
 batch size, the router (torch vs the Triton kernel), the per-pair path and the grouped
@@ -8,7 +8,10 @@ path per tile config (each GEMM alone, and the whole layer: routing + experts), 
 floor (bytes of the experts the batch touches, at the measured copy rate) and, at batch
 256, a dense GEMM of the same FLOPs (issue 18's goal). FP8 (Llama-3-8B's linear shapes):
 the weight-only kernel per tile config, `torch._scaled_mm` with the activations quantized by
-torch and by the Triton kernel, and the bf16 GEMM, against the float8 weight bytes.
+torch and by the Triton kernel, and the bf16 GEMM, against the float8 weight bytes. GEMV
+(`--gemv`: Llama-3-8B's and Qwen3-30B-A3B's attention and router linears, bf16, one row):
+cuBLAS against the Triton GEMV (engine/layers/gemv.py) per tile config, against the weight
+bytes; launched as the engine launches it (under PDL where available).
 
 Every time is a CUDA graph replay of 20 calls (as the engine's decode steps run), so
 launch overhead from Python is not counted. Best configs are printed last: they are what
@@ -30,6 +33,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_offline import measure_ceilings  # noqa: E402
 
 from engine.layers import moe_pair_kernels  # noqa: E402
+from engine.layers.gemv import gemv  # noqa: E402
 from engine.layers.moe import experts_triton  # noqa: E402
 from engine.layers.moe_align_kernel import group_by_expert_kernel  # noqa: E402
 from engine.layers.moe_kernels import grouped_gemm  # noqa: E402
@@ -196,6 +200,34 @@ def bench_fp8(bw: float, batches: list[int], quick: bool) -> dict:
     return {"rows": rows, "best": best}
 
 
+MOE_LINEARS = {"moe qkv": (5120, 2048), "moe o": (2048, 4096), "moe router": (128, 2048)}
+
+
+def gemv_configs(quick: bool) -> list[Tiles]:
+    cfgs = [Tiles(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
+        (8, 16, 32, 64), (64, 128, 256), (4,) if quick else (2, 4, 8), (3, 4))]
+    return cfgs + [Tiles(bn, bk, 4, 4, split_k=sk) for bn, bk, sk in itertools.product(
+        (8, 16, 32, 64), (64, 128), (2, 4, 8, 16))]
+
+
+def bench_gemv(bw: float, quick: bool) -> dict:
+    rows, best = [], {}
+    for name, (n, k) in {**LLAMA_LINEARS, **MOE_LINEARS}.items():
+        weights = itertools.cycle([(torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
+                                   for _ in range(COPIES)])
+        x = torch.randn(1, k, device="cuda").bfloat16()
+        times = {c: try_time(lambda c=c: gemv(x, next(weights), None, c)) for c in gemv_configs(quick)}
+        c = min(times, key=times.get)
+        row = {"linear": name, "floor_us": 2 * n * k / bw / 1e6,
+               "cublas_us": graph_us(lambda: torch.nn.functional.linear(x, next(weights))),
+               "gemv_default_us": try_time(lambda: gemv(x, next(weights))),
+               "gemv_best_us": times[c], "gemv_best_cfg": str(c)}
+        best[name] = str(c)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return {"rows": rows, "best": best}
+
+
 def scaled_mm(x, wq, ws, quantize):
     x_q, sx = quantize(x)
     return torch._scaled_mm(x_q, wq.t(), scale_a=sx, scale_b=ws.t(), out_dtype=x.dtype)
@@ -229,12 +261,19 @@ def print_tables(res: dict) -> None:
                   f"{r.get('w8a16_us', float('nan')):>7.1f} {r.get('w8a16_default_us', float('nan')):>7.1f} "
                   f"{r['scaled_mm_torch_quant_us']:>7.1f} {r['scaled_mm_kernel_quant_us']:>7.1f}  "
                   f"{r.get('w8a16_cfg', '')}")
+    if "gemv" in res:
+        print("\nbf16 linears at one row, us per call: cuBLAS vs the Triton GEMV")
+        print(f"{'linear':>10} {'floor':>7} {'cuBLAS':>7} {'default':>7} {'best':>7}  best config")
+        for r in res["gemv"]["rows"]:
+            print(f"{r['linear']:>10} {r['floor_us']:>7.1f} {r['cublas_us']:>7.1f} "
+                  f"{r['gemv_default_us']:>7.1f} {r['gemv_best_us']:>7.1f}  {r['gemv_best_cfg']}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--moe", action="store_true")
     ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--gemv", action="store_true", help="bf16 one-row linears: cuBLAS vs Triton")
     ap.add_argument("--quick", action="store_true", help="fewer tile configs")
     ap.add_argument("--moe-batches", default="1,4,8,16,64,256,480,2048,8192")
     ap.add_argument("--fp8-batches", default="1,4,16,256")
@@ -245,10 +284,13 @@ def main() -> None:
     bw = measure_ceilings()["copy_tb_s"]  # as bench_offline's floors
     print(f"copy rate {bw:.2f} TB/s", flush=True)
     res = {"copy_tb_s": bw}
-    if args.moe or not args.fp8:
+    everything = not (args.moe or args.fp8 or args.gemv)
+    if args.moe or everything:
         res["moe"] = bench_moe(bw, [int(b) for b in args.moe_batches.split(",")], args.quick)
-    if args.fp8 or not args.moe:
+    if args.fp8 or everything:
         res["fp8"] = bench_fp8(bw, [int(b) for b in args.fp8_batches.split(",")], args.quick)
+    if args.gemv or everything:
+        res["gemv"] = bench_gemv(bw, args.quick)
     print_tables(res)
     if args.json:
         with open(args.json, "w") as f:

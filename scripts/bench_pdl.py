@@ -1,11 +1,13 @@
-"""Programmatic dependent launch (engine/layers/pdl.py) on and off, on the GPU.
+"""Programmatic dependent launch (engine/layers/pdl.py) and the one-row Triton GEMV
+(engine/layers/gemv.py) on and off, on the GPU.
 
-Runs `bench_offline.py` once per (model variant, RADIXSERVE_PDL) in fresh processes (the
-switch is read once per process) and prints one table: the batch-1 decode step (W3) and its
-forward, for the dense bf16 model, FP8 weights and the MoE model; with `--w1`, W1's output
-throughput too.
+Runs `bench_offline.py` once per (model variant, setting) in fresh processes (the switches
+are environment variables read once per process) and prints one table: the batch-1 decode
+step (W3) and its forward, for the dense bf16 model, FP8 weights and the MoE model; with
+`--w1`, W1's output throughput too. A setting is a comma-separated list of variables, e.g.
+"RADIXSERVE_PDL=0,RADIXSERVE_TRITON_GEMV=0" (both off); "-" is the defaults.
 
-    python3 scripts/bench_pdl.py [--variants bf16,fp8,moe] [--w1] [--out DIR]
+    python3 scripts/bench_pdl.py [--variants bf16,fp8,moe] [--settings S1 S2 ...] [--w1]
 """
 from __future__ import annotations
 
@@ -24,14 +26,21 @@ VARIANTS = {
 }
 
 
-def run(variant: str, pdl: str, workloads: str, out: Path, extra: list[str]) -> dict:
-    path = out / f"bench_pdl_{variant}_pdl{pdl}.json"
+SETTINGS = ["RADIXSERVE_PDL=0,RADIXSERVE_TRITON_GEMV=0", "RADIXSERVE_TRITON_GEMV=0", "-"]
+
+
+def parse_setting(setting: str) -> dict[str, str]:
+    return dict(kv.split("=", 1) for kv in setting.split(",")) if setting != "-" else {}
+
+
+def run(variant: str, setting: str, i: int, workloads: str, out: Path, extra: list[str]) -> dict:
+    path = out / f"bench_pdl_{variant}_{i}.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_offline.py"), "--workloads", workloads,
            "--no-hf", "--skip-check", "--json", str(path), *VARIANTS[variant], *extra]
-    env = dict(os.environ, RADIXSERVE_PDL=pdl)
+    env = dict(os.environ, **parse_setting(setting))
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     if done.returncode != 0 or not path.exists():
-        print(f"{variant} PDL={pdl} failed:\n{done.stdout[-1500:]}\n{done.stderr[-3000:]}")
+        print(f"{variant} {setting} failed:\n{done.stdout[-1500:]}\n{done.stderr[-3000:]}")
         return {}
     return json.loads(path.read_text())
 
@@ -39,6 +48,7 @@ def run(variant: str, pdl: str, workloads: str, out: Path, extra: list[str]) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", default="bf16,fp8,moe")
+    ap.add_argument("--settings", nargs="+", default=SETTINGS)
     ap.add_argument("--w1", action="store_true", help="W1's throughput too")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/radixserve-out"))
     ap.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
@@ -50,17 +60,17 @@ def main() -> None:
     workloads = "W3,W1" if args.w1 else "W3"
     rows = []
     for variant in args.variants.split(","):
-        for pdl in ("0", "1"):
-            res = run(variant, pdl, workloads, out, extra)
+        for i, setting in enumerate(args.settings):
+            res = run(variant, setting, i, workloads, out, extra)
             w3, w1 = res.get("W3", {}), res.get("W1", {})
-            rows.append((variant, pdl, w3.get("step_ms"), w3.get("forward_ms"), w3.get("floor_ms"),
+            rows.append((variant, setting, w3.get("step_ms"), w3.get("forward_ms"), w3.get("floor_ms"),
                          w3.get("ttft_ms"), w1.get("output_tok_s")))
-    print("\n| model | PDL | W3 step ms | forward ms | floor ms | step/floor | TTFT ms | W1 tok/s |")
+    print("\n| model | setting | W3 step ms | forward ms | floor ms | step/floor | TTFT ms | W1 tok/s |")
     print("|---|---|---|---|---|---|---|---|")
     fmt = lambda v, f="{:.3f}": "-" if v is None else f.format(v)  # noqa: E731
-    for variant, pdl, step, fwd, floor, ttft, tput in rows:
+    for variant, setting, step, fwd, floor, ttft, tput in rows:
         ratio = step / floor if step and floor else None
-        print(f"| {variant} | {pdl} | {fmt(step)} | {fmt(fwd)} | {fmt(floor)} | {fmt(ratio, '{:.2f}')} "
+        print(f"| {variant} | {setting} | {fmt(step)} | {fmt(fwd)} | {fmt(floor)} | {fmt(ratio, '{:.2f}')} "
               f"| {fmt(ttft, '{:.1f}')} | {fmt(tput, '{:,.0f}')} |")
 
 

@@ -250,12 +250,13 @@ def test_fp8_weight_kernels_compile_for_hopper():
     """Every variant the GPU path launches compiles for sm_90, and the activations' cast to
     float8 is the hardware's saturating round-to-nearest (the interpreter's is not exact)."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
-    from engine.quantization.fp8_kernels import _quantize_rows_kernel, _sum_splits_kernel, _w8a16_kernel
+    from engine.layers.gemv import _gemv_kernel, _sum_splits_kernel
+    from engine.quantization.fp8_kernels import _quantize_rows_kernel
 
     gemv = dict(X="*bf16", W="*fp8e4nv", Scale="*fp32", Out="*bf16", M="i32", N="i32", K="i32",
                 k_per_split="i32")
     for block_m, split_k in itertools.product((1, 16, 32), (1, 4)):
-        compile_for_sm90(_w8a16_kernel, {**gemv, "Out": "*fp32" if split_k > 1 else "*bf16"},
+        compile_for_sm90(_gemv_kernel, {**gemv, "Out": "*fp32" if split_k > 1 else "*bf16"},
                          dict(PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=256, SPLIT_K=split_k),
                          num_stages=4)
     compile_for_sm90(_sum_splits_kernel, dict(Partial="*fp32", Out="*bf16", size="i32"),

@@ -1,20 +1,29 @@
 """Model building blocks, written once for tensor parallelism (dense at tp size 1)."""
 from engine.layers.activation import SiluAndMul
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                                  ReplicatedLinear, RowParallelLinear)
+import os
+
+from engine.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear,
+                                  QKVParallelLinear, ReplicatedLinear, RowParallelLinear)
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import TPContext
 from engine.layers.rotary import RotaryEmbedding, get_rope
 
 
+# Rows up to which bf16 linears take the Triton GEMV (RADIXSERVE_TRITON_GEMV=0: cuBLAS always).
+GEMV_ROWS = 1
+
 
 def set_fused_kernels(model, enabled: bool) -> None:
-    """Run every RMSNorm, RoPE and SiLU-and-mul of `model` as one Triton kernel each (on
-    GPUs; CPU tensors always take the torch path)."""
+    """Run every RMSNorm, RoPE and SiLU-and-mul of `model` as one Triton kernel each, and
+    its one-row bf16 linears as the Triton GEMV (on GPUs; CPU tensors always take the torch
+    path)."""
+    gemv = enabled and os.environ.get("RADIXSERVE_TRITON_GEMV", "1") != "0"
     for module in model.modules():
         if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):
             module.fused = enabled
+        elif isinstance(module, LinearBase):
+            module.gemv_rows = GEMV_ROWS if gemv else 0
 
 
 __all__ = ["ColumnParallelLinear", "MergedColumnParallelLinear", "ParallelLMHead", "QKVParallelLinear",

@@ -4,8 +4,9 @@ Column parallel splits the output features (each rank computes a slice of the ou
 row parallel splits the input features (each rank computes a partial sum, all-reduced).
 Parameters are created with the ambient default dtype and device, and each parameter
 carries a `weight_loader` that copies this rank's shard out of a full checkpoint tensor.
-At tp size 1 every layer is one `F.linear` call; an FP8 layer (engine/quantization/) holds
-a float8 `weight` and its `weight_scale`, and `matmul` runs the FP8 GEMM instead.
+At tp size 1 every layer is one `F.linear` call, or at one row on a GPU our Triton GEMV
+(`gemv_rows`, engine/layers/gemv.py); an FP8 layer (engine/quantization/) holds a float8
+`weight` and its `weight_scale`, and `matmul` runs the FP8 GEMM instead.
 """
 from __future__ import annotations
 
@@ -36,12 +37,20 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         self.register_parameter("weight_scale", None)  # set when the layer is FP8
         self.quantize_input = True  # FP8 layers: dynamic per-token activation scales
+        # Rows up to which a bf16/fp16 weight multiplies with the Triton GEMV on GPUs (0:
+        # never; set by `set_fused_kernels`): it keeps a decode step's PDL chain unbroken.
+        self.gemv_rows = 0
 
     def weight_loader(self, param: nn.Parameter, loaded: Loadable) -> None:
         raise NotImplementedError
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale is None:
+            if x.is_cuda and x.numel() <= self.gemv_rows * x.shape[-1] and x.dim() == 2:
+                from engine.layers.gemv import gemv
+
+                y = gemv(x, self.weight)
+                return y + bias if bias is not None else y
             return F.linear(x, self.weight, bias)
         return fp8_linear(x, self.weight, self.weight_scale, bias, self.quantize_input)
 

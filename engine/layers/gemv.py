@@ -1,0 +1,136 @@
+"""A GEMM for decode-sized batches (a few rows): y = x W^T, bound by reading W once.
+
+Float8 weights (one scale per output row, `engine.quantization.fp8_kernels.w8a16_linear`)
+and, at batch 1, bf16 weights (`LinearBase`, see `use_triton_gemv`): there the kernel
+matches cuBLAS on the weight bytes and, launched under PDL (engine/layers/pdl.py), chains
+with the layer's other Triton kernels instead of breaking the chain at every linear.
+
+One row multiplies on the CUDA cores (a tl.dot needs 16); a K much longer than N is cut into
+slices (`Tiles.split_k`), one program each, summed by a second launch. Also runs under
+TRITON_INTERPRET=1.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.layers.pdl import pdl_launch, pdl_prologue
+from engine.layers.tiles import Tiles
+
+
+def gemv_config(rows: int, n: int, k: int, weight_bytes: int = 1) -> Tiles:
+    """Tiles by shape, from scripts/bench_layer_kernels.py on the H200 (Llama-3-8B linears,
+    float8 weights, 2026-12-02): wide outputs have programs to spare and take short K steps;
+    a K much longer than the output is split into slices (down: 27.9 -> 20.9 us at one row);
+    the other narrow outputs take thin row blocks at one row, and above it each shape the
+    sweep's fastest for qkv (n > k) and o (n == k). Wider weights (bf16: `weight_bytes` 2)
+    take K steps of the same bytes."""
+    tiles = _fp8_tiles(rows, n, k)
+    if weight_bytes == 1:
+        return tiles
+    return dataclasses.replace(tiles, block_k=max(32, tiles.block_k // weight_bytes))
+
+
+def _fp8_tiles(rows: int, n: int, k: int) -> Tiles:
+    if k >= 3 * n:
+        if rows == 1:
+            return Tiles(block_n=64, block_k=128, num_stages=4, split_k=8)
+        return Tiles(block_n=32, block_k=128 if rows <= 4 else 256, num_stages=4, split_k=4)
+    if n >= 16384:
+        return Tiles(block_n=32, block_k=128 if rows <= 4 else 256, num_stages=4 if rows <= 4 else 3)
+    if rows == 1:
+        return Tiles(block_n=16, block_k=512, num_stages=4)
+    if rows <= 4:
+        return Tiles(block_n=32, block_k=128, num_stages=4, split_k=4 if n > k else 2)
+    if n > k:
+        return Tiles(block_n=32, block_k=256, num_stages=4, split_k=2)
+    return Tiles(block_n=32, block_k=512, num_stages=3)
+
+
+@triton.jit
+def _gemv_kernel(X, W, Scale, Out, M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
+                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr = True,
+                 PDL: tl.constexpr = False):
+    """Program (n block, K slice). With SPLIT_K > 1, Out is float32 [SPLIT_K, M, N] partial
+    sums (scaled) that `_sum_splits_kernel` adds up."""
+    pdl_prologue(PDL)
+    k_start = tl.program_id(1) * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    x_ptrs = X + offs_m[:, None] * stride_xm + k_start + offs_k[None, :]
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + k_start + offs_k[None, :]
+    if BLOCK_M == 1:  # one row: multiply-add on the CUDA cores, reduce once at the end
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k_mask = offs_k < k_end - k0
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc2 += w.to(tl.float32) * x.to(tl.float32)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        acc = tl.sum(acc2, axis=1)[None, :]
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k_mask = offs_k < k_end - k0
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    if HAS_SCALE:
+        acc = acc * tl.load(Scale + offs_n, mask=n_mask, other=0.0)[None, :]
+    out_ptrs = Out + offs_m[:, None] * stride_om + offs_n[None, :]
+    if SPLIT_K > 1:
+        out_ptrs += tl.program_id(1) * M * N
+    tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(Partial, Out, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < size
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(Partial + s * size + offs, mask=mask, other=0.0)
+    tl.store(Out + offs, acc.to(Out.dtype.element_ty), mask=mask)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
+         config: Tiles | None = None) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32) times weight [N, K] (float8 with weight_scale float32 [N, 1],
+    or x's dtype without) -> [M, N] in x's dtype. M is small (decode): the whole batch is one
+    row block."""
+    m, k = x.shape
+    n = weight.shape[0]
+    config = config or gemv_config(m, n, k, weight.element_size())
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    # K slices whole in BLOCK_K steps, so only the last slice is ragged
+    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    split_k = triton.cdiv(k, k_per_split)
+    partial = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    # tl.dot wants at least 16 rows; one row multiplies on the CUDA cores.
+    block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
+    pdl = pdl_launch(x.device)
+    _gemv_kernel[(triton.cdiv(n, config.block_n), split_k)](
+        x, weight, weight if weight_scale is None else weight_scale, partial, m, n, k,
+        k_per_split, x.stride(0), weight.stride(0), partial.stride(-2),
+        # float32 activations get float32 products, not TF32's 10-bit mantissa
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k,
+        HAS_SCALE=weight_scale is not None, num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl)
+    if split_k > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m * n, SPLIT_K=split_k,
+                                                         BLOCK=block, **pdl)
+    return out

@@ -1,0 +1,82 @@
+"""The decode GEMV (engine/layers/gemv.py) with unscaled weights (bf16 on GPUs; the FP8 path
+is tests/test_fp8_kernels.py) against torch, and the one-row dispatch of `LinearBase`.
+
+The `gpu` tests also run on the CPU under TRITON_INTERPRET=1 (float32 weights there: the
+interpreter's bf16 arithmetic is not exact), from `test_gemv_under_the_interpreter`.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine.layers.gemv import gemv
+from engine.layers.tiles import Tiles
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if INTERPRET else None)
+DTYPE = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+gpu = pytest.mark.skipif(DEVICE is None, reason="needs CUDA or TRITON_INTERPRET=1")
+CONFIGS = [None, Tiles(16, 64, num_stages=4), Tiles(32, 64, split_k=3), Tiles(64, 64, split_k=8)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("shape", [(1, 96, 256), (1, 130, 1000), (3, 64, 300)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("config", CONFIGS, ids=["default", "tiles", "split3", "split8"])
+def test_gemv_matches_matmul(shape, config):
+    m, n, k = shape
+    g = torch.Generator().manual_seed(n + k)
+    weight = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, DTYPE)
+    x = torch.randn(m, k, generator=g).to(DEVICE, DTYPE)
+    out = gemv(x, weight, None, config)
+    ref = x.double() @ weight.double().t()
+    assert out.dtype == DTYPE and out.shape == (m, n)
+    tol = 1e-5 if DTYPE == torch.float32 else 1e-2  # bf16: the output's rounding
+    assert (out.double() - ref).abs().max().item() <= tol * (1 + ref.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the dispatch is GPU-only")
+def test_linear_takes_the_gemv_at_one_row():
+    from engine.layers.linear import ReplicatedLinear
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        layer = ReplicatedLinear(512, 384, bias=True).to(torch.bfloat16)
+    torch.nn.init.normal_(layer.weight, std=512 ** -0.5)
+    torch.nn.init.normal_(layer.bias)
+    for rows in (1, 2):
+        x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+        ref = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
+        layer.gemv_rows = 0
+        cublas = layer(x)
+        layer.gemv_rows = 1
+        out = layer(x)
+        assert (out.float() - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
+        if rows > 1:  # past gemv_rows: cuBLAS either way
+            assert torch.equal(out, cublas)
+
+
+def test_gemv_under_the_interpreter():
+    pytest.importorskip("triton")
+    from triton_on_cpu import run_under_interpreter
+
+    run_under_interpreter("test_gemv.py", allow_skipped=True)  # the dispatch test is GPU-only
+
+
+def test_bf16_gemv_compiles_for_hopper():
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
+    from triton_on_cpu import compile_for_sm90
+
+    from engine.layers.gemv import _gemv_kernel, gemv_config
+
+    io = dict(X="*bf16", W="*bf16", Scale="*bf16", M="i32", N="i32", K="i32", k_per_split="i32")
+    for n, k in ((6144, 4096), (4096, 14336), (128, 2048)):  # qkv, down, an MoE router
+        tiles = gemv_config(1, n, k, weight_bytes=2)
+        compile_for_sm90(_gemv_kernel, {**io, "Out": "*fp32" if tiles.split_k > 1 else "*bf16"},
+                         dict(PRECISION="tf32", BLOCK_M=1, BLOCK_N=tiles.block_n,
+                              BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k, HAS_SCALE=False),
+                         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
