@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from engine.layers.gemv import gemv, gemv_silu_and_mul
+from engine.layers.gemv import gemv
 from engine.layers.tiles import Tiles
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -36,27 +36,6 @@ def test_gemv_matches_matmul(shape, config):
     assert out.dtype == DTYPE and out.shape == (m, n)
     tol = 1e-5 if DTYPE == torch.float32 else 1e-2  # bf16: the output's rounding
     assert (out.double() - ref).abs().max().item() <= tol * (1 + ref.abs().max().item())
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("config", CONFIGS[2:], ids=["split3", "split8"])
-def test_gemv_silu_and_mul_matches_the_unfused_path(rows, config):
-    d, k = 72, 300
-    g = torch.Generator().manual_seed(rows)
-    weight = (torch.randn(2 * d, k, generator=g) / k ** 0.5).to(DEVICE, DTYPE)
-    x = torch.randn(rows, k, generator=g).to(DEVICE, DTYPE)
-    out = gemv_silu_and_mul(x, weight, None, config)
-    y = gemv(x, weight, None, config)
-    if DEVICE == "cuda":  # the same sums and roundings as the GEMV, then the SiLU kernel
-        from engine.layers.fused_kernels import silu_and_mul
-
-        assert torch.equal(out, silu_and_mul(y))
-    ref = torch.nn.functional.silu(y[:, :d].double()) * y[:, d:].double()
-    assert out.shape == (rows, d)
-    assert (out.double() - ref).abs().max().item() <= 1e-2 * (1 + ref.abs().max().item())
-    assert gemv_silu_and_mul(x, weight, None, CONFIGS[1]) is None  # K not split: not fused
 
 
 @pytest.mark.gpu
@@ -92,7 +71,7 @@ def test_bf16_gemv_compiles_for_hopper():
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
     from triton_on_cpu import compile_for_sm90
 
-    from engine.layers.gemv import _gemv_kernel, _sum_splits_silu_and_mul_kernel, gemv_config
+    from engine.layers.gemv import _gemv_kernel, gemv_config
 
     io = dict(X="*bf16", W="*bf16", Scale="*bf16", M="i32", N="i32", K="i32", k_per_split="i32")
     for n, k in ((6144, 4096), (4096, 14336), (128, 2048)):  # qkv, down, an MoE router
@@ -101,5 +80,3 @@ def test_bf16_gemv_compiles_for_hopper():
                          dict(PRECISION="tf32", BLOCK_M=1, BLOCK_N=tiles.block_n,
                               BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k, HAS_SCALE=False),
                          num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    compile_for_sm90(_sum_splits_silu_and_mul_kernel, dict(Partial="*fp32", Out="*bf16"),
-                     dict(SPLIT_K=4, BLOCK=1024))

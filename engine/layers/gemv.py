@@ -118,53 +118,6 @@ def _sum_splits_kernel(Partial, Out, size, SPLIT_K: tl.constexpr, BLOCK: tl.cons
     tl.store(Out + offs, acc.to(Out.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _sum_splits_silu_and_mul_kernel(Partial, Out, m, d, SPLIT_K: tl.constexpr,
-                                    BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """Out [m, d] = silu(gate) * up of the summed [m, 2d] = [gate | up] partials, rounded
-    where the unfused path rounds (the GEMV's output, then SiLU: fused_kernels.silu_and_mul)."""
-    pdl_prologue(PDL)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < m * d
-    gate_at = (offs // d) * (2 * d) + offs % d
-    gate = tl.zeros((BLOCK,), dtype=tl.float32)
-    up = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        gate += tl.load(Partial + s * m * 2 * d + gate_at, mask=mask, other=0.0)
-        up += tl.load(Partial + s * m * 2 * d + gate_at + d, mask=mask, other=0.0)
-    dtype = Out.dtype.element_ty
-    g = gate.to(dtype).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    tl.store(Out + offs, (act * up.to(dtype).to(tl.float32)).to(dtype), mask=mask)
-
-
-def _splits(config: Tiles, k: int) -> tuple[int, int]:
-    """(K per slice, slices): slices are whole BLOCK_K steps, so only the last is ragged."""
-    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
-    return k_per_split, triton.cdiv(k, k_per_split)
-
-
-def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
-            config: Tiles, out: torch.Tensor, pdl: dict) -> torch.Tensor:
-    """The GEMV into `out` [M, N], or into float32 partials [slices, M, N] (returned) when K
-    is split."""
-    m, k = x.shape
-    n = weight.shape[0]
-    k_per_split, split_k = _splits(config, k)
-    partial = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    # tl.dot wants at least 16 rows; one row multiplies on the CUDA cores.
-    block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
-    _gemv_kernel[(triton.cdiv(n, config.block_n), split_k)](
-        x, weight, weight if weight_scale is None else weight_scale, partial, m, n, k,
-        k_per_split, x.stride(0), weight.stride(0), partial.stride(-2),
-        # float32 activations get float32 products, not TF32's 10-bit mantissa
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k,
-        HAS_SCALE=weight_scale is not None, num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl)
-    return partial
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
          config: Tiles | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) times weight [N, K] (float8 with weight_scale float32 [N, 1],
@@ -174,30 +127,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     n = weight.shape[0]
     config = config or gemv_config(m, n, k, weight.element_size())
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    # K slices whole in BLOCK_K steps, so only the last slice is ragged
+    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    split_k = triton.cdiv(k, k_per_split)
+    partial = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    # tl.dot wants at least 16 rows; one row multiplies on the CUDA cores.
+    block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
     pdl = pdl_launch(x.device)
-    partial = _launch(x, weight, weight_scale, config, out, pdl)
-    if partial is not out:
+    _gemv_kernel[(triton.cdiv(n, config.block_n), split_k)](
+        x, weight, weight if weight_scale is None else weight_scale, partial, m, n, k,
+        k_per_split, x.stride(0), weight.stride(0), partial.stride(-2),
+        # float32 activations get float32 products, not TF32's 10-bit mantissa
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k,
+        HAS_SCALE=weight_scale is not None, num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl)
+    if split_k > 1:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m * n, SPLIT_K=partial.shape[0],
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m * n, SPLIT_K=split_k,
                                                          BLOCK=block, **pdl)
-    return out
-
-
-def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
-                      config: Tiles | None = None) -> torch.Tensor | None:
-    """silu(gate) * up of x times a [gate | up] weight [2d, K] -> [M, d], with the activation
-    in the launch that sums the K slices (one kernel fewer than `gemv` + SiLU-and-mul, same
-    rounding); None when this shape's tiles do not split K (the caller runs them apart)."""
-    m, k = x.shape
-    n = weight.shape[0]
-    config = config or gemv_config(m, n, k, weight.element_size())
-    if _splits(config, k)[1] == 1:
-        return None
-    d = n // 2
-    out = torch.empty((m, d), dtype=x.dtype, device=x.device)
-    pdl = pdl_launch(x.device)
-    partial = _launch(x, weight, weight_scale, config, out, pdl)
-    block = 1024
-    _sum_splits_silu_and_mul_kernel[(triton.cdiv(m * d, block),)](
-        partial, out, m, d, SPLIT_K=partial.shape[0], BLOCK=block, **pdl)
     return out

@@ -57,17 +57,6 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up of this [gate | up] layer's output, with the activation fused into
-        the Triton GEMV's last launch, where the GEMV runs this layer and splits K; None
-        elsewhere (the caller applies SiluAndMul to `forward`'s output)."""
-        if (self.weight_scale is not None or self.bias is not None or not x.is_cuda
-                or x.dim() != 2 or x.shape[0] > self.gemv_rows):
-            return None
-        from engine.layers.gemv import gemv_silu_and_mul
-
-        return gemv_silu_and_mul(x, self.weight)
-
 
 class ReplicatedLinear(LinearBase):
     """The full layer on every rank."""
@@ -102,9 +91,6 @@ class ColumnParallelLinear(LinearBase):
         if self.gather_output and self.tp.size > 1:
             y = self.tp.all_gather(y, dim=-1)
         return y
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        return None if self.gather_output and self.tp.size > 1 else super().silu_and_mul(x)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

@@ -124,10 +124,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gated = self.gate_up_proj.silu_and_mul(x) if self.act_fn.fused else None
-        if gated is None:
-            gated = self.act_fn(self.gate_up_proj(x))
-        return self.down_proj(gated)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
