@@ -1,14 +1,13 @@
 """Model building blocks, written once for tensor parallelism (dense at tp size 1)."""
-from engine.layers.activation import SiluAndMul
-from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 import os
 
+from engine.layers.activation import SiluAndMul
+from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear,
                                   QKVParallelLinear, ReplicatedLinear, RowParallelLinear)
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import TPContext
 from engine.layers.rotary import RotaryEmbedding, get_rope
-
 
 # Rows up to which bf16 linears take the Triton GEMV (RADIXSERVE_TRITON_GEMV=0: cuBLAS always).
 GEMV_ROWS = 1

@@ -46,7 +46,7 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale is None:
-            if x.is_cuda and x.numel() <= self.gemv_rows * x.shape[-1] and x.dim() == 2:
+            if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= self.gemv_rows:
                 from engine.layers.gemv import gemv
 
                 y = gemv(x, self.weight)
