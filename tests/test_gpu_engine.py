@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine_steps import run_with_arrivals
 from hf_reference import hf_greedy
 
 pytestmark = [pytest.mark.gpu,
@@ -178,16 +179,9 @@ def test_extend_graphs_with_decoders_match_eager(tiny_llama):
         llm = LLM(model=tiny_llama, dtype="float32", device="cuda", max_total_tokens=8192,
                   cuda_graph_max_bs=16, cuda_graph_max_extend_tokens=limit,
                   cuda_graph_max_extend_bs=8, chunked_prefill_size=512)
-        engine = llm.engine
-        reqs, step = [], 0
-        while len(reqs) < len(ps) or engine.has_work:
-            while len(reqs) < len(ps) and arrivals[len(reqs)] <= step:
-                reqs.append(engine.add_request(f"r{len(reqs)}", ps[len(reqs)], params))
-            engine.step()
-            step += 1
-        runs[limit] = [(list(r.output_ids), list(r.output_logprobs)) for r in reqs]
+        runs[limit] = run_with_arrivals(llm.engine, ps, arrivals, params)
         if limit:
-            assert engine.runner.extend_graphs.replays >= 4
+            assert llm.engine.runner.extend_graphs.replays >= 4
     for (ids_g, lp_g), (ids_e, lp_e) in zip(runs[256], runs[0]):
         assert ids_g == ids_e
         assert max(abs(x - y) for x, y in zip(lp_g, lp_e)) < 1e-4

@@ -314,14 +314,22 @@ def check_padded(kv_dtype=None) -> dict:
 def check_cuda_graph(kv_dtype=None) -> dict:
     """Capture a padded decode once, then replay it on another step's data (other seq lens,
     rows, slots, pool contents) copied into the captured tensors."""
-    from engine.attention.triton_backend import TritonAttentionBackend
-
     hq, hkv, d, dt, pad = 32, 8, 128, torch.bfloat16, 16
     kw = dict(num_slots=40000, max_ctx=4200, pad_to=pad, kv_dtype=kv_dtype)
     a = make_case(decode_reqs(9, 300, 1), hq, hkv, d, dt, DEVICE, seed=1, **kw)
     b = make_case(decode_reqs(9, 4000, 2), hq, hkv, d, dt, DEVICE, seed=2, **kw)
-    be = TritonAttentionBackend(a.pool, 1.0 / math.sqrt(d), graph_mode=True)
-    out = torch.full(a.q.shape, float("nan"), dtype=dt, device=DEVICE)
+    return replay_on_other_step(a, b, ("out_slots", "req_rows", "seq_lens", "req_to_token",
+                                       "positions"))
+
+
+def replay_on_other_step(a: Case, b: Case, fields: tuple[str, ...]) -> dict:
+    """Capture the Triton backend's forward of step `a` in a CUDA graph (graph mode), copy
+    step `b`'s pool, q/k/v and batch `fields` into a's tensors, replay, and compare the
+    output with the reference attention of `b`."""
+    from engine.attention.triton_backend import TritonAttentionBackend
+
+    be = TritonAttentionBackend(a.pool, 1.0 / math.sqrt(a.q.shape[-1]), graph_mode=True)
+    out = torch.full(a.q.shape, float("nan"), dtype=a.q.dtype, device=DEVICE)
     be.prepare(a.batch)
     be.forward(a.q, a.k, a.v, a.layer, a.batch, out=out)  # compile + buffers, outside capture
     torch.cuda.synchronize()
@@ -331,14 +339,13 @@ def check_cuda_graph(kv_dtype=None) -> dict:
     ref, ref_pool = reference(b)
     for x, y in zip(a.pool.k + a.pool.v, b.pool.k + b.pool.v):
         x.copy_(y)
-    for name in ("out_slots", "req_rows", "seq_lens", "req_to_token", "positions"):
+    for name in fields:
         getattr(a.batch, name).copy_(getattr(b.batch, name))
     a.q.copy_(b.q), a.k.copy_(b.k), a.v.copy_(b.v)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    b_view = Case(a.pool, b.batch, b.q, b.k, b.v, b.layer, b.real)
-    return compare(b_view, out, ref, ref_pool)
+    return compare(Case(a.pool, b.batch, b.q, b.k, b.v, b.layer, b.real), out, ref, ref_pool)
 
 
 # ------------------------------------------------------------------ tests
@@ -388,6 +395,8 @@ def test_mixed_steps_in_the_engine_match_torch(tiny_model_factory):
     """The engine with Triton attention against the torch backend, greedy, on steps where
     new prompts join requests already decoding (eager mixed steps: 3, 4 and 5 leading
     decoders through the decode kernel): the same tokens, logprobs within 1e-4."""
+    from engine_steps import run_with_arrivals
+
     from engine import LLM, SamplingParams
 
     path = tiny_model_factory("llama")
@@ -410,13 +419,7 @@ def test_mixed_steps_in_the_engine_match_torch(tiny_model_factory):
                 return forward(q, k, v, layer_id, batch, *args, **kw)
 
             engine.runner.attn_backend.forward = spy
-        reqs, step = [], 0
-        while len(reqs) < len(prompts) or engine.has_work:
-            while len(reqs) < len(prompts) and arrivals[len(reqs)] <= step:
-                reqs.append(engine.add_request(f"r{len(reqs)}", prompts[len(reqs)], params))
-            engine.step()
-            step += 1
-        runs[backend] = [(list(r.output_ids), list(r.output_logprobs)) for r in reqs]
+        runs[backend] = run_with_arrivals(engine, prompts, arrivals, params)
     assert sorted(mixed)[-3:] == [3, 4, 5], mixed
     for (ids, lps), (ref_ids, ref_lps) in zip(runs["triton"], runs["torch"]):
         assert ids == ref_ids
@@ -451,31 +454,12 @@ def test_mixed_step_decoders_found_on_device_fp8_pool():
 def test_mixed_step_graph_replay_finds_other_decoders():
     """Capture a mixed step as an extend graph does, then replay it on another step of the
     same shape whose decoders sit at other positions."""
-    from engine.attention.triton_backend import TritonAttentionBackend
-
     hq, hkv, d, dt = 32, 8, 128, torch.bfloat16
     kw = dict(num_slots=8000, max_ctx=3000, decoders_on_device=True)
     a = make_case([(0, 40), (700, 1), (30, 1), (0, 0)], hq, hkv, d, dt, DEVICE, seed=11, **kw)
     b = make_case([(300, 1), (5, 40), (1200, 1), (0, 0)], hq, hkv, d, dt, DEVICE, seed=12, **kw)
-    be = TritonAttentionBackend(a.pool, 1.0 / math.sqrt(d), graph_mode=True)
-    out = torch.full(a.q.shape, float("nan"), dtype=dt, device=DEVICE)
-    be.prepare(a.batch)
-    be.forward(a.q, a.k, a.v, a.layer, a.batch, out=out)  # compile, outside capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        be.forward(a.q, a.k, a.v, a.layer, a.batch, out=out)
-    ref, ref_pool = reference(b)
-    for x, y in zip(a.pool.k + a.pool.v, b.pool.k + b.pool.v):
-        x.copy_(y)
-    for name in ("out_slots", "req_rows", "seq_lens", "extend_lens", "qo_indptr", "req_to_token",
-                 "positions"):
-        getattr(a.batch, name).copy_(getattr(b.batch, name))
-    a.q.copy_(b.q), a.k.copy_(b.k), a.v.copy_(b.v)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    r = compare(Case(a.pool, b.batch, b.q, b.k, b.v, b.layer, b.real), out, ref, ref_pool)
+    r = replay_on_other_step(a, b, ("out_slots", "req_rows", "seq_lens", "extend_lens",
+                                    "qo_indptr", "req_to_token", "positions"))
     assert r["ok"], r
 
 
