@@ -15,8 +15,8 @@ def test_rope_kernel_compiles_for_hopper():
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
     from engine.layers.fused_kernels import _rope_kernel
 
-    types = dict(Q="*bf16", K="*bf16", Cache="*fp32", QOut="*bf16", KOut="*bf16", QNormW="*bf16",
-                 KNormW="*bf16", eps="fp32")
+    types = dict(Q="*bf16", K="*bf16", V="*bf16", Cache="*fp32", QOut="*bf16", KOut="*bf16",
+                 VOut="*bf16", QNormW="*bf16", KNormW="*bf16", eps="fp32")
     for has_norm in (False, True):  # Qwen3-30B-A3B's heads: 32 q, 4 kv, 128 wide
         compile_for_sm90(_rope_kernel, types, dict(HQ=32, HKV=4, HALF=64, HAS_NORM=has_norm,
                                                    BLOCK_H=16, BLOCK_HALF=64))

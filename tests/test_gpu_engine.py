@@ -185,3 +185,24 @@ def test_extend_graphs_with_decoders_match_eager(tiny_llama):
     for (ids_g, lp_g), (ids_e, lp_e) in zip(runs[256], runs[0]):
         assert ids_g == ids_e
         assert max(abs(x - y) for x, y in zip(lp_g, lp_e)) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_split_sums_change_no_token(tiny_model_factory, monkeypatch, arch, quantization):
+    """Batch-1 linears wide enough for the GEMV to cut K (hidden 512, MLP 1024) hand their
+    partial sums to RMSNorm, SiLU-and-mul and RoPE (engine/layers/split_sums.py): greedy
+    tokens and their logprobs equal, bit for bit, those of the GEMV summing them itself."""
+    import engine.layers.gemv as gemv_module
+
+    path = tiny_model_factory(arch, hidden_size=512, intermediate_size=1024)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    results = {}
+    for keep in (True, False):
+        monkeypatch.setattr(gemv_module, "KEEP_SPLITS", keep)
+        llm = LLM(model=path, dtype="bfloat16", device="cuda", max_total_tokens=4096,
+                  quantization=quantization, cuda_graph_max_bs=4)
+        outs = [llm.generate([p], params)[0] for p in prompts(3, 5, 40, seed=2)]  # batch 1
+        results[keep] = [(o.token_ids, o.logprobs, o.top_logprobs) for o in outs]
+        del llm
+    assert results[True] == results[False]

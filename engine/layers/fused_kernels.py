@@ -14,17 +14,21 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.layers.gemv import add_split_sums
 from engine.layers.pdl import pdl_launch, pdl_prologue
+from engine.layers.split_sums import SplitSums
 
 
 @triton.jit
 def _rmsnorm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                    stride_split, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                    SPLITS: tl.constexpr = 0, PDL: tl.constexpr = False):
+    """SPLITS > 0: X is a GEMV's float32 K-slice partial sums, added here."""
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    x = add_split_sums(X + row * stride_x + cols, mask, stride_split, SPLITS, Out.dtype.element_ty)
     if HAS_RESIDUAL:
         r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
@@ -36,100 +40,123 @@ def _rmsnorm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_r
     tl.store(Out + row * stride_o + cols, (w * y).to(x.dtype), mask=mask)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+def rmsnorm(x: torch.Tensor | SplitSums, weight: torch.Tensor, eps: float,
             residual: torch.Tensor | None = None):
-    """norm(x) or, with a residual, (norm(x + residual), x + residual); x is [..., N]."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
+    """norm(x) or, with a residual, (norm(x + residual), x + residual); x is [..., N], or
+    a GEMV's partial sums [rows, N] (then both outputs are [rows, N])."""
+    x2, splits, stride_split = _rows_of(x)
+    shape = x2.shape if splits else x.shape
     rows, n = x2.shape
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((rows, n), dtype=x.dtype, device=x2.device)
     block = triton.next_power_of_2(n)
     warps = min(16, max(1, block // 256))
+    common = dict(BLOCK=block, SPLITS=splits, num_warps=warps, **pdl_launch(x2.device))
     if residual is None:
         _rmsnorm_kernel[(rows,)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0,
-                                 n, eps, HAS_RESIDUAL=False, BLOCK=block, num_warps=warps,
-                                 **pdl_launch(x.device))
+                                 n, eps, stride_split, HAS_RESIDUAL=False, **common)
         return out.view(shape)
     r2 = residual.reshape(-1, n)
     res_out = torch.empty_like(out)
     _rmsnorm_kernel[(rows,)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0),
-                             out.stride(0), res_out.stride(0), n, eps, HAS_RESIDUAL=True,
-                             BLOCK=block, num_warps=warps, **pdl_launch(x.device))
+                             out.stride(0), res_out.stride(0), n, eps, stride_split,
+                             HAS_RESIDUAL=True, **common)
     return out.view(shape), res_out.view(shape)
 
 
+def _rows_of(x: torch.Tensor | SplitSums) -> tuple[torch.Tensor, int, int]:
+    """(rows [T, N] to load from: split 0 of partial sums or x itself, number of splits (0:
+    x is plain), elements between splits)."""
+    if isinstance(x, SplitSums):
+        return x.parts[0], x.splits, x.parts.stride(0)
+    return x.reshape(-1, x.shape[-1]), 0, 0
+
+
+
 @triton.jit
-def _silu_and_mul_kernel(X, Out, stride_x, stride_o, d, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr = False):
+def _silu_and_mul_kernel(X, Out, stride_x, stride_o, d, stride_split, BLOCK: tl.constexpr,
+                         SPLITS: tl.constexpr = 0, PDL: tl.constexpr = False):
+    """SPLITS > 0: X is a GEMV's float32 K-slice partial sums, added here."""
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
-    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-    up = tl.load(X + row * stride_x + d + cols, mask=mask, other=0.0)
+    dtype = Out.dtype.element_ty
+    gate = add_split_sums(X + row * stride_x + cols, mask, stride_split, SPLITS, dtype)
+    up = add_split_sums(X + row * stride_x + d + cols, mask, stride_split, SPLITS, dtype)
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
     tl.store(Out + row * stride_o + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[T, 2d] -> silu(x[:, :d]) * x[:, d:]."""
-    x2 = x.reshape(-1, x.shape[-1])
+def silu_and_mul(x: torch.Tensor | SplitSums) -> torch.Tensor:
+    """[T, 2d] (or a GEMV's partial sums of it) -> silu(x[:, :d]) * x[:, d:]."""
+    x2, splits, stride_split = _rows_of(x)
     rows, d = x2.shape[0], x2.shape[1] // 2
-    out = torch.empty((rows, d), dtype=x.dtype, device=x.device)
+    out = torch.empty((rows, d), dtype=x.dtype, device=x2.device)
     block = min(1024, triton.next_power_of_2(d))
-    _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](x2, out, x2.stride(0), out.stride(0), d,
-                                                          BLOCK=block, num_warps=4,
-                                                          **pdl_launch(x.device))
-    return out.view(*x.shape[:-1], d)
+    _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](
+        x2, out, x2.stride(0), out.stride(0), d, stride_split, BLOCK=block, SPLITS=splits,
+        num_warps=4, **pdl_launch(x2.device))
+    return out if splits else out.view(*x.shape[:-1], d)
 
 
 # Pos is a slice of the step's flat int64 upload, so its 16-byte alignment varies with the
 # other fields' lengths; it is read one scalar per program, so the hint buys nothing and
 # would only compile a second binary on a fresh replica (see attention/triton_common.py).
 @triton.jit(do_not_specialize_on_alignment=["Pos"])
-def _rope_kernel(Q, K, Pos, Cache, QOut, KOut, QNormW, KNormW, eps,
-                 stride_qt, stride_qh, stride_kt, stride_kh, stride_ct,
-                 stride_qot, stride_qoh, stride_kot, stride_koh,
-                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr = False):
+def _rope_kernel(Q, K, V, Pos, Cache, QOut, KOut, VOut, QNormW, KNormW, eps,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
+                 stride_qot, stride_qoh, stride_kot, stride_koh, stride_vot, stride_voh,
+                 stride_split, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
+                 HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                 SPLITS: tl.constexpr = 0, PDL: tl.constexpr = False):
+    """SPLITS > 0: Q, K and V point into a qkv GEMV's float32 K-slice partial sums, added
+    here, and V's sums are written to VOut too."""
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
+    dtype = QOut.dtype.element_ty
     pos = tl.load(Pos + t).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
     jmask = j < HALF
     cos = tl.load(Cache + pos * stride_ct + j, mask=jmask, other=0.0)[None, :]
     sin = tl.load(Cache + pos * stride_ct + HALF + j, mask=jmask, other=0.0)[None, :]
-    h = tl.arange(0, BLOCK_H)
-    for h0 in range(0, HQ + HKV, BLOCK_H):
-        heads = h0 + h
-        is_q = heads < HQ
-        kh = heads - HQ
-        hmask = heads < HQ + HKV
-        m = hmask[:, None] & jmask[None, :]
-        qm = m & is_q[:, None]
-        km = m & (~is_q)[:, None]
-        src_q = Q + t * stride_qt + heads[:, None] * stride_qh + j[None, :]
-        src_k = K + t * stride_kt + kh[:, None] * stride_kh + j[None, :]
-        x1 = tl.load(src_q, mask=qm, other=0.0) + tl.load(src_k, mask=km, other=0.0)
-        x2 = tl.load(src_q + HALF, mask=qm, other=0.0) + tl.load(src_k + HALF, mask=km, other=0.0)
-        a, b = x1.to(tl.float32), x2.to(tl.float32)
-        if HAS_NORM:  # per-head RMSNorm first (Qwen3), rounded where RMSNorm's torch path rounds
-            rstd = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)[:, None]
-            w1 = tl.where(is_q[:, None], tl.load(QNormW + j, mask=jmask, other=0.0)[None, :],
-                          tl.load(KNormW + j, mask=jmask, other=0.0)[None, :]).to(tl.float32)
-            w2 = tl.where(is_q[:, None], tl.load(QNormW + HALF + j, mask=jmask, other=0.0)[None, :],
-                          tl.load(KNormW + HALF + j, mask=jmask, other=0.0)[None, :]).to(tl.float32)
-            a = (w1 * (a * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
-            b = (w2 * (b * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
-        o1 = (a * cos - b * sin).to(x1.dtype)
-        o2 = (b * cos + a * sin).to(x1.dtype)
-        dst_q = QOut + t * stride_qot + heads[:, None] * stride_qoh + j[None, :]
-        dst_k = KOut + t * stride_kot + kh[:, None] * stride_koh + j[None, :]
-        tl.store(dst_q, o1, mask=qm)
-        tl.store(dst_q + HALF, o2, mask=qm)
-        tl.store(dst_k, o1, mask=km)
-        tl.store(dst_k + HALF, o2, mask=km)
+    # one block of BLOCK_H heads (q heads, then k heads) per program
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    is_q = heads < HQ
+    kh = heads - HQ
+    hmask = heads < HQ + HKV
+    m = hmask[:, None] & jmask[None, :]
+    qm = m & is_q[:, None]
+    km = m & (~is_q)[:, None]
+    src_q = Q + t * stride_qt + heads[:, None] * stride_qh + j[None, :]
+    src_k = K + t * stride_kt + kh[:, None] * stride_kh + j[None, :]
+    x1 = (add_split_sums(src_q, qm, stride_split, SPLITS, dtype)
+          + add_split_sums(src_k, km, stride_split, SPLITS, dtype))
+    x2 = (add_split_sums(src_q + HALF, qm, stride_split, SPLITS, dtype)
+          + add_split_sums(src_k + HALF, km, stride_split, SPLITS, dtype))
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    if HAS_NORM:  # per-head RMSNorm first (Qwen3), rounded where RMSNorm's torch path rounds
+        rstd = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.where(is_q[:, None], tl.load(QNormW + j, mask=jmask, other=0.0)[None, :],
+                      tl.load(KNormW + j, mask=jmask, other=0.0)[None, :]).to(tl.float32)
+        w2 = tl.where(is_q[:, None], tl.load(QNormW + HALF + j, mask=jmask, other=0.0)[None, :],
+                      tl.load(KNormW + HALF + j, mask=jmask, other=0.0)[None, :]).to(tl.float32)
+        a = (w1 * (a * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+        b = (w2 * (b * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+    o1 = (a * cos - b * sin).to(x1.dtype)
+    o2 = (b * cos + a * sin).to(x1.dtype)
+    dst_q = QOut + t * stride_qot + heads[:, None] * stride_qoh + j[None, :]
+    dst_k = KOut + t * stride_kot + kh[:, None] * stride_koh + j[None, :]
+    tl.store(dst_q, o1, mask=qm)
+    tl.store(dst_q + HALF, o2, mask=qm)
+    tl.store(dst_k, o1, mask=km)
+    tl.store(dst_k + HALF, o2, mask=km)
+    if SPLITS > 0:  # v heads by the same blocks: v's sums
+        m = (heads < HKV)[:, None] & jmask[None, :]
+        src_v = V + t * stride_vt + heads[:, None] * stride_vh + j[None, :]
+        dst_v = VOut + t * stride_vot + heads[:, None] * stride_voh + j[None, :]
+        tl.store(dst_v, add_split_sums(src_v, m, stride_split, SPLITS, dtype), mask=m)
+        tl.store(dst_v + HALF, add_split_sums(src_v + HALF, m, stride_split, SPLITS, dtype), mask=m)
 
 
 def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -139,19 +166,47 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cach
     full-width "rotate half" RoPE into new contiguous tensors. `qk_norm` = (q weight [D],
     k weight [D], eps): each head RMS-normalised first, in the same launch (Qwen3's q/k norms:
     three kernels and two copies of q and k before)."""
+    q_out, k_out, _ = _rope(positions, q, k, None, cos_sin_cache, qk_norm, 0, 0)
+    return q_out, k_out
+
+
+def rope_split_sums(positions: torch.Tensor, qkv: SplitSums, heads: tuple[int, int, int],
+                    cos_sin_cache: torch.Tensor,
+                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`rope` on q and k of a qkv projection left as partial sums ([T, (Hq + 2 Hkv) D],
+    `heads` = (Hq, Hkv, D)), which the launch adds up; v comes back summed too."""
+    hq, hkv, d = heads
+    first = qkv.parts[0]
+    t = first.shape[0]
+    q = first[:, :hq * d].view(t, hq, d)
+    k = first[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    v = first[:, (hq + hkv) * d:].view(t, hkv, d)
+    return _rope(positions, q, k, v, cos_sin_cache, qk_norm, qkv.splits, qkv.parts.stride(0),
+                 qkv.dtype)
+
+
+def _rope(positions, q, k, v, cos_sin_cache, qk_norm, splits: int, stride_split: int,
+          dtype: torch.dtype | None = None):
     t, hq, d = q.shape
     hkv = k.shape[1]
-    q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((t, hkv, d), dtype=k.dtype, device=k.device)
+    dtype = dtype or q.dtype
+    q_out = torch.empty((t, hq, d), dtype=dtype, device=q.device)
+    k_out = torch.empty((t, hkv, d), dtype=dtype, device=k.device)
+    v_out = torch.empty((t, hkv, d), dtype=dtype, device=k.device) if splits else None
     if t == 0:
-        return q_out, k_out
+        return q_out, k_out, v_out
     half = d // 2
-    block_h = min(16, triton.next_power_of_2(hq + hkv))
+    # small head blocks: at one token the launch is a few programs, one per block
+    block_h = min(4, triton.next_power_of_2(hq + hkv))
     q_weight, k_weight, eps = qk_norm or (q, k, 0.0)  # unread without the norm
-    _rope_kernel[(t,)](q, k, positions, cos_sin_cache, q_out, k_out, q_weight, k_weight, eps,
-                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+    v_in, v_dst = (v, v_out) if splits else (k, k_out)  # unread without splits
+    _rope_kernel[(t, triton.cdiv(hq + hkv, block_h))](q, k, v_in, positions, cos_sin_cache, q_out, k_out, v_dst, q_weight,
+                       k_weight, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                       v_in.stride(0), v_in.stride(1), cos_sin_cache.stride(0),
                        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+                       v_dst.stride(0), v_dst.stride(1), stride_split,
                        HQ=hq, HKV=hkv, HALF=half, HAS_NORM=qk_norm is not None, BLOCK_H=block_h,
-                       BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
+                       BLOCK_HALF=triton.next_power_of_2(half), SPLITS=splits, num_warps=4,
                        **pdl_launch(q.device))
-    return q_out, k_out
+    return q_out, k_out, v_out

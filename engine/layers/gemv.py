@@ -1,23 +1,25 @@
 """A GEMM for decode-sized batches (a few rows): y = x W^T, bound by reading W once.
 
 Float8 weights (one scale per output row, `engine.quantization.fp8_kernels.w8a16_linear`)
-and, at batch 1, bf16 weights (`LinearBase`, see `use_triton_gemv`): there the kernel
+and, at batch 1, bf16 weights (`LinearBase.gemv_rows`): there the kernel
 matches cuBLAS on the weight bytes and, launched under PDL (engine/layers/pdl.py), chains
 with the layer's other Triton kernels instead of breaking the chain at every linear.
 
 One row multiplies on the CUDA cores (a tl.dot needs 16); a K much longer than N is cut into
-slices (`Tiles.split_k`), one program each, summed by a second launch. Also runs under
-TRITON_INTERPRET=1.
+slices (`Tiles.split_k`), one program each, summed by a second launch or by the consumer
+(engine/layers/split_sums.py). Also runs under TRITON_INTERPRET=1.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from engine.layers.pdl import pdl_launch, pdl_prologue
+from engine.layers.split_sums import SplitSums
 from engine.layers.tiles import Tiles
 
 
@@ -107,43 +109,70 @@ def _gemv_kernel(X, W, Scale, Out, M, N, K, k_per_split, stride_xm, stride_wn, s
 
 
 @triton.jit
+def add_split_sums(ptrs, mask, stride_split, SPLITS: tl.constexpr, DTYPE: tl.constexpr):
+    """Load through `ptrs`; with SPLITS > 0 they point into split 0 of float32 partial sums
+    `stride_split` elements apart, and the result is their sum in split order rounded to
+    DTYPE: what `_sum_splits_kernel` stores, so a consumer that adds the partials itself
+    (engine/layers/split_sums.py) reads the same values."""
+    if SPLITS == 0:
+        return tl.load(ptrs, mask=mask, other=0.0)
+    acc = tl.zeros(ptrs.shape, dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        acc += tl.load(ptrs + s * stride_split, mask=mask, other=0.0)
+    return acc.to(DTYPE)
+
+
+@triton.jit
 def _sum_splits_kernel(Partial, Out, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
                        PDL: tl.constexpr = False):
     pdl_prologue(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < size
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(Partial + s * size + offs, mask=mask, other=0.0)
-    tl.store(Out + offs, acc.to(Out.dtype.element_ty), mask=mask)
+    total = add_split_sums(Partial + offs, mask, size, SPLIT_K, Out.dtype.element_ty)
+    tl.store(Out + offs, total, mask=mask)
+
+
+def sum_splits(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 partial sums [S, M, N] -> their sum [M, N] in `dtype`."""
+    splits, m, n = parts.shape
+    out = torch.empty((m, n), dtype=dtype, device=parts.device)
+    block = 1024
+    _sum_splits_kernel[(triton.cdiv(m * n, block),)](parts, out, m * n, SPLIT_K=splits,
+                                                     BLOCK=block, **pdl_launch(parts.device))
+    return out
+
+
+# RADIXSERVE_SPLIT_SUMS=0: every GEMV sums its own K slices (for A/B runs, scripts/bench_pdl.py)
+KEEP_SPLITS = os.environ.get("RADIXSERVE_SPLIT_SUMS", "1") != "0"
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
-         config: Tiles | None = None) -> torch.Tensor:
+         config: Tiles | None = None, keep_splits: bool = False) -> torch.Tensor | SplitSums:
     """x [M, K] (bf16/fp16/fp32) times weight [N, K] (float8 with weight_scale float32 [N, 1],
     or x's dtype without) -> [M, N] in x's dtype. M is small (decode): the whole batch is one
-    row block."""
+    row block. With `keep_splits`, a K cut into slices comes back as their partial sums,
+    for a consumer that adds them itself."""
     m, k = x.shape
     n = weight.shape[0]
     config = config or gemv_config(m, n, k, weight.element_size())
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     # K slices whole in BLOCK_K steps, so only the last slice is ragged
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(k, k_per_split)
-    partial = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    if split_k == 1:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    else:
+        out = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     # tl.dot wants at least 16 rows; one row multiplies on the CUDA cores.
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
     pdl = pdl_launch(x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n), split_k)](
-        x, weight, weight if weight_scale is None else weight_scale, partial, m, n, k,
-        k_per_split, x.stride(0), weight.stride(0), partial.stride(-2),
+        x, weight, weight if weight_scale is None else weight_scale, out, m, n, k,
+        k_per_split, x.stride(0), weight.stride(0), out.stride(-2),
         # float32 activations get float32 products, not TF32's 10-bit mantissa
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k,
         HAS_SCALE=weight_scale is not None, num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl)
-    if split_k > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m * n, SPLIT_K=split_k,
-                                                         BLOCK=block, **pdl)
-    return out
+    if split_k == 1:
+        return out
+    return SplitSums(out, x.dtype) if keep_splits and KEEP_SPLITS else sum_splits(out, x.dtype)

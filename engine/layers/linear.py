@@ -5,7 +5,8 @@ row parallel splits the input features (each rank computes a partial sum, all-re
 Parameters are created with the ambient default dtype and device, and each parameter
 carries a `weight_loader` that copies this rank's shard out of a full checkpoint tensor.
 At tp size 1 every layer is one `F.linear` call, or at one row on a GPU our Triton GEMV
-(`gemv_rows`, engine/layers/gemv.py); an FP8 layer (engine/quantization/) holds a float8
+(`gemv_rows`, engine/layers/gemv.py), whose K-slice partial sums go unsummed to a consumer
+that adds them (`split_sums_ok`, engine/layers/split_sums.py); an FP8 layer (engine/quantization/) holds a float8
 `weight` and its `weight_scale`, and `matmul` runs the FP8 GEMM instead.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.parallel import Loadable, TPContext, copy_into, divide, materialize, narrow
+from engine.layers.split_sums import SplitSums
 from engine.quantization.fp8 import fp8_linear
 
 
@@ -40,22 +42,28 @@ class LinearBase(nn.Module):
         # Rows up to which a bf16/fp16 weight multiplies with the Triton GEMV on GPUs (0:
         # never; set by `set_fused_kernels`): it keeps a decode step's PDL chain unbroken.
         self.gemv_rows = 0
+        # Set by the module that consumes this layer's output when it also takes a GEMV's
+        # K-slice partial sums (engine/layers/split_sums.py) and adds them itself.
+        self.split_sums_ok = False
 
     def weight_loader(self, param: nn.Parameter, loaded: Loadable) -> None:
         raise NotImplementedError
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
+               keep_splits: bool = False) -> torch.Tensor | SplitSums:
+        """x W^T + bias; with `keep_splits` (and no bias) a GEMV's partial sums may come back."""
+        keep_splits = keep_splits and bias is None
         if self.weight_scale is None:
             if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= self.gemv_rows:
                 from engine.layers.gemv import gemv
 
-                y = gemv(x, self.weight)
+                y = gemv(x, self.weight, keep_splits=keep_splits)
                 return y + bias if bias is not None else y
             return F.linear(x, self.weight, bias)
-        return fp8_linear(x, self.weight, self.weight_scale, bias, self.quantize_input)
+        return fp8_linear(x, self.weight, self.weight_scale, bias, self.quantize_input, keep_splits)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitSums:
+        return self.matmul(x, self.bias, self.split_sums_ok)
 
 
 class ReplicatedLinear(LinearBase):
@@ -86,9 +94,10 @@ class ColumnParallelLinear(LinearBase):
         n = self.output_size_per_rank
         copy_into(param, narrow(loaded, 0, self.tp.rank * n, n))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.bias)
-        if self.gather_output and self.tp.size > 1:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitSums:
+        gather = self.gather_output and self.tp.size > 1
+        y = self.matmul(x, self.bias, self.split_sums_ok and not gather)
+        if gather:
             y = self.tp.all_gather(y, dim=-1)
         return y
 
@@ -170,9 +179,9 @@ class RowParallelLinear(LinearBase):
         n = self.input_size_per_rank
         copy_into(param, narrow(loaded, 1, self.tp.rank * n, n))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitSums:
         if self.tp.size == 1:
-            return self.matmul(x, self.bias)
+            return self.matmul(x, self.bias, self.split_sums_ok)
         y = self.matmul(x, None)
         if self.reduce_results:
             y = self.tp.all_reduce(y)

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.layers.split_sums import SplitSums
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -143,22 +145,42 @@ class RotaryEmbedding(nn.Module):
         if self.fused and q.is_cuda and self.rotary_dim == self.head_dim:
             from engine.layers.fused_kernels import rope
 
-            qk_norm = None
-            if norms is not None:
-                q_norm, k_norm = norms
-                assert q_norm.eps == k_norm.eps  # the kernel takes one
-                qk_norm = (q_norm.weight, k_norm.weight, q_norm.eps)
-            return rope(positions, q, k, self.cos_sin_cache, qk_norm)
+            return rope(positions, q, k, self.cos_sin_cache, _qk_norm(norms))
         if norms is not None:
             q, k = norms[0](q), norms[1](k)
         cos, sin = self.cos_sin_cache[positions].unsqueeze(-2).chunk(2, dim=-1)  # [T, 1, rd/2]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def forward_split_sums(self, positions: torch.Tensor, qkv: SplitSums, heads: tuple[int, int, int],
+                           norms: tuple[nn.Module, nn.Module] | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, k, v) of a qkv projection left as partial sums (engine/layers/split_sums.py),
+        `heads` = (Hq, Hkv, D): q and k rotated as `forward` does, the sums added in the
+        same launch when it is fused."""
+        hq, hkv, d = heads
+        if self.fused and qkv.is_cuda and self.rotary_dim == self.head_dim:
+            from engine.layers.fused_kernels import rope_split_sums
+
+            return rope_split_sums(positions, qkv, heads, self.cos_sin_cache, _qk_norm(norms))
+        q, k, v = qkv.total().split([hq * d, hkv * d, hkv * d], dim=-1)
+        q, k = self.forward(positions, q.view(-1, hq, d), k.view(-1, hkv, d), norms)
+        return q, k, v.view(-1, hkv, d)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
         x1, x2 = rot.float().chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
         return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+
+
+def _qk_norm(norms: tuple[nn.Module, nn.Module] | None
+             ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """The fused kernel's form of Qwen3's per-head norms: (q weight, k weight, eps)."""
+    if norms is None:
+        return None
+    q_norm, k_norm = norms
+    assert q_norm.eps == k_norm.eps  # the kernel takes one
+    return q_norm.weight, k_norm.weight, q_norm.eps
 
 
 def get_rope(hf_config: Any, head_dim: int) -> RotaryEmbedding:

@@ -28,6 +28,7 @@ from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import Loadable, TPContext, copy_into, materialize
 from engine.layers.rotary import RotaryEmbedding, get_rope
+from engine.layers.split_sums import SplitSums
 
 # checkpoint name piece -> (our fused parameter piece, shard id)
 _STACKED = [
@@ -97,13 +98,21 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
         self.rotary_emb = rotary_emb  # one cos/sin cache shared by all layers
         self.attn_backend: AttentionBackend | None = None  # set by LlamaForCausalLM
+        self.qkv_proj.split_sums_ok = True  # RoPE adds a GEMV's partial sums (forward_split_sums)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k, (self.q_norm, self.k_norm) if self.qk_norm else None)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch
+                ) -> torch.Tensor | SplitSums:
+        qkv = self.qkv_proj(x)
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else None
+        if isinstance(qkv, SplitSums):
+            q, k, v = self.rotary_emb.forward_split_sums(
+                positions, qkv, (self.num_heads, self.num_kv_heads, self.head_dim), norms)
+        else:
+            q, k, v = self.qkv_proj.split(qkv)
+            q = q.view(-1, self.num_heads, self.head_dim)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)
+            v = v.view(-1, self.num_kv_heads, self.head_dim)
+            q, k = self.rotary_emb(positions, q, k, norms)
         out = self.attn_backend.forward(q, k, v, self.layer_id, batch)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
@@ -122,8 +131,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hf_config.hidden_size, bias, tp,
                                            reduce_results=reduce_results)
         self.act_fn = SiluAndMul()
+        self.gate_up_proj.split_sums_ok = True  # act_fn adds a GEMV's partial sums
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitSums:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
@@ -135,9 +145,15 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = mlp if mlp is not None else LlamaMLP(hf_config, tp)  # MoE models pass theirs
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        # Outputs only RMSNorms read (this layer's second, the next layer's first, the final
+        # one) may stay a GEMV's partial sums: the norms add them (engine/layers/split_sums.py).
+        self.self_attn.o_proj.split_sums_ok = True
+        if mlp is None:
+            self.mlp.down_proj.split_sums_ok = True
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | SplitSums,
+                residual: torch.Tensor | None, batch: ForwardBatch
+                ) -> tuple[torch.Tensor | SplitSums, torch.Tensor]:
         # The residual stream is carried separately so each add fuses into the next norm.
         if residual is None:
             residual = x

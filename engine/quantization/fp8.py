@@ -44,8 +44,10 @@ def _scaled_mm_ok(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None, quantize_input: bool = True) -> torch.Tensor:
-    """y = x W^T (+ bias) for an FP8 weight; output in x's dtype.
+               bias: torch.Tensor | None, quantize_input: bool = True,
+               keep_splits: bool = False) -> torch.Tensor:
+    """y = x W^T (+ bias) for an FP8 weight; output in x's dtype. With `keep_splits` the
+    weight-only kernel may return a `SplitSums` (engine/layers/split_sums.py) instead.
 
     On the GPU, decode-sized batches with per-channel weights run the weight-only kernel
     (`fp8_kernels.w8a16_linear`: bf16 activations, half the weight bytes). Otherwise
@@ -58,7 +60,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if x.is_cuda and weight_scale.shape[1] == 1:
         from engine.quantization import fp8_kernels
         if rows.shape[0] <= fp8_kernels.W8A16_MAX_ROWS:
-            y = fp8_kernels.w8a16_linear(rows, weight, weight_scale)
+            y = fp8_kernels.w8a16_linear(rows, weight, weight_scale,
+                                         keep_splits=keep_splits and bias is None and x.dim() == 2)
+            if not isinstance(y, torch.Tensor):
+                return y  # a SplitSums
             y = y + bias if bias is not None else y
             return y.view(*shape[:-1], weight.shape[0])
     if not (quantize_input and _scaled_mm_ok(weight, weight_scale)):

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from engine.layers.gemv import gemv
 from engine.layers.pdl import pdl_launch, pdl_prologue
+from engine.layers.split_sums import SplitSums
 from engine.layers.tiles import Tiles
 from engine.quantization.fp8_format import FP8, FP8_MAX, MIN_SCALE
 
@@ -24,10 +25,11 @@ W8A16_MAX_ROWS = 16
 
 
 def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                 config: Tiles | None = None) -> torch.Tensor:
+                 config: Tiles | None = None, keep_splits: bool = False) -> torch.Tensor | SplitSums:
     """x [M, K] (bf16/fp16/fp32), weight float8 [N, K], weight_scale float32 [N, 1] ->
-    [M, N] in x's dtype. M is small (decode): the whole batch is one row block."""
-    return gemv(x, weight, weight_scale, config)
+    [M, N] in x's dtype (or, with `keep_splits`, possibly its K-slice partial sums). M is
+    small (decode): the whole batch is one row block."""
+    return gemv(x, weight, weight_scale, config, keep_splits)
 
 
 @triton.jit
