@@ -136,6 +136,26 @@ def test_qk_norm_then_rope(shape, dt):
     assert r["ok"], r
 
 
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk_norm_rope"])
+def test_rope_head_blocks_give_the_same_values(qk_norm):
+    """Prefill-sized launches take blocks of 16 heads, decode-sized ones blocks of 4: the
+    same values, bit for bit (70 tokens at once against each token alone)."""
+    from engine.layers.fused_kernels import rope
+
+    torch.manual_seed(4)
+    t, hq, hkv, d = 70, 12, 4, 64
+    with torch.device(DEVICE):
+        emb = RotaryEmbedding(d, 4096, {"rope_theta": 10000.0, "rope_type": "default"})
+    q = torch.randn(t, hq, d, device=DEVICE)
+    k = torch.randn(t, hkv, d, device=DEVICE)
+    pos = torch.randint(0, 4096, (t,), device=DEVICE)
+    norm = (torch.randn(d, device=DEVICE), torch.randn(d, device=DEVICE), 1e-6) if qk_norm else None
+    all_q, all_k = rope(pos, q, k, emb.cos_sin_cache, norm)
+    for i in (0, 33, 69):
+        one_q, one_k = rope(pos[i:i + 1], q[i:i + 1], k[i:i + 1], emb.cos_sin_cache, norm)
+        assert torch.equal(one_q[0], all_q[i]) and torch.equal(one_k[0], all_k[i])
+
+
 def test_layers_dispatch_only_on_gpu_tensors():
     """The switch never sends CPU tensors to Triton (CPU engines keep the torch path)."""
     norm = RMSNorm(8)
