@@ -5,7 +5,9 @@ Runs `bench_offline.py` once per (model variant, setting) in fresh processes (th
 are environment variables read once per process) and prints one table: the batch-1 decode
 step (W3) and its forward, for the dense bf16 model, FP8 weights and the MoE model; with
 `--w1`, W1's output throughput too. A setting is a comma-separated list of variables, e.g.
-"RADIXSERVE_PDL=0,RADIXSERVE_TRITON_GEMV=0" (both off); "-" is the defaults.
+"RADIXSERVE_PDL=0,RADIXSERVE_TRITON_GEMV=0" (both off); "-" is the defaults. `TREE=DIR` in a
+setting runs the copy of the project in DIR instead (another commit in the same device call,
+e.g. `git archive main | tar -x -C main_tree` beside a branch's working tree).
 
     python3 scripts/bench_pdl.py [--variants bf16,fp8,moe] [--settings S1 S2 ...] [--w1]
 """
@@ -29,16 +31,20 @@ VARIANTS = {
 SETTINGS = ["RADIXSERVE_PDL=0,RADIXSERVE_TRITON_GEMV=0", "RADIXSERVE_TRITON_GEMV=0", "-"]
 
 
-def parse_setting(setting: str) -> dict[str, str]:
-    return dict(kv.split("=", 1) for kv in setting.split(",")) if setting != "-" else {}
+def parse_setting(setting: str) -> tuple[Path, dict[str, str]]:
+    """(the project tree to run, the environment variables to set)."""
+    env = dict(kv.split("=", 1) for kv in setting.split(",")) if setting != "-" else {}
+    tree = env.pop("TREE", None)
+    return (ROOT / tree if tree else ROOT), env
 
 
 def run(variant: str, setting: str, i: int, workloads: str, out: Path, extra: list[str]) -> dict:
     path = out / f"bench_pdl_{variant}_{i}.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_offline.py"), "--workloads", workloads,
+    tree, variables = parse_setting(setting)
+    cmd = [sys.executable, str(tree / "scripts" / "bench_offline.py"), "--workloads", workloads,
            "--no-hf", "--skip-check", "--json", str(path), *VARIANTS[variant], *extra]
-    env = dict(os.environ, **parse_setting(setting))
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+    env = dict(os.environ, **variables)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tree)
     if done.returncode != 0 or not path.exists():
         print(f"{variant} {setting} failed:\n{done.stdout[-1500:]}\n{done.stderr[-3000:]}")
         return {}
