@@ -71,7 +71,6 @@ def _rows_of(x: torch.Tensor | SplitSums) -> tuple[torch.Tensor, int, int]:
     return x.reshape(-1, x.shape[-1]), 0, 0
 
 
-
 @triton.jit
 def _silu_and_mul_kernel(X, Out, stride_x, stride_o, d, stride_split, BLOCK: tl.constexpr,
                          SPLITS: tl.constexpr = 0, PDL: tl.constexpr = False):
@@ -203,12 +202,12 @@ def _rope(positions, q, k, v, cos_sin_cache, qk_norm, splits: int, stride_split:
     block_h = min(4 if t < 64 else 16, triton.next_power_of_2(hq + hkv))
     q_weight, k_weight, eps = qk_norm or (q, k, 0.0)  # unread without the norm
     v_in, v_dst = (v, v_out) if splits else (k, k_out)  # unread without splits
-    _rope_kernel[(t, triton.cdiv(hq + hkv, block_h))](q, k, v_in, positions, cos_sin_cache, q_out, k_out, v_dst, q_weight,
-                       k_weight, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                       v_in.stride(0), v_in.stride(1), cos_sin_cache.stride(0),
-                       q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-                       v_dst.stride(0), v_dst.stride(1), stride_split,
-                       HQ=hq, HKV=hkv, HALF=half, HAS_NORM=qk_norm is not None, BLOCK_H=block_h,
-                       BLOCK_HALF=triton.next_power_of_2(half), SPLITS=splits, num_warps=4,
-                       **pdl_launch(q.device))
+    _rope_kernel[(t, triton.cdiv(hq + hkv, block_h))](
+        q, k, v_in, positions, cos_sin_cache, q_out, k_out, v_dst, q_weight, k_weight, eps,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v_in.stride(0), v_in.stride(1),
+        cos_sin_cache.stride(0), q_out.stride(0), q_out.stride(1), k_out.stride(0),
+        k_out.stride(1), v_dst.stride(0), v_dst.stride(1), stride_split,
+        HQ=hq, HKV=hkv, HALF=half, HAS_NORM=qk_norm is not None, BLOCK_H=block_h,
+        BLOCK_HALF=triton.next_power_of_2(half), SPLITS=splits, num_warps=4,
+        **pdl_launch(q.device))
     return q_out, k_out, v_out

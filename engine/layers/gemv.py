@@ -110,16 +110,18 @@ def _gemv_kernel(X, W, Scale, Out, M, N, K, k_per_split, stride_xm, stride_wn, s
 
 @triton.jit
 def add_split_sums(ptrs, mask, stride_split, SPLITS: tl.constexpr, DTYPE: tl.constexpr):
-    """Load through `ptrs`; with SPLITS > 0 they point into split 0 of float32 partial sums
-    `stride_split` elements apart, and the result is their sum in split order rounded to
-    DTYPE: what `_sum_splits_kernel` stores, so a consumer that adds the partials itself
-    (engine/layers/split_sums.py) reads the same values."""
+    """Load through `ptrs` as DTYPE; with SPLITS > 0 they point into split 0 of float32
+    partial sums `stride_split` elements apart, and the result is their sum in split order
+    rounded to DTYPE: what `_sum_splits_kernel` stores, so a consumer that adds the partials
+    itself (engine/layers/split_sums.py) reads the same values."""
     if SPLITS == 0:
-        return tl.load(ptrs, mask=mask, other=0.0)
-    acc = tl.zeros(ptrs.shape, dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
-        acc += tl.load(ptrs + s * stride_split, mask=mask, other=0.0)
-    return acc.to(DTYPE)
+        total = tl.load(ptrs, mask=mask, other=0.0).to(DTYPE)
+    else:
+        acc = tl.zeros(ptrs.shape, dtype=tl.float32)
+        for s in tl.static_range(SPLITS):
+            acc += tl.load(ptrs + s * stride_split, mask=mask, other=0.0)
+        total = acc.to(DTYPE)
+    return total
 
 
 @triton.jit

@@ -6,8 +6,9 @@ Parameters are created with the ambient default dtype and device, and each param
 carries a `weight_loader` that copies this rank's shard out of a full checkpoint tensor.
 At tp size 1 every layer is one `F.linear` call, or at one row on a GPU our Triton GEMV
 (`gemv_rows`, engine/layers/gemv.py), whose K-slice partial sums go unsummed to a consumer
-that adds them (`split_sums_ok`, engine/layers/split_sums.py); an FP8 layer (engine/quantization/) holds a float8
-`weight` and its `weight_scale`, and `matmul` runs the FP8 GEMM instead.
+that adds them (`split_sums_ok`, engine/layers/split_sums.py); an FP8 layer
+(engine/quantization/) holds a float8 `weight` and its `weight_scale`, and `matmul` runs the
+FP8 GEMM instead.
 """
 from __future__ import annotations
 
