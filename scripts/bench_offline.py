@@ -313,6 +313,33 @@ class StepPhases:
         return out
 
 
+def print_gpu_timeline(profiler, steps: int) -> None:
+    """Where a profiled window's GPU time went: busy (the union of kernel and copy
+    intervals) against the window's span, and the longest idle gaps with the kernels either
+    side; a step slower than its kernels shows here as gaps."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        profiler.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+                   if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if not spans:
+        return
+    busy, gaps, end, prev = 0.0, [], spans[0][0], spans[0][2]
+    for start, stop, name in spans:
+        if start > end:
+            gaps.append((start - end, prev, name))
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, prev = stop, name
+    span = end - spans[0][0]
+    idle = sum(g for g, _, _ in gaps)
+    print(f"GPU timeline over {steps} steps: span {span / steps:.1f} us/step, busy "
+          f"{busy / steps:.1f}, idle {idle / steps:.1f} in {len(gaps) / steps:.1f} gaps/step; "
+          f"{len(spans) / steps:.1f} kernels+copies/step", flush=True)
+    for gap, before, after in sorted(gaps, reverse=True)[:12]:
+        print(f"  gap {gap:8.1f} us  after {before[:60]!r}  before {after[:60]!r}")
+
+
 def run_requests(engine: Engine, reqs, tag: str, phases: bool = False,
                  profile_steps: tuple[int, int] | None = None) -> dict:
     """All requests at once; returns wall time, token counts and per-step timings. With
@@ -343,6 +370,8 @@ def run_requests(engine: Engine, reqs, tag: str, phases: bool = False,
             sort = "device_time_total" if gpu else "cpu_time_total"
             print(profiler.key_averages().table(sort_by=sort, row_limit=20),
                   flush=True)
+            if gpu:
+                print_gpu_timeline(profiler, profile_steps[1] - profile_steps[0])
             profiler = None
         if first_token_at is None and any(h.num_output for h in handles):
             first_token_at = time.perf_counter()
