@@ -1,6 +1,7 @@
 """A GEMV's K-slice partial sums added by the kernel that consumes them
-(engine/layers/split_sums.py): RMSNorm (+ residual), SiLU-and-mul and RoPE (with Qwen3's
-q/k norms; v summed too) give exactly what they give on the GEMV's own summed output.
+(engine/layers/split_sums.py): RMSNorm (+ residual), SiLU-and-mul, RoPE (with Qwen3's q/k
+norms; v summed too) and the MoE router give exactly what they give on the GEMV's own
+summed output; an RMSNorm adds the MoE experts' choices as `sum_choices` does.
 
 The `gpu` tests also run on the CPU under TRITON_INTERPRET=1 (from
 tests/test_split_sums_cpu.py); the layers' torch fallbacks are checked on the CPU here.
@@ -105,6 +106,44 @@ def test_rope_adds_the_splits(shape, dtype, qk_norm):
     assert torch.equal(v, qkv[:, (hq + hkv) * d:].view(t, hkv, d))
 
 
+@on_device
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_router_adds_the_splits(dtype):
+    from engine.layers.moe_router_kernel import softmax_topk
+
+    s = _split_sums(4, 3, 128, dtype, seed=5)
+    for renormalize in (False, True):
+        got = softmax_topk(s, 8, renormalize)
+        ref = softmax_topk(_summed(s), 8, renormalize)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+@on_device
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_rmsnorm_adds_the_expert_choices(tokens, dtype):
+    """The MoE experts' k weighted outputs per token, left unsummed for the next RMSNorm,
+    give what `sum_choices` and then the norm give."""
+    from engine.layers.fused_kernels import rmsnorm
+    from engine.layers.moe_pair_kernels import experts_per_pair
+    from engine.layers.moe_router_kernel import softmax_topk
+
+    g = torch.Generator().manual_seed(tokens)
+    experts, hidden, inter, top_k = 16, 256, 96, 4
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5).to(DEVICE, dtype)
+    x = torch.randn(tokens, hidden, generator=g).to(DEVICE, dtype)
+    weights, ids = softmax_topk(torch.randn(tokens, experts, generator=g).to(DEVICE), top_k, True)
+    summed = experts_per_pair(x, w13, w2, weights, ids)
+    kept = experts_per_pair(x, w13, w2, weights, ids, keep_choices=True)
+    assert isinstance(kept, SplitSums) and kept.splits == top_k and kept.shape == (tokens, hidden)
+    norm_w = torch.randn(hidden, generator=g).to(DEVICE, dtype)
+    residual = torch.randn(tokens, hidden, generator=g).to(DEVICE, dtype)
+    got, got_res = rmsnorm(kept, norm_w, 1e-6, residual)
+    ref, ref_res = rmsnorm(summed, norm_w, 1e-6, residual)
+    assert torch.equal(got, ref) and torch.equal(got_res, ref_res)
+
+
 def test_total_adds_in_split_order():
     """The torch fallback: float32 adds in split order, one rounding (what the kernel does)."""
     s = _split_sums(5, 2, 64, torch.bfloat16, seed=0, device="cpu")
@@ -112,6 +151,13 @@ def test_total_adds_in_split_order():
     for part in s.parts:
         acc = acc + part
     assert torch.equal(s.total(), acc.bfloat16())
+    parts = s.parts.clone()
+    assert torch.equal(SplitSums(parts, torch.float32).total(), acc) and torch.equal(parts, s.parts)
+    choices = s.parts.bfloat16()  # bf16 parts (the MoE choices): added in float32 too
+    acc = torch.zeros(2, 64)
+    for part in choices:
+        acc = acc + part.float()
+    assert torch.equal(SplitSums(choices, torch.bfloat16).total(), acc.bfloat16())
 
 
 def test_layers_take_split_sums_without_kernels():

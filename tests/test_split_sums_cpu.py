@@ -1,6 +1,7 @@
 """The split-sum consumers (tests/test_split_sums.py) without a GPU: through Triton's
 interpreter, and each kernel's variant that adds partial sums compiled for sm_90 (where
-`compile_for_sm90` also checks that PDL's wait precedes every load of them)."""
+`compile_for_sm90` also checks that PDL's wait precedes every load of them), the MoE
+router's included."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,10 @@ def test_split_sums_under_the_interpreter():
 
 def test_split_sum_consumers_compile_for_hopper():
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
+    import triton.language as tl
+
     from engine.layers.fused_kernels import _rmsnorm_kernel, _rope_kernel, _silu_and_mul_kernel
+    from engine.layers.moe_router_kernel import _softmax_topk_kernel
 
     compile_for_sm90(_rmsnorm_kernel, dict(X="*fp32", R="*bf16", W="*bf16", Out="*bf16",
                                            ResOut="*bf16", eps="fp32"),
@@ -24,3 +28,6 @@ def test_split_sum_consumers_compile_for_hopper():
                                         QOut="*bf16", KOut="*bf16", VOut="*bf16", QNormW="*bf16",
                                         KNormW="*bf16", eps="fp32"),
                      dict(HQ=32, HKV=8, HALF=64, HAS_NORM=True, BLOCK_H=16, BLOCK_HALF=64, SPLITS=4))
+    compile_for_sm90(_softmax_topk_kernel, dict(Logits="*fp32", Weights="*fp32", Ids="*i64"),
+                     dict(TOP_K=8, RENORMALIZE=True, BLOCK_E=128, BLOCK_TOPK=8, SPLITS=4,
+                          DTYPE=tl.bfloat16))

@@ -110,10 +110,10 @@ def _gemv_kernel(X, W, Scale, Out, M, N, K, k_per_split, stride_xm, stride_wn, s
 
 @triton.jit
 def add_split_sums(ptrs, mask, stride_split, SPLITS: tl.constexpr, DTYPE: tl.constexpr):
-    """Load through `ptrs` as DTYPE; with SPLITS > 0 they point into split 0 of float32
-    partial sums `stride_split` elements apart, and the result is their sum in split order
-    rounded to DTYPE: what `_sum_splits_kernel` stores, so a consumer that adds the partials
-    itself (engine/layers/split_sums.py) reads the same values."""
+    """Load through `ptrs` as DTYPE; with SPLITS > 0 they point into split 0 of partial
+    sums `stride_split` elements apart, and the result is their sum, added in float32 in
+    split order and rounded to DTYPE: what `_sum_splits_kernel` stores, so a consumer that
+    adds the partials itself (engine/layers/split_sums.py) reads the same values."""
     if SPLITS == 0:
         total = tl.load(ptrs, mask=mask, other=0.0).to(DTYPE)
     else:
@@ -144,8 +144,13 @@ def sum_splits(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-# RADIXSERVE_SPLIT_SUMS=0: every GEMV sums its own K slices (for A/B runs, scripts/bench_pdl.py)
+# RADIXSERVE_SPLIT_SUMS=0: every GEMV sums its own K slices and the MoE experts their
+# choices (for A/B runs, scripts/bench_pdl.py)
 KEEP_SPLITS = os.environ.get("RADIXSERVE_SPLIT_SUMS", "1") != "0"
+
+
+def split_sums_on() -> bool:
+    return KEEP_SPLITS
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
@@ -177,4 +182,4 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
         num_stages=config.num_stages, **pdl)
     if split_k == 1:
         return out
-    return SplitSums(out, x.dtype) if keep_splits and KEEP_SPLITS else sum_splits(out, x.dtype)
+    return SplitSums(out, x.dtype) if keep_splits and split_sums_on() else sum_splits(out, x.dtype)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.parallel import Loadable, TPContext, copy_into, divide, narrow
+from engine.layers.split_sums import SplitSums
 
 MoEParallel = Literal["tp", "ep"]
 MOE_PARALLEL_MODES = ("tp", "ep")
@@ -68,18 +69,21 @@ def block_rows(num_pairs: int, num_local_experts: int) -> int:
 
 
 def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+                   topk_ids: torch.Tensor, first_expert: int = 0,
+                   keep_choices: bool = False) -> torch.Tensor | SplitSums:
     """The same as `experts_torch` in Triton (GPU, or TRITON_INTERPRET=1): per-pair products
-    for decode-sized batches, two grouped GEMMs over expert blocks above."""
+    for decode-sized batches, two grouped GEMMs over expert blocks above. With
+    `keep_choices` each token's k weighted outputs may come back unsummed (a SplitSums)."""
     from engine.layers.fused_kernels import silu_and_mul as silu_and_mul_kernel
     from engine.layers.moe_align_kernel import group_by_expert_kernel
-    from engine.layers.moe_kernels import grouped_gemm, sum_choices, tiles_for
+    from engine.layers.moe_kernels import choices_or_sum, grouped_gemm, tiles_for
     from engine.layers.moe_pair_kernels import MAX_PAIRS, experts_per_pair
 
     t, k = topk_ids.shape
     num_pairs = t * k
     if num_pairs <= MAX_PAIRS:
-        return experts_per_pair(x, w13, w2, topk_weights, topk_ids, first_expert)
+        return experts_per_pair(x, w13, w2, topk_weights, topk_ids, first_expert,
+                                keep_choices=keep_choices)
     block_m = block_rows(num_pairs, w13.shape[0])
     blocks = group_by_expert_kernel(topk_ids, w13.shape[0], first_expert, block_m)
     gate_up_tiles, down_tiles = tiles_for(block_m)
@@ -90,7 +94,7 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     out = torch.zeros((num_pairs, w2.shape[1]), dtype=x.dtype, device=x.device)
     grouped_gemm(act, w2, blocks, out, rows_per_a=1,
                  pair_weights=topk_weights.flatten().float().contiguous(), config=down_tiles)
-    return sum_choices(out, k)
+    return choices_or_sum(out, k, keep_choices)
 
 
 class FusedMoE(nn.Module):
@@ -139,10 +143,15 @@ class FusedMoE(nn.Module):
         else:
             raise ValueError(f"unknown expert shard {shard!r}")
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-                ) -> torch.Tensor:
-        impl = experts_triton if x.is_cuda else experts_torch
-        out = impl(x, self.w13, self.w2, topk_weights, topk_ids, self.first_expert)
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                keep_choices: bool = False) -> torch.Tensor | SplitSums:
+        """This rank's experts' output; with `keep_choices` (tp size 1 only) possibly each
+        token's choices unsummed, for an RMSNorm to add (engine/layers/split_sums.py)."""
+        if not x.is_cuda:
+            out = experts_torch(x, self.w13, self.w2, topk_weights, topk_ids, self.first_expert)
+        else:
+            out = experts_triton(x, self.w13, self.w2, topk_weights, topk_ids, self.first_expert,
+                                 keep_choices=keep_choices and self.tp.size == 1)
         if self.reduce_results and self.tp.size > 1:
             out = self.tp.all_reduce(out)
         return out

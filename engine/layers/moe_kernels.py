@@ -14,8 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.layers.gemv import split_sums_on
 from engine.layers.moe_routing import ExpertBlocks
 from engine.layers.pdl import pdl_launch, pdl_prologue
+from engine.layers.split_sums import SplitSums
 from engine.layers.tiles import Tiles
 
 
@@ -116,3 +118,12 @@ def sum_choices(per_pair: torch.Tensor, top_k: int) -> torch.Tensor:
             per_pair, out, hidden, TOP_K=top_k, BLOCK=block, num_warps=4,
             **pdl_launch(per_pair.device))
     return out
+
+
+def choices_or_sum(per_pair: torch.Tensor, top_k: int, keep: bool) -> torch.Tensor | SplitSums:
+    """`sum_choices`, or with `keep` the choices unsummed ([top_k, tokens, hidden] views) for
+    a consumer that adds them as `sum_choices` would (engine/layers/split_sums.py)."""
+    if not (keep and split_sums_on()):
+        return sum_choices(per_pair, top_k)
+    tokens = per_pair.shape[0] // top_k
+    return SplitSums(per_pair.view(tokens, top_k, -1).transpose(0, 1), per_pair.dtype)

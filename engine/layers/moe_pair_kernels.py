@@ -19,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.layers.moe_kernels import sum_choices
+from engine.layers.moe_kernels import choices_or_sum
 from engine.layers.pdl import pdl_launch, pdl_prologue
+from engine.layers.split_sums import SplitSums
 from engine.layers.tiles import Tiles
 
 # Up to this many (token, choice) pairs the per-pair path runs. On the H200 (Qwen3-30B-A3B
@@ -103,10 +104,11 @@ def _down_kernel(Act, W2, TopkIds, TopkWeights, Out, N, inter, stride_a, stride_
 
 def experts_per_pair(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, first_expert: int = 0,
-                     config: Tiles | None = None,
-                     down_config: Tiles | None = None) -> torch.Tensor:
+                     config: Tiles | None = None, down_config: Tiles | None = None,
+                     keep_choices: bool = False) -> torch.Tensor | SplitSums:
     """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), local experts only:
-    `moe.experts_torch`'s result, for batches of at most a few tokens."""
+    `moe.experts_torch`'s result, for batches of at most a few tokens. With `keep_choices`
+    the k weighted outputs come back unsummed, for the next RMSNorm to add."""
     t, top_k = topk_ids.shape
     default_gate_up, default_down = tiles_for(t)
     config, down_config = config or default_gate_up, down_config or default_down
@@ -125,4 +127,4 @@ def experts_per_pair(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         BLOCK_N=down_config.block_n, BLOCK_K=down_config.block_k,
         num_warps=down_config.num_warps, num_stages=down_config.num_stages,
         **pdl_launch(x.device))
-    return sum_choices(out, top_k)
+    return choices_or_sum(out, top_k, keep_choices)

@@ -14,18 +14,25 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.layers.gemv import add_split_sums
 from engine.layers.pdl import pdl_launch, pdl_prologue
+from engine.layers.split_sums import SplitSums
 
 
 @triton.jit
-def _softmax_topk_kernel(Logits, Weights, Ids, num_experts, stride_l,
+def _softmax_topk_kernel(Logits, Weights, Ids, num_experts, stride_l, stride_split,
                          TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                         BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, PDL: tl.constexpr = False):
+                         BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+                         SPLITS: tl.constexpr = 0, DTYPE: tl.constexpr = tl.float32,
+                         PDL: tl.constexpr = False):
+    """SPLITS > 0: Logits are the router GEMV's float32 K-slice partial sums, added here and
+    rounded to the router's output dtype DTYPE (engine/layers/split_sums.py)."""
     pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E)
-    logits = tl.load(Logits + token * stride_l + offs_e, mask=offs_e < num_experts,
-                     other=-float("inf")).to(tl.float32)
+    e_mask = offs_e < num_experts
+    logits = add_split_sums(Logits + token * stride_l + offs_e, e_mask, stride_split, SPLITS, DTYPE)
+    logits = tl.where(e_mask, logits.to(tl.float32), -float("inf"))
     probs = tl.exp(logits - tl.max(logits, axis=0))
     probs = probs / tl.sum(probs, axis=0)
     offs_k = tl.arange(0, BLOCK_TOPK)
@@ -46,16 +53,26 @@ def _softmax_topk_kernel(Logits, Weights, Ids, num_experts, stride_l,
     tl.store(Ids + token * TOP_K + offs_k, ids, mask=k_mask)
 
 
-def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool
+def softmax_topk(router_logits: torch.Tensor | SplitSums, top_k: int, renormalize: bool
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights float32 [T, k], expert ids int64 [T, k]), as `select_experts`."""
+    """(weights float32 [T, k], expert ids int64 [T, k]), as `select_experts`; the logits
+    may be the router GEMV's partial sums."""
+    splits, stride_split, dtype = 0, 0, tl.float32
+    if isinstance(router_logits, SplitSums):
+        splits, stride_split = router_logits.splits, router_logits.parts.stride(0)
+        dtype = _TL_DTYPES[router_logits.dtype]
+        router_logits = router_logits.parts[0]
     t, num_experts = router_logits.shape
     weights = torch.empty((t, top_k), dtype=torch.float32, device=router_logits.device)
     ids = torch.empty((t, top_k), dtype=torch.int64, device=router_logits.device)
     if t:
         _softmax_topk_kernel[(t,)](router_logits, weights, ids, num_experts,
-                                   router_logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize,
+                                   router_logits.stride(0), stride_split, TOP_K=top_k,
+                                   RENORMALIZE=renormalize,
                                    BLOCK_E=triton.next_power_of_2(num_experts),
-                                   BLOCK_TOPK=triton.next_power_of_2(top_k), num_warps=4,
-                                   **pdl_launch(router_logits.device))
+                                   BLOCK_TOPK=triton.next_power_of_2(top_k), SPLITS=splits,
+                                   DTYPE=dtype, num_warps=4, **pdl_launch(router_logits.device))
     return weights, ids
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.layers.split_sums import SplitSums
 
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
+
+def select_experts(router_logits: torch.Tensor | SplitSums, top_k: int, renormalize: bool
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over all experts (in float32, as HF), then the top_k per token.
 
@@ -20,7 +22,11 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
     """
     if router_logits.is_cuda:  # one launch instead of six (engine/layers/moe_router_kernel.py)
         from engine.layers.moe_router_kernel import softmax_topk
+        if isinstance(router_logits, SplitSums):  # the router GEMV's slices, added in the launch
+            return softmax_topk(router_logits, top_k, renormalize)
         return softmax_topk(router_logits.contiguous(), top_k, renormalize)
+    if isinstance(router_logits, SplitSums):
+        router_logits = router_logits.total()
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

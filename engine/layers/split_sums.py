@@ -20,8 +20,10 @@ import torch
 
 @dataclass(frozen=True)
 class SplitSums:
-    parts: torch.Tensor  # float32 [splits, rows, out features]
-    dtype: torch.dtype   # the linear's output dtype
+    """Also the MoE experts' weighted outputs per choice ([top_k, tokens, hidden], model
+    dtype, a strided view), which the next RMSNorm adds as it adds a GEMV's slices."""
+    parts: torch.Tensor  # [splits, rows, out features]: float32 partial sums, or any dtype
+    dtype: torch.dtype   # the output dtype
 
     @property
     def splits(self) -> int:
@@ -39,7 +41,7 @@ class SplitSums:
         """The summed output [rows, out features], as the GEMV's summing launch returns it
         (float32 adds in split order, then one rounding): for consumers without a kernel
         that adds them."""
-        acc = self.parts[0].clone()
+        acc = self.parts[0].to(torch.float32, copy=True)
         for part in self.parts[1:]:
             acc += part
         return acc.to(self.dtype)

@@ -133,6 +133,15 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
         self.gate_up_proj.split_sums_ok = True  # act_fn adds a GEMV's partial sums
 
+    @property
+    def split_sums_ok(self) -> bool:
+        """Whether the output may be down_proj's partial sums (its consumer adds them)."""
+        return self.down_proj.split_sums_ok
+
+    @split_sums_ok.setter
+    def split_sums_ok(self, ok: bool) -> None:
+        self.down_proj.split_sums_ok = ok
+
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitSums:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
@@ -148,8 +157,7 @@ class LlamaDecoderLayer(nn.Module):
         # Outputs only RMSNorms read (this layer's second, the next layer's first, the final
         # one) may stay a GEMV's partial sums: the norms add them (engine/layers/split_sums.py).
         self.self_attn.o_proj.split_sums_ok = True
-        if mlp is None:
-            self.mlp.down_proj.split_sums_ok = True
+        self.mlp.split_sums_ok = True
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor | SplitSums,
                 residual: torch.Tensor | None, batch: ForwardBatch

@@ -24,6 +24,7 @@ from engine.layers.linear import ReplicatedLinear
 from engine.layers.moe import FusedMoE, MoEParallel
 from engine.layers.moe_routing import select_experts
 from engine.layers.parallel import Loadable, TPContext
+from engine.layers.split_sums import SplitSums
 from engine.models.llama import LlamaForCausalLM, LlamaMLP
 
 _EXPERT_WEIGHT = re.compile(
@@ -44,6 +45,10 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = renormalize
         hidden, num_experts = hf_config.hidden_size, hf_config.num_experts
         self.gate = ReplicatedLinear(hidden, num_experts, bias=False, tp=tp)
+        self.gate.split_sums_ok = True  # the router kernel adds a GEMV's partial sums
+        # Set by the decoder layer: its output goes only to an RMSNorm, which can add each
+        # token's expert outputs itself (engine/layers/split_sums.py).
+        self.split_sums_ok = False
         self.experts = FusedMoE(num_experts, hidden, moe_intermediate_size, tp, parallel,
                                 reduce_results=False)
         self.shared_expert = None
@@ -52,9 +57,10 @@ class SparseMoeBlock(nn.Module):
                                           reduce_results=False)
             self.shared_expert_gate = ReplicatedLinear(hidden, 1, bias=False, tp=tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitSums:
         topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        out = self.experts(x, topk_weights, topk_ids)
+        keep = self.split_sums_ok and self.shared_expert is None and self.tp.size == 1
+        out = self.experts(x, topk_weights, topk_ids, keep_choices=keep)
         if self.shared_expert is not None:
             # The gate is per token, so it scales each rank's partial sum alike.
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
