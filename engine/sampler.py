@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.layers.argmax import argmax_rows
 from engine.request import Request
 
 
@@ -45,13 +46,13 @@ class Sampler:
         if masks is not None:
             logits = logits.masked_fill(~masks, float("-inf"))
         if all(p.is_greedy for p in params):
-            return logits.argmax(dim=-1)
+            return argmax_rows(logits)
         return self._sample_random(logits, reqs)
 
     def _sample_random(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         params = [r.params for r in reqs]
         greedy = torch.tensor([p.is_greedy for p in params], device=self.device)
-        argmax = logits.argmax(dim=-1)
+        argmax = argmax_rows(logits)
         sampled = self.draw(self.probs(logits, params), reqs)
         return torch.where(greedy, argmax, sampled)
 
@@ -82,7 +83,7 @@ class Sampler:
             if req.params.seed is not None:
                 noise[i].exponential_(generator=self._request_generator(req))
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws index i with probability p_i.
-        return (probs / noise).argmax(dim=-1)
+        return argmax_rows(probs / noise)
 
     def _request_generator(self, req: Request) -> torch.Generator:
         if req.sampler_state is None:

@@ -26,6 +26,7 @@ import torch
 from engine.config import EngineConfig
 from engine.grammar import Grammars
 from engine.kv_pool import KVPool
+from engine.layers.argmax import argmax_rows
 from engine.model_runner import MemoryReserve, ModelRunner, kv_shape
 from engine.models import load_hf_config, resolve_device, resolve_dtype
 from engine.quantization.fp8 import FP8
@@ -236,14 +237,14 @@ class DraftModelProposer(Proposer):
             logits = logits.masked_fill(~masks, float("-inf"))
         greedy = [r.params.is_greedy for r in reqs]
         if all(greedy):
-            return logits.argmax(dim=-1)
+            return argmax_rows(logits)
         q = self.sampler.probs(logits, [r.params for r in reqs])
         q = q / q.sum(dim=-1, keepdim=True)  # what `draw` samples from, normalised
         drawn = self.sampler.draw(q, reqs)
         for i, req in enumerate(reqs):
             if not greedy[i]:
                 self._probs.setdefault(req, []).append(q[i])
-        return torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), drawn)
+        return torch.where(torch.tensor(greedy, device=logits.device), argmax_rows(logits), drawn)
 
     # -- verification hooks -------------------------------------------------------------------
 

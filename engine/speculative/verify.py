@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.layers.argmax import argmax_rows
 from engine.sampler import Sampler
 from engine.step_plan import Chunk
 
@@ -65,7 +66,7 @@ def verify_chunks(chunks: list[Chunk], logits: torch.Tensor, sampler: Sampler,
     greedy = [i for i, c in enumerate(chunks) if c.req.params.is_greedy]
     if greedy:
         rows = [r for i in greedy for r in range(starts[i], starts[i] + 1 + len(chunks[i].draft))]
-        argmax = logits[rows].argmax(dim=-1).tolist()
+        argmax = argmax_rows(logits[rows]).tolist()
         at = 0
         for i in greedy:
             n = 1 + len(chunks[i].draft)
