@@ -16,6 +16,7 @@ tests exercise the same code path as the GPU. Tolerances:
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -254,11 +255,18 @@ def test_fp8_weight_kernels_compile_for_hopper():
     from engine.quantization.fp8_kernels import _quantize_rows_kernel
 
     gemv = dict(X="*bf16", W="*fp8e4nv", Scale="*fp32", Out="*bf16", M="i32", N="i32", K="i32",
-                k_per_split="i32")
+                k_per_split="i32", row_scale="fp32")
     for block_m, split_k in itertools.product((1, 16, 32), (1, 4)):
         compile_for_sm90(_gemv_kernel, {**gemv, "Out": "*fp32" if split_k > 1 else "*bf16"},
                          dict(PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=256, SPLIT_K=split_k),
                          num_stages=4)
+    for split_k in (1, 4):  # one row on the tensor cores (`Tiles.row_dot`)
+        ptx = compile_for_sm90(_gemv_kernel, {**gemv, "Out": "*fp32" if split_k > 1 else "*bf16"},
+                               dict(PRECISION="tf32", BLOCK_M=1, BLOCK_N=64, BLOCK_K=128,
+                                    SPLIT_K=split_k, ROW_DOT=True), num_stages=4)
+        # the activations are scaled in float32, then cast to f16: an f16 multiply would
+        # mean the cast came first, and activations past 65,504 would overflow
+        assert "mul.f32" in ptx and not re.search(r"mul(\.rn)?\.f16", ptx)
     compile_for_sm90(_sum_splits_kernel, dict(Partial="*fp32", Out="*bf16", size="i32"),
                      dict(SPLIT_K=4, BLOCK=1024))
     ptx = compile_for_sm90(_quantize_rows_kernel, dict(X="*bf16", Q="*fp8e4nv", Scale="*fp32", K="i32",

@@ -51,6 +51,30 @@ def test_w8a16_matches_dequantized_matmul(shape, dtype, config):
     assert (out.double() - ref).abs().max().item() <= tol * (1 + ref.abs().max().item())
 
 
+@pytest.mark.parametrize("shape", [(72, 200), (40, 1000)] + ([] if INTERPRET else [(6144, 4096), (4096, 14336)]),
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("config", [Tiles(64, 128, split_k=4, row_dot=True),
+                                    Tiles(32, 64, row_dot=True)], ids=["split4", "one_slice"])
+def test_one_row_on_the_tensor_cores(shape, config):
+    """`row_dot`: bf16 activations scaled into f16 times the float8 weight on the tensor
+    cores. As exact as the CUDA-core path for activations of any usual size: the f16 cast
+    loses nothing from 2^-10 to 2^20, and outside that only bits far below the output's
+    rounding (the row's tiny entries) or, past 2^20, never seen activations."""
+    n, k = shape
+    weight, scale = random_fp8_weight(n, k, seed=n)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, k, generator=g) * 3
+    x[0, :8] = torch.tensor([5e4, -2e5, 1e-3, -3e-4, 0.0, 7e-6, 1e5, -1.0])  # both ends
+    x = x.to(DEVICE, torch.bfloat16)
+    ref = x.double() @ fp8.dequantize(weight, scale, torch.float64).t()
+    out = w8a16_linear(x, weight, scale, config)
+    cuda_cores = w8a16_linear(x, weight, scale, Tiles(64, 128, split_k=4))
+    assert out.dtype == torch.bfloat16 and out.shape == (1, n)
+    bound = 1e-2 * ref.abs().max().item()  # the bf16 output's rounding
+    assert (out.double() - ref).abs().max().item() <= bound
+    assert (out.double() - cuda_cores.double()).abs().max().item() <= bound
+
+
 @cuda_only
 def test_fp8_linear_dispatch_on_gpu():
     """Decode-sized batches take the weight-only kernel, larger ones `_scaled_mm`; both

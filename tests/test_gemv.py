@@ -73,7 +73,8 @@ def test_bf16_gemv_compiles_for_hopper():
 
     from engine.layers.gemv import _gemv_kernel, gemv_config
 
-    io = dict(X="*bf16", W="*bf16", Scale="*bf16", M="i32", N="i32", K="i32", k_per_split="i32")
+    io = dict(X="*bf16", W="*bf16", Scale="*bf16", M="i32", N="i32", K="i32", k_per_split="i32",
+              row_scale="fp32")
     for n, k in ((6144, 4096), (4096, 14336), (128, 2048)):  # qkv, down, an MoE router
         tiles = gemv_config(1, n, k, weight_bytes=2)
         compile_for_sm90(_gemv_kernel, {**io, "Out": "*fp32" if tiles.split_k > 1 else "*bf16"},

@@ -22,6 +22,12 @@ from engine.layers.pdl import pdl_launch, pdl_prologue
 from engine.layers.split_sums import SplitSums
 from engine.layers.tiles import Tiles
 
+# RADIXSERVE_SPLIT_SUMS=0: every GEMV sums its own K slices and the MoE experts their
+# choices (for A/B runs, scripts/bench_pdl.py)
+KEEP_SPLITS = os.environ.get("RADIXSERVE_SPLIT_SUMS", "1") != "0"
+# RADIXSERVE_FP8_ROW_DOT=0: one-row float8 GEMVs on the CUDA cores with their earlier tiles
+ROW_DOT = os.environ.get("RADIXSERVE_FP8_ROW_DOT", "1") != "0"
+
 
 def gemv_config(rows: int, n: int, k: int, weight_bytes: int = 1) -> Tiles:
     """Tiles by shape and weight width, from scripts/bench_layer_kernels.py on the H200."""
@@ -47,9 +53,13 @@ def _bf16_row_tiles(n: int) -> Tiles:
 
 def _fp8_tiles(rows: int, n: int, k: int) -> Tiles:
     """Float8 weights (Llama-3-8B linears, 2026-12-02): wide outputs have programs to spare
-    and take short K steps; a K much longer than the output is split into slices (down: 27.9
-    -> 20.9 us at one row); the other narrow outputs take thin row blocks at one row, and
-    above it each shape the sweep's fastest for qkv (n > k) and o (n == k)."""
+    and take short K steps on the CUDA cores; at one row the narrower ones (qkv, o, down)
+    multiply on the tensor cores in f16 (`row_dot`; H200, us: qkv 10.6 -> 9.5, o 9.3 -> 7.6,
+    down 19.9 -> 17.6, gate_up 33.5 on the CUDA cores vs 35.1); above one row each shape the
+    sweep's fastest for qkv (n > k) and o (n == k)."""
+    if rows == 1 and ROW_DOT and n < 16384:
+        return Tiles(block_n=64, block_k=256 if k >= 3 * n else 128, num_stages=4, split_k=4,
+                     row_dot=True)
     if k >= 3 * n:
         if rows == 1:
             return Tiles(block_n=64, block_k=128, num_stages=4, split_k=8)
@@ -65,11 +75,19 @@ def _fp8_tiles(rows: int, n: int, k: int) -> Tiles:
     return Tiles(block_n=32, block_k=512, num_stages=3)
 
 
+# One-row float8 GEMV on the tensor cores: activations times 2^-4 before their f16 cast.
+# Passed as a runtime argument: as a constant, LLVM turned the float32 multiply of the
+# widened bf16 into an f16 multiply after the cast, so activations past 65,504 became inf
+# (H200, Triton 3.6).
+ROW_DOT_SCALE = 0.0625
+ROW_DOT_UNSCALE = tl.constexpr(16.0)
+
+
 @triton.jit
-def _gemv_kernel(X, W, Scale, Out, M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
+def _gemv_kernel(X, W, Scale, Out, M, N, K, k_per_split, stride_xm, stride_wn, stride_om, row_scale,
                  PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr = True,
-                 PDL: tl.constexpr = False):
+                 ROW_DOT: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (n block, K slice). With SPLIT_K > 1, Out is float32 [SPLIT_K, M, N] partial
     sums (scaled) that `_sum_splits_kernel` adds up."""
     pdl_prologue(PDL)
@@ -81,7 +99,22 @@ def _gemv_kernel(X, W, Scale, Out, M, N, K, k_per_split, stride_xm, stride_wn, s
     m_mask, n_mask = offs_m < M, offs_n < N
     x_ptrs = X + offs_m[:, None] * stride_xm + k_start + offs_k[None, :]
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + k_start + offs_k[None, :]
-    if BLOCK_M == 1:  # one row: multiply-add on the CUDA cores, reduce once at the end
+    if ROW_DOT:  # one row, float8 weights: a 16-row f16 tl.dot whose rows 1..15 are zeros
+        rows16 = tl.arange(0, 16)
+        x_ptrs = X + rows16[:, None] * 0 + k_start + offs_k[None, :]
+        acc16 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k_mask = offs_k < k_end - k0
+            x = tl.load(x_ptrs, mask=(rows16[:, None] == 0) & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            # f16 holds every float8 weight exactly, and bf16 activations exactly from 2^-10
+            # to 2^20 once scaled by 2^-4 (f16's normal range is 2^-14 to 65504)
+            xs = (x.to(tl.float32) * row_scale).to(tl.float16)
+            acc16 = tl.dot(xs, tl.trans(w.to(tl.float16)), acc16)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        acc = tl.sum(acc16, axis=0)[None, :] * ROW_DOT_UNSCALE
+    elif BLOCK_M == 1:  # one row: multiply-add on the CUDA cores, reduce once at the end
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             k_mask = offs_k < k_end - k0
@@ -144,11 +177,6 @@ def sum_splits(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-# RADIXSERVE_SPLIT_SUMS=0: every GEMV sums its own K slices and the MoE experts their
-# choices (for A/B runs, scripts/bench_pdl.py)
-KEEP_SPLITS = os.environ.get("RADIXSERVE_SPLIT_SUMS", "1") != "0"
-
-
 def split_sums_on() -> bool:
     return KEEP_SPLITS
 
@@ -174,11 +202,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     pdl = pdl_launch(x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n), split_k)](
         x, weight, weight if weight_scale is None else weight_scale, out, m, n, k,
-        k_per_split, x.stride(0), weight.stride(0), out.stride(-2),
+        k_per_split, x.stride(0), weight.stride(0), out.stride(-2), ROW_DOT_SCALE,
         # float32 activations get float32 products, not TF32's 10-bit mantissa
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k,
         HAS_SCALE=weight_scale is not None, num_warps=config.num_warps,
+        # f16 products for bf16/fp16 activations only: float32 ones keep float32 products
+        ROW_DOT=config.row_dot and block_m == 1 and weight.element_size() == 1
+        and x.dtype != torch.float32,
         num_stages=config.num_stages, **pdl)
     if split_k == 1:
         return out

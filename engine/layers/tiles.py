@@ -18,3 +18,6 @@ class Tiles:
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1
+    # One-row GEMV with float8 weights: multiply-adds on the tensor cores in f16 (a 16-row
+    # tl.dot, row 0 real) instead of converting every weight to float32 on the CUDA cores.
+    row_dot: bool = False
