@@ -4,7 +4,8 @@ with `--model moe`, a Qwen3-30B-A3B-shaped one), against its physical floors and
 Hugging Face transformers peer.
 
     python scripts/bench_offline.py [--model llama3-8b|moe|demo] [--workloads W1,W2,W3] [--json PATH]
-                                    [--no-hf] [--w2-modes cache_on,...] [--profile-w2 A:B] [--profile-w3 A:B]
+                                    [--no-hf] [--w2-modes cache_on,...]
+                                    [--profile-w1 A:B] [--profile-w2 A:B] [--profile-w3 A:B]
                                     [--ttft-sweep] [--cold-start] [--long-prefill] [--w4] [--decode-batch N]
                                     [--quantization fp8] [--kv-cache-dtype fp8_e4m3] [--engine KEY=VALUE]
 
@@ -392,7 +393,8 @@ def run_requests(engine: Engine, reqs, tag: str, phases: bool = False,
             "decode_rows": timer.decode_rows() if timer else None}
 
 
-def bench_w1(path: str, ceilings: dict, plain_too: bool = False, cfg: dict = LLAMA3_8B) -> dict:
+def bench_w1(path: str, ceilings: dict, plain_too: bool = False, cfg: dict = LLAMA3_8B,
+             profile_steps: tuple[int, int] | None = None) -> dict:
     """W1 with grouped decode on (the default engine) and, with `plain_too`, off: W1 shares
     no prefixes, so the two should agree within noise."""
     out = {}
@@ -400,7 +402,8 @@ def bench_w1(path: str, ceilings: dict, plain_too: bool = False, cfg: dict = LLA
         engine = make_engine(path, enable_prefix_grouped_decode=grouped)
         run_requests(engine, w1()[:64], "warm")  # compile kernels for prefill shapes
         engine.cache.reset()
-        res = run_requests(engine, w1(), "w1", phases=grouped)
+        res = run_requests(engine, w1(), "w1", phases=grouped,
+                           profile_steps=profile_steps if grouped else None)
         if grouped and "num_experts" in cfg:
             out.update(moe_decode_floor(engine, res, ceilings))
         del engine
@@ -753,6 +756,8 @@ def main() -> None:
     ap.add_argument("--w1-plain", action="store_true", help="also run W1 without grouped decode")
     ap.add_argument("--profile-w2", default=None, metavar="A:B",
                     help="print torch.profiler's kernel table for steps A..B-1 of W2 cache-on")
+    ap.add_argument("--profile-w1", default=None, metavar="A:B",
+                    help="the same for steps A..B-1 of W1 (late steps are decode at ~480 rows)")
     ap.add_argument("--profile-w3", default=None, metavar="A:B",
                     help="the same for steps A..B-1 of W3 (batch-1 decode; e.g. MoE or FP8 weights)")
     ap.add_argument("--ttft-sweep", action="store_true", help="warm TTFT per prompt length, batch 1")
@@ -795,6 +800,7 @@ def main() -> None:
     work = (args.workloads or ("" if issue14 or args.decode_batch else "W1,W2,W3")).split(",")
     profile = tuple(int(x) for x in args.profile_w2.split(":")) if args.profile_w2 else None
     profile3 = tuple(int(x) for x in args.profile_w3.split(":")) if args.profile_w3 else None
+    profile1 = tuple(int(x) for x in args.profile_w1.split(":")) if args.profile_w1 else None
     if args.model == DEMO:
         args.skip_check = args.no_hf = True  # no Triton kernels on the CPU; no HF peer
     if not args.skip_check:
@@ -806,7 +812,8 @@ def main() -> None:
         run_issue14(args, lengths, ceilings, results)
     for name, bench in (("W3", lambda: bench_w3(path, ceilings, profile3)),
                         ("W2", lambda: bench_w2(path, args.w2_modes.split(","), profile)),
-                        ("W1", lambda: bench_w1(path, ceilings, args.w1_plain, MODELS[args.model]))):
+                        ("W1", lambda: bench_w1(path, ceilings, args.w1_plain, MODELS[args.model],
+                                                profile1))):
         if name in work:
             results[name] = bench()
             print(name, results[name], flush=True)
