@@ -19,9 +19,13 @@ import logging
 import torch
 
 from engine.attention.base import ForwardBatch
+from engine.graph_inputs import write_decode_inputs
 from engine.prefix_group_batch import PrefixGroupBatch, packed_len
 
 logger = logging.getLogger(__name__)
+
+# the per-step inputs a decode graph reads, in static buffers of these names
+STATIC_INPUTS = ("input_ids", "positions", "out_slots", "req_rows", "seq_lens")
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -137,7 +141,7 @@ class DecodeGraphs:
         """Logits [bs, vocab] of a decode batch: graph replay, then the LM head."""
         bs = batch.batch_size
         padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
-        for name in ("input_ids", "positions", "out_slots", "req_rows", "seq_lens"):
+        for name in STATIC_INPUTS:
             getattr(self, name)[:bs].copy_(getattr(batch, name), non_blocking=True)
         if padded > bs:  # the dummy request: row 0, slot 0, one token
             self.input_ids[bs:padded].zero_()
@@ -153,5 +157,22 @@ class DecodeGraphs:
         elif self._pfx_dirty and padded in self.grouped_sizes:
             self.pfx_packed.copy_(self._pfx_empty, non_blocking=True)
             self._pfx_dirty = False
+        return self._replay(bs, padded)
+
+    def run_packed(self, flat: torch.Tensor, lengths: list[int],
+                   pending_tokens: torch.Tensor | None) -> torch.Tensor:
+        """`run` for a decode step still packed (`flat` uploaded, engine/step_input.py)
+        whose fields `graph_inputs.takes_packed` accepts: one launch writes the static
+        inputs, req_to_token's entries and the in-flight tokens, then the graph replays."""
+        bs = lengths[0]
+        padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
+        statics = {name: getattr(self, name) for name in STATIC_INPUTS}
+        write_decode_inputs(flat, lengths, pending_tokens, self.req_to_token, statics, padded)
+        if self._pfx_dirty and padded in self.grouped_sizes:
+            self.pfx_packed.copy_(self._pfx_empty, non_blocking=True)
+            self._pfx_dirty = False
+        return self._replay(bs, padded)
+
+    def _replay(self, bs: int, padded: int) -> torch.Tensor:
         self.graphs[padded].replay()
         return self.model.compute_logits(self.outputs[padded][:bs])

@@ -13,6 +13,7 @@ from engine.attention.base import ForwardBatch, leading_decode_rows
 from engine.batch_builder import build_step
 from engine.config import EngineConfig
 from engine.distributed import CMD_FORWARD
+from engine.graph_inputs import takes_packed
 from engine.kv_pool import KVPool
 from engine.layers import set_fused_kernels
 from engine.layers.parallel import TPContext
@@ -225,6 +226,10 @@ class ModelRunner:
         """The step's forward, the same on every rank: logits of the rows the step needs
         (`logits_indices`: each chunk's last token, every position of a draft), and of the
         prompt rows (None without them). Decode steps and short extends replay CUDA graphs."""
+        if self.graphs is not None and step.is_decode and len(step.seq_lens) <= self.graphs.max_bs \
+                and takes_packed(step.lengths):
+            flat = self.uploader.upload(step.flat)
+            return self.graphs.run_packed(flat, step.lengths, pending_tokens), None
         batch, prompt_rows = self._make_batch(step, pending_tokens)
         has_prompt_rows = prompt_rows.numel() > 0  # (decode graphs compute no prompt rows)
         if self.graphs is not None and not has_prompt_rows and self.graphs.can_run(batch):

@@ -1,0 +1,99 @@
+"""`write_decode_inputs` (engine/graph_inputs.py): one launch writes a packed decode step
+into the decode graph's static inputs exactly as the unpacked path does (the fields, the
+dummy rows up to the padded size, req_to_token's entries, the in-flight tokens).
+
+The `gpu` tests also run on the CPU under TRITON_INTERPRET=1 (the last tests here); the
+engine's decode graphs take this path on the GPU in tests/test_gpu_engine.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.graph_inputs import takes_packed, write_decode_inputs
+from engine.step_input import StepInput
+from test_triton_attention import DEVICE
+
+
+def on_device(test):
+    test = pytest.mark.gpu(test)
+    return pytest.mark.skipif(DEVICE is None, reason="needs CUDA or TRITON_INTERPRET=1")(test)
+
+
+def _step(bs: int, inflight: list[int], seed: int) -> StepInput:
+    g = torch.Generator().manual_seed(seed)
+    ints = lambda n, hi: torch.randint(0, hi, (n,), generator=g).tolist()  # noqa: E731
+    rows = torch.randperm(512, generator=g)[:bs].tolist()
+    seq_lens = [x + 1 for x in ints(bs, 60)]
+    return StepInput(
+        input_ids=[0 if i in inflight else t for i, t in enumerate(ints(bs, 30000))],
+        positions=[n - 1 for n in seq_lens], out_slots=ints(bs, 5000), req_rows=rows,
+        seq_lens=seq_lens, extend_lens=[1] * bs, qo_indptr=list(range(bs + 1)),
+        logits_indices=list(range(bs)), sync_rows=rows, sync_cols=[n - 1 for n in seq_lens],
+        sync_slots=ints(bs, 5000), prompt_rows=[], prefix_groups=[],
+        inflight_pos=inflight, inflight_src=list(reversed(range(len(inflight)))))
+
+
+def _reference(step: StepInput, pending: torch.Tensor, r2t: torch.Tensor, padded: int):
+    """What the unpacked path leaves in the static inputs (model_runner._make_batch, then
+    DecodeGraphs.run's copies and dummy rows)."""
+    bs = len(step.input_ids)
+    pad = padded - bs
+    ids = torch.tensor(step.input_ids)
+    ids[step.inflight_pos] = pending[step.inflight_src]
+    r2t = r2t.clone()
+    r2t[step.sync_rows, step.sync_cols] = torch.tensor(step.sync_slots, dtype=torch.int32)
+    return {"input_ids": torch.cat([ids, torch.zeros(pad, dtype=torch.long)]),
+            "positions": torch.tensor(step.positions + [0] * pad),
+            "out_slots": torch.tensor(step.out_slots + [0] * pad),
+            "req_rows": torch.tensor(step.req_rows + [0] * pad),
+            "seq_lens": torch.tensor(step.seq_lens + [1] * pad, dtype=torch.int32)}, r2t
+
+
+@on_device
+@pytest.mark.parametrize("bs,padded,inflight", [(1, 1, [0]), (1, 1, []), (3, 4, [0, 2]),
+                                                (13, 16, list(range(13))), (300, 320, [5, 299])])
+def test_matches_the_unpacked_path(bs, padded, inflight):
+    step = _step(bs, inflight, seed=bs)
+    packed = step.pack(is_decode=True)
+    assert takes_packed(packed.lengths)
+    pending = torch.arange(100, 100 + max(len(inflight), 1))
+    r2t = torch.randint(0, 9, (512, 64), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    statics = {"input_ids": torch.full((512,), -7), "positions": torch.full((512,), -7),
+               "out_slots": torch.full((512,), -7), "req_rows": torch.full((512,), -7),
+               "seq_lens": torch.full((512,), -7, dtype=torch.int32)}
+    statics = {k: v.to(DEVICE) for k, v in statics.items()}
+    r2t_dev = r2t.to(DEVICE)
+    write_decode_inputs(packed.flat.to(DEVICE), packed.lengths, pending.to(DEVICE), r2t_dev,
+                        statics, padded)
+    want, want_r2t = _reference(step, pending, r2t, padded)
+    for name, value in want.items():
+        got = statics[name].cpu()
+        assert torch.equal(got[:padded], value), name
+        assert (got[padded:] == -7).all(), f"{name}: written past the padded size"
+    assert torch.equal(r2t_dev.cpu(), want_r2t)
+
+
+def test_steps_with_prompt_rows_or_groups_stay_unpacked():
+    step = _step(2, [], seed=3)
+    assert takes_packed(step.pack(True).lengths)
+    step.prompt_rows = [0]
+    assert not takes_packed(step.pack(True).lengths)
+    step.prompt_rows, step.prefix_groups = [], [1, 2, 3]
+    assert not takes_packed(step.pack(True).lengths)
+
+
+def test_under_the_interpreter():
+    pytest.importorskip("triton")
+    from triton_on_cpu import run_under_interpreter
+
+    run_under_interpreter("test_graph_inputs.py")
+
+
+def test_compiles_for_hopper():
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
+    from triton_on_cpu import compile_for_sm90
+
+    from engine.graph_inputs import _decode_inputs_kernel
+
+    compile_for_sm90(_decode_inputs_kernel, dict(ReqToToken="*i32", SeqLens="*i32"), dict(BLOCK=16))
