@@ -1,6 +1,6 @@
 """GPU time of the MoE and FP8 layer kernels against their memory floors, per tile config.
 
-    python scripts/bench_layer_kernels.py [--moe] [--fp8] [--gemv] [--quick] [--json PATH]
+    python scripts/bench_layer_kernels.py [--moe] [--fp8] [--gemv] [--glu] [--quick] [--json PATH]
 
 MoE (Qwen3-30B-A3B's expert shapes: 128 experts, top-8, hidden 2048, width 768, bf16): per
 batch size, the router (torch vs the Triton kernel), the per-pair path and the grouped
@@ -11,7 +11,10 @@ the weight-only kernel per tile config, `torch._scaled_mm` with the activations 
 torch and by the Triton kernel, and the bf16 GEMM, against the float8 weight bytes. GEMV
 (`--gemv`: Llama-3-8B's and Qwen3-30B-A3B's attention and router linears, bf16, one row):
 cuBLAS against the Triton GEMV (engine/layers/gemv.py) per tile config, against the weight
-bytes; launched as the engine launches it (under PDL where available).
+bytes; launched as the engine launches it (under PDL where available). GLU (`--glu`):
+Llama-3-8B's gate_up and the SiLU-and-mul after it, bf16 at one row and float8 at 1-16
+rows: the two launches the engine ran before (GEMV with split sums + the fused SiLU kernel)
+against `gemv_glu` (both in one launch) per tile config.
 
 Every time is a CUDA graph replay of 20 calls (as the engine's decode steps run), so
 launch overhead from Python is not counted. Best configs are printed last: they are what
@@ -33,7 +36,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_offline import measure_ceilings  # noqa: E402
 
 from engine.layers import moe_pair_kernels  # noqa: E402
-from engine.layers.gemv import gemv  # noqa: E402
+from engine.layers.fused_kernels import silu_and_mul  # noqa: E402
+from engine.layers.gemv import gemv, gemv_glu, glu_config  # noqa: E402
 from engine.layers.moe import experts_triton  # noqa: E402
 from engine.layers.moe_align_kernel import group_by_expert_kernel  # noqa: E402
 from engine.layers.moe_kernels import grouped_gemm  # noqa: E402
@@ -228,6 +232,46 @@ def bench_gemv(bw: float, quick: bool) -> dict:
     return {"rows": rows, "best": best}
 
 
+def glu_configs(weight_bytes: int, quick: bool) -> list[Tiles]:
+    block_ks = (64, 128) if weight_bytes == 2 else (128, 256, 512)
+    return [Tiles(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
+        (8, 16, 32), block_ks, (4,) if quick else (4, 8), (3, 4))]
+
+
+def bench_glu(bw: float, quick: bool) -> dict:
+    n, k = LLAMA_LINEARS["gate_up"]
+    rows, best = [], {}
+    for kind, batch in (("bf16", 1), ("fp8", 1), ("fp8", 4), ("fp8", 16)):
+        if kind == "bf16":
+            weights = [((torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16(), None)
+                       for _ in range(COPIES)]
+        else:
+            weights = [tuple(t.cuda() for t in fp8.quantize_rows(torch.randn(n, k) / k ** 0.5))
+                       for _ in range(COPIES)]
+        cycle = itertools.cycle(weights)
+        x = torch.randn(batch, k, device="cuda").bfloat16()
+
+        def two_launches():
+            w, s = next(cycle)
+            h = gemv(x, w, keep_splits=True) if s is None else \
+                fp8_kernels.w8a16_linear(x, w, s, keep_splits=True)
+            return silu_and_mul(h)
+
+        times = {c: try_time(lambda c=c: gemv_glu(x, *next(cycle), c))
+                 for c in glu_configs(weights[0][0].element_size(), quick)}
+        c = min(times, key=times.get)
+        row = {"weights": kind, "rows": batch,
+               "floor_us": n * k * weights[0][0].element_size() / bw / 1e6,
+               "two_launches_us": graph_us(two_launches),
+               "glu_default_us": try_time(lambda: gemv_glu(x, *next(cycle))),
+               "glu_default_cfg": str(glu_config(batch, n // 2, k, weights[0][0].element_size())),
+               "glu_best_us": times[c], "glu_best_cfg": str(c)}
+        best[f"{kind} x{batch}"] = str(c)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return {"rows": rows, "best": best}
+
+
 def scaled_mm(x, wq, ws, quantize):
     x_q, sx = quantize(x)
     return torch._scaled_mm(x_q, wq.t(), scale_a=sx, scale_b=ws.t(), out_dtype=x.dtype)
@@ -269,11 +313,20 @@ def print_tables(res: dict) -> None:
                   f"{r['gemv_default_us']:>7.1f} {r['gemv_best_us']:>7.1f}  {r['gemv_best_cfg']}")
 
 
+def print_glu(res: dict) -> None:
+    print("\ngate_up + SiLU-and-mul (Llama-3-8B), us per call: two launches vs gemv_glu")
+    print(f"{'weights':>7} {'rows':>4} {'floor':>7} {'2 launch':>8} {'glu dflt':>8} {'glu best':>8}  best config")
+    for r in res["glu"]["rows"]:
+        print(f"{r['weights']:>7} {r['rows']:>4} {r['floor_us']:>7.1f} {r['two_launches_us']:>8.1f} "
+              f"{r['glu_default_us']:>8.1f} {r['glu_best_us']:>8.1f}  {r['glu_best_cfg']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--moe", action="store_true")
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--gemv", action="store_true", help="bf16 one-row linears: cuBLAS vs Triton")
+    ap.add_argument("--glu", action="store_true", help="gate_up + SiLU: two launches vs gemv_glu")
     ap.add_argument("--quick", action="store_true", help="fewer tile configs")
     ap.add_argument("--moe-batches", default="1,4,8,16,64,256,480,2048,8192")
     ap.add_argument("--fp8-batches", default="1,4,16,256")
@@ -284,14 +337,18 @@ def main() -> None:
     bw = measure_ceilings()["copy_tb_s"]  # as bench_offline's floors
     print(f"copy rate {bw:.2f} TB/s", flush=True)
     res = {"copy_tb_s": bw}
-    everything = not (args.moe or args.fp8 or args.gemv)
+    everything = not (args.moe or args.fp8 or args.gemv or args.glu)
     if args.moe or everything:
         res["moe"] = bench_moe(bw, [int(b) for b in args.moe_batches.split(",")], args.quick)
     if args.fp8 or everything:
         res["fp8"] = bench_fp8(bw, [int(b) for b in args.fp8_batches.split(",")], args.quick)
     if args.gemv or everything:
         res["gemv"] = bench_gemv(bw, args.quick)
+    if args.glu or everything:
+        res["glu"] = bench_glu(bw, args.quick)
     print_tables(res)
+    if "glu" in res:
+        print_glu(res)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -75,6 +75,26 @@ def test_one_row_on_the_tensor_cores(shape, config):
     assert (out.double() - cuda_cores.double()).abs().max().item() <= bound
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 100, 200), (4, 72, 136), (16, 40, 200)] +
+                         ([] if INTERPRET else [(1, 14336, 4096), (16, 14336, 4096)]),
+                         ids=lambda s: "x".join(map(str, s)))
+def test_glu_gemv_matches_the_dequantized_mlp_middle(shape, dtype):
+    """`gemv_glu` on float8 [gate; up] weights: silu(x gate^T) * (x up^T) as the dequantized
+    torch path computes it (the gate_up linear, then SiluAndMul)."""
+    from engine.layers.gemv import gemv_glu
+
+    m, n, k = shape
+    weight, scale = random_fp8_weight(2 * n, k, seed=n + m)
+    x = (2 * torch.randn(m, k, generator=torch.Generator().manual_seed(3))).to(DEVICE, dtype)
+    h = x.double() @ fp8.dequantize(weight, scale, torch.float64).t()
+    ref = torch.nn.functional.silu(h[:, :n]) * h[:, n:]
+    out = gemv_glu(x, weight, scale)
+    assert out.dtype == dtype and out.shape == (m, n)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out.double() - ref).abs().max().item() <= tol * (1 + ref.abs().max().item())
+
+
 @cuda_only
 def test_fp8_linear_dispatch_on_gpu():
     """Decode-sized batches take the weight-only kernel, larger ones `_scaled_mm`; both

@@ -21,6 +21,9 @@ from engine.kv_pool import KVPool
 from engine.layers.pdl import pdl_launch
 
 _LOG2E = 1.4426950408889634
+# RADIXSERVE_DECODE_STORES_KV=0: a pure decode step stores its new K/V with the store kernel
+# again, a launch of its own per layer, instead of in the decode kernel (to A/B it)
+DECODE_STORES_KV = os.environ.get("RADIXSERVE_DECODE_STORES_KV", "1") != "0"
 
 
 def _interpreting() -> bool:
@@ -188,15 +191,20 @@ class TritonAttentionBackend(TritonLaunchConfigs):
             k = k.contiguous()
         if v.stride(-1) != 1:
             v = v.contiguous()
-        self.store_kv(k, v, k_cache, v_cache, batch.out_slots)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         window = self.windows.get(layer_id, 0)
         if batch.is_decode:
+            # the decode kernel stores request i's new K/V (row i of k, v) itself, at
+            # req_to_token[row, seq_len - 1]: out_slots[i], written there before the step
+            new_kv = (k, v) if DECODE_STORES_KV else None
+            if new_kv is None:
+                self.store_kv(k, v, k_cache, v_cache, batch.out_slots)
             pg = self._grouped if not window else None
             self.decode(q, k_cache, v_cache, out, batch.req_rows, batch.seq_lens,
-                        batch.req_to_token, self._num_splits, pg, window)
+                        batch.req_to_token, self._num_splits, pg, window, new_kv=new_kv)
             return out
+        self.store_kv(k, v, k_cache, v_cache, batch.out_slots)
         # A mixed step's decoders take the decode kernel (their new K/V are in the pool
         # already: store_kv ran above): the leading `decode_rows`, or in an extend graph
         # every one-token request, found on the device.
@@ -227,12 +235,15 @@ class TritonAttentionBackend(TritonLaunchConfigs):
             **self._store_kw, **self._pdl, num_warps=4 if hkv * d >= 1024 else 1)
 
     def decode(self, q, k_cache, v_cache, out, req_rows, seq_lens, req_to_token, splits: int,
-               pg, window: int = 0, mixed: bool = False, rows_by=None) -> None:
+               pg, window: int = 0, mixed: bool = False, rows_by=None,
+               new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """One new token per request: q [B, Hq, D], request i's row `req_rows[i]` of
         `req_to_token` holds its `seq_lens[i]` slots (its new token's last). `pg`: the step's
         prefix groups (radix-grouped decode), or None. `mixed`: a mixed step's decoders.
         `rows_by` = (qo_indptr, extend_lens): request i's query is row qo_indptr[i] of q
-        and out, and only requests with extend_lens[i] == 1 are attended."""
+        and out, and only requests with extend_lens[i] == 1 are attended. `new_kv`: the new
+        tokens' (k, v) [B, Hkv, D], which the kernel then stores in the pool itself (else
+        they are there already); not with `rows_by`."""
         bsz = req_rows.shape[0]
         hq, d = q.shape[1], q.shape[2]
         hkv = k_cache.shape[1]
@@ -265,16 +276,23 @@ class TritonAttentionBackend(TritonLaunchConfigs):
             pkw = dict(WINDOW=window)
         qo_indptr, extend_lens = rows_by if rows_by is not None else (seq_lens, seq_lens)
         by_qo = int(rows_by is not None)
+        if new_kv is None:
+            k_new = v_new = q  # unused
+            kv_kw = self._kv_kw
+        else:
+            k_new, v_new = new_kv
+            kv_kw = dict(self._store_kw, STORE_KV=True)
         decode_partial_kernel[(hkv, bsz, splits)](
-            q, k_cache, v_cache, req_to_token, req_rows, seq_lens, out,
+            q, k_new, v_new, k_cache, v_cache, req_to_token, req_rows, seq_lens, out,
             mid_o, mid_lse, *pfx_args, qo_indptr, extend_lens, sm_scale_log2, splits, by_qo,
             q.stride(0), q.stride(1),
+            k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             req_to_token.stride(0),
             out.stride(0), out.stride(1),
             smb, smh, sms, slb, slh, *pstrides,
             GROUP=group, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=d,
-            BLOCK_D=self.block_d, DIRECT=direct, F32_DOT=self.f32_dot, **pkw, **self._kv_kw,
+            BLOCK_D=self.block_d, DIRECT=direct, F32_DOT=self.f32_dot, **pkw, **kv_kw,
             **self._pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         if not direct:
             decode_reduce_kernel[(hq, bsz)](

@@ -151,6 +151,15 @@ def attend_slots(q, tok, k_base, v_base, start, end, stride_kt, stride_vt, d, dm
     return m_i, l_i, acc
 
 
+@triton.jit
+def store_encoded(ptr, x, mask, KV_FP8: tl.constexpr, KV_SCALE: tl.constexpr,
+                  FP8_SW_ROUND: tl.constexpr):
+    """New K or V values into the pool as it holds them (float8 when KV_FP8)."""
+    if KV_FP8:
+        x = kv_encode(x, KV_SCALE, FP8_SW_ROUND)
+    tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
 # ----------------------------------------------------------------------------------------
 # KV store: cache[slot[t]] = new[t] for K and V in one launch.
 # ----------------------------------------------------------------------------------------
@@ -170,17 +179,11 @@ def store_kv_kernel(K, V, KC, VC, Slots,
     d = tl.arange(0, BLOCK_D)
     mask = (h[:, None] < HKV) & (d[None, :] < HEAD_DIM)
     k = tl.load(K + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    if KV_FP8:
-        k = kv_encode(k, KV_SCALE, FP8_SW_ROUND)
-    tl.store(KC + slot * stride_kct + h[:, None] * stride_kch + d[None, :],
-             k.to(KC.dtype.element_ty), mask=mask)
+    store_encoded(KC + slot * stride_kct + h[:, None] * stride_kch + d[None, :], k, mask,
+                  KV_FP8, KV_SCALE, FP8_SW_ROUND)
     v = tl.load(V + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    if KV_FP8:
-        v = kv_encode(v, KV_SCALE, FP8_SW_ROUND)
-    tl.store(VC + slot * stride_vct + h[:, None] * stride_vch + d[None, :],
-             v.to(VC.dtype.element_ty), mask=mask)
-
-
+    store_encoded(VC + slot * stride_vct + h[:, None] * stride_vch + d[None, :], v, mask,
+                  KV_FP8, KV_SCALE, FP8_SW_ROUND)
 
 
 @triton.jit

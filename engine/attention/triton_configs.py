@@ -34,10 +34,10 @@ class TritonLaunchConfigs:
         (2026-11-29, Llama-3-8B shapes): BLOCK_N 128 with 3 stages is best when the grid is
         either tiny (latency: fewer iterations) or many waves deep; BLOCK_N 64 in between
         (b64 x 1024: 70 us against 78). `mixed`: for a mixed step's decoders, always the
-        in-between config: a few us matter little beside the step's prefill, and it is the
-        one decode graph capture has compiled at every split count, so a fresh replica's
-        first mixed steps compile nothing (with the tiny-grid configs the warm-up took 5.0 s
-        on an empty Triton cache, 2026-12-02)."""
+        in-between config: a few us matter little beside the step's prefill, and one config
+        keeps the variants few (capture compiles the decode kernel's K/V-storing variant at
+        every split count, the warm-up's eager mixed steps the non-storing one; with the
+        tiny-grid configs the warm-up took 5.0 s on an empty Triton cache, 2026-12-02)."""
         if self.decode_cfg is not None:
             return self.decode_cfg
         elt = self.dot_dtype.itemsize

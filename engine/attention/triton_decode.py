@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.attention.triton_common import attend_slots
+from engine.attention.triton_common import attend_slots, store_encoded
 from engine.layers.pdl import pdl_prologue
 
 # ----------------------------------------------------------------------------------------
@@ -26,16 +26,22 @@ from engine.layers.pdl import pdl_prologue
 # requests decode) the grid covers every request: request b's query and output row is
 # QoIndptr[b], and requests without exactly one new token are left to the extend kernel.
 #
+# With STORE_KV (a pure decode step) the kernel also stores the new token's K/V (request b's
+# row b of K and V) in the pool, which saves the store kernel's launch: the one program per
+# (KV head, request) whose split holds the last position stores its head's K/V there before
+# it attends (see _store_new_token).
+#
 # num_splits and the log-sum-exp strides (multiples of it) vary with batch size and
 # sequence length in eager decode; ReqRows/SeqLens/PfxLens/Ctrl/QoIndptr/ExtendLens are
 # step metadata; by_qo is a run-time switch, not a specialization.
 @triton.jit(do_not_specialize=["num_splits", "stride_lb", "stride_lh", "by_qo"],
             do_not_specialize_on_alignment=["ReqRows", "SeqLens", "PfxLens", "Ctrl", "QoIndptr",
                                             "ExtendLens"])
-def decode_partial_kernel(Q, KC, VC, ReqToToken, ReqRows, SeqLens, Out, MidO, MidLse,
+def decode_partial_kernel(Q, K, V, KC, VC, ReqToToken, ReqRows, SeqLens, Out, MidO, MidLse,
                           PfxLens, PfxO, PfxLse, Ctrl, QoIndptr, ExtendLens,
                           sm_scale_log2, num_splits, by_qo,
                           stride_qt, stride_qh,
+                          stride_knt, stride_knh, stride_vnt, stride_vnh,
                           stride_kt, stride_kh, stride_vt, stride_vh,
                           stride_rt,
                           stride_ot, stride_oh,
@@ -49,6 +55,7 @@ def decode_partial_kernel(Q, KC, VC, ReqToToken, ReqRows, SeqLens, Out, MidO, Mi
                           HAS_PREFIX: tl.constexpr = False, PFX_BLOCK_N: tl.constexpr = 64,
                           PMAX: tl.constexpr = 4, KV_FP8: tl.constexpr = False,
                           KV_SCALE: tl.constexpr = 1.0, WINDOW: tl.constexpr = 0,
+                          STORE_KV: tl.constexpr = False, FP8_SW_ROUND: tl.constexpr = False,
                           PDL: tl.constexpr = False):
     pdl_prologue(PDL)
     kvh = tl.program_id(0)
@@ -85,6 +92,14 @@ def decode_partial_kernel(Q, KC, VC, ReqToToken, ReqRows, SeqLens, Out, MidO, Mi
         else:
             dmask = d < HEAD_DIM
 
+        if STORE_KV:
+            if end == seq_len:  # the split holding the new token: one per (KV head, request)
+                slot = tl.load(ReqToToken + row * stride_rt + seq_len - 1).to(tl.int64)
+                _store_new_token(K + b * stride_knt + kvh * stride_knh,
+                                 V + b * stride_vnt + kvh * stride_vnh,
+                                 KC + slot * stride_kt + kvh * stride_kh,
+                                 VC + slot * stride_vt + kvh * stride_vh,
+                                 d, dmask, KV_FP8, KV_SCALE, FP8_SW_ROUND)
         q = tl.load(Q + qrow * stride_qt + heads[:, None] * stride_qh + d[None, :],
                     mask=hmask[:, None] & dmask[None, :], other=0.0)
         m_i, l_i, acc = attend_slots(
@@ -169,6 +184,18 @@ def decode_reduce_kernel(MidO, MidLse, SeqLens, Out, num_splits,
     out = num / den
     tl.store(Out + orow * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty),
              mask=d < tl.where(live, HEAD_DIM, 0))  # dmask, or none for a request not ours
+
+
+@triton.jit
+def _store_new_token(K, V, KC, VC, d, dmask, KV_FP8: tl.constexpr, KV_SCALE: tl.constexpr,
+                     FP8_SW_ROUND: tl.constexpr):
+    """One KV head's new K/V (at K, V) into its pool slot (at KC, VC), encoded as the store
+    kernel does. The barrier makes the stores visible to this program's other threads, which
+    read the slot back in attend_slots: those are coherent loads through the same SM's L1
+    (ld.global, not the read-only ld.global.nc; tests/test_decode_store_kv.py checks the PTX)."""
+    store_encoded(KC + d, tl.load(K + d, mask=dmask), dmask, KV_FP8, KV_SCALE, FP8_SW_ROUND)
+    store_encoded(VC + d, tl.load(V + d, mask=dmask), dmask, KV_FP8, KV_SCALE, FP8_SW_ROUND)
+    tl.debug_barrier()
 
 
 @triton.jit

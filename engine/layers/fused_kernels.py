@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.layers.gemv import add_split_sums
+from engine.layers.gemv import add_split_sums, silu_mul
 from engine.layers.pdl import pdl_launch, pdl_prologue
 from engine.layers.split_sums import SplitSums
 
@@ -82,9 +82,7 @@ def _silu_and_mul_kernel(X, Out, stride_x, stride_o, d, stride_split, BLOCK: tl.
     dtype = Out.dtype.element_ty
     gate = add_split_sums(X + row * stride_x + cols, mask, stride_split, SPLITS, dtype)
     up = add_split_sums(X + row * stride_x + d + cols, mask, stride_split, SPLITS, dtype)
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    tl.store(Out + row * stride_o + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    tl.store(Out + row * stride_o + cols, silu_mul(gate, up), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor | SplitSums) -> torch.Tensor:

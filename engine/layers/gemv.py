@@ -27,6 +27,8 @@ from engine.layers.tiles import Tiles
 KEEP_SPLITS = os.environ.get("RADIXSERVE_SPLIT_SUMS", "1") != "0"
 # RADIXSERVE_FP8_ROW_DOT=0: one-row float8 GEMVs on the CUDA cores with their earlier tiles
 ROW_DOT = os.environ.get("RADIXSERVE_FP8_ROW_DOT", "1") != "0"
+# RADIXSERVE_GLU_GEMV=0: the SwiGLU MLP's gate_up GEMV and its SiLU-and-mul in two launches
+GLU = os.environ.get("RADIXSERVE_GLU_GEMV", "1") != "0"
 
 
 def gemv_config(rows: int, n: int, k: int, weight_bytes: int = 1) -> Tiles:
@@ -87,18 +89,48 @@ ROW_DOT_UNSCALE = tl.constexpr(16.0)
 def _gemv_kernel(X, W, Scale, Out, M, N, K, k_per_split, stride_xm, stride_wn, stride_om, row_scale,
                  PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr = True,
-                 ROW_DOT: tl.constexpr = False, PDL: tl.constexpr = False):
+                 ROW_DOT: tl.constexpr = False, GLU: tl.constexpr = False,
+                 PDL: tl.constexpr = False):
     """Program (n block, K slice). With SPLIT_K > 1, Out is float32 [SPLIT_K, M, N] partial
-    sums (scaled) that `_sum_splits_kernel` adds up."""
+    sums (scaled) that `_sum_splits_kernel` adds up. With GLU, W is [gate; up] ([2N, K]) and
+    the program multiplies its rows of both: Out = silu(x gate^T) * (x up^T), [M, N]."""
     pdl_prologue(PDL)
     k_start = tl.program_id(1) * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     m_mask, n_mask = offs_m < M, offs_n < N
+    if GLU:
+        # gate and up rows interleaved, so one loop streams both and they split apart after
+        r = tl.arange(0, 2 * BLOCK_N)
+        cols = tl.program_id(0) * BLOCK_N + r // 2
+        both = _rows_times_x(X, W, Scale, cols + (r % 2) * N, cols < N, M, k_start, k_end,
+                             stride_xm, stride_wn, row_scale, PRECISION, BLOCK_M, 2 * BLOCK_N,
+                             BLOCK_K, HAS_SCALE, ROW_DOT)
+        gate, up = tl.split(tl.reshape(both, (BLOCK_M, BLOCK_N, 2)))
+        dtype = Out.dtype.element_ty
+        acc = silu_mul(gate.to(dtype), up.to(dtype))
+    else:
+        acc = _rows_times_x(X, W, Scale, offs_n, n_mask, M, k_start, k_end, stride_xm,
+                            stride_wn, row_scale, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                            HAS_SCALE, ROW_DOT)
+    out_ptrs = Out + offs_m[:, None] * stride_om + offs_n[None, :]
+    if SPLIT_K > 1:
+        out_ptrs += tl.program_id(1) * M * N
+    tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _rows_times_x(X, W, Scale, rows, row_mask, M, k_start, k_end, stride_xm, stride_wn,
+                  row_scale, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr, ROW_DOT: tl.constexpr):
+    """x[:, k_start:k_end] times W's BLOCK_N rows `rows` over the same K range (scaled by
+    their weight scales): float32 [BLOCK_M, BLOCK_N]."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
     x_ptrs = X + offs_m[:, None] * stride_xm + k_start + offs_k[None, :]
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + k_start + offs_k[None, :]
+    w_ptrs = W + rows[:, None].to(tl.int64) * stride_wn + k_start + offs_k[None, :]
     if ROW_DOT:  # one row, float8 weights: a 16-row f16 tl.dot whose rows 1..15 are zeros
         rows16 = tl.arange(0, 16)
         x_ptrs = X + rows16[:, None] * 0 + k_start + offs_k[None, :]
@@ -106,7 +138,7 @@ def _gemv_kernel(X, W, Scale, Out, M, N, K, k_per_split, stride_xm, stride_wn, s
         for k0 in range(k_start, k_end, BLOCK_K):
             k_mask = offs_k < k_end - k0
             x = tl.load(x_ptrs, mask=(rows16[:, None] == 0) & k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             # f16 holds every float8 weight exactly, and bf16 activations exactly from 2^-10
             # to 2^20 once scaled by 2^-4 (f16's normal range is 2^-14 to 65504)
             xs = (x.to(tl.float32) * row_scale).to(tl.float16)
@@ -119,7 +151,7 @@ def _gemv_kernel(X, W, Scale, Out, M, N, K, k_per_split, stride_xm, stride_wn, s
         for k0 in range(k_start, k_end, BLOCK_K):
             k_mask = offs_k < k_end - k0
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             acc2 += w.to(tl.float32) * x.to(tl.float32)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
@@ -129,16 +161,22 @@ def _gemv_kernel(X, W, Scale, Out, M, N, K, k_per_split, stride_xm, stride_wn, s
         for k0 in range(k_start, k_end, BLOCK_K):
             k_mask = offs_k < k_end - k0
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
     if HAS_SCALE:
-        acc = acc * tl.load(Scale + offs_n, mask=n_mask, other=0.0)[None, :]
-    out_ptrs = Out + offs_m[:, None] * stride_om + offs_n[None, :]
-    if SPLIT_K > 1:
-        out_ptrs += tl.program_id(1) * M * N
-    tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        acc = acc * tl.load(Scale + rows, mask=row_mask, other=0.0)[None, :]
+    return acc
+
+
+@triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up for gate and up in the model dtype, rounded where the torch path
+    (F.silu, then the multiply) rounds, so every SiLU-and-mul kernel agrees with it."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return (act * up.to(tl.float32)).to(gate.dtype)
 
 
 @triton.jit
@@ -197,9 +235,42 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     else:
         out = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    _launch(x, weight, weight_scale, out, n, k_per_split, split_k, config, glu=False)
+    if split_k == 1:
+        return out
+    return SplitSums(out, x.dtype) if keep_splits and split_sums_on() else sum_splits(out, x.dtype)
+
+
+def gemv_glu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
+             config: Tiles | None = None) -> torch.Tensor:
+    """silu(x gate^T) * (x up^T) for weight = [gate; up] ([2N, K], scaled as in `gemv`):
+    the SwiGLU MLP's middle in the GEMV's own launch, [M, N] in x's dtype. K is not sliced
+    (SiLU of partial sums is not the SiLU of their sum)."""
+    m, k = x.shape
+    n = weight.shape[0] // 2
+    config = config or glu_config(m, n, k, weight.element_size())
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _launch(x, weight, weight_scale, out, n, k, 1, config, glu=True)
+    return out
+
+
+def glu_config(rows: int, n: int, k: int, weight_bytes: int) -> Tiles:
+    """`gemv_glu`'s tiles: a program reads block_n rows of the gate and as many of up, the
+    whole of K. H200 sweep (scripts/bench_layer_kernels.py --glu, Llama-3-8B gate_up, us,
+    two launches -> one): float8 x1 35.5 -> 34.3, x4 43.1 -> 43.0, x16 42.9 -> 42.1; bf16 x1
+    59.4 -> 59.0 at block_n 8 (the engine keeps bf16 on two launches: linear.py)."""
+    if weight_bytes == 2:
+        return Tiles(block_n=8, block_k=128, num_stages=3)
+    if rows == 1:
+        return Tiles(block_n=16, block_k=128, num_stages=4)
+    return Tiles(block_n=16, block_k=256, num_stages=3)
+
+
+def _launch(x, weight, weight_scale, out, n: int, k_per_split: int, split_k: int, config: Tiles,
+            glu: bool) -> None:
+    m, k = x.shape
     # tl.dot wants at least 16 rows; one row multiplies on the CUDA cores.
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
-    pdl = pdl_launch(x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n), split_k)](
         x, weight, weight if weight_scale is None else weight_scale, out, m, n, k,
         k_per_split, x.stride(0), weight.stride(0), out.stride(-2), ROW_DOT_SCALE,
@@ -210,7 +281,4 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
         # f16 products for bf16/fp16 activations only: float32 ones keep float32 products
         ROW_DOT=config.row_dot and block_m == 1 and weight.element_size() == 1
         and x.dtype != torch.float32,
-        num_stages=config.num_stages, **pdl)
-    if split_k == 1:
-        return out
-    return SplitSums(out, x.dtype) if keep_splits and split_sums_on() else sum_splits(out, x.dtype)
+        GLU=glu, num_stages=config.num_stages, **pdl_launch(x.device))

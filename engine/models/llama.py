@@ -143,7 +143,10 @@ class LlamaMLP(nn.Module):
         self.down_proj.split_sums_ok = ok
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitSums:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        h = self.gate_up_proj.silu_mul_gemv(x) if self.act_fn.fused else None
+        if h is None:
+            h = self.act_fn(self.gate_up_proj(x))
+        return self.down_proj(h)
 
 
 class LlamaDecoderLayer(nn.Module):
