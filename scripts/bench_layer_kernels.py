@@ -311,14 +311,12 @@ def print_tables(res: dict) -> None:
         for r in res["gemv"]["rows"]:
             print(f"{r['linear']:>10} {r['floor_us']:>7.1f} {r['cublas_us']:>7.1f} "
                   f"{r['gemv_default_us']:>7.1f} {r['gemv_best_us']:>7.1f}  {r['gemv_best_cfg']}")
-
-
-def print_glu(res: dict) -> None:
-    print("\ngate_up + SiLU-and-mul (Llama-3-8B), us per call: two launches vs gemv_glu")
-    print(f"{'weights':>7} {'rows':>4} {'floor':>7} {'2 launch':>8} {'glu dflt':>8} {'glu best':>8}  best config")
-    for r in res["glu"]["rows"]:
-        print(f"{r['weights']:>7} {r['rows']:>4} {r['floor_us']:>7.1f} {r['two_launches_us']:>8.1f} "
-              f"{r['glu_default_us']:>8.1f} {r['glu_best_us']:>8.1f}  {r['glu_best_cfg']}")
+    if "glu" in res:
+        print("\ngate_up + SiLU-and-mul (Llama-3-8B), us per call: two launches vs gemv_glu")
+        print(f"{'weights':>7} {'rows':>4} {'floor':>7} {'2 launch':>8} {'glu dflt':>8} {'glu best':>8}  best config")
+        for r in res["glu"]["rows"]:
+            print(f"{r['weights']:>7} {r['rows']:>4} {r['floor_us']:>7.1f} {r['two_launches_us']:>8.1f} "
+                  f"{r['glu_default_us']:>8.1f} {r['glu_best_us']:>8.1f}  {r['glu_best_cfg']}")
 
 
 def main() -> None:
@@ -347,8 +345,6 @@ def main() -> None:
     if args.glu or everything:
         res["glu"] = bench_glu(bw, args.quick)
     print_tables(res)
-    if "glu" in res:
-        print_glu(res)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

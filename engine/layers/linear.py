@@ -18,7 +18,7 @@ from torch import nn
 
 from engine.layers.parallel import Loadable, TPContext, copy_into, divide, materialize, narrow
 from engine.layers.split_sums import SplitSums
-from engine.quantization.fp8 import fp8_linear
+from engine.quantization.fp8 import fp8_linear, takes_weight_only_kernel
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -118,22 +118,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def silu_mul_gemv(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of a [gate, up] layer in its GEMV's own launch (`gemv_glu`,
-        engine/layers/gemv.py), when its matmul is the per-channel float8 GEMV (decode-sized
-        batches): one launch fewer per MLP. None otherwise, and the caller applies the
-        activation itself."""
+        engine/layers/gemv.py), when its matmul is the float8 weight-only GEMV: one launch
+        fewer per MLP. None otherwise, and the caller applies the activation itself. Not for
+        bf16: at one row it measured slower fused (H200 W3 4.449 vs 4.341 ms), the split-K
+        GEMV keeping more programs in flight than the saved launch is worth."""
         from engine.layers import gemv as gemv_module
 
-        if not (gemv_module.GLU and x.is_cuda and x.dim() == 2 and self.bias is None
-                and len(self.local_sizes) == 2 and self.local_sizes[0] == self.local_sizes[1]):
-            return None
-        rows = x.shape[0]
-        if self.weight_scale is None:
-            # bf16 at one row measured slower fused (H200 W3 4.449 vs 4.341 ms): the split-K
-            # GEMV keeps more programs in flight than the saved launch is worth
-            return None
-        from engine.quantization.fp8_kernels import W8A16_MAX_ROWS
-
-        if self.weight_scale.shape[1] == 1 and 0 < rows <= W8A16_MAX_ROWS:
+        if (gemv_module.GLU and self.weight_scale is not None and self.bias is None
+                and x.dim() == 2 and len(self.local_sizes) == 2
+                and self.local_sizes[0] == self.local_sizes[1]
+                and takes_weight_only_kernel(x, self.weight_scale)):
             return gemv_module.gemv_glu(x, self.weight, self.weight_scale)
         return None
 

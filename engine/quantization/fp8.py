@@ -43,6 +43,16 @@ def _scaled_mm_ok(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
     return weight_scale.shape[1] == 1 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
 
 
+def takes_weight_only_kernel(x: torch.Tensor, weight_scale: torch.Tensor) -> bool:
+    """Whether `fp8_linear` multiplies x by the weight with the weight-only GEMV: on the
+    GPU, per-channel scales, a decode-sized batch."""
+    if not (x.is_cuda and weight_scale.shape[1] == 1):
+        return False
+    from engine.quantization.fp8_kernels import W8A16_MAX_ROWS
+
+    return x.numel() // x.shape[-1] <= W8A16_MAX_ROWS
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None, quantize_input: bool = True,
                keep_splits: bool = False) -> torch.Tensor:
@@ -57,15 +67,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     """
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
-    if x.is_cuda and weight_scale.shape[1] == 1:
+    if takes_weight_only_kernel(x, weight_scale):
         from engine.quantization import fp8_kernels
-        if rows.shape[0] <= fp8_kernels.W8A16_MAX_ROWS:
-            y = fp8_kernels.w8a16_linear(rows, weight, weight_scale,
-                                         keep_splits=keep_splits and bias is None and x.dim() == 2)
-            if not isinstance(y, torch.Tensor):
-                return y  # a SplitSums
-            y = y + bias if bias is not None else y
-            return y.view(*shape[:-1], weight.shape[0])
+        y = fp8_kernels.w8a16_linear(rows, weight, weight_scale,
+                                     keep_splits=keep_splits and bias is None and x.dim() == 2)
+        if not isinstance(y, torch.Tensor):
+            return y  # a SplitSums
+        y = y + bias if bias is not None else y
+        return y.view(*shape[:-1], weight.shape[0])
     if not (quantize_input and _scaled_mm_ok(weight, weight_scale)):
         return F.linear(x, dequantize(weight, weight_scale, x.dtype), bias)
     if x.is_cuda:
