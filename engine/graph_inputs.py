@@ -17,7 +17,14 @@ from engine.layers.pdl import pdl_launch, pdl_prologue
 from engine.step_input import FIELD_NAMES
 
 
-@triton.jit
+# Every size and offset changes from step to step: specializing on them (== 1, divisible
+# by 16) compiled a new binary for steps no graph capture or warm-up had seen (21 in one W1
+# run, seconds each on a fresh replica).
+STEP_SCALARS = ["bs", "o_ids", "o_pos", "o_slots", "o_rows", "o_lens", "o_sync", "n_sync",
+                "o_inflight", "n_inflight"]
+
+
+@triton.jit(do_not_specialize=STEP_SCALARS)
 def _decode_inputs_kernel(Flat, Pending, ReqToToken, InputIds, Positions, OutSlots, ReqRows,
                           SeqLens, bs, padded, o_ids, o_pos, o_slots, o_rows, o_lens, o_sync,
                           n_sync, o_inflight, n_inflight, stride_r2t, BLOCK: tl.constexpr,

@@ -12,6 +12,7 @@ from engine.grammar import Grammars
 from engine.request import Request, Status
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
+from engine.staging import take_rows
 from engine.step_plan import StepPlan
 
 
@@ -40,8 +41,7 @@ class OutputProcessor:
         chunk) and take the tokens in."""
         sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
         reqs = [plan.chunks[i].req for i in sampling]
-        if len(sampling) < len(plan.chunks):
-            logits = logits[sampling]
+        logits = take_rows(logits, sampling)
         # Constrained rows: tokens their grammar allows next (matchers are up to date: they
         # advance as tokens are appended, below).
         masks, failed = self.grammars.token_masks(reqs) if sampling else (None, [])

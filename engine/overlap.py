@@ -30,6 +30,7 @@ from engine.step_input import PendingTokens
 from engine.output_processor import TokenUpdate
 from engine.request import Request, Status
 from engine.step_plan import Chunk, StepPlan
+from engine.staging import take_rows
 from engine.sync_step import SyncStepper
 
 
@@ -97,9 +98,7 @@ class OverlapStepper:
         pending = self.inflight.pending() if self.inflight is not None else None
         logits, _ = self.runner.forward(plan, pending)
         sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
-        if len(sampling) < len(plan.chunks):
-            logits = logits[sampling]
-        return logits, [plan.chunks[i] for i in sampling]
+        return take_rows(logits, sampling), [plan.chunks[i] for i in sampling]
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor, chunks: list[Chunk],
                 constrained: bool) -> tuple[InFlight, list[TokenUpdate]]:
@@ -116,8 +115,7 @@ class OverlapStepper:
                 keep = [k for k, j in enumerate(live) if chunks[j].req not in failed]
                 live = [live[k] for k in keep]
                 masks = masks[keep] if masks is not None else None
-            if len(live) < len(chunks):
-                logits = logits[live]
+            logits = take_rows(logits, live)
             chunks = [chunks[j] for j in live]
         reqs = [c.req for c in chunks]
         tokens = host = None

@@ -8,6 +8,7 @@ import torch
 
 from engine.layers.argmax import argmax_rows
 from engine.request import Request
+from engine.staging import to_device
 
 
 @dataclass
@@ -51,7 +52,7 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         params = [r.params for r in reqs]
-        greedy = torch.tensor([p.is_greedy for p in params], device=self.device)
+        greedy = to_device([p.is_greedy for p in params], torch.bool, self.device)
         argmax = argmax_rows(logits)
         sampled = self.draw(self.probs(logits, params), reqs)
         return torch.where(greedy, argmax, sampled)
@@ -60,8 +61,8 @@ class Sampler:
         """The weights a sampled row draws with: softmax at the row's temperature (1 for
         greedy rows), then top-k / top-p / min-p zero some (rows are not renormalised).
         Speculative verification compares drafts against exactly this, normalised."""
-        temps = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params],
-                             device=self.device, dtype=logits.dtype)
+        temps = to_device([1.0 if p.is_greedy else p.temperature for p in params],
+                          logits.dtype, self.device)
         probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
         return _filter_top_k_top_p_min_p(probs, params, self.device)
 
@@ -76,9 +77,12 @@ class Sampler:
         params = [r.params for r in reqs]
         noise = torch.empty_like(probs)
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
-        if unseeded:
-            noise[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=self.device,
-                                          dtype=probs.dtype).exponential_(generator=self.generator)
+        if len(unseeded) == len(params):
+            noise.exponential_(generator=self.generator)
+        elif unseeded:
+            noise.index_copy_(0, to_device(unseeded, torch.long, self.device),
+                              torch.empty((len(unseeded), probs.shape[1]), device=self.device,
+                                          dtype=probs.dtype).exponential_(generator=self.generator))
         for i, req in enumerate(reqs):
             if req.params.seed is not None:
                 noise[i].exponential_(generator=self._request_generator(req))
@@ -140,9 +144,9 @@ def _filter_top_k_top_p_min_p(probs: torch.Tensor, params, device) -> torch.Tens
     if all(p.top_k == -1 and p.top_p >= 1.0 and p.min_p == 0.0 for p in params):
         return probs
     vocab = probs.shape[1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=probs.dtype)
-    min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
+    top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.long, device)
+    top_p = to_device([p.top_p for p in params], probs.dtype, device)
+    min_p = to_device([p.min_p for p in params], probs.dtype, device)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=device).unsqueeze(0)
     cum_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token

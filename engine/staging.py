@@ -1,5 +1,7 @@
 """Host-to-device upload of a step's packed integers through reused pinned buffers: many
-small pinned allocations and copies cost more than the decode step itself."""
+small pinned allocations and copies cost more than the decode step itself. And host values
+on their way to the device without a sync (`to_device`, `take_rows`): under the overlap
+scheduler the host must never wait for the GPU while it launches a step."""
 from __future__ import annotations
 
 import torch
@@ -30,3 +32,20 @@ class PinnedUploader:
         self._done[slot] = torch.cuda.Event()
         self._done[slot].record()
         return on_device
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`torch.tensor(values, device=device)` without its host sync: a copy from pageable
+    memory makes the host wait until the GPU has run everything queued before it, which
+    under overlap scheduling is the step still running. From pinned memory, asynchronous;
+    PyTorch's pinned allocator keeps the buffer until the copy is done."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows] (rows: host ints) without a host sync (a list index is a pageable copy)."""
+    if rows == list(range(t.shape[0])):
+        return t
+    return t.index_select(0, to_device(rows, torch.long, t.device))

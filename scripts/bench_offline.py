@@ -80,6 +80,9 @@ DEMO = "demo"  # the tiny demo model (engine/demo_model.py): real tiny weights, 
 H200_BF16_TFLOPS = 790.0  # dense bf16 peak the long-prefill floor is quoted against
 
 GPU = torch.cuda.is_available()
+# The timed workloads' sampling settings: greedy unless --temperature (then top_p 0.95, as a
+# chat client's defaults would sample; the outputs' lengths stay fixed by ignore_eos).
+REQUEST_SAMPLING: dict = {"temperature": 0.0}
 
 
 def sync() -> None:
@@ -339,6 +342,45 @@ def print_gpu_timeline(profiler, steps: int) -> None:
           f"{len(spans) / steps:.1f} kernels+copies/step", flush=True)
     for gap, before, after in sorted(gaps, reverse=True)[:12]:
         print(f"  gap {gap:8.1f} us  after {before[:60]!r}  before {after[:60]!r}")
+    totals: dict[str, float] = {}
+    for start, stop, name in spans:
+        kind = kernel_kind(name)
+        totals[kind] = totals.get(kind, 0.0) + (stop - start)
+    print("  kernel time by kind, us/step: " + ", ".join(
+        f"{kind} {t / steps:.0f}" for kind, t in sorted(totals.items(), key=lambda kv: -kv[1])))
+
+
+KERNEL_KINDS = (("gemm", ("nvjet", "gemm", "cutlass", "xmma", "gemv", "matmul", "_scaled_mm")),
+                ("attention", ("extend", "decode", "attn", "flash", "merge")),
+                ("norm+rope", ("rms", "norm", "rope", "rotary")),
+                ("silu", ("silu", "glu", "act")),
+                ("moe", ("moe", "expert", "route", "align")),
+                ("copy", ("memcpy", "memset", "copy", "cat", "index", "gather", "scatter")))
+
+
+def kernel_kind(name: str) -> str:
+    """A kernel's coarse kind from its name, for the profile's per-kind sums."""
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def watch_compiles(on_compile, restore: bool = False):
+    """Install Triton's post-compile hook (called for every compile or on-disk cache load;
+    a kernel the warm-up missed shows here, and a compile inside a timed run costs seconds);
+    returns the hook it replaced. `restore`: put `on_compile` (an old hook) back as is."""
+    try:
+        import triton
+        runtime = triton.knobs.runtime
+    except (ImportError, AttributeError):
+        return None
+    old = runtime.jit_post_compile_hook
+    if restore:
+        runtime.jit_post_compile_hook = on_compile
+    else:
+        def hook(**kwargs):
+            on_compile(kwargs.get("repr", "?")[:80])
+        runtime.jit_post_compile_hook = hook
+    return old
 
 
 def run_requests(engine: Engine, reqs, tag: str, phases: bool = False,
@@ -348,10 +390,12 @@ def run_requests(engine: Engine, reqs, tag: str, phases: bool = False,
     torch.profiler table of the kernels of steps a..b-1."""
     handles = []
     for i, (ids, n_out) in enumerate(reqs):
-        params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=n_out, ignore_eos=True, **REQUEST_SAMPLING)
         handles.append(engine.add_request(f"{tag}-{i}", ids, params))
     timer = StepPhases(engine) if phases else None
     profiler = None
+    compiles: list[tuple[int, str]] = []
+    old_hook = watch_compiles(lambda name: compiles.append((steps, name)))
     sync()
     t0 = time.perf_counter()
     first_token_at = None
@@ -378,12 +422,16 @@ def run_requests(engine: Engine, reqs, tag: str, phases: bool = False,
             first_token_at = time.perf_counter()
     sync()
     wall = time.perf_counter() - t0
+    watch_compiles(old_hook, restore=True)
+    if compiles:
+        print(f"{tag}: {len(compiles)} Triton compiles or cache loads during the run "
+              f"(step, kernel): {compiles[:8]}", flush=True)
     if timer is not None:
         timer.close()
     out_tokens = sum(h.num_output for h in handles)
     for h in handles:
         engine.requests.pop(h.request_id, None)
-    return {"wall_s": wall, "output_tokens": out_tokens, "steps": steps,
+    return {"wall_s": wall, "output_tokens": out_tokens, "steps": steps, "compiles": len(compiles),
             "output_ids": [list(h.output_ids) for h in handles],
             "prompt_tokens": sum(len(ids) for ids, _ in reqs),
             "cached_tokens": sum(h.cached_tokens for h in handles),
@@ -417,7 +465,7 @@ def bench_w1(path: str, ceilings: dict, plain_too: bool = False, cfg: dict = LLA
         out.update({"output_tok_s": res["output_tokens"] / res["wall_s"], "wall_s": res["wall_s"],
                     "floor_s": floor_s, "floor_output_tok_s": res["output_tokens"] / floor_s,
                     "steps": res["steps"], "output_tokens": res["output_tokens"],
-                    "phases": res["phases"]})
+                    "phases": res["phases"], "compiles": res["compiles"]})
         print("W1", out, flush=True)
     return out
 
@@ -781,11 +829,15 @@ def main() -> None:
     ap.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                     help="an EngineConfig override for every engine this process makes (repeatable), "
                          "e.g. --engine cuda_graph_max_extend_tokens=0")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample the W1-W3 requests at this temperature (top_p 0.95) instead of greedy")
     ap.add_argument("--quantization", choices=["fp8"], default=None,
                     help="FP8 weights (issue 19): the same as --engine quantization=fp8")
     ap.add_argument("--kv-cache-dtype", choices=["fp8_e4m3"], default=None,
                     help="an FP8 KV pool: the same as --engine kv_cache_dtype=fp8_e4m3")
     args = ap.parse_args()
+    if args.temperature:
+        REQUEST_SAMPLING.update(temperature=args.temperature, top_p=0.95)
     ENGINE_OVERRIDES.update(parse_overrides(args.engine))
     ENGINE_OVERRIDES.update({key: value for key, value in (("quantization", args.quantization),
                                                            ("kv_cache_dtype", args.kv_cache_dtype))

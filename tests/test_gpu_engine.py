@@ -63,6 +63,45 @@ def test_overlap_on_off_identical_with_mixed_requests(tiny_llama):
         assert all(t >= 0 for t in a.token_ids)
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_overlap_launches_a_step_without_waiting_for_the_gpu(tiny_llama, monkeypatch, graphs):
+    """Under the overlap scheduler the host plans, launches and samples step N+1 while the
+    GPU runs step N: nothing in between may synchronize with the GPU (a list index or
+    `torch.tensor(..., device=cuda)` copies from pageable memory and waits for the stream).
+    Mixed steps with chunks that do not sample, greedy and sampled rows, seeded or not,
+    top-k/top-p/min-p: every launch and sampling call runs under torch's sync debug mode,
+    which raises on any synchronizing call."""
+    from engine.overlap import OverlapStepper
+
+    def strict(method):
+        def run(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return method(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return run
+
+    for name in ("_forward", "_sample"):
+        monkeypatch.setattr(OverlapStepper, name, strict(getattr(OverlapStepper, name)))
+    llm = LLM(model=tiny_llama, dtype="float32", device="cuda", max_total_tokens=4096,
+              enable_cuda_graph=graphs, cuda_graph_max_bs=16, chunked_prefill_size=48)
+    assert isinstance(llm.engine.stepper, OverlapStepper)
+    ps = prompts(24, 3, 150, seed=11)
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
+              if i % 3 == 0 else
+              SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.9,
+                             top_k=20 if i % 2 else -1, min_p=0.05 if i % 4 == 1 else 0.0,
+                             seed=i if i % 5 == 1 else None)
+              for i in range(len(ps))]
+    outs = llm.generate(ps, params)
+    assert [len(o.token_ids) for o in outs] == [12] * len(ps)
+    greedy = LLM(model=tiny_llama, dtype="float32", device="cuda", max_total_tokens=4096,
+                 enable_overlap_schedule=False, cuda_graph_max_bs=16, chunked_prefill_size=48)
+    want = greedy.generate([ps[i] for i in range(0, len(ps), 3)], params[0])
+    assert [o.token_ids for o in want] == [outs[i].token_ids for i in range(0, len(ps), 3)]
+
+
 def test_overlap_abort_mid_flight(tiny_llama):
     from engine import AsyncEngine, EngineConfig
     from test_overlap import abort_mid_stream

@@ -97,3 +97,16 @@ def test_compiles_for_hopper():
     from engine.graph_inputs import _decode_inputs_kernel
 
     compile_for_sm90(_decode_inputs_kernel, dict(ReqToToken="*i32", SeqLens="*i32"), dict(BLOCK=16))
+
+
+def test_step_sizes_do_not_select_binaries():
+    """Sizes and offsets that change every step must not pick a new specialization (a
+    compile on a fresh replica in the middle of serving); only the graph's padded size and
+    req_to_token's stride, fixed per captured graph, may."""
+    pytest.importorskip("triton")
+    from engine.graph_inputs import _decode_inputs_kernel
+
+    params = _decode_inputs_kernel.params
+    scalars = {p.name for p in params if not p.is_constexpr and p.name[0].islower()}
+    loose = {p.name for p in params if p.do_not_specialize}
+    assert loose == scalars - {"padded", "stride_r2t"}
