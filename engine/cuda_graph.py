@@ -19,7 +19,7 @@ import logging
 import torch
 
 from engine.attention.base import ForwardBatch
-from engine.graph_inputs import write_decode_inputs
+from engine.graph_inputs import compile_decode_inputs, write_decode_inputs
 from engine.prefix_group_batch import PrefixGroupBatch, packed_len
 
 logger = logging.getLogger(__name__)
@@ -132,6 +132,9 @@ class DecodeGraphs:
 
     def _capture_all(self) -> None:
         self.graphs, self.outputs, self.pool = capture_graphs(list(reversed(self.sizes)), self._run)
+        statics = {name: getattr(self, name) for name in STATIC_INPUTS}
+        for bs in self.sizes:
+            compile_decode_inputs(bs, self.req_to_token, statics)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     def can_run(self, batch: ForwardBatch) -> bool:

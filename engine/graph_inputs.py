@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from engine.layers.pdl import pdl_launch, pdl_prologue
-from engine.step_input import FIELD_NAMES
+from engine.step_input import FIELD_NAMES, StepInput
 
 
 # Every size and offset changes from step to step: specializing on them (== 1, divisible
@@ -87,3 +87,16 @@ def write_decode_inputs(flat: torch.Tensor, lengths: list[int], pending: torch.T
         bs, padded, at["input_ids"], at["positions"], at["out_slots"], at["req_rows"],
         at["seq_lens"], at["sync_rows"], n["sync_rows"], at["inflight_pos"], n["inflight_pos"],
         req_to_token.stride(0), BLOCK=triton.next_power_of_2(padded), **pdl_launch(flat.device))
+
+
+def compile_decode_inputs(padded: int, req_to_token: torch.Tensor,
+                          statics: dict[str, torch.Tensor]) -> None:
+    """Compile the kernel for a graph's padded size at capture, as the graph's own kernels
+    are: it runs outside the graph, and a size first met in serving would compile then.
+    Writes a dummy step of `padded` rows (no req_to_token entries), which the first real
+    step overwrites."""
+    n = padded
+    step = StepInput([0] * n, [0] * n, [0] * n, [0] * n, [1] * n, [1] * n, list(range(n + 1)),
+                     list(range(n)), [], [], [], [], [], [], []).pack(is_decode=True)
+    write_decode_inputs(step.flat.to(req_to_token.device), step.lengths, None, req_to_token,
+                        statics, padded)

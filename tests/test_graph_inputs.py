@@ -87,7 +87,7 @@ def test_under_the_interpreter():
     pytest.importorskip("triton")
     from triton_on_cpu import run_under_interpreter
 
-    run_under_interpreter("test_graph_inputs.py")
+    run_under_interpreter("test_graph_inputs.py", select="not capture_compiles")
 
 
 def test_compiles_for_hopper():
@@ -110,3 +110,27 @@ def test_step_sizes_do_not_select_binaries():
     scalars = {p.name for p in params if not p.is_constexpr and p.name[0].islower()}
     loose = {p.name for p in params if p.do_not_specialize}
     assert loose == scalars - {"padded", "stride_r2t"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiles)")
+def test_graph_capture_compiles_the_writer_for_every_size(tiny_llama):
+    """The writer runs outside the graphs, once per padded size: capture compiles it for
+    each (with the warm-up off, so nothing else does), and decode batches of every size
+    compile nothing. Without it, a W1 run compiled it at four batch sizes mid-run."""
+    import triton
+
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=tiny_llama, dtype="float32", device="cuda", max_total_tokens=8192,
+              cuda_graph_max_bs=64, enable_warmup=False)
+    compiled = []
+    old = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["repr"])
+    try:
+        for bs in (3, 20, 40, 60):
+            llm.generate([[5 + i, 6, 7] for i in range(bs)],
+                         SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = old
+    assert not [c for c in compiled if "_decode_inputs_kernel" in c], compiled
