@@ -74,6 +74,26 @@ def test_matches_the_unpacked_path(bs, padded, inflight):
     assert torch.equal(r2t_dev.cpu(), want_r2t)
 
 
+@on_device
+@pytest.mark.parametrize("padded", [1, 48])
+def test_capture_time_call_writes_only_dummy_rows(padded):
+    """compile_decode_inputs (run once per graph size at capture) leaves the static inputs
+    as a padded size of dummy rows and req_to_token untouched."""
+    from engine.graph_inputs import compile_decode_inputs
+
+    r2t = torch.randint(0, 9, (64, 16), generator=torch.Generator().manual_seed(2),
+                        dtype=torch.int32).to(DEVICE)
+    before = r2t.clone()
+    statics = {name: torch.full((64,), -7, dtype=torch.int32 if name == "seq_lens" else torch.long,
+                                device=DEVICE)
+               for name in ("input_ids", "positions", "out_slots", "req_rows", "seq_lens")}
+    compile_decode_inputs(padded, r2t, statics)
+    for name, value in statics.items():
+        assert (value[:padded].cpu() == (1 if name == "seq_lens" else 0)).all(), name
+        assert (value[padded:].cpu() == -7).all(), name
+    assert torch.equal(r2t, before)
+
+
 def test_steps_with_prompt_rows_or_groups_stay_unpacked():
     step = _step(2, [], seed=3)
     assert takes_packed(step.pack(True).lengths)
