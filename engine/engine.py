@@ -46,6 +46,7 @@ class Engine:
                                 record_events=config.enable_cache_events)
         self.scheduler = Scheduler(config, allocator, self.cache)
         self.sampler = Sampler(self.runner.device, config.seed, self.tokenizer.eos_token_ids)
+        self.scheduler.release_hooks.append(self.sampler.release)
         self.grammars = Grammars(config.grammar_backend, self.tokenizer.hf, self.runner.vocab_size,
                                  self.tokenizer.eos_token_ids, self.runner.device,
                                  jump_forward=config.enable_jump_forward)

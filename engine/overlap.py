@@ -14,8 +14,9 @@ step N's tokens are taken in after step N+1's forward is launched but before its
 is (the GPU runs the forward meanwhile). With jump-forward on they step in sync: the text a
 grammar forces after token N is only known once step N+1 has been planned without it, so
 overlapped, every jump would cost its request one extra step. Requests that need other
-host-side work between steps (logprobs, penalties, prompt logprobs) turn overlap off too
-while they are present.
+host-side work between steps (logprobs, prompt logprobs) turn overlap off too while they are
+present. Penalties do not: the sampler counts each request's tokens on the device
+(engine/penalties.py), the one in flight included.
 
 The stepper also runs on CPUs (no events, no pinned memory), where it overlaps nothing but
 exercises the same bookkeeping; the engine only turns it on for CUDA.
@@ -36,7 +37,7 @@ from engine.sync_step import SyncStepper
 
 def needs_sync(req: Request, jump_forward: bool) -> bool:
     p = req.params
-    return bool(p.logprobs or p.top_logprobs or p.has_penalties
+    return bool(p.logprobs or p.top_logprobs
                 or p.prompt_logprobs_start is not None or (p.has_constraint and jump_forward))
 
 

@@ -8,7 +8,8 @@ import torch
 
 from engine.layers.argmax import argmax_rows
 from engine.request import Request
-from engine.staging import to_device
+from engine.penalties import TokenStats, counts_from_lists, penalize
+from engine.staging import take_rows, to_device
 
 
 @dataclass
@@ -24,6 +25,7 @@ class Sampler:
         self.eos_token_ids = sorted(eos_token_ids)  # barred before a request's min_tokens
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.stats: TokenStats | None = None  # token counts of running requests with penalties
 
     def sample(self, logits: torch.Tensor, reqs: list[Request],
                masks: torch.Tensor | None = None) -> SampleOutput:
@@ -40,15 +42,20 @@ class Sampler:
 
     def sample_tokens(self, logits: torch.Tensor, reqs: list[Request],
                       masks: torch.Tensor | None = None) -> torch.Tensor:
-        """The chosen token ids [B], left on the device (no host sync)."""
+        """The chosen token ids [B], left on the device (no host sync). Requests with
+        penalties read their tokens' counts kept on the device (engine/penalties.py), so they
+        need no host sync either; the tokens chosen here are counted as their outputs."""
         params = [r.params for r in reqs]
-        if any(p.has_penalties for p in params):
-            logits = self.apply_penalties(logits.clone(), reqs)
+        rows = [i for i, p in enumerate(params) if p.has_penalties]
+        if rows:
+            logits = self._penalized(logits, reqs, rows)
         if masks is not None:
             logits = logits.masked_fill(~masks, float("-inf"))
-        if all(p.is_greedy for p in params):
-            return argmax_rows(logits)
-        return self._sample_random(logits, reqs)
+        tokens = argmax_rows(logits) if all(p.is_greedy for p in params) else \
+            self._sample_random(logits, reqs)
+        if rows:  # counted on the device: a token still in flight counts next step
+            self.stats.record([reqs[i] for i in rows], take_rows(tokens, rows))
+        return tokens
 
     def _sample_random(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         params = [r.params for r in reqs]
@@ -96,33 +103,29 @@ class Sampler:
             req.sampler_state = gen
         return req.sampler_state
 
-    def apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """Edit each row in place by its request's penalties, logit_bias and min_tokens, from
-        the request's `params`, `token_ids` and `output_ids` (any object with those)."""
-        vocab = logits.shape[1]
-        for i, req in enumerate(reqs):
-            p = req.params
-            if not p.has_penalties:
-                continue
-            if p.repetition_penalty != 1.0:
-                # HF semantics: every token seen so far, prompt included.
-                seen = torch.tensor(sorted(set(req.token_ids)), device=self.device, dtype=torch.long)
-                row = logits[i, seen]
-                logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty,
-                                              row * p.repetition_penalty)
-            if p.frequency_penalty or p.presence_penalty:
-                # OpenAI semantics: generated tokens only.
-                out = torch.tensor(req.output_ids, device=self.device, dtype=torch.long)
-                counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-            if p.logit_bias:
-                ids = torch.tensor(list(p.logit_bias), device=self.device, dtype=torch.long)
-                logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=self.device,
-                                               dtype=logits.dtype)
-            if len(req.output_ids) < p.min_tokens:
-                barred = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
-                logits[i, torch.tensor(barred, device=self.device, dtype=torch.long)] = float("-inf")
-        return logits
+    def apply_penalties(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
+        """`logits` with each row's penalties, logit_bias and min_tokens applied, counted from
+        the host lists `token_ids` and `output_ids` of `reqs` (any objects with those and
+        `params`: speculative verification's what-if rows)."""
+        counts = counts_from_lists(reqs, logits.shape[1], logits.device)
+        return penalize(logits, reqs, counts, self.eos_token_ids)
+
+    def release(self, req: Request) -> None:
+        """The scheduler let the request go: its token counts' row is free."""
+        if self.stats is not None:
+            self.stats.release(req)
+
+    def _penalized(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> torch.Tensor:
+        """`logits` with the penalties of `rows` applied from the device-side token counts."""
+        if self.stats is None:
+            self.stats = TokenStats(logits.shape[1], logits.device)
+        sub = [reqs[i] for i in rows]
+        if len(rows) == len(reqs):
+            return penalize(logits, sub, self.stats.rows(sub), self.eos_token_ids)
+        index = to_device(rows, torch.long, logits.device)
+        edited = penalize(logits.index_select(0, index), sub, self.stats.rows(sub),
+                          self.eos_token_ids)
+        return logits.index_copy(0, index, edited)
 
     @staticmethod
     def gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params) -> tuple:

@@ -110,7 +110,7 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """Anything that edits the logits from the request's own tokens (so overlap
-        scheduling waits for them, and speculative decoding leaves the request alone)."""
+        """Anything that edits the logits from the request's own tokens (counted on the
+        device by the sampler, engine/penalties.py)."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0 or bool(self.logit_bias) or self.min_tokens > 0)

@@ -39,7 +39,7 @@ def null_forward(runner, vocab: int, max_batch: int):
     return forward
 
 
-def measure(batch: int, steps: int, prompt_len: int) -> dict:
+def measure(batch: int, steps: int, prompt_len: int, repetition_penalty: float = 1.0) -> dict:
     cfg = EngineConfig(model=ensure_demo_model(), dtype="float32", device="cpu",
                        max_total_tokens=batch * (prompt_len + steps + 8) + 64,
                        max_running_requests=max(batch, 1), chunked_prefill_size=batch * prompt_len,
@@ -49,7 +49,8 @@ def measure(batch: int, steps: int, prompt_len: int) -> dict:
     for i in range(batch):
         prompt = [(7 * i + j) % 400 + 3 for j in range(prompt_len)]
         eng.add_request(f"b{i}", prompt, SamplingParams(max_tokens=steps + 4, temperature=0.0,
-                                                        ignore_eos=True))
+                                                        ignore_eos=True,
+                                                        repetition_penalty=repetition_penalty))
     while eng.scheduler.waiting or any(r.pending_len > 1 for r in eng.scheduler.running):
         eng.step()  # admit and prefill everything first
     times = []
@@ -113,6 +114,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="every request's (e.g. 1.05, Qwen2.5's generation_config default)")
     ap.add_argument("--multi-turn", default=None, metavar="C,T,F,A,U",
                     help="instead: the host side of W4-shaped multi-turn traffic")
     args = ap.parse_args()
@@ -123,7 +126,8 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
         return
-    rows = [measure(int(b), args.steps, args.prompt_len) for b in args.batch_sizes.split(",")]
+    rows = [measure(int(b), args.steps, args.prompt_len, args.repetition_penalty)
+            for b in args.batch_sizes.split(",")]
     print(f"{'batch':>6} {'mean ms/step':>13} {'p50':>8} {'p99':>8}")
     for r in rows:
         print(f"{r['batch']:>6} {r['mean_ms']:>13.3f} {r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f}")

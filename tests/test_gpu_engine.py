@@ -69,7 +69,7 @@ def test_overlap_launches_a_step_without_waiting_for_the_gpu(tiny_llama, monkeyp
     GPU runs step N: nothing in between may synchronize with the GPU (a list index or
     `torch.tensor(..., device=cuda)` copies from pageable memory and waits for the stream).
     Mixed steps with chunks that do not sample, greedy and sampled rows, seeded or not,
-    top-k/top-p/min-p: every launch and sampling call runs under torch's sync debug mode,
+    top-k/top-p/min-p, penalties, logit_bias, min_tokens: every launch and sampling call runs under torch's sync debug mode,
     which raises on any synchronizing call."""
     from engine.overlap import OverlapStepper
 
@@ -92,7 +92,11 @@ def test_overlap_launches_a_step_without_waiting_for_the_gpu(tiny_llama, monkeyp
               if i % 3 == 0 else
               SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.9,
                              top_k=20 if i % 2 else -1, min_p=0.05 if i % 4 == 1 else 0.0,
-                             seed=i if i % 5 == 1 else None)
+                             seed=i if i % 5 == 1 else None,
+                             repetition_penalty=1.2 if i % 4 == 2 else 1.0,
+                             frequency_penalty=0.5 if i % 8 == 5 else 0.0,
+                             logit_bias={7: 2.0} if i % 8 == 1 else None,
+                             min_tokens=3 if i % 7 == 4 else 0)
               for i in range(len(ps))]
     outs = llm.generate(ps, params)
     assert [len(o.token_ids) for o in outs] == [12] * len(ps)

@@ -71,19 +71,27 @@ def mixed_batch(seed: int, with_sync_requests: bool = False):
     return prompts, params
 
 
-def test_overlap_equals_sync_unconstrained(tiny_llama):
-    """In-flight tokens read on the device, requests finishing while their next step runs."""
-    prompts, params = mixed_batch(seed=3)
-    prompts, params = prompts[:12], params[:12]
-    kw = dict(model=tiny_llama, dtype="float32", max_total_tokens=600, chunked_prefill_size=48)
+def overlapped_equals_sync(kw: dict, prompts, params):
+    """Run the requests on a sync-stepped engine and an overlapped one (configs `kw`);
+    assert equal tokens and finish reasons. Returns (overlapped LLM, reference LLM, the
+    reference's outputs, the overlapped run's sync steps)."""
     reference = LLM(**kw)
     sync = reference.generate(prompts, params)
     llm = LLM(**kw)
     sync_steps = overlapped(llm)
     over = llm.generate(prompts, params)
-    assert not sync_steps
     for a, b in zip(over, sync):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+    return llm, reference, sync, sync_steps
+
+
+def test_overlap_equals_sync_unconstrained(tiny_llama):
+    """In-flight tokens read on the device, requests finishing while their next step runs."""
+    prompts, params = mixed_batch(seed=3)
+    prompts, params = prompts[:12], params[:12]
+    kw = dict(model=tiny_llama, dtype="float32", max_total_tokens=600, chunked_prefill_size=48)
+    llm, reference, _, sync_steps = overlapped_equals_sync(kw, prompts, params)
+    assert not sync_steps
     assert_same_work(llm, reference)
 
 
@@ -219,3 +227,41 @@ def drive_random_traffic(eng, prompts, params, alone, order, r: random.Random,
             assert (out.token_ids, out.finish_reason) == (expected, alone[i].finish_reason), i
     assert finished >= len(order) // 2
     return stats
+
+
+def penalized_batch(seed: int):
+    """Repetition, frequency and presence penalties, logit_bias and min_tokens (the tiny
+    model repeats itself, so the penalties change its outputs), greedy and seeded."""
+    r = random.Random(seed)
+    prompts, params = [], []
+    for i in range(14):
+        prompts.append([r.randint(3, 700) for _ in range(r.randint(3, 50))])
+        kw = [dict(repetition_penalty=3.0), dict(frequency_penalty=2.0),
+              dict(presence_penalty=2.0), dict(logit_bias={5: 40.0, 9: -3.0}),
+              dict(min_tokens=6, stop_token_ids=[r.randint(3, 700)]),
+              dict(repetition_penalty=0.5, frequency_penalty=1.0), dict()][i % 7]
+        sampling = dict(temperature=0.0) if i % 3 else dict(temperature=0.9, seed=i)
+        params.append(SamplingParams(max_tokens=4 + (i * 5) % 24, ignore_eos=i % 2 == 0,
+                                     **kw, **sampling))
+    return prompts, params
+
+
+@pytest.mark.parametrize("total_tokens", [4096, 160])
+def test_penalties_stay_overlapped_and_equal_sync(tiny_llama, total_tokens):
+    """Penalties read each request's tokens: counted on the device, the token in flight
+    included, so overlapped steps need no host sync and give the sync stepper's outputs,
+    with retractions too (160 slots)."""
+    prompts, params = penalized_batch(seed=5)
+    kw = dict(model=tiny_llama, dtype="float32", max_total_tokens=total_tokens,
+              chunked_prefill_size=32)
+    llm, _, sync, sync_steps = overlapped_equals_sync(kw, prompts, params)
+    assert not sync_steps
+    plain = LLM(**kw).generate(prompts, [SamplingParams(max_tokens=p.max_tokens,
+                                                        temperature=p.temperature, seed=p.seed,
+                                                        ignore_eos=p.ignore_eos) for p in params])
+    assert sum(a.token_ids != b.token_ids for a, b in zip(sync, plain)) >= 6  # penalties bite
+    assert_no_leak(llm.stats())
+    if total_tokens < 1000:
+        assert llm.stats()["preemptions"] > 0
+    stats = llm.engine.sampler.stats
+    assert not stats.slot and sorted(stats.free) == list(range(stats.table.shape[0]))
