@@ -14,9 +14,9 @@ step N's tokens are taken in after step N+1's forward is launched but before its
 is (the GPU runs the forward meanwhile). With jump-forward on they step in sync: the text a
 grammar forces after token N is only known once step N+1 has been planned without it, so
 overlapped, every jump would cost its request one extra step. Requests that need other
-host-side work between steps (logprobs, prompt logprobs) turn overlap off too while they are
-present. Penalties do not: the sampler counts each request's tokens on the device
-(engine/penalties.py), the one in flight included.
+host-side work between steps (prompt logprobs) turn overlap off too while they are present.
+Penalties do not: the sampler counts each request's tokens on the device (engine/penalties.py),
+the one in flight included; nor do logprobs: they are copied back with the tokens.
 
 The stepper also runs on CPUs (no events, no pinned memory), where it overlaps nothing but
 exercises the same bookkeeping; the engine only turns it on for CUDA.
@@ -37,8 +37,7 @@ from engine.sync_step import SyncStepper
 
 def needs_sync(req: Request, jump_forward: bool) -> bool:
     p = req.params
-    return bool(p.logprobs or p.top_logprobs
-                or p.prompt_logprobs_start is not None or (p.has_constraint and jump_forward))
+    return p.prompt_logprobs_start is not None or (p.has_constraint and jump_forward)
 
 
 @dataclass
@@ -50,6 +49,9 @@ class InFlight:
     tokens: torch.Tensor | None  # [len(reqs)] on the device
     host: torch.Tensor | None  # [len(reqs)] (pinned on CUDA), filled by a non-blocking copy
     done: torch.cuda.Event | None  # None on CPU, where the copy is done when issued
+    # When a request asked for logprobs: the sampler's (chosen, top values, top ids) for
+    # every row, copied back the same way (as the sync stepper, every row gets them)
+    logprobs: tuple | None = None
 
     def pending(self) -> PendingTokens | None:
         if self.tokens is None:
@@ -119,11 +121,16 @@ class OverlapStepper:
             logits = take_rows(logits, live)
             chunks = [chunks[j] for j in live]
         reqs = [c.req for c in chunks]
-        tokens = host = None
+        tokens = host = logprobs = None
         if reqs:
             tokens = self.sync.sampler.sample_tokens(logits, reqs, masks)
             host = self._host[self._launches % 2][:len(reqs)]
             host.copy_(tokens, non_blocking=self.cuda)
+            params = [r.params for r in reqs]
+            if any(p.logprobs or p.top_logprobs for p in params):
+                raw = torch.log_softmax(logits, dim=-1)  # before penalties and masks
+                logprobs = tuple(self._to_host(t) for t in
+                                 self.sync.sampler.logprobs_on_device(raw, tokens, params))
         self._launches += 1
         done = None
         if self.cuda:
@@ -131,7 +138,12 @@ class OverlapStepper:
             done.record()
         for req in reqs:
             req.inflight += 1
-        return InFlight(plan, reqs, tokens, host, done), self.processor.abort_failed(failed)
+        return InFlight(plan, reqs, tokens, host, done, logprobs), self.processor.abort_failed(failed)
+
+    def _to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or not self.cuda:
+            return t
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
     def drain(self) -> list[TokenUpdate]:
         """Wait for the in-flight step and take its tokens in."""
@@ -141,12 +153,20 @@ class OverlapStepper:
         if f.done is not None:
             f.done.synchronize()
         values = f.host.tolist() if f.host is not None else []
+        chosen = top = None
+        if f.logprobs is not None:
+            chosen, top = self.sync.sampler.logprobs_to_lists(*f.logprobs,
+                                                              [r.params for r in f.reqs])
         taken = []
-        for req, token in zip(f.reqs, values):
+        for k, (req, token) in enumerate(zip(f.reqs, values)):
             if req.status is Status.FINISHED:  # aborted, or finished by its previous token
                 continue
             req.inflight -= 1
             req.token_ids.append(token)
+            if chosen is not None:
+                req.output_logprobs.append(chosen[k])
+            if top is not None:
+                req.output_top_logprobs.append(top[k])
             taken.append((req, token))
         self.processor.cache_prefill_chunks(f.plan)
         # Jump-forward only without a later token in flight (the next step computed its

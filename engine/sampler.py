@@ -131,15 +131,29 @@ class Sampler:
     def gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params) -> tuple:
         """Each row's chosen token's logprob, and its top `top_logprobs` (id, logprob) pairs
         (None when no row asks for them)."""
-        chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        return Sampler.logprobs_to_lists(*Sampler.logprobs_on_device(raw, tokens, params), params)
+
+    @staticmethod
+    def logprobs_on_device(raw: torch.Tensor, tokens: torch.Tensor, params) -> tuple:
+        """(chosen [B], top values [B, k], top ids [B, k]) left on the device; the top ones
+        None when no row asks for them."""
+        chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)
         k = max(p.top_logprobs for p in params)
         if k == 0:
-            return chosen, None
+            return chosen, None, None
         values, indices = raw.topk(k, dim=-1)
+        return chosen, values, indices
+
+    @staticmethod
+    def logprobs_to_lists(chosen: torch.Tensor, values: torch.Tensor | None,
+                          indices: torch.Tensor | None, params) -> tuple:
+        """`logprobs_on_device`'s tensors (on the host by now) as `gather_logprobs` returns them."""
+        if values is None:
+            return chosen.tolist(), None
         values, indices = values.tolist(), indices.tolist()
         top = [list(zip(indices[i][:p.top_logprobs], values[i][:p.top_logprobs]))
                for i, p in enumerate(params)]
-        return chosen, top
+        return chosen.tolist(), top
 
 
 def _filter_top_k_top_p_min_p(probs: torch.Tensor, params, device) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -73,8 +74,8 @@ def mixed_batch(seed: int, with_sync_requests: bool = False):
 
 def overlapped_equals_sync(kw: dict, prompts, params):
     """Run the requests on a sync-stepped engine and an overlapped one (configs `kw`);
-    assert equal tokens and finish reasons. Returns (overlapped LLM, reference LLM, the
-    reference's outputs, the overlapped run's sync steps)."""
+    assert equal tokens and finish reasons. Returns (overlapped LLM, reference LLM, their
+    outputs, the overlapped run's sync steps)."""
     reference = LLM(**kw)
     sync = reference.generate(prompts, params)
     llm = LLM(**kw)
@@ -82,7 +83,7 @@ def overlapped_equals_sync(kw: dict, prompts, params):
     over = llm.generate(prompts, params)
     for a, b in zip(over, sync):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
-    return llm, reference, sync, sync_steps
+    return llm, reference, over, sync, sync_steps
 
 
 def test_overlap_equals_sync_unconstrained(tiny_llama):
@@ -90,7 +91,7 @@ def test_overlap_equals_sync_unconstrained(tiny_llama):
     prompts, params = mixed_batch(seed=3)
     prompts, params = prompts[:12], params[:12]
     kw = dict(model=tiny_llama, dtype="float32", max_total_tokens=600, chunked_prefill_size=48)
-    llm, reference, _, sync_steps = overlapped_equals_sync(kw, prompts, params)
+    llm, reference, _, _, sync_steps = overlapped_equals_sync(kw, prompts, params)
     assert not sync_steps
     assert_same_work(llm, reference)
 
@@ -135,11 +136,29 @@ def test_overlap_under_memory_pressure(tiny_llama):
     assert_no_leak(llm.stats())
 
 
-def test_overlap_falls_back_to_sync_for_logprobs(tiny_llama):
-    llm = LLM(model=tiny_llama, dtype="float32", max_total_tokens=2048)
-    sync_steps = overlapped(llm)
-    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, logprobs=True, temperature=0.0))
-    assert sync_steps and len(out[0].logprobs) == 5
+def test_logprobs_stay_overlapped_and_equal_sync(tiny_llama):
+    """Logprobs and top logprobs are copied back with the tokens: no sync steps, and the
+    same values as sync stepping (with penalties, grammars and plain requests beside)."""
+    prompts, params = mixed_batch(seed=4, with_sync_requests=True)
+    more, more_params = penalized_batch(seed=6)
+    prompts, params = prompts + more[:6], params + more_params[:6]
+    for i in (0, 3, 14, 27):
+        params[i] = replace(params[i], logprobs=True, top_logprobs=i % 4 + 1)
+    kw = dict(model=tiny_llama, dtype="float32", max_total_tokens=8192, chunked_prefill_size=40,
+              enable_jump_forward=False)
+    _, _, over, sync, sync_steps = overlapped_equals_sync(kw, prompts, params)
+    assert not sync_steps
+    for a, b, p in zip(over, sync, params):  # (steps batch rows differently: float noise)
+        assert (a.logprobs is None) == (b.logprobs is None)
+        if a.logprobs is not None:
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+        for x, y in zip(a.top_logprobs or [], b.top_logprobs or []):
+            assert [t for t, _ in x] == [t for t, _ in y]
+            assert [v for _, v in x] == pytest.approx([v for _, v in y], abs=1e-4)
+        if p.logprobs:
+            assert len(a.logprobs) == len(a.token_ids)
+        if p.top_logprobs:
+            assert [len(t) for t in a.top_logprobs] == [p.top_logprobs] * len(a.token_ids)
 
 
 def abort_mid_stream(eng: AsyncEngine, prompt, params: SamplingParams, after: int = 5):
@@ -254,7 +273,7 @@ def test_penalties_stay_overlapped_and_equal_sync(tiny_llama, total_tokens):
     prompts, params = penalized_batch(seed=5)
     kw = dict(model=tiny_llama, dtype="float32", max_total_tokens=total_tokens,
               chunked_prefill_size=32)
-    llm, _, sync, sync_steps = overlapped_equals_sync(kw, prompts, params)
+    llm, _, _, sync, sync_steps = overlapped_equals_sync(kw, prompts, params)
     assert not sync_steps
     plain = LLM(**kw).generate(prompts, [SamplingParams(max_tokens=p.max_tokens,
                                                         temperature=p.temperature, seed=p.seed,
