@@ -19,7 +19,7 @@ from engine.layers import set_fused_kernels
 from engine.layers.parallel import TPContext
 from engine.models import load_hf_config, load_model, resolve_device, resolve_dtype
 from engine.models.llama import head_dim_of
-from engine.prompt_logprobs import PromptLogprob, PromptTargets
+from engine.prompt_logprobs import PromptScores, PromptTargets
 from engine.quantization.fp8 import FP8
 from engine.staging import PinnedUploader
 from engine.step_input import PackedStep, PendingTokens, StepInput
@@ -203,11 +203,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan, pending: PendingTokens | None = None
-                ) -> tuple[torch.Tensor, list[PromptLogprob]]:
+                ) -> tuple[torch.Tensor, PromptScores]:
         """Logits [num_chunks, vocab] (float32) of each chunk's last new token (of every
         position of a chunk with a draft, in order: 1 + len(draft) rows), and the
-        prompt-token logprobs the step's requests asked for, as (request, position, value,
-        top): `top` is the position's params.top_logprobs best (token, logprob), or None.
+        prompt-token logprobs the step's requests asked for, still on the device
+        (`PromptScores.resolve()`: (request, position, value, top) rows, `top` the position's
+        params.top_logprobs best (token, logprob) or None).
         At tp > 1 (this is rank 0) the other ranks get the step first and run it alongside.
         `pending`: the in-flight step's tokens, some of which are this step's inputs
         (overlap scheduling, tp 1 only)."""
@@ -217,8 +218,8 @@ class ModelRunner:
             self.tp.send_step(CMD_FORWARD, step)
         logits, prompt_logits = self.execute(step, pending.tokens if pending else None)
         if prompt_logits is None:
-            return logits, []
-        return logits, targets.logprobs(prompt_logits)
+            return logits, PromptScores([], [])
+        return logits, targets.scores(prompt_logits)
 
     @torch.inference_mode()
     def execute(self, step: PackedStep, pending_tokens: torch.Tensor | None = None

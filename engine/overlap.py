@@ -13,10 +13,10 @@ token masks need the grammar state after step N's tokens, so in a step that samp
 step N's tokens are taken in after step N+1's forward is launched but before its sampling
 is (the GPU runs the forward meanwhile). With jump-forward on they step in sync: the text a
 grammar forces after token N is only known once step N+1 has been planned without it, so
-overlapped, every jump would cost its request one extra step. Requests that need other
-host-side work between steps (prompt logprobs) turn overlap off too while they are present.
-Penalties do not: the sampler counts each request's tokens on the device (engine/penalties.py),
-the one in flight included; nor do logprobs: they are copied back with the tokens.
+overlapped, every jump would cost its request one extra step.
+Penalties need no host work: the sampler counts each request's tokens on the device
+(engine/penalties.py), the one in flight included; logprobs and prompt logprobs are copied
+back with the tokens and taken in at the drain.
 
 The stepper also runs on CPUs (no events, no pinned memory), where it overlaps nothing but
 exercises the same bookkeeping; the engine only turns it on for CUDA.
@@ -29,15 +29,15 @@ import torch
 
 from engine.step_input import PendingTokens
 from engine.output_processor import TokenUpdate
+from engine.prompt_logprobs import PromptScores
 from engine.request import Request, Status
 from engine.step_plan import Chunk, StepPlan
-from engine.staging import take_rows
+from engine.staging import take_rows, to_host
 from engine.sync_step import SyncStepper
 
 
 def needs_sync(req: Request, jump_forward: bool) -> bool:
-    p = req.params
-    return p.prompt_logprobs_start is not None or (p.has_constraint and jump_forward)
+    return req.params.has_constraint and jump_forward
 
 
 @dataclass
@@ -52,6 +52,7 @@ class InFlight:
     # When a request asked for logprobs: the sampler's (chosen, top values, top ids) for
     # every row, copied back the same way (as the sync stepper, every row gets them)
     logprobs: tuple | None = None
+    prompt: PromptScores | None = None  # the step's prompt logprobs, copied back the same way
 
     def pending(self) -> PendingTokens | None:
         if self.tokens is None:
@@ -85,26 +86,27 @@ class OverlapStepper:
         plan = sched.schedule()
         if plan is None:
             return self.drain()
-        logits, chunks = self._forward(plan)
+        logits, chunks, prompt = self._forward(plan)
         if any(c.req.grammar is not None for c in chunks):
             updates = self.drain()  # the grammars take in step N's tokens first
-            launched, failed = self._sample(plan, logits, chunks, constrained=True)
+            launched, failed = self._sample(plan, logits, chunks, prompt, constrained=True)
             updates += failed
         else:
-            launched, _ = self._sample(plan, logits, chunks, constrained=False)
+            launched, _ = self._sample(plan, logits, chunks, prompt, constrained=False)
             updates = self.drain()
         self.inflight = launched
         return updates
 
-    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[Chunk]]:
-        """Launch the forward; its logits rows are the plan's sampling chunks, in order."""
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[Chunk], PromptScores]:
+        """Launch the forward; its logits rows are the plan's sampling chunks, in order, and
+        the step's prompt logprobs still on the device."""
         pending = self.inflight.pending() if self.inflight is not None else None
-        logits, _ = self.runner.forward(plan, pending)
+        logits, prompt = self.runner.forward(plan, pending)
         sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
-        return take_rows(logits, sampling), [plan.chunks[i] for i in sampling]
+        return take_rows(logits, sampling), [plan.chunks[i] for i in sampling], prompt
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor, chunks: list[Chunk],
-                constrained: bool) -> tuple[InFlight, list[TokenUpdate]]:
+                prompt: PromptScores, constrained: bool) -> tuple[InFlight, list[TokenUpdate]]:
         """Launch sampling for the chunks that still sample, under their grammar masks when
         `constrained`; returns the in-flight step and updates for requests whose grammar
         failed to compile."""
@@ -129,21 +131,18 @@ class OverlapStepper:
             params = [r.params for r in reqs]
             if any(p.logprobs or p.top_logprobs for p in params):
                 raw = torch.log_softmax(logits, dim=-1)  # before penalties and masks
-                logprobs = tuple(self._to_host(t) for t in
+                logprobs = tuple(to_host(t) for t in
                                  self.sync.sampler.logprobs_on_device(raw, tokens, params))
+        scores = prompt.to_host() if prompt.owners else None
         self._launches += 1
         done = None
-        if self.cuda:
+        if self.cuda:  # after every copy above: the drain waits on it
             done = torch.cuda.Event()
             done.record()
         for req in reqs:
             req.inflight += 1
-        return InFlight(plan, reqs, tokens, host, done, logprobs), self.processor.abort_failed(failed)
-
-    def _to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None or not self.cuda:
-            return t
-        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+        return (InFlight(plan, reqs, tokens, host, done, logprobs, scores),
+                self.processor.abort_failed(failed))
 
     def drain(self) -> list[TokenUpdate]:
         """Wait for the in-flight step and take its tokens in."""
@@ -152,6 +151,8 @@ class OverlapStepper:
             return []
         if f.done is not None:
             f.done.synchronize()
+        if f.prompt is not None:
+            self.processor.take_prompt_logprobs(f.prompt.resolve())
         values = f.host.tolist() if f.host is not None else []
         chosen = top = None
         if f.logprobs is not None:

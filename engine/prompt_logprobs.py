@@ -1,5 +1,6 @@
 """Prompt logprobs (`SamplingParams.prompt_logprobs_start`): which token rows of a step
-score prompt tokens, and their values once the step has run."""
+score prompt tokens, and their values once the step has run (as tensors first, so the
+overlap scheduler can bring them back with the step's tokens)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request
+from engine.staging import to_device, to_host
 from engine.step_plan import StepPlan
 
 # (request, prompt position, logprob, top: the position's top_logprobs (token, logprob) or None)
@@ -40,19 +42,42 @@ class PromptTargets:
             t += chunk.num_tokens
         return cls(rows, tokens, owners)
 
-    def logprobs(self, logits: torch.Tensor) -> list[PromptLogprob]:
-        """`logits`: one row per target, in order."""
+    def scores(self, logits: torch.Tensor) -> PromptScores:
+        """`logits`: one row per target, in order. Left on their device (no host sync)."""
         logprobs = torch.log_softmax(logits, dim=-1)
-        index = torch.tensor(self.tokens, device=logprobs.device).unsqueeze(1)
-        values = logprobs.gather(1, index).squeeze(1).tolist()
-        return [(req, pos, v, top) for (req, pos), v, top
-                in zip(self.owners, values, self._top(logprobs))]
-
-    def _top(self, logprobs: torch.Tensor) -> list[list | None]:
-        """Each row's top-k (token, logprob), k = its request's top_logprobs (0: None)."""
+        index = to_device(self.tokens, torch.long, logprobs.device).unsqueeze(1)
+        values = logprobs.gather(1, index).squeeze(1)
         ks = [req.params.top_logprobs for req, _ in self.owners]
-        if not any(ks):
-            return [None] * len(ks)
-        values, ids = logprobs.topk(max(ks), dim=-1)
-        values, ids = values.tolist(), ids.tolist()
-        return [list(zip(ids[i][:k], values[i][:k])) if k else None for i, k in enumerate(ks)]
+        top_values = top_ids = None
+        if any(ks):
+            top_values, top_ids = logprobs.topk(max(ks), dim=-1)
+        return PromptScores(self.owners, ks, values, top_values, top_ids)
+
+
+@dataclass
+class PromptScores:
+    """A step's prompt logprobs as tensors: each target's value, and the top `ks[i]` of
+    its row (tensors absent when no target asks); `resolve` turns them into rows."""
+
+    owners: list[tuple[Request, int]]
+    ks: list[int]
+    values: torch.Tensor | None = None
+    top_values: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+
+    def to_host(self) -> PromptScores:
+        """Non-blocking copies into pinned memory (there once the stream passes them)."""
+        return PromptScores(self.owners, self.ks, to_host(self.values), to_host(self.top_values),
+                            to_host(self.top_ids))
+
+    def resolve(self) -> list[PromptLogprob]:
+        """(request, position, logprob, top) per target (waits for the values)."""
+        if not self.owners:
+            return []
+        values = self.values.tolist()
+        tops: list[list | None] = [None] * len(self.ks)
+        if self.top_values is not None:
+            top_values, top_ids = self.top_values.tolist(), self.top_ids.tolist()
+            tops = [list(zip(top_ids[i][:k], top_values[i][:k])) if k else None
+                    for i, k in enumerate(self.ks)]
+        return [(req, pos, v, top) for (req, pos), v, top in zip(self.owners, values, tops)]

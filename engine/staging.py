@@ -49,3 +49,11 @@ def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if rows == list(range(t.shape[0])):
         return t
     return t.index_select(0, to_device(rows, torch.long, t.device))
+
+
+def to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A device tensor's non-blocking copy into pinned host memory: its values are there
+    once the stream has passed the copy (wait on an event recorded after it)."""
+    if t is None or not t.is_cuda:
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)

@@ -30,7 +30,7 @@ class SyncStepper:
         if plan is None:
             return []
         logits, prompt_logprobs = self.runner.forward(plan)
-        self.processor.take_prompt_logprobs(prompt_logprobs)
+        self.processor.take_prompt_logprobs(prompt_logprobs.resolve())
         updates = []
         if self.speculator is not None and any(c.draft for c in plan.chunks):
             plan, logits, updates = self.speculator.take_verdicts(plan, logits, self.processor)

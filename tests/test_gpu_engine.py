@@ -69,7 +69,7 @@ def test_overlap_launches_a_step_without_waiting_for_the_gpu(tiny_llama, monkeyp
     GPU runs step N: nothing in between may synchronize with the GPU (a list index or
     `torch.tensor(..., device=cuda)` copies from pageable memory and waits for the stream).
     Mixed steps with chunks that do not sample, greedy and sampled rows, seeded or not,
-    top-k/top-p/min-p, penalties, logit_bias, min_tokens, logprobs: every launch and sampling call runs under torch's sync debug mode,
+    top-k/top-p/min-p, penalties, logit_bias, min_tokens, logprobs, prompt logprobs: every launch and sampling call runs under torch's sync debug mode,
     which raises on any synchronizing call."""
     from engine.overlap import OverlapStepper
 
@@ -97,7 +97,8 @@ def test_overlap_launches_a_step_without_waiting_for_the_gpu(tiny_llama, monkeyp
                              frequency_penalty=0.5 if i % 8 == 5 else 0.0,
                              logit_bias={7: 2.0} if i % 8 == 1 else None,
                              min_tokens=3 if i % 7 == 4 else 0,
-                             logprobs=i % 6 == 1, top_logprobs=2 if i % 12 == 1 else 0)
+                             logprobs=i % 6 == 1, top_logprobs=2 if i % 12 == 1 else 0,
+                             prompt_logprobs_start=0 if i % 9 == 4 else None)
               for i in range(len(ps))]
     outs = llm.generate(ps, params)
     assert [len(o.token_ids) for o in outs] == [12] * len(ps)

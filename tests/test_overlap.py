@@ -137,13 +137,18 @@ def test_overlap_under_memory_pressure(tiny_llama):
 
 
 def test_logprobs_stay_overlapped_and_equal_sync(tiny_llama):
-    """Logprobs and top logprobs are copied back with the tokens: no sync steps, and the
-    same values as sync stepping (with penalties, grammars and plain requests beside)."""
+    """Logprobs, top logprobs and prompt logprobs are copied back with the tokens: no sync
+    steps, and the same values as sync stepping (with penalties, grammars and plain requests
+    beside)."""
     prompts, params = mixed_batch(seed=4, with_sync_requests=True)
     more, more_params = penalized_batch(seed=6)
     prompts, params = prompts + more[:6], params + more_params[:6]
     for i in (0, 3, 14, 27):
         params[i] = replace(params[i], logprobs=True, top_logprobs=i % 4 + 1)
+    for i, start in ((1, 0), (4, 5), (11, 0), (28, 2)):  # prompt logprobs: chunks of 40
+        params[i] = replace(params[i], prompt_logprobs_start=start, top_logprobs=i % 3)
+    prompts[11] = prompts[11] * 4  # chunks that sample nothing
+    assert len(prompts[11]) > 80
     kw = dict(model=tiny_llama, dtype="float32", max_total_tokens=8192, chunked_prefill_size=40,
               enable_jump_forward=False)
     _, _, over, sync, sync_steps = overlapped_equals_sync(kw, prompts, params)
@@ -157,8 +162,14 @@ def test_logprobs_stay_overlapped_and_equal_sync(tiny_llama):
             assert [v for _, v in x] == pytest.approx([v for _, v in y], abs=1e-4)
         if p.logprobs:
             assert len(a.logprobs) == len(a.token_ids)
-        if p.top_logprobs:
+        if p.top_logprobs and p.logprobs:
             assert [len(t) for t in a.top_logprobs] == [p.top_logprobs] * len(a.token_ids)
+        if p.prompt_logprobs_start is not None:
+            assert a.prompt_logprobs[p.prompt_logprobs_start + 1:] == pytest.approx(
+                b.prompt_logprobs[p.prompt_logprobs_start + 1:], abs=1e-4)
+            assert len(a.prompt_logprobs) == len(a.prompt_token_ids)
+            for x, y in zip(a.prompt_top_logprobs or [], b.prompt_top_logprobs or []):
+                assert (x is None) == (y is None) and [t for t, _ in x or []] == [t for t, _ in y or []]
 
 
 def abort_mid_stream(eng: AsyncEngine, prompt, params: SamplingParams, after: int = 5):
