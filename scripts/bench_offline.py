@@ -831,6 +831,9 @@ def main() -> None:
                          "e.g. --engine cuda_graph_max_extend_tokens=0")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample the W1-W3 requests at this temperature (top_p 0.95) instead of greedy")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="every request's (1.05: Qwen2.5-Instruct's generation_config, which the "
+                         "app applies by default)")
     ap.add_argument("--quantization", choices=["fp8"], default=None,
                     help="FP8 weights (issue 19): the same as --engine quantization=fp8")
     ap.add_argument("--kv-cache-dtype", choices=["fp8_e4m3"], default=None,
@@ -838,6 +841,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.temperature:
         REQUEST_SAMPLING.update(temperature=args.temperature, top_p=0.95)
+    if args.repetition_penalty != 1.0:
+        REQUEST_SAMPLING.update(repetition_penalty=args.repetition_penalty)
     ENGINE_OVERRIDES.update(parse_overrides(args.engine))
     ENGINE_OVERRIDES.update({key: value for key, value in (("quantization", args.quantization),
                                                            ("kv_cache_dtype", args.kv_cache_dtype))
