@@ -10,7 +10,7 @@
 #   2: carry [".whl/c2"], command: bash scripts/gpu_serve_check.sh
 # PARTS (default "serve,offline,path") picks what runs; "profile" adds py-spy of the engine
 # replica and an ingress during W2 over HTTP; "gil" runs batch-1 and W2 again with the
-# replica's GIL switch interval at 0.5 ms ("sw05": that under "tput"'s mode); "fast" runs them under Ray's high-throughput mode (the README's, scripts/serve.sh), and with "sampled" W2 again at temperature 1
+# replica's GIL switch interval at 0.5 ms ("sw05": that under "tput"'s mode); "fast" runs them under Ray's high-throughput mode (the README's, scripts/serve.sh), and with "sampled" W2 again at temperature 1, then also with top_p 0.95 and repetition_penalty 1.05
 # (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, RAY_SERVE_ENABLE_HA_PROXY=1); "tput" under the first of
 # those alone (no HAProxy: none of its caveats, docs/deploy.md); "process" runs batch-1 and W2
 # with the engine's step loop in a child process of the replica (engine_process: true), and
@@ -97,14 +97,14 @@ out = sys.argv[1]
 def load(name):
     path = os.path.join(out, name)
     return json.load(open(path)) if os.path.exists(path) else None
-print(f"\n{'run':<12} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT mean':>9} {'ITL p50':>8} {'ITL mean':>8} {'TPOT':>7} {'ok':>5} {'fail':>5}")
+print(f"\n{'run':<16} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT mean':>9} {'ITL p50':>8} {'ITL mean':>8} {'TPOT':>7} {'ok':>5} {'fail':>5}")
 for name in ("batch1", "batch1short", "w2", "poisson4", "poisson16", "poisson64", "gil_batch1", "gil_w2",
-             "fast_batch1", "fast_batch1short", "fast_w2", "fast_poisson64", "fast_w2_t1", "tput_batch1",
+             "fast_batch1", "fast_batch1short", "fast_w2", "fast_poisson64", "fast_w2_t1", "fast_w2_sampled", "tput_batch1",
              "tput_batch1short", "tput_w2", "sw05_batch1", "sw05_w2", "proc_batch1", "proc_w2"):
     m = load(f"http_{name}.json")
     if m:
         m = m.get("metrics", m)
-        print(f"{name:<12} {m['output_throughput']:>10.0f} {m['ttft_ms_p50']:>9.1f} {m['ttft_ms_mean']:>9.1f} "
+        print(f"{name:<16} {m['output_throughput']:>10.0f} {m['ttft_ms_p50']:>9.1f} {m['ttft_ms_mean']:>9.1f} "
               f"{m['itl_ms_p50']:>8.2f} {m['itl_ms_mean']:>8.2f} {m['tpot_ms_mean']:>7.2f} {m['completed']:>5} {m['failed']:>5}")
 off = load("offline.json")
 if off:
@@ -160,9 +160,12 @@ if [[ $PARTS == *fast* ]]; then  # the same app with Ray's high-throughput mode:
     bench fast_w2 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
       --question-len 128 --output-len 256
     bench fast_poisson64 --num-prompts 640 --input-len 512 --output-len 128 --request-rate 64
-    if [[ $PARTS == *sampled* ]]; then  # W2 again, every request sampled at temperature 1
+    if [[ $PARTS == *sampled* ]]; then  # W2 again, sampled: temperature 1; then with top_p and a penalty
       bench fast_w2_t1 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
         --question-len 128 --output-len 256 --temperature 1.0
+      bench fast_w2_sampled --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
+        --question-len 128 --output-len 256 --temperature 1.0 \
+        --extra-body '{"top_p": 0.95, "repetition_penalty": 1.05}'
     fi
   fi
   serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1
