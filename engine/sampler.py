@@ -3,6 +3,7 @@ per-request seeds, and log-probabilities of the chosen and the top tokens."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+import os
 
 import torch
 
@@ -10,6 +11,8 @@ from engine.layers.argmax import argmax_rows
 from engine.request import Request
 from engine.penalties import TokenStats, counts_from_lists, penalize
 from engine.staging import take_rows, to_device
+
+SORT_FREE_CUT = os.environ.get("RADIXSERVE_SORT_FREE_CUT", "1") != "0"
 
 
 @dataclass
@@ -157,10 +160,21 @@ class Sampler:
 
 
 def _filter_top_k_top_p_min_p(probs: torch.Tensor, params, device) -> torch.Tensor:
-    """Zero the probabilities of tokens outside each row's top-k / top-p / min-p set."""
+    """Zero the probabilities of tokens outside each row's top-k / top-p / min-p set: on a
+    GPU by one threshold per row (engine/layers/sampling_cut.py, no sort; ties at the cut
+    all kept; RADIXSERVE_SORT_FREE_CUT=0 for the sort), else by sorting each row."""
     if all(p.top_k == -1 and p.top_p >= 1.0 and p.min_p == 0.0 for p in params):
         return probs
     vocab = probs.shape[1]
+    if probs.is_cuda and probs.dtype == torch.float32 and SORT_FREE_CUT:
+        from engine.layers.sampling_cut import sampling_cut
+
+        cut = sampling_cut(
+            probs, to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int32, device),
+            to_device([p.top_p for p in params], torch.float32, device),
+            to_device([p.min_p for p in params], torch.float32, device),
+            find_k=any(p.top_k > 0 for p in params), find_p=any(p.top_p < 1.0 for p in params))
+        return probs.masked_fill(probs < cut.unsqueeze(1), 0.0)
     top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.long, device)
     top_p = to_device([p.top_p for p in params], probs.dtype, device)
     min_p = to_device([p.min_p for p in params], probs.dtype, device)
