@@ -13,6 +13,17 @@ from engine.penalties import TokenStats, counts_from_lists, penalize
 from engine.staging import take_rows, to_device
 
 SORT_FREE_CUT = os.environ.get("RADIXSERVE_SORT_FREE_CUT", "1") != "0"
+# The cut gives each row one program, ~1-2 ms a wave of 132 rows with top-k or top-p at a
+# 128k vocabulary; the sort costs ~0.9 ms at 1 row, 1.4 at 64, 8.4 at 512 (H200, 2026-12-03,
+# scripts/bench_sampler.py: cut 1.9 / 2.1 / 5.6 ms for top_p, 1.4 / 1.6 / 3.9 for top_k).
+# So top-k and top-p take the cut from a few waves of rows on; min-p alone (one pass, no
+# search: 0.6-1.6 ms) always does.
+SORT_FREE_MIN_ROWS = 256
+
+
+def takes_the_cut(rows: int, find_k: bool, find_p: bool) -> bool:
+    """Whether a GPU batch filters by the sort-free cut rather than the sort."""
+    return SORT_FREE_CUT and (rows >= SORT_FREE_MIN_ROWS or not (find_k or find_p))
 
 
 @dataclass
@@ -161,19 +172,19 @@ class Sampler:
 
 def _filter_top_k_top_p_min_p(probs: torch.Tensor, params, device) -> torch.Tensor:
     """Zero the probabilities of tokens outside each row's top-k / top-p / min-p set: on a
-    GPU by one threshold per row (engine/layers/sampling_cut.py, no sort; ties at the cut
-    all kept; RADIXSERVE_SORT_FREE_CUT=0 for the sort), else by sorting each row."""
+    GPU, for large batches or min-p alone, by one threshold per row (`takes_the_cut`,
+    engine/layers/sampling_cut.py; ties at the cut all kept), else by sorting each row."""
     if all(p.top_k == -1 and p.top_p >= 1.0 and p.min_p == 0.0 for p in params):
         return probs
-    vocab = probs.shape[1]
-    if probs.is_cuda and probs.dtype == torch.float32 and SORT_FREE_CUT:
+    rows, vocab = probs.shape
+    find_k, find_p = any(p.top_k > 0 for p in params), any(p.top_p < 1.0 for p in params)
+    if probs.is_cuda and probs.dtype == torch.float32 and takes_the_cut(rows, find_k, find_p):
         from engine.layers.sampling_cut import sampling_cut
 
         cut = sampling_cut(
             probs, to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int32, device),
             to_device([p.top_p for p in params], torch.float32, device),
-            to_device([p.min_p for p in params], torch.float32, device),
-            find_k=any(p.top_k > 0 for p in params), find_p=any(p.top_p < 1.0 for p in params))
+            to_device([p.min_p for p in params], torch.float32, device), find_k, find_p)
         return probs.masked_fill(probs < cut.unsqueeze(1), 0.0)
     top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.long, device)
     top_p = to_device([p.top_p for p in params], probs.dtype, device)

@@ -68,7 +68,7 @@ def test_under_the_interpreter():
     pytest.importorskip("triton")
     from triton_on_cpu import run_under_interpreter
 
-    run_under_interpreter("test_sampling_cut.py")
+    run_under_interpreter("test_sampling_cut.py", select="not sampler_with_the_cut")  # GPU-only
 
 
 def test_compiles_for_hopper():
@@ -82,3 +82,30 @@ def test_compiles_for_hopper():
                                            V="i32", stride_p="i32"),
                          dict(PIVOTS=PIVOTS, PASSES=PASSES, BLOCK=BLOCK, FIND_K=find_k,
                               FIND_P=find_p))
+
+
+def test_sampler_takes_the_cut_for_large_batches_and_min_p():
+    """The sort stays faster for top-k / top-p below a few waves of rows (engine/sampler.py)."""
+    from engine.sampler import SORT_FREE_MIN_ROWS, takes_the_cut
+
+    assert not takes_the_cut(1, find_k=False, find_p=True)
+    assert not takes_the_cut(SORT_FREE_MIN_ROWS - 1, find_k=True, find_p=False)
+    assert takes_the_cut(SORT_FREE_MIN_ROWS, find_k=True, find_p=True)
+    assert takes_the_cut(1, find_k=False, find_p=False)  # min-p alone
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the sampler takes the cut on GPUs")
+def test_sampler_with_the_cut_samples_only_kept_tokens():
+    """A batch large enough for the cut: every sampled token is among its row's top 2."""
+    from engine.request import Request
+    from engine.sampler import SORT_FREE_MIN_ROWS, Sampler
+    from engine.sampling_params import SamplingParams
+
+    rows = SORT_FREE_MIN_ROWS + 3
+    logits = torch.randn(rows, 5000, device="cuda") * 2
+    reqs = [Request(f"r{i}", [1, 2], SamplingParams(max_tokens=2, temperature=1.0, top_k=2))
+            for i in range(rows)]
+    tokens = Sampler(torch.device("cuda")).sample_tokens(logits, reqs)
+    top2 = logits.topk(2, dim=1).indices
+    assert (top2 == tokens[:, None]).any(dim=1).all()
