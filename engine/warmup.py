@@ -17,7 +17,8 @@ real requests through the engine that reach each of them:
 - a prompt that hits the radix cache (extend over a cached prefix), alone and eager;
 - a mixed step: decoding requests plus a new prompt's prefill in one batch; and eager mixed
   steps whose decoders take the decode kernel at every launch it can make there;
-- sampled (temperature, top-p, top-k) as well as greedy requests;
+- sampled (temperature, top-p, top-k) as well as greedy requests, and the sort-free top-k /
+  top-p / min-p cut that large sampled batches take (launched directly: `compile_variants`);
 - eager decode at every (split count, kernel config) the decode heuristics can pick for a
   batch no decode graph covers (batches above cuda_graph_max_bs, or graphs off), plain and
   with a shared cached prefix (radix-grouped decode).
@@ -106,6 +107,10 @@ def warm_up(engine, force: bool = False) -> dict:
             report["steps"] += _run_wave(engine, wave)
             report["waves"] += 1
             report["requests"] += len(wave)
+        if engine.runner.device.type == "cuda":
+            from engine.layers.sampling_cut import compile_variants
+
+            compile_variants(engine.runner.vocab_size, engine.runner.device)
         after = compiled_kernels()
         report["kernels_compiled"] = sum(after.values()) - sum(before.values())
         _reset(engine)

@@ -64,6 +64,18 @@ def test_cut_with_ties_keeps_all_of_them():
     assert ((probs >= cut[:, None]) == torch.tensor([[True, True, True, True, False]])).all()
 
 
+@on_device
+def test_compile_variants_launches_each_variant(monkeypatch):
+    """The warm-up's launches (engine/warmup.py): top-k and top-p, each alone, min-p alone."""
+    import engine.layers.sampling_cut as cut
+
+    seen = []
+    real = cut.sampling_cut
+    monkeypatch.setattr(cut, "sampling_cut", lambda *a: seen.append(a[4:]) or real(*a))
+    cut.compile_variants(300, torch.device(DEVICE))
+    assert sorted(seen) == [(False, False), (False, True), (True, False), (True, True)]
+
+
 def test_under_the_interpreter():
     pytest.importorskip("triton")
     from triton_on_cpu import run_under_interpreter

@@ -102,3 +102,15 @@ def sampling_cut(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                          PIVOTS=PIVOTS, PASSES=PASSES, BLOCK=BLOCK, FIND_K=find_k, FIND_P=find_p,
                          **pdl_launch(probs.device))
     return cut
+
+
+def compile_variants(vocab: int, device: torch.device) -> None:
+    """Launch each variant of the cut once (top-k and top-p, either alone, or min-p alone)
+    on one row of the served vocabulary: the engine's warm-up (engine/warmup.py), so the
+    first large sampled batch compiles nothing."""
+    probs = torch.full((1, vocab), 1.0 / vocab, device=device)
+    top_k = torch.full((1,), vocab, dtype=torch.int32, device=device)
+    top_p = torch.ones(1, device=device)
+    min_p = torch.zeros(1, device=device)
+    for find_k, find_p in ((True, True), (True, False), (False, True), (False, False)):
+        sampling_cut(probs, top_k, top_p, min_p, find_k, find_p)
