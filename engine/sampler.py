@@ -17,8 +17,8 @@ SORT_FREE_CUT = os.environ.get("RADIXSERVE_SORT_FREE_CUT", "1") != "0"
 # 128k vocabulary; the sort costs ~0.9 ms at 1 row, 1.4 at 64, 8.4 at 512 (H200, 2026-12-03,
 # scripts/bench_sampler.py: cut 1.9 / 2.1 / 5.6 ms for top_p, 1.4 / 1.6 / 3.9 for top_k).
 # So top-k and top-p take the cut from a few waves of rows on; min-p alone (one pass, no
-# search: 0.6-1.6 ms) always does.
-SORT_FREE_MIN_ROWS = 256
+# search: 0.6-1.6 ms) always does. RADIXSERVE_SORT_FREE_MIN_ROWS moves the line (A/B runs).
+SORT_FREE_MIN_ROWS = int(os.environ.get("RADIXSERVE_SORT_FREE_MIN_ROWS", "256"))
 
 
 def takes_the_cut(rows: int, find_k: bool, find_p: bool) -> bool:
