@@ -161,10 +161,11 @@ if [[ $PARTS == *fast* ]]; then  # the same app with Ray's high-throughput mode:
       --question-len 128 --output-len 256
     bench fast_poisson64 --num-prompts 640 --input-len 512 --output-len 128 --request-rate 64
     if [[ $PARTS == *sampled* ]]; then  # W2 again, sampled: temperature 1; then with top_p and a penalty
+      # other seeds: prompts the greedy run has not cached (the same ones were all radix hits)
       bench fast_w2_t1 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
-        --question-len 128 --output-len 256 --temperature 1.0
+        --question-len 128 --output-len 256 --temperature 1.0 --seed 1
       bench fast_w2_sampled --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
-        --question-len 128 --output-len 256 --temperature 1.0 \
+        --question-len 128 --output-len 256 --temperature 1.0 --seed 2 \
         --extra-body '{"top_p": 0.95, "repetition_penalty": 1.05}'
     fi
   fi
