@@ -178,17 +178,14 @@ def _filter_top_k_top_p_min_p(probs: torch.Tensor, params, device) -> torch.Tens
         return probs
     rows, vocab = probs.shape
     find_k, find_p = any(p.top_k > 0 for p in params), any(p.top_p < 1.0 for p in params)
+    top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int32, device)
+    top_p = to_device([p.top_p for p in params], probs.dtype, device)
+    min_p = to_device([p.min_p for p in params], probs.dtype, device)
     if probs.is_cuda and probs.dtype == torch.float32 and takes_the_cut(rows, find_k, find_p):
         from engine.layers.sampling_cut import sampling_cut
 
-        cut = sampling_cut(
-            probs, to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int32, device),
-            to_device([p.top_p for p in params], torch.float32, device),
-            to_device([p.min_p for p in params], torch.float32, device), find_k, find_p)
+        cut = sampling_cut(probs, top_k, top_p, min_p, find_k, find_p)
         return probs.masked_fill(probs < cut.unsqueeze(1), 0.0)
-    top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.long, device)
-    top_p = to_device([p.top_p for p in params], probs.dtype, device)
-    min_p = to_device([p.min_p for p in params], probs.dtype, device)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=device).unsqueeze(0)
     cum_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
