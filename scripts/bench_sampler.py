@@ -1,4 +1,4 @@
-"""The sampler's GPU time per call: greedy, temperature, top-p, top-k, min-p, at 1 / 64 / 512
+"""The sampler's GPU time per call: greedy, temperature, top-p, top-k, min-p, at 1 to 512
 rows of a 128k vocabulary, with the sort-free cut (engine/layers/sampling_cut.py) and with
 the sort, each forced (the engine picks by `engine.sampler.takes_the_cut`); one table.
 
@@ -39,7 +39,7 @@ def time_ms(sampler: Sampler, logits: torch.Tensor, reqs: list[Request], reps: i
 def main() -> None:
     sampler = Sampler(torch.device("cuda"))
     print("| rows | sampling | sort ms | sort-free cut ms |\n|---|---|---|---|")
-    for rows in (1, 64, 512):
+    for rows in (1, 8, 64, 256, 512):
         logits = torch.randn(rows, VOCAB, device="cuda") * 3
         for name, kw in SETTINGS.items():
             reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=4, **kw)) for i in range(rows)]

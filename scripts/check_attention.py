@@ -9,8 +9,9 @@
    L2 flushed by do_bench before each replay) at Llama-3-8B shapes (32 q heads, 8 KV heads,
    head_dim 128, bf16), with achieved KV-read bandwidth = bytes of K+V read / time.
 4. Times the extend path (8 x 512 new, no prefix; 1 x 128 new on a 2048 prefix): TFLOP/s.
---sweep also times kernel configs and split counts and reports the best.
-Prints a table last; writes JSON to $OUT/attention_bench.json (or ./attention_bench.json).
+--sweep also times kernel configs and split counts and reports the best. --kv-dtype fp8_e4m3
+times the same shapes on a float8 pool (bandwidths count its bytes; the checks are skipped).
+Prints a table last; writes JSON to $OUT/attention_bench_<kv dtype>.json (or ./).
 """
 from __future__ import annotations
 
@@ -32,14 +33,20 @@ from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from engine.kv_pool import KVPool  # noqa: E402
 
 HQ, HKV, D, DT = 32, 8, 128, torch.bfloat16
-DECODE_SHAPES = [(1, 768), (64, 1024), (256, 2048), (512, 2300)]
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+KV_DT = DT  # the pool's dtype: --kv-dtype
+# (480, 800): a W1 decode step (about 480 running, contexts of about 800 tokens)
+DECODE_SHAPES = [(1, 768), (64, 1024), (256, 2048), (480, 800), (512, 2300)]
 EXTEND_SHAPES = [("8x512_p0", [(0, 512)] * 8), ("1x128_p2048", [(2048, 128)])]
 # Long prompts' chunks (issue 14's long prefill): --extend-shapes long
 LONG_EXTEND_SHAPES = [("1x8192_p0", [(0, 8192)]), ("1x8192_p8192", [(8192, 8192)]),
                       ("2x8192_p0", [(0, 8192)] * 2), ("8x2048_p0", [(0, 2048)] * 8)]
 DECODE_CFGS = [dict(BLOCK_N=n, num_warps=w, num_stages=s)
                for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)] + \
-              [dict(BLOCK_N=64, num_warps=4, num_stages=1), dict(BLOCK_N=64, num_warps=4, num_stages=4)]
+              [dict(BLOCK_N=64, num_warps=4, num_stages=1), dict(BLOCK_N=64, num_warps=4, num_stages=4),
+               dict(BLOCK_N=128, num_warps=4, num_stages=4), dict(BLOCK_N=256, num_warps=4, num_stages=2),
+               dict(BLOCK_N=256, num_warps=8, num_stages=2), dict(BLOCK_N=256, num_warps=4, num_stages=3),
+               dict(BLOCK_N=256, num_warps=8, num_stages=3)]
 EXTEND_CFGS = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for (m, n, w, s) in [
     (64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2),
     (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (32, 64, 4, 3), (32, 128, 4, 2),
@@ -60,12 +67,18 @@ def graph_time_us(fn, n_inner: int) -> float:
     return ms * 1e3 / n_inner
 
 
+def random_pool(num_slots: int, layers: int) -> KVPool:
+    pool = KVPool(num_slots, layers, HKV, D, KV_DT, "cuda")
+    for t in pool.k + pool.v:
+        for chunk in t.split(1 << 18):  # bf16 noise, cast (no float8 normal_), in pieces
+            chunk.copy_(torch.randn(chunk.shape, dtype=DT, device="cuda"))
+    return pool
+
+
 def decode_batch(bsz: int, seqlen: int, layers: int, contiguous: bool) -> tuple:
     total = bsz * seqlen
     num_slots = total + 16
-    pool = KVPool(num_slots, layers, HKV, D, DT, "cuda")
-    for t in pool.k + pool.v:
-        t.normal_()
+    pool = random_pool(num_slots, layers)
     if contiguous:
         slots = torch.arange(1, total + 1, device="cuda")
     else:
@@ -109,9 +122,7 @@ def time_decode(pool, batch, q, k, v, layers, cfg=None, splits=None,
 def extend_batch(reqs, layers=1):
     total = sum(p + e for p, e in reqs)
     num_slots = total + 16
-    pool = KVPool(num_slots, layers, HKV, D, DT, "cuda")
-    for t in pool.k + pool.v:
-        t.normal_()
+    pool = random_pool(num_slots, layers)
     bsz = len(reqs)
     max_ctx = max(p + e for p, e in reqs)
     slots = torch.randperm(num_slots, device="cuda")[:total] + 1
@@ -153,6 +164,8 @@ def extend_reference(pool, batch, q, k, v) -> torch.Tensor:
     from engine.attention.torch_backend import TorchAttentionBackend
 
     ref_pool = KVPool.over([pool.k[0].float()], [pool.v[0].float()])
+    if pool.fp8:  # the new tokens as the pool holds them
+        k, v = (pool.decode(pool.encode(x), x.dtype) for x in (k, v))
     return TorchAttentionBackend(ref_pool, D ** -0.5).forward(q.float(), k.float(), v.float(),
                                                               0, batch)
 
@@ -190,13 +203,19 @@ def main() -> None:
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--extend-shapes", choices=["short", "long"], default="short")
     ap.add_argument("--no-decode", action="store_true", help="time the extend shapes only")
+    ap.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default="bf16")
     args = ap.parse_args()
+    global KV_DT
+    KV_DT = KV_DTYPES[args.kv_dtype]
+    if KV_DT != DT:
+        args.skip_checks = True  # the checks build their own pools: tests/test_triton_attention.py
     extend_shapes = LONG_EXTEND_SHAPES if args.extend_shapes == "long" else EXTEND_SHAPES
     assert torch.cuda.is_available(), "needs a GPU"
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
           f"triton {triton.__version__}")
-    res: dict = dict(date="2026-11-29", device=props.name, checks=[], decode=[], extend=[])
+    res: dict = dict(date=time.strftime("%Y-%m-%d"), device=props.name, kv_dtype=args.kv_dtype,
+                     checks=[], decode=[], extend=[])
     t0 = time.time()
     all_ok = True
     if not args.skip_checks:
@@ -214,7 +233,7 @@ def main() -> None:
     bw_ref = 4.3e12
 
     for bsz, seqlen in [] if args.no_decode else DECODE_SHAPES:
-        kv_bytes = bsz * seqlen * HKV * D * 2 * 2
+        kv_bytes = bsz * seqlen * HKV * D * 2 * KV_DT.itemsize
         layers = max(1, min(8, int(2e9 // kv_bytes)))
         pool, batch, q, k, v = decode_batch(bsz, seqlen, layers, contiguous=False)
         us, splits = time_decode(pool, batch, q, k, v, layers)
@@ -292,12 +311,12 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     out_dir = os.environ.get("OUT", ".")
-    with open(os.path.join(out_dir, "attention_bench.json"), "w") as f:
+    with open(os.path.join(out_dir, f"attention_bench_{args.kv_dtype}.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
 
     print()
     print(f"checks: {len(res['checks'])} run, all ok: {all_ok}")
-    print("| decode (32q/8kv/128, bf16) | KV MB | floor us @4.3TB/s | us | splits | TB/s | "
+    print(f"| decode (32q/8kv/128, {args.kv_dtype} pool) | KV MB | floor us @4.3TB/s | us | splits | TB/s | "
           "ratio | contig-slots us | graph-mode us (splits) | best sweep us |")
     for r in res["decode"]:
         best = r.get("best", {}).get("us", float("nan"))
@@ -305,7 +324,7 @@ def main() -> None:
               f"{r['us']:.1f} | {r['splits']} | {r['TBps']:.2f} | {r['us'] / r['floor_us']:.2f} | "
               f"{r['us_contig_slots']:.1f} | {r.get('us_graph_mode', float('nan')):.1f} "
               f"({r.get('splits_graph_mode', '-')}) | {best:.1f} |")
-    print("| extend (32q/8kv/128, bf16) | GFLOP | floor us @mm | us | TFLOP/s | rel err | "
+    print(f"| extend (32q/8kv/128, {args.kv_dtype} pool) | GFLOP | floor us @mm | us | TFLOP/s | rel err | "
           "best sweep us | torch sdpa us |")
     for r in res["extend"]:
         best = r["sweep"][0]["us"] if r.get("sweep") else float("nan")

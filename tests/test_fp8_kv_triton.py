@@ -24,8 +24,11 @@ import random
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import test_prefix_groups as tpg
+from engine.attention.triton_common import kv_decode
 from engine.quantization.fp8 import FP8
 from test_triton_attention import DEVICE, make_case
 
@@ -60,13 +63,37 @@ def test_fp8_grouped_decode_padded(monkeypatch):
     assert r["ok"], r
 
 
+# ------------------------------------------------------------------ the load-side cast
+@triton.jit
+def _kv_decode_kernel(X, Y, KV_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(Y + i, kv_decode(tl.load(X + i), Y.dtype.element_ty, True, KV_SCALE))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_scale", [1.0, 0.5])
+@kernels[0]
+@kernels[1]
+def test_kv_decode_is_exact_for_every_code(dtype, kv_scale):
+    """Every float8 code but NaN, through the kernels' load-side cast, equals torch's
+    conversion bit for bit."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].repeat(2)[:256]  # no NaN; a power of two long
+    x = codes.view(FP8).to(DEVICE)
+    y = torch.empty(256, dtype=dtype, device=DEVICE)
+    _kv_decode_kernel[(1,)](x, y, KV_SCALE=kv_scale, BLOCK=256)
+    want = (x.float() * kv_scale).to(dtype) if kv_scale != 1.0 else x.to(dtype)
+    assert torch.equal(y.view(torch.int16), want.view(torch.int16))
+
+
 # ------------------------------------------------------------------ compiles for Hopper
-def _compile_for_sm90(fn, dtypes: dict[str, str], constexprs: dict) -> str:
+def _compile_for_sm90(fn, dtypes: dict[str, str], constexprs: dict,
+                      divisible: tuple[str, ...] = ()) -> str:
     """`compile_for_sm90` with pointer dtypes named without their "*"."""
     from triton_on_cpu import compile_for_sm90
 
     return compile_for_sm90(fn, {"sm_scale_log2": "fp32", **{k: "*" + v for k, v in dtypes.items()}},
-                            constexprs)
+                            constexprs, divisible=divisible)
 
 
 @pytest.mark.parametrize("kv_scale", [1.0, 0.5])
@@ -88,7 +115,9 @@ def test_fp8_kernels_compile_for_hopper(kv_scale):
     _compile_for_sm90(decode_partial_kernel, io,
                       dict(attn, BLOCK_H=16, DIRECT=False, HAS_PREFIX=True))
     _compile_for_sm90(prefix_attn_kernel, io, dict(attn, HKV=8, BLOCK_M=64))
-    _compile_for_sm90(extend_kernel, io, dict(attn, BLOCK_M=64))
+    ptx = _compile_for_sm90(extend_kernel, io, dict(attn, BLOCK_M=64))
+    # the new tokens come rounded by the store: extend never encodes float8 itself
+    assert "satfinite.e4m3" not in ptx
 
 
 # ------------------------------------------------------------------ the engine (CUDA)

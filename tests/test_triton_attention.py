@@ -512,7 +512,8 @@ def test_fp8_decode_cuda_graph_replay():
 @pytest.mark.parametrize("scale", [1.0, 0.5, 3.0])
 def test_fp8_store_is_kv_pool_encode(scale):
     """The store kernel writes KVPool.encode's float8 bits exactly: saturation at +-448
-    (after dividing by the scale), ties to even, subnormals, signed zeros."""
+    (after dividing by the scale), ties to even, subnormals, signed zeros; and rounds its
+    inputs in place to what the pool holds (the extend kernel reads them from there)."""
     from engine.attention.triton_backend import TritonAttentionBackend
 
     g = torch.Generator().manual_seed(3)
@@ -528,10 +529,12 @@ def test_fp8_store_is_kv_pool_encode(scale):
     k, v = (x * scale).to(torch.bfloat16).to(DEVICE)  # bf16 inputs, as a bf16 model gives
     slots = torch.arange(1, t + 1, device=DEVICE)
     be = TritonAttentionBackend(pool, 1.0)
+    k_in, v_in = k.clone(), v.clone()
     be.store_kv(k, v, pool.k[0], pool.v[0], slots)
-    for got, new in ((pool.k[0], k), (pool.v[0], v)):
+    for got, new, rounded in ((pool.k[0], k_in, k), (pool.v[0], v_in, v)):
         want = pool.encode(new)
         assert torch.equal(got[1:t + 1].view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(rounded, pool.decode(want, torch.bfloat16))
 
 
 def test_fp8_pool_error_is_fp8_rounding():

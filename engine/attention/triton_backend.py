@@ -99,8 +99,8 @@ class TritonAttentionBackend(TritonLaunchConfigs):
         self.cache_dtype = kv_pool.k[0].dtype
         # An fp8 pool (kv_cache_dtype="fp8_e4m3"): the kernels' KV_FP8 path, switched on by
         # these extra launch arguments; a bf16/fp16/fp32 pool launches without them (the
-        # kernels' defaults), exactly as before fp8 existed. The store (and extend, which
-        # rounds the new tokens the same way) also get FP8_SW_ROUND: see triton_common.py.
+        # kernels' defaults), exactly as before fp8 existed. The stores (which also round the
+        # step's new K/V in place for extend) get FP8_SW_ROUND: see triton_common.py.
         self.kv_fp8 = kv_pool.fp8
         self._kv_kw = dict(KV_FP8=True, KV_SCALE=float(kv_pool.scale)) if self.kv_fp8 else {}
         self._store_kw = dict(self._kv_kw, FP8_SW_ROUND=_interpreting()) if self.kv_fp8 else {}
@@ -350,7 +350,7 @@ class TritonAttentionBackend(TritonLaunchConfigs):
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             batch.req_to_token.stride(0), out.stride(0), out.stride(1),
             GROUP=hq // hkv, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=d,
-            BLOCK_D=self.block_d, F32_DOT=self.f32_dot, **self._store_kw,
+            BLOCK_D=self.block_d, F32_DOT=self.f32_dot, **self._kv_kw,
             **({"WINDOW": window} if window else {}), **self._pdl,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 

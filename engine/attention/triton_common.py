@@ -104,16 +104,6 @@ def kv_decode(x, dtype: tl.constexpr, KV_FP8: tl.constexpr, KV_SCALE: tl.constex
 
 
 @triton.jit
-def kv_roundtrip(x, KV_FP8: tl.constexpr, KV_SCALE: tl.constexpr, FP8_SW_ROUND: tl.constexpr):
-    """New K/V read from the step's inputs (extend) -> the values the pool now holds for
-    them, so new tokens attend exactly as if read back from the pool; identity unless KV_FP8."""
-    if KV_FP8:
-        return kv_decode(kv_encode(x, KV_SCALE, FP8_SW_ROUND), x.dtype, KV_FP8, KV_SCALE)
-    else:
-        return x
-
-
-@triton.jit
 def attend_slots(q, tok, k_base, v_base, start, end, stride_kt, stride_vt, d, dmask,
                   sm_scale_log2, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
@@ -161,7 +151,10 @@ def store_encoded(ptr, x, mask, KV_FP8: tl.constexpr, KV_SCALE: tl.constexpr,
 
 
 # ----------------------------------------------------------------------------------------
-# KV store: cache[slot[t]] = new[t] for K and V in one launch.
+# KV store: cache[slot[t]] = new[t] for K and V in one launch. With an fp8 pool it also
+# writes back into K and V (the step's inputs) the values the pool now holds, so the extend
+# kernel that reads the new tokens from those inputs attends exactly what later steps will
+# read from the pool, without rounding every tile again in its inner loop.
 # ----------------------------------------------------------------------------------------
 # Slots: a slice of the step's flat upload (offset depends on the token count).
 @triton.jit(do_not_specialize_on_alignment=["Slots"])
@@ -178,12 +171,24 @@ def store_kv_kernel(K, V, KC, VC, Slots,
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     mask = (h[:, None] < HKV) & (d[None, :] < HEAD_DIM)
-    k = tl.load(K + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    store_encoded(KC + slot * stride_kct + h[:, None] * stride_kch + d[None, :], k, mask,
-                  KV_FP8, KV_SCALE, FP8_SW_ROUND)
-    v = tl.load(V + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    store_encoded(VC + slot * stride_vct + h[:, None] * stride_vch + d[None, :], v, mask,
-                  KV_FP8, KV_SCALE, FP8_SW_ROUND)
+    _store_row(K + t * stride_kt + h[:, None] * stride_kh + d[None, :],
+               KC + slot * stride_kct + h[:, None] * stride_kch + d[None, :], mask,
+               KV_FP8, KV_SCALE, FP8_SW_ROUND)
+    _store_row(V + t * stride_vt + h[:, None] * stride_vh + d[None, :],
+               VC + slot * stride_vct + h[:, None] * stride_vch + d[None, :], mask,
+               KV_FP8, KV_SCALE, FP8_SW_ROUND)
+
+
+@triton.jit
+def _store_row(src, dst, mask, KV_FP8: tl.constexpr, KV_SCALE: tl.constexpr,
+               FP8_SW_ROUND: tl.constexpr):
+    x = tl.load(src, mask=mask)
+    if KV_FP8:
+        stored = kv_encode(x, KV_SCALE, FP8_SW_ROUND)
+        tl.store(dst, stored, mask=mask)
+        tl.store(src, kv_decode(stored, x.dtype, KV_FP8, KV_SCALE), mask=mask)
+    else:
+        tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.attention.triton_common import in_window, kv_decode, kv_roundtrip, load_kv, softmax_step
+from engine.attention.triton_common import in_window, kv_decode, load_kv, softmax_step
 from engine.layers.pdl import pdl_prologue
 
 # ----------------------------------------------------------------------------------------
@@ -32,7 +32,7 @@ def extend_kernel(Q, K, V, KC, VC, Out, ReqToToken, ReqRows, SeqLens, ExtendLens
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
                   KV_FP8: tl.constexpr = False, KV_SCALE: tl.constexpr = 1.0,
-                  FP8_SW_ROUND: tl.constexpr = False, WINDOW: tl.constexpr = 0,
+                  WINDOW: tl.constexpr = 0,
                   PDL: tl.constexpr = False):
     pdl_prologue(PDL)
     h = tl.program_id(0)
@@ -107,8 +107,8 @@ def extend_kernel(Q, K, V, KC, VC, Out, ReqToToken, ReqRows, SeqLens, ExtendLens
             m_i, l_i, acc = softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2,
                                           mask, True, F32_DOT, WINDOW > 0)
 
-        # 2) the new tokens, causal: new token j sees new tokens 0..j (with an fp8 pool,
-        # rounded as the store kernel just wrote them, so they match what later steps read)
+        # 2) the new tokens, causal: new token j sees new tokens 0..j (with an fp8 pool the
+        # store kernel has rounded them in place to what the pool holds)
         k_base = K + q0 * stride_kt + kvh * stride_kh
         v_base = V + q0 * stride_vt + kvh * stride_vh
         # keys below the tile's first query row are visible to every row (and < ext)
@@ -118,8 +118,6 @@ def extend_kernel(Q, K, V, KC, VC, Out, ReqToToken, ReqRows, SeqLens, ExtendLens
             k, v = load_kv(k_base + offs[:, None] * stride_kt + d[None, :],
                             v_base + offs[:, None] * stride_vt + d[None, :],
                             dmask, BLOCK_D, HEAD_DIM)
-            k = kv_roundtrip(k, KV_FP8, KV_SCALE, FP8_SW_ROUND)
-            v = kv_roundtrip(v, KV_FP8, KV_SCALE, FP8_SW_ROUND)
             if WINDOW > 0:
                 m_i, l_i, acc = softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2,
                                               in_window(prefix + offs, qpos, WINDOW), True,
@@ -135,8 +133,6 @@ def extend_kernel(Q, K, V, KC, VC, Out, ReqToToken, ReqRows, SeqLens, ExtendLens
                         mask=nmask[:, None] & dmask[None, :], other=0.0)
             v = tl.load(v_base + offs[:, None] * stride_vt + d[None, :],
                         mask=nmask[:, None] & dmask[None, :], other=0.0)
-            k = kv_roundtrip(k, KV_FP8, KV_SCALE, FP8_SW_ROUND)
-            v = kv_roundtrip(v, KV_FP8, KV_SCALE, FP8_SW_ROUND)
             causal = (offs[None, :] <= m_offs[:, None]) & nmask[None, :]
             if WINDOW > 0:
                 causal = causal & in_window(prefix + offs, qpos, WINDOW)
