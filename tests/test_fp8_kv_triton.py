@@ -87,13 +87,12 @@ def test_kv_decode_is_exact_for_every_code(dtype, kv_scale):
 
 
 # ------------------------------------------------------------------ compiles for Hopper
-def _compile_for_sm90(fn, dtypes: dict[str, str], constexprs: dict,
-                      divisible: tuple[str, ...] = ()) -> str:
+def _compile_for_sm90(fn, dtypes: dict[str, str], constexprs: dict) -> str:
     """`compile_for_sm90` with pointer dtypes named without their "*"."""
     from triton_on_cpu import compile_for_sm90
 
     return compile_for_sm90(fn, {"sm_scale_log2": "fp32", **{k: "*" + v for k, v in dtypes.items()}},
-                            constexprs, divisible=divisible)
+                            constexprs)
 
 
 @pytest.mark.parametrize("kv_scale", [1.0, 0.5])
