@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from engine.request import Request
-from engine.staging import to_device
+from engine.staging import take_rows, to_device
 
 PROMPT = 1 << 24  # added once to a token's entry when the prompt holds it; outputs count below
 
@@ -74,13 +74,17 @@ def counts_from_lists(reqs: list, vocab: int, device: torch.device) -> torch.Ten
 
 
 class TokenStats:
-    """`counts` rows on the device for the running requests with penalties, one slot each
-    (`Request.sampler_state` is not used: slots are by request id), freed when the
-    scheduler releases the request."""
+    """`counts` rows on the device for the running requests whose penalties read them
+    (repetition, frequency, presence), one slot each (`Request.sampler_state` is not used:
+    slots are by request id), freed when the scheduler releases the request. Requests with
+    only logit_bias or min_tokens share row 0, which stays zero: a row is 4 bytes per
+    vocabulary entry (512 KB at 128k), so they take none."""
+
+    ZERO = 0
 
     def __init__(self, vocab: int, device: torch.device) -> None:
         self.vocab, self.device = vocab, device
-        self.table = torch.zeros((0, vocab), dtype=torch.int32, device=device)
+        self.table = torch.zeros((1, vocab), dtype=torch.int32, device=device)
         self.slot: dict[str, int] = {}
         self.recorded: dict[str, int] = {}  # tokens of the request counted in its row
         self.free: list[int] = []
@@ -92,11 +96,15 @@ class TokenStats:
 
     def record(self, reqs: list[Request], tokens: torch.Tensor) -> None:
         """Count `tokens` [B] (on the device, sampled for `reqs`) as their outputs."""
-        slots = [self.slot[r.request_id] for r in reqs]
+        keep = [i for i, r in enumerate(reqs) if r.request_id in self.slot]
+        if not keep:
+            return
+        slots = [self.slot[reqs[i].request_id] for i in keep]
+        tokens = take_rows(tokens, keep)
         self.table.index_put_((to_device(slots, torch.long, self.device), tokens.long()),
                               torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
-        for req in reqs:
-            self.recorded[req.request_id] += 1
+        for i in keep:
+            self.recorded[reqs[i].request_id] += 1
 
     def release(self, req: Request) -> None:
         slot = self.slot.pop(req.request_id, None)
@@ -105,6 +113,8 @@ class TokenStats:
             self.free.append(slot)
 
     def _slot(self, req: Request) -> int:
+        if not req.params.reads_token_counts:
+            return self.ZERO
         rid = req.request_id
         if rid not in self.slot:
             if not self.free:
@@ -127,7 +137,7 @@ class TokenStats:
 
     def _grow(self) -> None:
         old = self.table.shape[0]
-        new = max(8, 2 * old)
+        new = max(9, 2 * old - 1)  # row ZERO and a power of two of request rows
         grown = torch.zeros((new, self.vocab), dtype=torch.int32, device=self.device)
         grown[:old] = self.table
         self.table = grown

@@ -109,8 +109,13 @@ class SamplingParams:
         return self.json_object or any(c is not None for c in (self.regex, self.json_schema, self.ebnf))
 
     @property
+    def reads_token_counts(self) -> bool:
+        """Penalties that read the request's token counts (repetition, frequency, presence)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    @property
     def has_penalties(self) -> bool:
         """Anything that edits the logits from the request's own tokens (counted on the
         device by the sampler, engine/penalties.py)."""
-        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
-                or self.presence_penalty != 0.0 or bool(self.logit_bias) or self.min_tokens > 0)
+        return self.reads_token_counts or bool(self.logit_bias) or self.min_tokens > 0

@@ -294,4 +294,5 @@ def test_penalties_stay_overlapped_and_equal_sync(tiny_llama, total_tokens):
     if total_tokens < 1000:
         assert llm.stats()["preemptions"] > 0
     stats = llm.engine.sampler.stats
-    assert not stats.slot and sorted(stats.free) == list(range(stats.table.shape[0]))
+    assert not stats.slot and sorted(stats.free) == list(range(1, stats.table.shape[0]))
+    assert not stats.table[stats.ZERO].any()  # logit_bias / min_tokens rows: zeros, shared

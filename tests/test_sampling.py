@@ -207,6 +207,24 @@ def test_repetition_penalty_matches_hf(llm, tiny_llama, penalty):
     assert outs != gen(llm, max_tokens=n, temperature=0.0), "the penalty changed nothing"
 
 
+def test_only_counted_penalties_take_token_count_rows(llm):
+    """Requests whose penalties read no token counts (logit_bias, min_tokens) share the
+    all-zero row instead of a 4-byte-per-vocabulary-entry row each; a mixed batch of them and
+    repetition-penalised ones gives each request what it gives alone."""
+    bias = dict(max_tokens=8, temperature=0.0, logit_bias={7: 5.0})
+    bans = dict(max_tokens=8, temperature=0.0, min_tokens=8, stop_token_ids=[9])
+    rep = dict(max_tokens=8, temperature=0.0, repetition_penalty=1.8)
+    kinds = [bias, bans, rep] * 4
+    alone = [gen(llm, **kw)[0] for kw in (bias, bans, rep)]
+    llm.engine.sampler.stats = None  # count the rows this batch takes
+    outs = llm.generate([PROMPTS[0]] * len(kinds),
+                        [SamplingParams(ignore_eos=True, **kw) for kw in kinds])
+    assert [o.token_ids for o in outs] == [alone[i % 3] for i in range(len(kinds))]
+    stats = llm.engine.sampler.stats
+    assert stats.table.shape[0] == 9  # the zero row and 8: four repetition requests at most
+    assert not stats.table[stats.ZERO].any() and not stats.slot
+
+
 def test_logprobs_match_hf(llm, tiny_llama):
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True,
                                                 logprobs=True, top_logprobs=4))
