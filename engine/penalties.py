@@ -20,13 +20,14 @@ from engine.staging import take_rows, to_device
 PROMPT = 1 << 24  # added once to a token's entry when the prompt holds it; outputs count below
 
 
-def penalize(logits: torch.Tensor, reqs: list, counts: torch.Tensor,
+def penalize(logits: torch.Tensor, reqs: list, counts: torch.Tensor | None,
              eos_token_ids: list[int]) -> torch.Tensor:
     """Edit `logits` [B, V] in place by each row's request (`params`, `output_ids`, and
     `inflight` when it has one): repetition (HF: every token seen, prompt included),
     frequency and presence (OpenAI: outputs only), logit_bias, and min_tokens (stop and EOS
     tokens barred while fewer outputs exist). `counts` [B, V] int32 as the module docstring
-    says. No host sync."""
+    says (None when no request reads counts: `SamplingParams.reads_token_counts`). No host
+    sync."""
     dev, params = logits.device, [r.params for r in reqs]
     if any(p.repetition_penalty != 1.0 for p in params):
         rep = to_device([p.repetition_penalty for p in params], logits.dtype, dev).unsqueeze(1)

@@ -134,11 +134,12 @@ class Sampler:
         if self.stats is None:
             self.stats = TokenStats(logits.shape[1], logits.device)
         sub = [reqs[i] for i in rows]
+        # logit_bias / min_tokens alone read no counts: no [B, V] gather for them
+        counts = self.stats.rows(sub) if any(r.params.reads_token_counts for r in sub) else None
         if len(rows) == len(reqs):
-            return penalize(logits, sub, self.stats.rows(sub), self.eos_token_ids)
+            return penalize(logits, sub, counts, self.eos_token_ids)
         index = to_device(rows, torch.long, logits.device)
-        edited = penalize(logits.index_select(0, index), sub, self.stats.rows(sub),
-                          self.eos_token_ids)
+        edited = penalize(logits.index_select(0, index), sub, counts, self.eos_token_ids)
         return logits.index_copy(0, index, edited)
 
     @staticmethod
