@@ -203,6 +203,7 @@ def main() -> None:
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--extend-shapes", choices=["short", "long"], default="short")
     ap.add_argument("--no-decode", action="store_true", help="time the extend shapes only")
+    ap.add_argument("--no-extend", action="store_true", help="time the decode shapes only")
     ap.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default="bf16")
     args = ap.parse_args()
     global KV_DT
@@ -277,7 +278,7 @@ def main() -> None:
               f"graph_mode {row.get('us_graph_mode', float('nan')):.1f} us "
               f"(splits {row.get('splits_graph_mode')})")
 
-    for name, reqs in extend_shapes:
+    for name, reqs in [] if args.no_extend else extend_shapes:
         pool, batch, q, k, v = extend_batch(reqs)
         flops = extend_flops(reqs)
         ref = extend_reference(pool, batch, q, k, v)

@@ -30,7 +30,8 @@ def _launch_key(backend, batch: int, splits: int) -> tuple:
     return splits == 1, tuple(sorted(cfg.items())), 1 << (splits - 1).bit_length() if splits > 1 else 0
 
 
-def test_warmup_reaches_every_mixed_decode_launch():
+@pytest.mark.parametrize("kv_fp8", [False, True])
+def test_warmup_reaches_every_mixed_decode_launch(kv_fp8):
     """The start-up warm-up's mixed steps (engine/warmup.py) reach every decode launch a mixed
     step's decoders can make, for any decoder count and context length, so a fresh replica
     compiles nothing when its first mixed steps arrive (tests/test_cold_start.py checks the
@@ -43,7 +44,7 @@ def test_warmup_reaches_every_mixed_decode_launch():
     from engine.warmup import eager_decode_shapes
 
     backend = TritonLaunchConfigs()  # the launch heuristics alone, as on an H200 with 8B shapes
-    backend.__dict__.update(decode_cfg=None, dot_dtype=torch.bfloat16, block_d=128,
+    backend.__dict__.update(decode_cfg=None, dot_dtype=torch.bfloat16, kv_fp8=kv_fp8, block_d=128,
                             smem_limit=227 * 1024, num_sms=132, kv_heads=8, max_kv_splits=32,
                             graph_mode=True, decode_split_min_tokens=128, force_num_splits=None)
     max_context, max_running = 16384, 1024

@@ -104,9 +104,10 @@ class TritonAttentionBackend(TritonLaunchConfigs):
         self.kv_fp8 = kv_pool.fp8
         self._kv_kw = dict(KV_FP8=True, KV_SCALE=float(kv_pool.scale)) if self.kv_fp8 else {}
         self._store_kw = dict(self._kv_kw, FP8_SW_ROUND=_interpreting()) if self.kv_fp8 else {}
-        # The dtype K/V have in registers, which the dots take and the launch configs are
-        # sized for: the pool's, or with an fp8 pool the model's (dequantized to q's dtype),
-        # learnt from the first forward's q (bf16, the usual case, until then).
+        # The dtype of the dots and of the launch configs' tiles: the pool's, or with an fp8
+        # pool the model's, learnt from the first forward's q (bf16, the usual case, until
+        # then): fp8 K/V are dequantized to float16 for the dots over the pool (see
+        # triton_common.py), the model's dtype still decides fp32 dots and extend tiles.
         self.dot_dtype = torch.bfloat16 if self.kv_fp8 else self.cache_dtype
         # fp32 models use IEEE fp32 dots; the CPU interpreter's bf16/fp16 dot is broken,
         # so it upcasts too.

@@ -17,8 +17,8 @@ Conventions shared by all kernels:
 - WINDOW (constexpr, 0 = none): sliding-window attention (Mistral, Qwen2 layers): a query at
   position p sees the keys at positions p - WINDOW + 1 .. p. Decode starts its sweep at
   seq_len - WINDOW; extend starts at the tile's first visible key and masks per row.
-- KV_FP8: the pool is float8_e4m3 (see "FP8 KV pool" below); K/V are dequantized to the
-  query's dtype right after their loads, so everything after is as for a bf16 pool.
+- KV_FP8: the pool is float8_e4m3 (see "FP8 KV pool" below); K/V are dequantized to
+  float16 right after their loads and the dots over them take float16 operands.
 
 Specialization (cold start): Triton compiles one binary per distinct launch key. Besides
 the constexprs and num_warps/num_stages, the key holds, for every non-constexpr int, whether
@@ -52,14 +52,28 @@ def dot(a, b, F32_DOT: tl.constexpr):
         return tl.dot(a, b)
 
 
+@triton.jit
+def pv_dot(p, v, F32_DOT: tl.constexpr):
+    """Probabilities (float32) times V: p in V's dtype, or both in float32 with F32_DOT."""
+    if F32_DOT:
+        return dot(p, v, F32_DOT)
+    else:
+        return tl.dot(p.to(v.dtype), v)
+
+
 # ----------------------------------------------------------------------------------------
 # FP8 KV pool (kv_cache_dtype="fp8_e4m3"; KVPool.encode/decode are the torch version).
 # KV_FP8 (constexpr) switches it on; off, the helpers return their input unchanged, so the
 # bf16/fp16/fp32 kernels compile exactly as without them. KV_SCALE is the pool's one scale
 # (a constexpr: fixed per pool; 1.0 skips the multiply and divide). The pool holds
-# float8_e4m3fn(clamp(x / KV_SCALE, +-448)), rounded to nearest even; loads dequantize in
-# registers to the query's dtype, (stored * KV_SCALE).to(q.dtype), as the torch backend
-# does, and the dots and accumulation are unchanged from there.
+# float8_e4m3fn(clamp(x / KV_SCALE, +-448)), rounded to nearest even.
+# Loads dequantize in registers to float16, not to the query's bfloat16: every e4m3 value is
+# exact in both, but sm_90 converts e4m3 pairs to f16 pairs in one instruction and has no
+# direct path to bf16 (f16 -> bf16 is one quarter-rate F2F per value, which made an fp8 pool
+# decode as slowly as a bf16 one: session 16, RESULTS.md). So the dots over pool K/V take
+# float16 operands: the query through `f16_operand` (bf16 -> f16 is exact up to 65504), the
+# probabilities as float16 (finer than bf16 on [2^-14, 1]). With a KV_SCALE other than 1 the
+# scaled values must stay below 65504 (448 * KV_SCALE).
 # FP8_SW_ROUND: Triton's CPU interpreter casts float32 -> float8 wrongly (it rounds half up
 # and drops the carry into the exponent: 0.49 -> 0.25), so under it the value is first
 # rounded to the e4m3 grid in float32 and the cast only truncates zero bits. The GPU's
@@ -92,15 +106,25 @@ def kv_encode(x, KV_SCALE: tl.constexpr, FP8_SW_ROUND: tl.constexpr):
 
 
 @triton.jit
-def kv_decode(x, dtype: tl.constexpr, KV_FP8: tl.constexpr, KV_SCALE: tl.constexpr):
-    """Loaded pool values -> `dtype` (the query's) for the dots; identity unless KV_FP8."""
+def kv_decode(x, KV_FP8: tl.constexpr, KV_SCALE: tl.constexpr):
+    """Loaded pool values -> float16 for the dots (identity unless KV_FP8)."""
     if KV_FP8:
         if KV_SCALE != 1.0:
-            return (x.to(tl.float32) * KV_SCALE).to(dtype)
+            return (x.to(tl.float32) * KV_SCALE).to(tl.float16)
         else:
-            return x.to(dtype)
+            return x.to(tl.float16)
     else:
         return x
+
+
+@triton.jit
+def f16_operand(q, KV_FP8: tl.constexpr, F32_DOT: tl.constexpr):
+    """The query as the other operand of a dot over pool K (float16 with an fp8 pool; F32_DOT
+    dots cast to float32 anyway). Clamped, so an out-of-range value saturates, not inf."""
+    if KV_FP8 and not F32_DOT:
+        return tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    else:
+        return q
 
 
 @triton.jit
@@ -110,35 +134,63 @@ def attend_slots(q, tok, k_base, v_base, start, end, stride_kt, stride_vt, d, dm
                   KV_FP8: tl.constexpr, KV_SCALE: tl.constexpr):
     """Online softmax of the query rows q ([ROWS, BLOCK_D]) over the tokens [start, end) of
     one req_to_token row (`tok`), one KV head (`k_base`, `v_base`); returns the
-    unnormalised state (m_i, l_i, acc). Shared by the decode and the prefix kernels."""
+    unnormalised state (m_i, l_i, acc). Shared by the decode and the prefix kernels.
+    Whole blocks run without masks; only a ragged last block pays for them."""
+    q = f16_operand(q, KV_FP8, F32_DOT)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-    for n in range(start, end, BLOCK_N):
-        offs = n + tl.arange(0, BLOCK_N)
+    full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
+    for n in range(start, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_block(q, tok, k_base, v_base, n, end, stride_kt, stride_vt, d,
+                                      dmask, sm_scale_log2, m_i, l_i, acc, False, BLOCK_N,
+                                      HEAD_DIM, BLOCK_D, F32_DOT, KV_FP8, KV_SCALE)
+    if full_end < end:
+        m_i, l_i, acc = _attend_block(q, tok, k_base, v_base, full_end, end, stride_kt,
+                                      stride_vt, d, dmask, sm_scale_log2, m_i, l_i, acc, True,
+                                      BLOCK_N, HEAD_DIM, BLOCK_D, F32_DOT, KV_FP8, KV_SCALE)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_block(q, tok, k_base, v_base, n, end, stride_kt, stride_vt, d, dmask,
+                  sm_scale_log2, m_i, l_i, acc, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
+                  KV_FP8: tl.constexpr, KV_SCALE: tl.constexpr):
+    """attend_slots' step over the tokens [n, n + BLOCK_N) (MASKED: those below `end`)."""
+    offs = n + tl.arange(0, BLOCK_N)
+    if MASKED:
         nmask = offs < end
         # Masked-off positions read slot 0 (the padding slot, always valid memory).
         slots = tl.load(tok + offs, mask=nmask, other=0).to(tl.int64)
-        if BLOCK_D == HEAD_DIM:
-            k = tl.load(k_base + slots[:, None] * stride_kt + d[None, :])
-        else:
-            k = tl.load(k_base + slots[:, None] * stride_kt + d[None, :],
-                        mask=dmask[None, :], other=0.0)
-        k = kv_decode(k, q.dtype, KV_FP8, KV_SCALE)
-        qk = dot(q, tl.trans(k), F32_DOT) * sm_scale_log2  # [rows, BLOCK_N]
+    else:
+        slots = tl.load(tok + offs).to(tl.int64)
+    if BLOCK_D == HEAD_DIM:
+        k = tl.load(k_base + slots[:, None] * stride_kt + d[None, :])
+    else:
+        k = tl.load(k_base + slots[:, None] * stride_kt + d[None, :],
+                    mask=dmask[None, :], other=0.0)
+    k = kv_decode(k, KV_FP8, KV_SCALE)
+    qk = dot(q, tl.trans(k), F32_DOT) * sm_scale_log2  # [rows, BLOCK_N]
+    if MASKED:
         qk = tl.where(nmask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # masked: slot 0 may hold garbage (even NaN) from padded batch entries, and
-        # p = 0 there must not meet it
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        # slot 0 may hold garbage (even NaN) from padded batch entries, and p = 0 there
+        # must not meet it
         v = tl.load(v_base + slots[:, None] * stride_vt + d[None, :],
                     mask=nmask[:, None] & dmask[None, :], other=0.0)
-        v = kv_decode(v, q.dtype, KV_FP8, KV_SCALE)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, F32_DOT)
-        m_i = m_new
-    return m_i, l_i, acc
+    elif BLOCK_D == HEAD_DIM:
+        v = tl.load(v_base + slots[:, None] * stride_vt + d[None, :])
+    else:
+        v = tl.load(v_base + slots[:, None] * stride_vt + d[None, :],
+                    mask=dmask[None, :], other=0.0)
+    v = kv_decode(v, KV_FP8, KV_SCALE)
+    acc = acc * alpha[:, None] + pv_dot(p, v, F32_DOT)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -186,7 +238,7 @@ def _store_row(src, dst, mask, KV_FP8: tl.constexpr, KV_SCALE: tl.constexpr,
     if KV_FP8:
         stored = kv_encode(x, KV_SCALE, FP8_SW_ROUND)
         tl.store(dst, stored, mask=mask)
-        tl.store(src, kv_decode(stored, x.dtype, KV_FP8, KV_SCALE), mask=mask)
+        tl.store(src, kv_decode(stored, KV_FP8, KV_SCALE).to(x.dtype), mask=mask)
     else:
         tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
 
@@ -218,7 +270,7 @@ def softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2, mask, MASKED: tl.constex
     p = tl.exp2(qk - m_sub[:, None])
     alpha = tl.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, F32_DOT)
+    acc = acc * alpha[:, None] + pv_dot(p, v, F32_DOT)
     return m_new, l_i, acc
 
 

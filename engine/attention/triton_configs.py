@@ -3,7 +3,7 @@ stages from the step's shape and the GPU's shared memory, and the decode / share
 split counts. Measured choices are noted where they are made (H200, 2026-11-29).
 
 `TritonLaunchConfigs` is a mixin of `TritonAttentionBackend` (triton_backend.py), which sets
-the attributes these read: block_d, dot_dtype, smem_limit, num_sms, kv_heads,
+the attributes these read: block_d, dot_dtype, kv_fp8, smem_limit, num_sms, kv_heads,
 max_kv_splits, graph_mode, decode_split_min_tokens, force_num_splits, and the override dicts
 decode_cfg / extend_cfg / prefix_cfg (None: the heuristics below).
 """
@@ -31,25 +31,30 @@ class TritonLaunchConfigs:
 
     def pick_decode_cfg(self, programs: int, mixed: bool = False) -> dict:
         """Decode launch config from the number of stage-1 programs. Measured on an H200
-        (2026-11-29, Llama-3-8B shapes): BLOCK_N 128 with 3 stages is best when the grid is
-        either tiny (latency: fewer iterations) or many waves deep; BLOCK_N 64 in between
-        (b64 x 1024: 70 us against 78). `mixed`: for a mixed step's decoders, always the
-        in-between config: a few us matter little beside the step's prefill, and one config
-        keeps the variants few (capture compiles the decode kernel's K/V-storing variant at
-        every split count, the warm-up's eager mixed steps the non-storing one; with the
-        tiny-grid configs the warm-up took 5.0 s on an empty Triton cache, 2026-12-02)."""
+        (2026-12-03, session 16, Llama-3-8B shapes; RESULTS.md): a grid many waves deep
+        (>= 8 per SM) runs best with one warp per program, which needs no cross-warp
+        reductions and no shared-memory round trip of the probabilities (480 x 800: a bf16
+        pool 379 us with BLOCK_N 32 against 420 with four warps; an fp8 pool 245 us with
+        BLOCK_N 64 against 355); one to eight waves with two warps (64 x 1,024: bf16 69 us,
+        fp8 50 against 73); a grid under one wave keeps four warps and BLOCK_N 128 (latency:
+        fewer iterations). `mixed`: for a mixed step's decoders, always the in-between
+        config: a few us matter little beside the step's prefill, and one config keeps the
+        variants few (capture compiles the decode kernel's K/V-storing variant at every
+        split count, the warm-up's eager mixed steps the non-storing one)."""
         if self.decode_cfg is not None:
             return self.decode_cfg
-        elt = self.dot_dtype.itemsize
         if self.dot_dtype == torch.float32 or self.block_d > 128:
             return dict(BLOCK_N=32, num_warps=4, num_stages=2)
-        if not mixed and (programs < self.num_sms or programs >= 8 * self.num_sms):
-            cands = [(128, 3), (64, 3), (64, 2), (32, 2)]
+        elt = 1 if self.kv_fp8 else self.dot_dtype.itemsize  # K/V tiles as loaded
+        if not mixed and programs < self.num_sms:
+            cands = [(128, 4, 3), (64, 4, 3), (64, 4, 2)]
+        elif not mixed and programs >= 8 * self.num_sms:
+            cands = [(64, 1, 2), (32, 1, 2)] if self.kv_fp8 else [(32, 1, 2)]
         else:
-            cands = [(64, 3), (64, 2), (32, 2)]
-        for n, st in cands:
+            cands = [(64, 2, 3), (64, 2, 2)] if self.kv_fp8 else [(64, 2, 2)]
+        for n, warps, st in cands + [(32, 2, 2)]:
             if self._fits(n, st, elt):
-                return dict(BLOCK_N=n, num_warps=4, num_stages=st)
+                return dict(BLOCK_N=n, num_warps=warps, num_stages=st)
         return dict(BLOCK_N=32, num_warps=4, num_stages=1)
 
     def pick_extend_cfg(self, hq: int, bsz: int, max_extend: int) -> dict:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.attention.triton_common import in_window, kv_decode, load_kv, softmax_step
+from engine.attention.triton_common import (f16_operand, in_window, kv_decode, load_kv,
+                                             softmax_step)
 from engine.layers.pdl import pdl_prologue
 
 # ----------------------------------------------------------------------------------------
@@ -73,6 +74,7 @@ def extend_kernel(Q, K, V, KC, VC, Out, ReqToToken, ReqRows, SeqLens, ExtendLens
             new_lo = 0
 
         # 1) cached prefix, through req_to_token: full blocks, then the ragged last one
+        q_pool = f16_operand(q, KV_FP8, F32_DOT)  # the query as dots over pool K/V take it
         tok = ReqToToken + row * stride_rt
         kc_base = KC + kvh * stride_kch
         vc_base = VC + kvh * stride_vch
@@ -82,14 +84,14 @@ def extend_kernel(Q, K, V, KC, VC, Out, ReqToToken, ReqRows, SeqLens, ExtendLens
             k, v = load_kv(kc_base + slots[:, None] * stride_kct + d[None, :],
                             vc_base + slots[:, None] * stride_vct + d[None, :],
                             dmask, BLOCK_D, HEAD_DIM)
-            k = kv_decode(k, q.dtype, KV_FP8, KV_SCALE)
-            v = kv_decode(v, q.dtype, KV_FP8, KV_SCALE)
+            k = kv_decode(k, KV_FP8, KV_SCALE)
+            v = kv_decode(v, KV_FP8, KV_SCALE)
             if WINDOW > 0:
-                m_i, l_i, acc = softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2,
+                m_i, l_i, acc = softmax_step(q_pool, k, v, m_i, l_i, acc, sm_scale_log2,
                                               in_window(n + nd, qpos, WINDOW), True, F32_DOT,
                                               True)
             else:
-                m_i, l_i, acc = softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2, 0,
+                m_i, l_i, acc = softmax_step(q_pool, k, v, m_i, l_i, acc, sm_scale_log2, 0,
                                               False, F32_DOT)
         if prefix_full < prefix:
             offs = prefix_full + nd
@@ -99,12 +101,12 @@ def extend_kernel(Q, K, V, KC, VC, Out, ReqToToken, ReqRows, SeqLens, ExtendLens
                         mask=dmask[None, :], other=0.0)
             v = tl.load(vc_base + slots[:, None] * stride_vct + d[None, :],
                         mask=nmask[:, None] & dmask[None, :], other=0.0)
-            k = kv_decode(k, q.dtype, KV_FP8, KV_SCALE)
-            v = kv_decode(v, q.dtype, KV_FP8, KV_SCALE)
+            k = kv_decode(k, KV_FP8, KV_SCALE)
+            v = kv_decode(v, KV_FP8, KV_SCALE)
             mask = nmask[None, :]
             if WINDOW > 0:
                 mask = mask & in_window(offs, qpos, WINDOW)
-            m_i, l_i, acc = softmax_step(q, k, v, m_i, l_i, acc, sm_scale_log2,
+            m_i, l_i, acc = softmax_step(q_pool, k, v, m_i, l_i, acc, sm_scale_log2,
                                           mask, True, F32_DOT, WINDOW > 0)
 
         # 2) the new tokens, causal: new token j sees new tokens 0..j (with an fp8 pool the
