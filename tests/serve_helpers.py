@@ -232,5 +232,9 @@ def leave_a_non_streamed_request(base: str, model: str, n: int, max_tokens: int)
         httpx.post(f"{base}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
     after = wait_until(lambda: (s := read_stats())["aborted_requests"] >= before + n
                        and s["running"] == 0 and s, timeout=30)
-    assert after, "the non-streamed request was not aborted after its client left"
+    if not after:
+        last = read_stats()
+        pytest.fail("the non-streamed request was not aborted after its client left: aborted "
+                    f"{last['aborted_requests'] - before} of {n}, running {last['running']}, "
+                    f"finished {last.get('finished_requests')}")
     assert after["free_slots"] + after["evictable_slots"] == after["total_slots"]
