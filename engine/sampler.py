@@ -12,18 +12,9 @@ from engine.request import Request
 from engine.penalties import TokenStats, counts_from_lists, penalize
 from engine.staging import take_rows, to_device
 
+# Top-k / top-p / min-p by the sort-free cut (engine/layers/sampling_cut.py) on GPUs; by
+# sorting elsewhere. RADIXSERVE_SORT_FREE_CUT=0 sorts on GPUs too (A/B runs).
 SORT_FREE_CUT = os.environ.get("RADIXSERVE_SORT_FREE_CUT", "1") != "0"
-# The cut gives each row one program, ~1-2 ms a wave of 132 rows with top-k or top-p at a
-# 128k vocabulary; the sort costs ~0.9 ms at 1 row, 1.4 at 64, 8.4 at 512 (H200, 2026-12-03,
-# scripts/bench_sampler.py: cut 1.9 / 2.1 / 5.6 ms for top_p, 1.4 / 1.6 / 3.9 for top_k).
-# So top-k and top-p take the cut from a few waves of rows on; min-p alone (one pass, no
-# search: 0.6-1.6 ms) always does. RADIXSERVE_SORT_FREE_MIN_ROWS moves the line (A/B runs).
-SORT_FREE_MIN_ROWS = int(os.environ.get("RADIXSERVE_SORT_FREE_MIN_ROWS", "256"))
-
-
-def takes_the_cut(rows: int, find_k: bool, find_p: bool) -> bool:
-    """Whether a GPU batch filters by the sort-free cut rather than the sort."""
-    return SORT_FREE_CUT and (rows >= SORT_FREE_MIN_ROWS or not (find_k or find_p))
 
 
 @dataclass
@@ -173,8 +164,8 @@ class Sampler:
 
 def _filter_top_k_top_p_min_p(probs: torch.Tensor, params, device) -> torch.Tensor:
     """Zero the probabilities of tokens outside each row's top-k / top-p / min-p set: on a
-    GPU, for large batches or min-p alone, by one threshold per row (`takes_the_cut`,
-    engine/layers/sampling_cut.py; ties at the cut all kept), else by sorting each row."""
+    GPU by one threshold per row (engine/layers/sampling_cut.py; ties at the cut all kept),
+    else by sorting each row."""
     if all(p.top_k == -1 and p.top_p >= 1.0 and p.min_p == 0.0 for p in params):
         return probs
     rows, vocab = probs.shape
@@ -182,7 +173,7 @@ def _filter_top_k_top_p_min_p(probs: torch.Tensor, params, device) -> torch.Tens
     top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int32, device)
     top_p = to_device([p.top_p for p in params], probs.dtype, device)
     min_p = to_device([p.min_p for p in params], probs.dtype, device)
-    if probs.is_cuda and probs.dtype == torch.float32 and takes_the_cut(rows, find_k, find_p):
+    if SORT_FREE_CUT and probs.is_cuda and probs.dtype == torch.float32:
         from engine.layers.sampling_cut import sampling_cut
 
         cut = sampling_cut(probs, top_k, top_p, min_p, find_k, find_p)

@@ -1,6 +1,6 @@
 """The sampler's GPU time per call: greedy, temperature, top-p, top-k, min-p, at 1 to 512
 rows of a 128k vocabulary, with the sort-free cut (engine/layers/sampling_cut.py) and with
-the sort, each forced (the engine picks by `engine.sampler.takes_the_cut`); one table.
+the sort, each forced (the engine takes the cut on GPUs); one table.
 
     python3 scripts/bench_sampler.py
 """
@@ -59,9 +59,8 @@ def main() -> None:
         for name, kw in SETTINGS.items():
             reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=4, **kw)) for i in range(rows)]
             times = []
-            for sort_free in (False, True):  # each forced, whatever the engine's rule picks
+            for sort_free in (False, True):
                 sampler_module.SORT_FREE_CUT = sort_free
-                sampler_module.SORT_FREE_MIN_ROWS = 0
                 times.append(time_ms(sampler, logits, reqs))
             print(f"| {rows} | {name} | {times[0]:.3f} | {times[1]:.3f} |", flush=True)
 

@@ -139,13 +139,14 @@ def test_no_compile_after_start_and_first_ttft_within_2x(tmp_path, monkeypatch):
         for bs in (20, 64):
             _run_all(engine, [(system + prompt(rng.randint(5, 200)), g(12)) for _ in range(bs)],
                      f"grouped{bs}")
-        # the sampler's cut (engine/sampler.py `takes_the_cut`): batches past this engine's
-        # 64 running requests, as a larger one would sample, and min-p alone at one row
+        # the sampler's cut (engine/layers/sampling_cut.py): rows past this engine's 64
+        # running requests, as a larger engine would sample, and few rows
+        from engine.layers.sampling_cut import MANY_ROWS
         from engine.request import Request
-        from engine.sampler import SORT_FREE_MIN_ROWS
 
-        for rows, kw in ((SORT_FREE_MIN_ROWS, dict(top_p=0.9)), (SORT_FREE_MIN_ROWS, dict(top_k=40)),
-                         (SORT_FREE_MIN_ROWS, dict(top_p=0.9, top_k=40)), (1, dict(min_p=0.1))):
+        for rows, kw in ((MANY_ROWS + 5, dict(top_p=0.9)), (MANY_ROWS + 16, dict(top_k=40)),
+                         (MANY_ROWS * 2, dict(top_p=0.9, top_k=40)), (1, dict(min_p=0.1)),
+                         (3, dict(top_p=0.9)), (17, dict(top_k=40, top_p=0.8))):
             reqs = [Request(f"cut{i}", [1, 2], SamplingParams(max_tokens=2, temperature=0.7, **kw))
                     for i in range(rows)]
             engine.sampler.sample_tokens(torch.randn(rows, vocab, device="cuda"), reqs)

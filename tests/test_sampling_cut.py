@@ -3,6 +3,8 @@ tokens the sort-based filter keeps (engine/sampler.py's reference), on rows with
 near the cut. `gpu` tests also run on the CPU under TRITON_INTERPRET=1."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -28,9 +30,16 @@ def _sorted_keep(probs, top_k, top_p, min_p):
 
 
 @on_device
-@pytest.mark.parametrize("vocab,temperature", [(1000, 1.0), (3000, 0.3), (777, 3.0)])
-def test_cut_keeps_what_the_sort_keeps(vocab, temperature):
+@pytest.mark.parametrize("vocab,temperature,chunk,many", [
+    (1000, 1.0, 8192, 128), (3000, 0.3, 8192, 128), (777, 3.0, 8192, 1), (3000, 1.0, 512, 1)])
+def test_cut_keeps_what_the_sort_keeps(vocab, temperature, chunk, many, monkeypatch):
+    """chunk 512: each row's passes spread over 6 programs (a 128k vocabulary's 16 chunks);
+    many 1: the candidates of many rows (8 a pass) for these 10 rows."""
+    import engine.layers.sampling_cut as cut_module
     from engine.layers.sampling_cut import sampling_cut
+
+    monkeypatch.setattr(cut_module, "CHUNK", chunk)
+    monkeypatch.setattr(cut_module, "MANY_ROWS", many)
 
     g = torch.Generator().manual_seed(vocab)
     settings = [(vocab, 1.0, 0.0), (50, 1.0, 0.0), (1, 1.0, 0.0), (vocab, 0.9, 0.0),
@@ -66,14 +75,17 @@ def test_cut_with_ties_keeps_all_of_them():
 
 @on_device
 def test_compile_variants_launches_each_variant(monkeypatch):
-    """The warm-up's launches (engine/warmup.py): top-k and top-p, each alone, min-p alone."""
+    """The warm-up's launches (engine/warmup.py): top-k and top-p, each alone, min-p alone,
+    with few and with many rows' candidates."""
     import engine.layers.sampling_cut as cut
 
     seen = []
     real = cut.sampling_cut
-    monkeypatch.setattr(cut, "sampling_cut", lambda *a: seen.append(a[4:]) or real(*a))
+    monkeypatch.setattr(cut, "MANY_ROWS", 4)  # the warm-up's many-rows launch, small
+    monkeypatch.setattr(cut, "sampling_cut",
+                        lambda *a: seen.append((a[0].shape[0] >= 4, *a[4:])) or real(*a))
     cut.compile_variants(300, torch.device(DEVICE))
-    assert sorted(seen) == [(False, False), (False, True), (True, False), (True, True)]
+    assert sorted(seen) == sorted(itertools.product((False, True), repeat=3))
 
 
 def test_under_the_interpreter():
@@ -87,37 +99,31 @@ def test_compiles_for_hopper():
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
     from triton_on_cpu import compile_for_sm90
 
-    from engine.layers.sampling_cut import BLOCK, PASSES, PIVOTS, _cut_kernel
+    from engine.layers.sampling_cut import (BLOCK, CHUNK, MANY_ROWS_PIVOTS, PIVOTS, _cut_kernel,
+                                            _pass_kernel)
 
-    for find_k, find_p in ((True, True), (False, True), (True, False)):
-        compile_for_sm90(_cut_kernel, dict(P="*fp32", TopK="*i32", TopP="*fp32", MinP="*fp32", Cut="*fp32",
-                                           V="i32", stride_p="i32"),
-                         dict(PIVOTS=PIVOTS, PASSES=PASSES, BLOCK=BLOCK, FIND_K=find_k,
-                              FIND_P=find_p))
-
-
-def test_sampler_takes_the_cut_for_large_batches_and_min_p():
-    """The sort stays faster for top-k / top-p below a few waves of rows (engine/sampler.py)."""
-    from engine.sampler import SORT_FREE_MIN_ROWS, takes_the_cut
-
-    assert not takes_the_cut(1, find_k=False, find_p=True)
-    assert not takes_the_cut(SORT_FREE_MIN_ROWS - 1, find_k=True, find_p=False)
-    assert takes_the_cut(SORT_FREE_MIN_ROWS, find_k=True, find_p=True)
-    assert takes_the_cut(1, find_k=False, find_p=False)  # min-p alone
+    types = dict(P="*fp32", TopK="*i32", TopP="*fp32", MinP="*fp32", State="*i32", Count="*i32",
+                 Mass="*fp32", ChunkMax="*fp32", Cut="*fp32", V="i32")
+    for pivots, find_k, find_p in itertools.product((PIVOTS, MANY_ROWS_PIVOTS), (True, False),
+                                                    (True, False)):
+        fixed = dict(NCHUNK=16, PIVOTS=pivots, FIND_K=find_k, FIND_P=find_p)
+        compile_for_sm90(_pass_kernel, types, dict(fixed, CHUNK=CHUNK, BLOCK=BLOCK))
+        compile_for_sm90(_cut_kernel, types, fixed)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the sampler takes the cut on GPUs")
 def test_sampler_with_the_cut_samples_only_kept_tokens():
-    """A batch large enough for the cut: every sampled token is among its row's top 2."""
+    """Every sampled token is among its row's top 2, at few and at many rows' candidates."""
     from engine.request import Request
-    from engine.sampler import SORT_FREE_MIN_ROWS, Sampler
+    from engine.layers.sampling_cut import MANY_ROWS
+    from engine.sampler import Sampler
     from engine.sampling_params import SamplingParams
 
-    rows = SORT_FREE_MIN_ROWS + 3
-    logits = torch.randn(rows, 5000, device="cuda") * 2
-    reqs = [Request(f"r{i}", [1, 2], SamplingParams(max_tokens=2, temperature=1.0, top_k=2))
-            for i in range(rows)]
-    tokens = Sampler(torch.device("cuda")).sample_tokens(logits, reqs)
-    top2 = logits.topk(2, dim=1).indices
-    assert (top2 == tokens[:, None]).any(dim=1).all()
+    for rows in (3, MANY_ROWS + 3):
+        logits = torch.randn(rows, 5000, device="cuda") * 2
+        reqs = [Request(f"r{i}", [1, 2], SamplingParams(max_tokens=2, temperature=1.0, top_k=2))
+                for i in range(rows)]
+        tokens = Sampler(torch.device("cuda")).sample_tokens(logits, reqs)
+        top2 = logits.topk(2, dim=1).indices
+        assert (top2 == tokens[:, None]).any(dim=1).all(), rows
