@@ -168,8 +168,8 @@ def sampling_cut(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     fixed = dict(NCHUNK=triton.next_power_of_2(nchunk), PIVOTS=pivots, FIND_K=find_k,
                  FIND_P=find_p, **pdl_launch(dev))
     state = torch.empty((2, rows, 4), dtype=torch.int32, device=dev)
-    count = torch.empty((2, rows, nchunk, PIVOTS), dtype=torch.int32, device=dev)
-    mass = torch.empty((2, rows, nchunk, PIVOTS), dtype=torch.float32, device=dev)
+    count = torch.empty((2, rows, nchunk, pivots), dtype=torch.int32, device=dev)
+    mass = torch.empty((2, rows, nchunk, pivots), dtype=torch.float32, device=dev)
     chunk_max = torch.empty((rows, nchunk), dtype=torch.float32, device=dev)
     cut = torch.empty(rows, dtype=torch.float32, device=dev)
     passes = passes_for(pivots) if find_k or find_p else 1
