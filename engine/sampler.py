@@ -168,14 +168,14 @@ def _filter_top_k_top_p_min_p(probs: torch.Tensor, params, device) -> torch.Tens
     else by sorting each row."""
     if all(p.top_k == -1 and p.top_p >= 1.0 and p.min_p == 0.0 for p in params):
         return probs
-    rows, vocab = probs.shape
-    find_k, find_p = any(p.top_k > 0 for p in params), any(p.top_p < 1.0 for p in params)
+    vocab = probs.shape[1]
     top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int32, device)
     top_p = to_device([p.top_p for p in params], probs.dtype, device)
     min_p = to_device([p.min_p for p in params], probs.dtype, device)
     if SORT_FREE_CUT and probs.is_cuda and probs.dtype == torch.float32:
         from engine.layers.sampling_cut import sampling_cut
 
+        find_k, find_p = any(p.top_k > 0 for p in params), any(p.top_p < 1.0 for p in params)
         cut = sampling_cut(probs, top_k, top_p, min_p, find_k, find_p)
         return probs.masked_fill(probs < cut.unsqueeze(1), 0.0)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
