@@ -2,8 +2,9 @@
 compiles no Triton kernel, and a fresh replica's first request of each prompt shape takes
 at most twice the warm time to its first token.
 
-GPU test: a Llama-3-8B-shaped dummy model (bf16) with an empty TRITON_CACHE_DIR, so any
-specialization the warm-up missed would cost a real compile (seconds), not a disk load.
+GPU test: a Llama-3-8B-shaped dummy model (bf16, and with FP8 weights) with an empty
+TRITON_CACHE_DIR, so any specialization the warm-up missed would cost a real compile
+(seconds), not a disk load.
 Compiles are counted two ways (Triton 3.6): the in-memory binaries of every engine kernel
 (`JITFunction.device_caches[dev][0]`, see engine.warmup.compiled_kernels) and Triton's
 `knobs.runtime.jit_post_compile_hook`, called after every compile or disk-cache load.
@@ -65,10 +66,16 @@ def _run_all(engine: Engine, reqs: list[tuple[list[int], SamplingParams]], tag: 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_no_compile_after_start_and_first_ttft_within_2x(tmp_path, monkeypatch):
+@pytest.mark.parametrize("quantization", [None, "fp8"], ids=["bf16", "fp8"])
+def test_no_compile_after_start_and_first_ttft_within_2x(tmp_path, monkeypatch, quantization):
+    import gc
+
     import triton
 
     from engine.demo_model import ensure_demo_model
+
+    gc.collect()  # the other parametrization's engine must give its GPU memory back first
+    torch.cuda.empty_cache()
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
@@ -83,7 +90,8 @@ def test_no_compile_after_start_and_first_ttft_within_2x(tmp_path, monkeypatch):
     engine = Engine(EngineConfig(
         model=str(model), tokenizer=ensure_demo_model(), dtype="bfloat16", device="cuda",
         load_format="dummy", max_running_requests=64, cuda_graph_max_bs=16,
-        chunked_prefill_size=8192, max_prefill_tokens=16384, mem_fraction_static=0.7))
+        chunked_prefill_size=8192, max_prefill_tokens=16384, mem_fraction_static=0.7,
+        quantization=quantization))
     print("start-up:", engine.runner.startup.summary(), engine.startup)
 
     compiled: list[str] = []
@@ -159,6 +167,7 @@ def test_no_compile_after_start_and_first_ttft_within_2x(tmp_path, monkeypatch):
     assert not compiled and not new, f"compiled after start: {new} {compiled[:5]}"
     slow = {n: (cold[n], warm[n]) for n in SHAPES if cold[n] > 2 * warm[n]}
     assert not slow, f"first-request TTFT over 2x warm (s): {slow}"
+    del engine
 
 
 def test_warmup_leaves_engine_clean(tiny_llama):

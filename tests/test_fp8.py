@@ -274,3 +274,21 @@ def test_fp8_weight_kernels_compile_for_hopper():
                            dict(BLOCK_K=2048))
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert "div.rn.f32" in ptx  # IEEE division, as the torch expression
+
+
+def test_fused_kernels_hand_fp8_linears_quantized_inputs_only_where_they_alone_read(tiny_llama):
+    """`set_fused_kernels` on an FP8 model wires each norm / SiLU-and-mul to the one FP8
+    linear that reads its output; a bf16 model gets none (MoE models: tests/test_moe.py)."""
+    from engine.layers import set_fused_kernels
+
+    model = load_model(tiny_llama, dtype="float32", quantization="fp8")
+    set_fused_kernels(model, True)
+    for layer in model.model.layers:
+        for producer in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp.act_fn):
+            assert producer.quantizes_for(17) and not producer.quantizes_for(16)
+    assert model.model.norm.quantizes_for is None  # the LM head is not FP8
+    set_fused_kernels(model, False)
+    assert model.model.layers[0].input_layernorm.quantizes_for is None
+    dense = load_model(tiny_llama, dtype="float32")
+    set_fused_kernels(dense, True)
+    assert all(m.quantizes_for is None for m in dense.modules() if hasattr(m, "quantizes_for"))

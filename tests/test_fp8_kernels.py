@@ -148,3 +148,25 @@ def test_fp8_model_on_gpu_is_the_dequantized_model(tiny_llama):
     top1 = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
     print(f"fp8 weights on the GPU: relative logit error {_rel(logits, ref):.3f}, top-1 {top1:.2f}")
     assert top1 > 0.6
+
+
+@cuda_only
+def test_norms_and_silu_quantize_for_the_fp8_linears(tiny_llama, monkeypatch):
+    """With fused kernels an FP8 model's norms and SiLU-and-mul quantize the next linear's
+    input in their own launch (prefill-sized batches): the logits are those of the linears
+    quantizing it themselves, bit for bit."""
+    from engine.layers import set_fused_kernels
+    from engine.models import load_model
+    from test_fp8 import _prompt_logits
+    from test_models import random_sequences
+
+    model = load_model(tiny_llama, dtype="float32", device=DEVICE, quantization="fp8")
+    prompts = random_sequences(model.config.vocab_size, [30, 11], seed=5)  # 41 rows: > 16
+    set_fused_kernels(model, True)
+    layer = model.model.layers[0]
+    assert layer.input_layernorm.quantizes_for(41) and not layer.input_layernorm.quantizes_for(16)
+    fused = _prompt_logits(model, prompts)
+    monkeypatch.setenv("RADIXSERVE_FUSED_FP8_QUANT", "0")
+    set_fused_kernels(model, True)
+    assert layer.input_layernorm.quantizes_for is None
+    assert torch.equal(fused, _prompt_logits(model, prompts))

@@ -26,6 +26,22 @@ def prompts_for(vocab: int) -> list[list[int]]:
     return random_sequences(vocab, [5, 12, 3], seed=11)  # the demo tokenizer's vocab: 768
 
 
+def test_norm_before_the_router_is_no_quantized_input(moe_factory):
+    """An MoE layer's post-attention norm feeds the router and the experts, so it is never
+    paired with one FP8 linear to quantize for (`set_fused_kernels`); the norm before qkv
+    and the shared expert's SiLU-and-mul are. FP8 MoE weights are refused at load today, so
+    this checks the pairs themselves."""
+    from engine.models.moe import SparseMoeBlock
+
+    model = load_model(moe_factory("qwen2_moe"), dtype="float32")
+    sparse = [layer for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    assert sparse
+    for layer in sparse:
+        attn, shared = layer.self_attn, layer.mlp.shared_expert
+        assert layer.quantized_input_pairs() == [(layer.input_layernorm, attn.qkv_proj)]
+        assert shared.quantized_input_pairs() == [(shared.act_fn, shared.down_proj)]
+
+
 # ---- whole models against HF ------------------------------------------------------------------
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)

@@ -1,11 +1,14 @@
 """Activations."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.split_sums import SplitSums
+from engine.quantization.fp8_format import Fp8Rows
 
 
 class SiluAndMul(nn.Module):
@@ -14,13 +17,18 @@ class SiluAndMul(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fused = False  # one Triton kernel on GPUs (engine/layers/fused_kernels.py)
+        # As RMSNorm's: set when an FP8 linear alone reads the output (engine/layers/norm.py).
+        self.quantizes_for: Callable[[int], bool] | None = None
 
-    def forward(self, x: torch.Tensor | SplitSums) -> torch.Tensor:
-        """x may be a linear's partial sums (engine/layers/split_sums.py)."""
+    def forward(self, x: torch.Tensor | SplitSums) -> torch.Tensor | Fp8Rows:
+        """x may be a linear's partial sums (engine/layers/split_sums.py); the output may
+        come back quantized (`Fp8Rows`) for the FP8 linear after it."""
         if self.fused and x.is_cuda:
             from engine.layers.fused_kernels import silu_and_mul
 
-            return silu_and_mul(x)
+            quantize = (self.quantizes_for is not None and isinstance(x, torch.Tensor)
+                        and self.quantizes_for(x.numel() // x.shape[-1]))
+            return silu_and_mul(x, quantize)
         if isinstance(x, SplitSums):
             x = x.total()
         d = x.shape[-1] // 2

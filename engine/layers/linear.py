@@ -125,7 +125,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         from engine.layers import gemv as gemv_module
 
         if (gemv_module.GLU and self.weight_scale is not None and self.bias is None
-                and x.dim() == 2 and len(self.local_sizes) == 2
+                and isinstance(x, torch.Tensor) and x.dim() == 2 and len(self.local_sizes) == 2
                 and self.local_sizes[0] == self.local_sizes[1]
                 and takes_weight_only_kernel(x, self.weight_scale)):
             return gemv_module.gemv_glu(x, self.weight, self.weight_scale)

@@ -1,6 +1,8 @@
 """RMSNorm, optionally fused with the residual add that precedes it in a decoder layer."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -13,6 +15,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.fused = False  # one Triton kernel on GPUs (engine/layers/fused_kernels.py)
+        # Set by `set_fused_kernels` when an FP8 linear alone reads this norm's output: given a
+        # row count, whether that linear wants its input quantized (then the kernel does it).
+        self.quantizes_for: Callable[[int], bool] | None = None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Statistics in float32 for stability; the scale multiplies in the model dtype (as HF).
@@ -24,11 +29,14 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor | SplitSums, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with a residual: (norm(x + residual), x + residual). x may be a
-        linear's partial sums (engine/layers/split_sums.py)."""
+        linear's partial sums (engine/layers/split_sums.py); norm(x) may come back quantized
+        (`Fp8Rows`) for the FP8 linear after it."""
         if self.fused and x.is_cuda:
             from engine.layers.fused_kernels import rmsnorm
 
-            return rmsnorm(x, self.weight, self.eps, residual)
+            quantize = (self.quantizes_for is not None and isinstance(x, torch.Tensor)
+                        and self.quantizes_for(x.numel() // x.shape[-1]))
+            return rmsnorm(x, self.weight, self.eps, residual, quantize)
         if isinstance(x, SplitSums):
             x = x.total()
         if residual is None:

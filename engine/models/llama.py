@@ -24,7 +24,8 @@ from torch import nn
 from engine.attention.base import AttentionBackend, ForwardBatch
 from engine.layers.activation import SiluAndMul
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
+                                  RowParallelLinear)
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import Loadable, TPContext, copy_into, materialize
 from engine.layers.rotary import RotaryEmbedding, get_rope
@@ -142,6 +143,11 @@ class LlamaMLP(nn.Module):
     def split_sums_ok(self, ok: bool) -> None:
         self.down_proj.split_sums_ok = ok
 
+    def quantized_input_pairs(self) -> list[tuple[nn.Module, LinearBase]]:
+        """(kernel, linear) pairs where only the linear reads the kernel's output: an FP8
+        linear's input quantization may run in that kernel (`set_fused_kernels`)."""
+        return [(self.act_fn, self.down_proj)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitSums:
         h = self.gate_up_proj.silu_mul_gemv(x) if self.act_fn.fused else None
         if h is None:
@@ -161,6 +167,14 @@ class LlamaDecoderLayer(nn.Module):
         # one) may stay a GEMV's partial sums: the norms add them (engine/layers/split_sums.py).
         self.self_attn.o_proj.split_sums_ok = True
         self.mlp.split_sums_ok = True
+
+    def quantized_input_pairs(self) -> list[tuple[nn.Module, LinearBase]]:
+        """As `LlamaMLP.quantized_input_pairs`: the norms before qkv and, in a dense MLP,
+        gate_up (an MoE block's router reads its input too)."""
+        pairs = [(self.input_layernorm, self.self_attn.qkv_proj)]
+        if isinstance(self.mlp, LlamaMLP):
+            pairs.append((self.post_attention_layernorm, self.mlp.gate_up_proj))
+        return pairs
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor | SplitSums,
                 residual: torch.Tensor | None, batch: ForwardBatch

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.quantization.fp8_format import FP8, FP8_MAX, MIN_SCALE
+from engine.quantization.fp8_format import FP8, FP8_MAX, MIN_SCALE, Fp8Rows
 
 
 def to_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -38,7 +38,7 @@ def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dt
     return w.view(weight.shape).to(dtype)
 
 
-def _scaled_mm_ok(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
+def scaled_mm_ok(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
     # torch._scaled_mm wants both GEMM dims of the weight in multiples of 16, and one scale per row.
     return weight_scale.shape[1] == 1 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
 
@@ -53,11 +53,12 @@ def takes_weight_only_kernel(x: torch.Tensor, weight_scale: torch.Tensor) -> boo
     return x.numel() // x.shape[-1] <= W8A16_MAX_ROWS
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None, quantize_input: bool = True,
                keep_splits: bool = False) -> torch.Tensor:
     """y = x W^T (+ bias) for an FP8 weight; output in x's dtype. With `keep_splits` the
-    weight-only kernel may return a `SplitSums` (engine/layers/split_sums.py) instead.
+    weight-only kernel may return a `SplitSums` (engine/layers/split_sums.py) instead. x may
+    come quantized already (`Fp8Rows`, from the kernel before the linear).
 
     On the GPU, decode-sized batches with per-channel weights run the weight-only kernel
     (`fp8_kernels.w8a16_linear`: bf16 activations, half the weight bytes). Otherwise
@@ -65,6 +66,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     Block-scaled weights, weight-only checkpoints (no activation quantization) and shapes
     `_scaled_mm` refuses dequantize the weight and run a plain matmul: the same math, slower.
     """
+    if isinstance(x, Fp8Rows):
+        return _scaled_mm(x.q, x.scale, weight, weight_scale, bias, x.dtype)
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     if takes_weight_only_kernel(x, weight_scale):
@@ -75,15 +78,28 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
             return y  # a SplitSums
         y = y + bias if bias is not None else y
         return y.view(*shape[:-1], weight.shape[0])
-    if not (quantize_input and _scaled_mm_ok(weight, weight_scale)):
+    if not (quantize_input and scaled_mm_ok(weight, weight_scale)):
         return F.linear(x, dequantize(weight, weight_scale, x.dtype), bias)
     if x.is_cuda:
         from engine.quantization.fp8_kernels import quantize_rows as quantize_rows_kernel
         x_q, x_scale = quantize_rows_kernel(rows)
     else:
         x_q, x_scale = quantize_rows(rows)
-    y = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.t(),
-                         out_dtype=x.dtype)
-    if bias is not None:
-        y = y + bias
+    y = _scaled_mm(x_q, x_scale, weight, weight_scale, bias, x.dtype)
     return y.view(*shape[:-1], weight.shape[0])
+
+
+def _scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+               weight_scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+               ) -> torch.Tensor:
+    y = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.t(), out_dtype=dtype)
+    return y + bias if bias is not None else y
+
+
+def takes_quantized_input(layer: torch.nn.Module, rows: int) -> bool:
+    """Whether an FP8 `layer` (a LinearBase) would quantize an input of `rows` rows itself
+    for `torch._scaled_mm`, so the kernel before it may hand it `Fp8Rows` instead."""
+    from engine.quantization.fp8_kernels import W8A16_MAX_ROWS
+
+    return (layer.weight_scale is not None and layer.quantize_input and rows > W8A16_MAX_ROWS
+            and scaled_mm_ok(layer.weight, layer.weight_scale))
