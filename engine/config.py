@@ -54,7 +54,7 @@ class EngineConfig:
     # a CUDA graph (engine/extend_graphs.py): short prompts are launch-bound. 0 disables.
     # None = 16 requests, or 64 with speculative decoding (its verify steps are extends of
     # k + 1 tokens per decoding request, and drafts are only made for steps a graph covers).
-    cuda_graph_max_extend_tokens: int = 512
+    cuda_graph_max_extend_tokens: int = 1024
     cuda_graph_max_extend_bs: int | None = None
     enable_overlap_schedule: bool = True
     # Before the engine reports ready, run a few requests that compile every Triton kernel

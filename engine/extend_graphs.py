@@ -28,7 +28,10 @@ from engine.cuda_graph import capture_graphs
 
 logger = logging.getLogger(__name__)
 
-TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+# 768 halves the padding of 513-768-token steps (H200, 8B dummy, TTFT: 513 tokens 17.7 ms
+# in the 768 graph, 23.5 in the 1,024 one, 33-37 ms eager, where launching from Python
+# takes twice the GPU time).
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 768, 1024, 2048)
 BS_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 

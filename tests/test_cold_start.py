@@ -30,8 +30,10 @@ from engine.warmup import compiled_kernels, warm_up, warmup_waves
 
 # Prompt lengths around every boundary the kernels' launch configs and the graphs care
 # about: 1 token, odd/even token counts (the flat upload's field offsets), BLOCK_M (64),
-# the extend graphs' largest bucket (512), one wave of extend programs, chunk sizes.
-SHAPES = [1, 2, 7, 16, 37, 64, 65, 129, 300, 511, 512, 513, 1000, 2047, 2049, 4097, 8192]
+# the extend graphs' buckets (512, 768, 1,024: the largest), one wave of extend programs,
+# chunk sizes.
+SHAPES = [1, 2, 7, 16, 37, 64, 65, 129, 300, 511, 512, 513, 769, 1000, 1024, 1025, 2047, 2049,
+          4097, 8192]
 
 
 def _ttft(engine: Engine, ids: list[int], params: SamplingParams, tag: str) -> float:
