@@ -27,14 +27,15 @@ from engine import SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.demo_model import ensure_demo_model  # noqa: E402
 from engine.engine import Engine  # noqa: E402
+from engine.prompt_logprobs import PromptScores  # noqa: E402
 
 
 def null_forward(runner, vocab: int, max_batch: int):
     fixed = torch.randn(max_batch, vocab, generator=torch.Generator().manual_seed(0))
 
-    def forward(plan):
+    def forward(plan, pending=None):
         runner.build_batch(plan)  # batch building is scheduler-side work: keep it timed
-        return fixed[:len(plan.chunks)], []
+        return fixed[:len(plan.chunks)], PromptScores([], [])
 
     return forward
 

@@ -76,3 +76,17 @@ def test_decode_step_at_a_fixed_batch(tmp_path):
     assert d["steps"] == 5  # 6 output tokens: the first comes from the prefill
     assert d["floor_ms"] > 0 and d["step_ms"] > 0 and d["ratio"] == d["step_ms"] / d["floor_ms"]
     assert "decode step ms at batch 4" in proc.stdout
+
+
+def test_scheduler_bench_runs(tmp_path):
+    """scripts/bench_scheduler.py (the host side of a step with a null forward) at toy sizes:
+    its forward stand-in must keep the runner's return types (it once returned a list where
+    the step resolves prompt logprobs, and the script died at its first step)."""
+    out = tmp_path / "sched.json"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_scheduler.py"),
+           "--batch-sizes", "1,4", "--steps", "5", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["batch"] for r in rows] == [1, 4] and all(r["mean_ms"] > 0 for r in rows)
