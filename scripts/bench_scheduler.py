@@ -3,6 +3,7 @@ forward replaced by a no-op that returns fixed logits.
 
     python scripts/bench_scheduler.py [--batch-sizes 1,64,256] [--steps 200] [--json PATH]
     python scripts/bench_scheduler.py --multi-turn 64,4,1024,128,64
+    python scripts/bench_scheduler.py --w1 1000
 
 `--multi-turn C,T,F,A,U`: the host side of W4 (scripts/bench_offline.py --w4): C conversations,
 T turns, an F-token first message, A-token answers, a U-token new message per turn, each
@@ -98,6 +99,31 @@ def multi_turn(conversations: int, turns: int, first: int, answer: int, user: in
     return rows
 
 
+def w1_host(requests: int = 1000, running: int = 1024) -> dict:
+    """The host side of W1 (scripts/bench_offline.py): `requests` prompts of 128-1,024 tokens
+    with 32-512 outputs, all at once, 8,192-token chunks; per-step host time of the mixed
+    steps (a prompt chunk in them) and the decode steps, to set against a GPU's step times."""
+    rng = random.Random(0)
+    reqs = [([rng.randrange(3, 700) for _ in range(rng.randint(128, 1024))], rng.randint(32, 512))
+            for _ in range(requests)]
+    cfg = EngineConfig(model=ensure_demo_model(), dtype="float32", device="cpu",
+                       max_total_tokens=sum(len(p) + n for p, n in reqs) + 64,
+                       max_running_requests=running, chunked_prefill_size=8192, max_model_len=1600)
+    eng = Engine(cfg)
+    eng.runner.forward = null_forward(eng.runner, eng.runner.vocab_size, 8192)
+    for i, (prompt, n) in enumerate(reqs):
+        eng.add_request(f"w{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    mixed, decode = [], []
+    while eng.has_work:
+        prefilling = bool(eng.scheduler.waiting) or any(r.pending_len > 1 for r in eng.scheduler.running)
+        t0 = time.perf_counter()
+        eng.step()
+        (mixed if prefilling else decode).append(time.perf_counter() - t0)
+    return {kind: {"steps": len(t), "total_s": sum(t), "mean_ms": 1e3 * sum(t) / len(t),
+                   "p50_ms": 1e3 * sorted(t)[len(t) // 2], "max_ms": 1e3 * max(t)}
+            for kind, t in (("mixed", mixed), ("decode", decode)) if t}
+
+
 def print_multi_turn(rows: list[dict]) -> None:
     print(f"{'turn':>4} {'prompt':>7} {'hit':>6} {'prefill steps':>14} {'prefill ms':>11} "
           f"{'decode steps':>13} {'decode ms/step':>15} {'p99':>7}")
@@ -119,7 +145,18 @@ def main() -> None:
                     help="every request's (e.g. 1.05, Qwen2.5's generation_config default)")
     ap.add_argument("--multi-turn", default=None, metavar="C,T,F,A,U",
                     help="instead: the host side of W4-shaped multi-turn traffic")
+    ap.add_argument("--w1", default=None, metavar="REQUESTS", type=int,
+                    help="instead: the host side of W1-shaped traffic (1000 for W1 itself)")
     args = ap.parse_args()
+    if args.w1:
+        res = w1_host(args.w1)
+        for kind, r in res.items():
+            print(f"{kind:>6}: {r['steps']} steps, {r['total_s']:.2f} s, mean {r['mean_ms']:.2f} ms, "
+                  f"p50 {r['p50_ms']:.2f}, max {r['max_ms']:.1f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     if args.multi_turn:
         rows = multi_turn(*(int(x) for x in args.multi_turn.split(",")))
         print_multi_turn(rows)

@@ -90,3 +90,9 @@ def test_scheduler_bench_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert [r["batch"] for r in rows] == [1, 4] and all(r["mean_ms"] > 0 for r in rows)
+    cmd[2:] = ["--w1", "12", "--json", str(out)]  # W1's shapes, 12 requests
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["mixed"]["steps"] >= 1 and res["decode"]["steps"] >= 31
