@@ -6,8 +6,10 @@ follow the dataclass's fields, in the order declared."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+import itertools
 from typing import Generic, TypeVar
 
+import numpy as np
 import torch
 
 from engine.request import Request
@@ -35,7 +37,11 @@ class StepInput(Generic[V]):
 
     def pack(self, is_decode: bool) -> PackedStep:
         parts = [getattr(self, name) for name in FIELD_NAMES]
-        flat = torch.tensor([v for part in parts for v in part], dtype=torch.long)
+        # numpy reads the lists' ints in C: a mixed step of 8k tokens packs ~50k of them,
+        # which torch.tensor of a flattened list took ~5x as long to do
+        flat = np.fromiter(itertools.chain.from_iterable(parts), dtype=np.int64,
+                           count=sum(map(len, parts)))
+        flat = torch.from_numpy(flat)
         return PackedStep(flat, [len(p) for p in parts], is_decode, self.seq_lens,
                           self.extend_lens)
 

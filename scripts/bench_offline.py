@@ -314,6 +314,21 @@ class StepPhases:
                          "mean_batch": sum(b for _, b, _ in rows) / len(rows) if rows else 0.0,
                          "tokens": sum(n for _, _, n in rows)}
         out["other_s"] = wall_s - out["decode"]["gpu_s"] - out["prefill_or_mixed"]["gpu_s"]
+        out["gaps"] = self.gaps()
+        return out
+
+    def gaps(self) -> dict:
+        """GPU time from one forward's end to the next one's start, by the next step's kind:
+        the previous step's sampling and token copy, plus any time the GPU waited for the
+        host to launch the step (planning, batch building, eager launches). A step whose
+        gap is much longer than sampling was host-bound."""
+        out: dict = {}
+        for kind, decode in (("decode", True), ("prefill_or_mixed", False)):
+            ms = [prev[1].elapsed_time(cur[0]) for prev, cur in zip(self.events, self.events[1:])
+                  if cur[2] == decode]
+            ms.sort()
+            out[kind] = {"total_s": sum(ms) / 1e3, "p50_ms": ms[len(ms) // 2] if ms else 0.0,
+                         "max_ms": ms[-1] if ms else 0.0}
         return out
 
 
@@ -975,6 +990,10 @@ def print_table(r: dict) -> None:
             d, f = p["decode"], p["prefill_or_mixed"]
             print(f"{name:<20} {d['steps']:>12} {d['gpu_s']:>7.2f} {d['mean_ms']:>8.2f} {d['mean_batch']:>6.0f}"
                   f" {f['steps']:>13} {f['gpu_s']:>7.2f} {f['mean_ms']:>8.2f} {f['tokens']:>8} {p['other_s']:>8.2f}")
+        print(f"{'gaps before a step':<20} {'kind':>12} {'total s':>8} {'p50 ms':>8} {'max ms':>8}")
+        for name, p in phases:
+            for kind, g in p.get("gaps", {}).items():
+                print(f"{name:<20} {kind[:12]:>12} {g['total_s']:>8.3f} {g['p50_ms']:>8.2f} {g['max_ms']:>8.2f}")
     if "W3" in r:
         w = r["W3"]
         print(f"{'W3 decode step ms':<34} {w['step_ms']:>10.2f} {w['floor_ms']:>10.2f} "

@@ -42,6 +42,9 @@ def test_issue14_rows_on_demo_model(tmp_path):
     assert turns[0]["prompt_tokens"] == 16 and turns[1]["prompt_tokens"] == 16 + 3 + 5
     assert turns[0]["hit_rate"] == 0 and turns[1]["hit_rate"] > 0.5  # prompt + answer cached
     assert all(t["decode_floor_s"] > 0 and t["phases"]["decode"]["steps"] > 0 for t in turns)
+    # the host's time between steps (sampling at least, on the CPU), by the next step's kind
+    gaps = turns[0]["phases"]["gaps"]
+    assert gaps["decode"]["total_s"] > 0 and gaps["decode"]["max_ms"] >= gaps["decode"]["p50_ms"] > 0
 
     for heading in ("TTFT, batch 1, warm", "cold start, warmup", "long prefill 2 x 40", "W4: 2"):
         assert heading in proc.stdout
