@@ -60,6 +60,9 @@ class EngineConfig:
     # Before the engine reports ready, run a few requests that compile every Triton kernel
     # specialization serving can reach (engine/warmup.py; CUDA only).
     enable_warmup: bool = True
+    # Then move every object alive into the garbage collector's permanent generation, so
+    # full collections skip the libraries and weights (engine/gc_freeze.py).
+    freeze_gc_after_start: bool = True
     # Decode attention reads a cached prefix shared by several running requests once for
     # all of them (Triton backend; engine/prefix_groups.py), when it is at least this long.
     enable_prefix_grouped_decode: bool = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from engine.config import EngineConfig
+from engine.gc_freeze import freeze_after_start
 from engine.grammar import Grammars
 from engine.layers.parallel import TPContext
 from engine.model_runner import ModelRunner
@@ -63,6 +64,7 @@ class Engine:
             self.stepper = OverlapStepper(self.stepper, config.max_running_requests)
         # Compile every Triton specialization before serving; logs the start-up phases.
         self.startup = warm_up(self)
+        freeze_after_start(self, config.freeze_gc_after_start)
 
     def close(self) -> None:
         """At tp > 1: stop the other ranks (call once the step loop has stopped)."""

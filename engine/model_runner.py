@@ -99,10 +99,14 @@ class ModelRunner:
         if not (cfg.enable_cuda_graph and self.device.type == "cuda"
                 and cfg.cuda_graph_max_extend_tokens > 0):
             return None
-        from engine.extend_graphs import ExtendGraphs
+        from engine.extend_graphs import TOKEN_BUCKETS, ExtendGraphs
 
-        return ExtendGraphs(self.model, self.attn_backend, self.req_to_token,
-                            cfg.cuda_graph_max_extend_tokens,
+        # capture runs one request over the largest bucket: its positions must fit the
+        # context (req_to_token's width, the RoPE table)
+        max_tokens = min(cfg.cuda_graph_max_extend_tokens, self.max_context)
+        if max_tokens < TOKEN_BUCKETS[0]:
+            return None
+        return ExtendGraphs(self.model, self.attn_backend, self.req_to_token, max_tokens,
                             min(cfg.cuda_graph_max_extend_bs, cfg.max_running_requests),
                             pool=self.graphs.pool if self.graphs is not None else None)
 

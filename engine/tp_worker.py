@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
 from engine.distributed import CMD_SHUTDOWN, DistributedTP, init_tp, open_rendezvous
+from engine.gc_freeze import freeze_after_start
 from engine.model_runner import ModelRunner
 from engine.models import resolve_device
 
@@ -31,6 +32,7 @@ def run_worker(config: EngineConfig, rank: int, size: int, init_method: str) -> 
     tp = init_tp(rank, size, init_method, resolve_device(config.device), config.dist_timeout_s)
     try:
         runner = ModelRunner(config, tp=tp)
+        freeze_after_start(runner, config.freeze_gc_after_start)
         return serve_steps(runner, tp)
     finally:
         tp.shutdown()

@@ -323,12 +323,14 @@ class StepPhases:
         host to launch the step (planning, batch building, eager launches). A step whose
         gap is much longer than sampling was host-bound."""
         out: dict = {}
+        gaps = [(prev[1].elapsed_time(cur[0]), step, cur[2])
+                for step, (prev, cur) in enumerate(zip(self.events, self.events[1:]), start=1)]
         for kind, decode in (("decode", True), ("prefill_or_mixed", False)):
-            ms = [prev[1].elapsed_time(cur[0]) for prev, cur in zip(self.events, self.events[1:])
-                  if cur[2] == decode]
-            ms.sort()
+            ms = sorted(g for g, _, d in gaps if d == decode)
             out[kind] = {"total_s": sum(ms) / 1e3, "p50_ms": ms[len(ms) // 2] if ms else 0.0,
                          "max_ms": ms[-1] if ms else 0.0}
+        out["longest"] = [{"step": step, "ms": round(g, 2), "before": "decode" if d else "mixed"}
+                          for g, step, d in sorted(gaps, reverse=True)[:8]]
         return out
 
 
@@ -992,8 +994,14 @@ def print_table(r: dict) -> None:
                   f" {f['steps']:>13} {f['gpu_s']:>7.2f} {f['mean_ms']:>8.2f} {f['tokens']:>8} {p['other_s']:>8.2f}")
         print(f"{'gaps before a step':<20} {'kind':>12} {'total s':>8} {'p50 ms':>8} {'max ms':>8}")
         for name, p in phases:
-            for kind, g in p.get("gaps", {}).items():
-                print(f"{name:<20} {kind[:12]:>12} {g['total_s']:>8.3f} {g['p50_ms']:>8.2f} {g['max_ms']:>8.2f}")
+            gaps = p.get("gaps", {})
+            for kind in ("decode", "prefill_or_mixed"):
+                g = gaps.get(kind)
+                if g:
+                    print(f"{name:<20} {kind[:12]:>12} {g['total_s']:>8.3f} {g['p50_ms']:>8.2f} {g['max_ms']:>8.2f}")
+            if gaps.get("longest"):
+                print(f"{name:<20} longest: " + ", ".join(f"{x['ms']:.1f} ms before step {x['step']}"
+                                                       for x in gaps["longest"][:5]))
     if "W3" in r:
         w = r["W3"]
         print(f"{'W3 decode step ms':<34} {w['step_ms']:>10.2f} {w['floor_ms']:>10.2f} "

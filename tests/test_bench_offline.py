@@ -45,6 +45,8 @@ def test_issue14_rows_on_demo_model(tmp_path):
     # the host's time between steps (sampling at least, on the CPU), by the next step's kind
     gaps = turns[0]["phases"]["gaps"]
     assert gaps["decode"]["total_s"] > 0 and gaps["decode"]["max_ms"] >= gaps["decode"]["p50_ms"] > 0
+    longest = max(gaps["decode"]["max_ms"], gaps["prefill_or_mixed"]["max_ms"])
+    assert max(g["ms"] for g in gaps["longest"]) == round(longest, 2)
 
     for heading in ("TTFT, batch 1, warm", "cold start, warmup", "long prefill 2 x 40", "W4: 2"):
         assert heading in proc.stdout
