@@ -10,7 +10,7 @@
 #   2: carry [".whl/c2"], command: bash scripts/gpu_serve_check.sh
 # PARTS (default "serve,offline,path") picks what runs; "profile" adds py-spy of the engine
 # replica and an ingress during W2 over HTTP; "gil" runs batch-1 and W2 again with the
-# replica's GIL switch interval at 0.5 ms ("sw05": that under "tput"'s mode); "fast" runs them under Ray's high-throughput mode (the README's, scripts/serve.sh), and with "sampled" W2 again at temperature 1, then also with top_p 0.95 and repetition_penalty 1.05
+# replica's GIL switch interval at 0.5 ms ("sw05": that under "tput"'s mode); "fast" runs them (and batch-1 800/16: a prefill graph past 512 tokens) under Ray's high-throughput mode (the README's, scripts/serve.sh), and with "sampled" W2 again at temperature 1, then also with top_p 0.95 and repetition_penalty 1.05
 # (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, RAY_SERVE_ENABLE_HA_PROXY=1), "w2only" keeping only its W2 runs; "tput" under the first of
 # those alone (no HAProxy: none of its caveats, docs/deploy.md); "process" runs batch-1 and W2
 # with the engine's step loop in a child process of the replica (engine_process: true), and
@@ -99,7 +99,7 @@ def load(name):
     return json.load(open(path)) if os.path.exists(path) else None
 print(f"\n{'run':<16} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT mean':>9} {'ITL p50':>8} {'ITL mean':>8} {'TPOT':>7} {'ok':>5} {'fail':>5}")
 for name in ("batch1", "batch1short", "w2", "poisson4", "poisson16", "poisson64", "gil_batch1", "gil_w2",
-             "fast_batch1", "fast_batch1short", "fast_w2", "fast_poisson64", "fast_w2_t1", "fast_w2_sampled", "tput_batch1",
+             "fast_batch1", "fast_batch1short", "fast_batch1mid", "fast_w2", "fast_poisson64", "fast_w2_t1", "fast_w2_sampled", "tput_batch1",
              "tput_batch1short", "tput_w2", "sw05_batch1", "sw05_w2", "proc_batch1", "proc_w2"):
     m = load(f"http_{name}.json")
     if m:
@@ -158,6 +158,7 @@ if [[ $PARTS == *fast* ]]; then  # the same app with Ray's high-throughput mode:
     if [[ $PARTS != *w2only* ]]; then
       bench fast_batch1 --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1
       bench fast_batch1short --num-prompts 16 --input-len 32 --output-len 64 --max-concurrency 1
+      bench fast_batch1mid --num-prompts 16 --input-len 800 --output-len 16 --max-concurrency 1
     fi
     bench fast_w2 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
       --question-len 128 --output-len 256
