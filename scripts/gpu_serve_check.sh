@@ -68,7 +68,8 @@ EOF
   echo "serve run did not come up in 240 s:"; tail -40 "$RES/serve.log"; return 1
 }
 
-bench() {  # name, then bench_serving options
+bench() {  # name, then bench_serving options (batch-1 and Poisson runs take seeds of their own:
+  # with the warm-up's seed their first prompts were the warm-up's, radix hits, 2026-12-04)
   local name=$1; shift
   python3 scripts/bench_serving.py --quiet --prompt-format tokens --token-id-low 100 \
     --token-id-high 120000 --json "$RES/http_$name.json" "$@" 2>&1 | tail -3
@@ -138,12 +139,12 @@ if [[ $PARTS == *serve* ]]; then
   SECONDS=0
   if serve_up; then
     bench warm --num-prompts 64 --input-len 512 --output-len 32
-    bench batch1 --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1
-    bench batch1short --num-prompts 16 --input-len 32 --output-len 64 --max-concurrency 1
+    bench batch1 --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1 --seed 101
+    bench batch1short --num-prompts 16 --input-len 32 --output-len 64 --max-concurrency 1 --seed 102
     bench w2 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
       --question-len 128 --output-len 256
     for rate in ${POISSON_RATES-4 16 64}; do
-      bench "poisson$rate" --num-prompts $((rate * 10)) --input-len 512 --output-len 128 --request-rate $rate
+      bench "poisson$rate" --num-prompts $((rate * 10)) --input-len 512 --output-len 128 --request-rate $rate --seed $((100 + rate))
     done
     top -b -n 1 -o %CPU | head -15 > "$RES/top.txt"
   fi
@@ -156,13 +157,13 @@ if [[ $PARTS == *fast* ]]; then  # the same app with Ray's high-throughput mode:
   if RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 serve_up; then
     bench warm --num-prompts 64 --input-len 512 --output-len 32
     if [[ $PARTS != *w2only* ]]; then
-      bench fast_batch1 --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1
-      bench fast_batch1short --num-prompts 16 --input-len 32 --output-len 64 --max-concurrency 1
-      bench fast_batch1mid --num-prompts 16 --input-len 800 --output-len 16 --max-concurrency 1
+      bench fast_batch1 --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1 --seed 101
+      bench fast_batch1short --num-prompts 16 --input-len 32 --output-len 64 --max-concurrency 1 --seed 102
+      bench fast_batch1mid --num-prompts 16 --input-len 800 --output-len 16 --max-concurrency 1 --seed 103
     fi
     bench fast_w2 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
       --question-len 128 --output-len 256
-    [[ $PARTS == *w2only* ]] || bench fast_poisson64 --num-prompts 640 --input-len 512 --output-len 128 --request-rate 64
+    [[ $PARTS == *w2only* ]] || bench fast_poisson64 --num-prompts 640 --input-len 512 --output-len 128 --request-rate 64 --seed 164
     if [[ $PARTS == *sampled* ]]; then  # W2 again, sampled: temperature 1; then with top_p and a penalty
       # other seeds: prompts the greedy run has not cached (the same ones were all radix hits)
       bench fast_w2_t1 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
@@ -181,8 +182,8 @@ if [[ $PARTS == *tput* ]]; then  # RAY_SERVE_THROUGHPUT_OPTIMIZED=1 alone: Serve
   SECONDS=0
   if RAY_SERVE_THROUGHPUT_OPTIMIZED=1 serve_up; then
     bench warm --num-prompts 64 --input-len 512 --output-len 32
-    bench tput_batch1 --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1
-    bench tput_batch1short --num-prompts 16 --input-len 32 --output-len 64 --max-concurrency 1
+    bench tput_batch1 --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1 --seed 101
+    bench tput_batch1short --num-prompts 16 --input-len 32 --output-len 64 --max-concurrency 1 --seed 102
     bench tput_w2 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
       --question-len 128 --output-len 256
   fi
@@ -195,7 +196,7 @@ variant() {  # name prefix, then the app args it adds: batch-1 and W2 over HTTP 
   SECONDS=0
   if SERVE_EXTRA="$*" serve_up; then
     bench warm --num-prompts 64 --input-len 512 --output-len 32
-    bench "${name}_batch1" --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1
+    bench "${name}_batch1" --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1 --seed 101
     bench "${name}_w2" --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
       --question-len 128 --output-len 256
   fi
