@@ -5,11 +5,16 @@ request locks the node its cached prefix ends at, which protects the whole path 
 root; unlocked leaves are evicted least-recently-used first when the pool runs short.
 Inserts and evictions are recorded as `CacheEvent`s so a router can learn what this
 replica really holds.
+
+Keys and values are tuples, not lists: a tuple of ints leaves the garbage collector's view
+after one collection, a list never does, and a full tree (the whole KV pool, ~1M tokens on
+an H200) held as lists made every full collection walk two million items (engine/gc_freeze.py).
 """
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -31,8 +36,8 @@ _clock = itertools.count()
 
 @dataclass(eq=False)
 class TreeNode:
-    key: list[int] = field(default_factory=list)
-    value: list[int] = field(default_factory=list)
+    key: tuple[int, ...] = ()
+    value: tuple[int, ...] = ()
     parent: TreeNode | None = None
     children: dict[int, TreeNode] = field(default_factory=dict)
     lock_ref: int = 0
@@ -49,13 +54,14 @@ class TreeNode:
         return tuple(t for part in reversed(parts) for t in part)
 
 
-def _common_len(a: list[int], b: list[int], start: int) -> int:
-    """Length of the common run of a and b[start:]."""
+def _common_len(a: tuple[int, ...], b: Sequence[int], start: int) -> int:
+    """Length of the common run of the key a and b[start:]."""
     n = min(len(a), len(b) - start)
     i = 0
-    # Compare in chunks: slice equality runs in C, far faster than a token loop.
+    # Compare in chunks: slice equality runs in C, far faster than a token loop (a tuple
+    # equals only a tuple; tuple() of a tuple's slice copies nothing).
     step = 64
-    while i + step <= n and a[i:i + step] == b[start + i:start + i + step]:
+    while i + step <= n and a[i:i + step] == tuple(b[start + i:start + i + step]):
         i += step
     while i < n and a[i] == b[start + i]:
         i += 1
@@ -76,7 +82,7 @@ class RadixCache:
 
     # -- lookup -------------------------------------------------------------------------
 
-    def match_prefix(self, tokens: list[int]) -> tuple[list[int], TreeNode]:
+    def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], TreeNode]:
         """Slots of the longest cached prefix of `tokens`, and the node it ends at.
 
         A match ending inside a node splits it, so the returned node covers exactly the
@@ -98,7 +104,7 @@ class RadixCache:
             node = child
         return slots, node
 
-    def match_len(self, tokens: list[int]) -> int:
+    def match_len(self, tokens: Sequence[int]) -> int:
         """Length of the longest cached prefix of `tokens`, read only: nothing is touched or
         split (the lpm admission order asks it of every waiting request, every step)."""
         if not self.enabled:
@@ -123,7 +129,7 @@ class RadixCache:
 
     # -- insert -------------------------------------------------------------------------
 
-    def insert(self, tokens: list[int], slots: list[int]) -> int:
+    def insert(self, tokens: Sequence[int], slots: Sequence[int]) -> int:
         """Insert tokens with their KV slots; returns how many leading tokens were already
         cached. The caller owns (and must free) its slots for those leading tokens, since
         the tree keeps its own copy."""
@@ -134,7 +140,7 @@ class RadixCache:
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
-                new = TreeNode(key=list(tokens[pos:]), value=list(slots[pos:]), parent=node)
+                new = TreeNode(key=tuple(tokens[pos:]), value=tuple(slots[pos:]), parent=node)
                 node.children[tokens[pos]] = new
                 self.evictable_size += len(new.key)
                 self._record("insert", new)

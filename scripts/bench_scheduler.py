@@ -117,7 +117,9 @@ def w1_host(requests: int = 1000, running: int = 1024) -> dict:
     while eng.has_work:
         prefilling = bool(eng.scheduler.waiting) or any(r.pending_len > 1 for r in eng.scheduler.running)
         t0 = time.perf_counter()
-        eng.step()
+        for update in eng.step():
+            if update.finished:  # dropped, as LLM.generate and the server do
+                eng.requests.pop(update.req.request_id, None)
         (mixed if prefilling else decode).append(time.perf_counter() - t0)
     return {kind: {"steps": len(t), "total_s": sum(t), "mean_ms": 1e3 * sum(t) / len(t),
                    "p50_ms": 1e3 * sorted(t)[len(t) // 2], "max_ms": 1e3 * max(t)}

@@ -11,7 +11,7 @@
 # PARTS (default "serve,offline,path") picks what runs; "profile" adds py-spy of the engine
 # replica and an ingress during W2 over HTTP; "gil" runs batch-1 and W2 again with the
 # replica's GIL switch interval at 0.5 ms ("sw05": that under "tput"'s mode); "fast" runs them (and batch-1 800/16: a prefill graph past 512 tokens) under Ray's high-throughput mode (the README's, scripts/serve.sh), and with "sampled" W2 again at temperature 1, then also with top_p 0.95 and repetition_penalty 1.05
-# (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, RAY_SERVE_ENABLE_HA_PROXY=1), "w2only" keeping only its W2 runs; "tput" under the first of
+# (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, RAY_SERVE_ENABLE_HA_PROXY=1), "w2only" keeping only its W2 runs, "b1only" only its batch-1 ones; "tput" under the first of
 # those alone (no HAProxy: none of its caveats, docs/deploy.md); "process" runs batch-1 and W2
 # with the engine's step loop in a child process of the replica (engine_process: true), and
 # with ASYNC_PATH=1 bench_async_path's offline / AsyncEngine / ProcessAsyncEngine rows; "admission" measures the bound, request intake
@@ -161,9 +161,9 @@ if [[ $PARTS == *fast* ]]; then  # the same app with Ray's high-throughput mode:
       bench fast_batch1short --num-prompts 16 --input-len 32 --output-len 64 --max-concurrency 1 --seed 102
       bench fast_batch1mid --num-prompts 16 --input-len 800 --output-len 16 --max-concurrency 1 --seed 103
     fi
-    bench fast_w2 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
+    [[ $PARTS == *b1only* ]] || bench fast_w2 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
       --question-len 128 --output-len 256
-    [[ $PARTS == *w2only* ]] || bench fast_poisson64 --num-prompts 640 --input-len 512 --output-len 128 --request-rate 64 --seed 164
+    [[ $PARTS == *w2only* || $PARTS == *b1only* ]] || bench fast_poisson64 --num-prompts 640 --input-len 512 --output-len 128 --request-rate 64 --seed 164
     if [[ $PARTS == *sampled* ]]; then  # W2 again, sampled: temperature 1; then with top_p and a penalty
       # other seeds: prompts the greedy run has not cached (the same ones were all radix hits)
       bench fast_w2_t1 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \

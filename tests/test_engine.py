@@ -208,7 +208,7 @@ def test_same_step_arrivals_with_a_long_shared_prefix_compute_it_once(tiny_llama
 def slot_accounting(eng) -> tuple[list[int], list[int], list[int]]:
     """(free, in the radix tree, owned by running requests): every KV slot of the pool
     should be in exactly one. The one place these tests read engine internals."""
-    free = list(eng.cache.allocator._free)
+    free = eng.cache.allocator.free_slots()
     in_tree = eng.cache.all_slots()
     owned = [s for q in eng.scheduler.running for s in q.kv.slots[q.kv.locked_len:]]
     return free, in_tree, owned

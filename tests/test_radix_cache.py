@@ -30,7 +30,7 @@ def cached_insert(cache: RadixCache, tokens: list[int]) -> None:
 
 def check_invariants(cache: RadixCache) -> None:
     in_tree = cache.all_slots()
-    free = cache.allocator._free
+    free = cache.allocator.free_slots()
     assert len(set(in_tree)) == len(in_tree), "a slot is held twice by the tree"
     assert not set(in_tree) & set(free), "a slot is both free and in the tree"
     assert len(set(free)) == len(free), "a slot is free twice"
@@ -53,7 +53,7 @@ def test_match_insert_split():
     cache = make_cache()
     cached_insert(cache, [1, 2, 3, 4, 5])
     slots, node = cache.match_prefix([1, 2, 3, 9])
-    assert len(slots) == 3 and node.key == [1, 2, 3]
+    assert len(slots) == 3 and node.key == (1, 2, 3)
     cached_insert(cache, [1, 2, 3, 9, 9])
     assert sorted(cache.root.children[1].children) == [4, 9]
     full, _ = cache.match_prefix([1, 2, 3, 4, 5, 6])
@@ -189,9 +189,9 @@ def test_matches_agree_with_a_dictionary_model(seed):
     locked: list[tuple[TreeNode, tuple[int, ...]]] = []  # node, its full prefix
 
     def evict(n: int) -> int:
-        before = set(cache.allocator._free)
+        before = set(cache.allocator.free_slots())
         freed = cache.evict(n)
-        gone = set(cache.allocator._free) - before
+        gone = set(cache.allocator.free_slots()) - before
         assert len(gone) == freed == model.drop_freed(gone)
         return freed
 
@@ -239,3 +239,24 @@ def test_matches_agree_with_a_dictionary_model(seed):
         cache.unlock(node)
     evict(10**6)
     assert not model.slots and cache.allocator.num_free == 40
+
+
+def test_tree_and_free_list_stay_out_of_the_garbage_collector():
+    """A full tree holds the whole pool's tokens: its keys and slots, and the allocator's free
+    list, must not be containers the collector walks at every full collection."""
+    import gc
+
+    cache = make_cache(slots=4096)
+    assert len(gc.get_referents(cache.allocator._free)) <= 1  # (its type) not 4,096 ints
+    tokens = list(range(3000))
+    cached_insert(cache, tokens)
+    cached_insert(cache, tokens[:1000] + [7] * 500)  # splits the first node
+    gc.collect()
+    nodes, stack = [], [cache.root]
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        stack.extend(node.children.values())
+    assert len(nodes) == 4
+    assert not any(gc.is_tracked(n.key) or gc.is_tracked(n.value) for n in nodes)
+    assert cache.match_prefix(tokens[:2000])[0] == cache.match_prefix(tokens)[0][:2000]

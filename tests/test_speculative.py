@@ -255,7 +255,7 @@ def test_random_arrivals_aborts_and_preemption_leak_nothing(looping_model):
     stats = drive_random_traffic(eng, prompts, params, alone, order, r,
                                  exact=lambda i: params[i].is_greedy)
     assert stats["preemptions"] > 0 and stats["spec_accepted_tokens"] > 0
-    held = eng.cache.all_slots() + eng.runner.kv_pool.allocator._free
+    held = eng.cache.all_slots() + eng.runner.kv_pool.allocator.free_slots()
     assert len(set(held)) == len(held) == stats["total_slots"]  # no slot freed twice
 
 

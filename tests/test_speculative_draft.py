@@ -47,7 +47,7 @@ def assert_no_slot_twice(eng: Engine) -> None:
     draft = eng.speculator.proposer
     for cache, allocator in ((eng.cache, eng.runner.kv_pool.allocator),
                              (draft.kv.cache, draft.runner.kv_pool.allocator)):
-        held = cache.all_slots() + allocator._free
+        held = cache.all_slots() + allocator.free_slots()
         assert len(set(held)) == len(held) == allocator.num_slots
 
 
