@@ -20,7 +20,7 @@ from deployments.metrics import EngineMetrics
 from deployments.tp_workers import TPWorkers
 from engine import (
     AsyncEngine, Engine, EngineConfig, ProcessAsyncEngine, QueueFullError, SamplingParams,
-    StepReport, StreamDelta, WireDelta, ensure_demo_model, wire_dict, wire_of,
+    StepReport, StreamDelta, WireDelta, ensure_demo_model, freeze_after_start, wire_dict, wire_of,
 )
 from router.cache_digest import CacheDigest
 
@@ -68,6 +68,11 @@ class EngineReplica:
         self.metrics = EngineMetrics()  # here, not at import: metrics belong to the replica
         self.replica_id = _replica_id()
         self.engine.add_step_listener(self._after_step)
+        # With the engine in this process its start-up froze the GC already; with it in a
+        # child, this process forwards every delta and must not stop for full collections
+        # either (engine/gc_freeze.py).
+        if self.engine_process:
+            freeze_after_start(self)
         logger.info("engine replica ready: %s", config.model)
 
     def _start_engine(self, config: EngineConfig) -> AsyncEngine | ProcessAsyncEngine:

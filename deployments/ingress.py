@@ -38,7 +38,8 @@ from deployments.responses import (
 )
 from deployments.streams import ChoiceState, error_of, merge_deltas, merged_stream
 from engine import (
-    ChatPrompt, IncrementalDetokenizer, SamplingParams, Tokenizer, load_hf_config, validate_request,
+    ChatPrompt, IncrementalDetokenizer, SamplingParams, Tokenizer, freeze_after_start,
+    load_hf_config, validate_request,
 )
 
 api = FastAPI(title="radixserve", description="OpenAI-compatible API over radixserve engines")
@@ -90,6 +91,9 @@ class OpenAIIngress:
         # Tools in the template, tool_choice grammars, tool-call and reasoning parsing.
         self.chat_features = ChatFeatures(self.tokenizer.hf, hf_config.model_type,
                                           tool_call_parser, reasoning_parser)
+        # Every stream through this replica waits out a full garbage collection: ~300 ms
+        # over the libraries and tokenizer loaded by now (2-core box), unless frozen.
+        freeze_after_start(self)
 
     # -- plain endpoints ----------------------------------------------------------------
 

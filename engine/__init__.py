@@ -9,6 +9,7 @@ from engine.config import EngineConfig
 from engine.demo_model import ensure_demo_model
 from engine.distributed import init_tp, open_rendezvous
 from engine.engine import LLM, Engine, QueueFullError
+from engine.gc_freeze import freeze_after_start
 from engine.models import load_hf_config, resolve_device
 from engine.outputs import RequestOutput, StreamDelta, WireDelta, wire_dict, wire_of
 from engine.process_engine import EngineProcessError, ProcessAsyncEngine
@@ -32,4 +33,6 @@ __all__ = [
     "ChatPrompt", "IncrementalDetokenizer", "Tokenizer", "load_hf_config",
     # tensor parallelism across processes the caller starts (deployments/tp_workers.py)
     "init_tp", "open_rendezvous", "resolve_device", "run_worker",
+    # a server process's own start-up: full garbage collections skip what is alive by then
+    "freeze_after_start",
 ]

@@ -8,8 +8,13 @@ of W1's ~21 s on the H200 went to gaps before decode steps of up to 406 ms (2026
 
 `freeze_after_start` collects once and moves every object alive at the end of start-up into
 the permanent generation (`gc.freeze()`), which later collections skip; what remains for
-them is what serving allocates (requests, their token lists, radix nodes): on a 2-core box
-a full collection in W1's host loop fell from 240-270 ms to 35-60 ms.
+them is what serving allocates (requests and their token lists; the radix tree keeps its
+tokens in tuples, which leave the collector's view): on a 2-core box a full collection in
+W1's host loop fell from 240-270 ms to 35-60 ms, and to 20-34 ms with the tuples.
+
+The OpenAI ingress replicas freeze too (deployments/ingress.py): every stream through one
+waits out its collections, ~300 ms over the libraries and the tokenizer it has loaded; so does
+an engine replica whose engine runs in a child process (it forwards every delta).
 
 Frozen objects are still freed by reference counting, but a frozen reference cycle that
 later becomes garbage is never collected: an engine's weights sit in such cycles. So the
