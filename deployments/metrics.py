@@ -21,6 +21,7 @@ Recording is best effort: a metrics failure never breaks serving.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -111,6 +112,7 @@ NUM_RUNNING = "radixserve_num_running_requests"
 NUM_WAITING = "radixserve_num_waiting_requests"
 KV_CACHE_USAGE = "radixserve_kv_cache_usage"
 RADIX_CACHE_TOKENS = "radixserve_radix_cache_tokens"
+GC_PAUSE = "radixserve_gc_pause_seconds"
 # Recorded by router/request_router.py (which may not import deployments/): its
 # METRIC_PREFIX + _Counters.NAMES; a test checks these stay equal.
 ROUTER_ROUTED_WITH_MATCH = "radixserve_router_routed_with_match"
@@ -131,6 +133,7 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120
                 600.0, 1200.0, 1800.0, 3600.0)
 _LENGTH_BUCKETS = tuple(float(2 ** i) for i in range(18))  # 1 .. 131072 tokens
 _COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_GC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 # Ray exports a histogram's _sum as bucket midpoints times counts (not the observed values):
 # half-integer bounds put small batch sizes at the exact midpoint of their own bucket.
 _BATCH_BUCKETS = (0.5, 1.5, 2.5, 4.5, 8.5, 16.5, 32.5, 64.5, 128.5, 256.5, 512.5, 1024.5)
@@ -218,6 +221,10 @@ METRICS: tuple[MetricSpec, ...] = (
     _gauge(KV_CACHE_USAGE, "Fraction of KV slots in use by running requests, including the "
            "cached prefixes they lock (unlocked radix cache counts as free), 0..1."),
     _gauge(RADIX_CACHE_TOKENS, "Tokens held by the radix cache."),
+    # Either role's process (GCPauseMetrics below).
+    _histogram(GC_PAUSE, "Python garbage collections of generation 1 and 2 (2: full) in the "
+               "process: how long each stopped it (a replica's engine step loop, or every "
+               "stream through an ingress).", f"{INGRESS}, {REPLICA}", _GC_BUCKETS, "generation"),
     # The ingress's view of finished engine calls (record_finished_engine_call above).
     _counter(ENGINE_CALLS_FINISHED, _DESCRIPTIONS[ENGINE_CALLS_FINISHED], INGRESS),
     _counter(PROMPT_TOKENS, _DESCRIPTIONS[PROMPT_TOKENS], INGRESS),
@@ -505,3 +512,36 @@ class HTTPMetricsMiddleware:
 def install_http_metrics(api: Any) -> None:
     """Add the HTTP metrics middleware to the ingress's FastAPI app."""
     api.add_middleware(HTTPMetricsMiddleware)
+
+
+# -- Either role ------------------------------------------------------------------------
+
+
+class GCPauseMetrics:
+    """Times this process's garbage collections of generation 1 and 2 into GC_PAUSE, from a
+    `gc.callbacks` hook. (Generation 0 runs hundreds of times a second in well under a
+    millisecond: not worth a metric call each.) A full collection stops every thread of the
+    process, so its pause is a stall of the engine's steps or of the ingress's streams; the
+    replicas freeze the GC after start-up to keep them short (engine/gc_freeze.py). One per
+    process; `close()` removes the hook."""
+
+    def __init__(self, factory: MetricFactory = ray_metric,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.metrics = MetricSet([GC_PAUSE], factory)
+        self._clock = clock
+        self._started: float | None = None
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        generation = info.get("generation", 0)
+        if generation < 1:
+            return
+        if phase == "start":
+            self._started = self._clock()
+        elif self._started is not None:
+            pause, self._started = self._clock() - self._started, None
+            self.metrics.observe(GC_PAUSE, pause, tags={"generation": str(generation)})
+
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)

@@ -165,6 +165,11 @@ def request_phase_panels() -> list[dict[str, Any]]:
               for q in (0.5, 0.95)],
         ], "short", "Tokens per finished engine call."),
         percentiles("Grammar compile time", m.GRAMMAR_COMPILE_TIME),
+        timeseries("Garbage collection pauses", [
+            target(quantile(q, m.GC_PAUSE, "deployment, generation"),
+                   f"p{round(q * 100)} {{{{deployment}}}} generation {{{{generation}}}}")
+            for q in (0.5, 0.99)
+        ], "s", m.BY_NAME[m.GC_PAUSE].description),
     ]
 
 

@@ -91,6 +91,27 @@ def stats_of(**kw) -> dict[str, Any]:
     return {**base, **kw}
 
 
+def test_gc_pauses_of_generations_1_and_2_are_timed_until_closed():
+    import gc
+
+    log: list = []
+    enabled = gc.isenabled()
+    gc.disable()  # only the collections below
+    recorder = m.GCPauseMetrics(fake_factory(log))
+    try:
+        gc.collect()  # a full collection
+        gc.collect(1)
+        gc.collect(0)  # not recorded
+    finally:
+        recorder.close()
+        gc.collect()  # after close(): not recorded
+        if enabled:
+            gc.enable()
+    pauses = [(tags["generation"], v) for n, op, v, tags in log if n == m.GC_PAUSE]
+    assert [g for g, _ in pauses] == ["2", "1"]
+    assert all(op == "observe" for n, op, _, _ in log) and all(0 < v < 60 for _, v in pauses)
+
+
 def test_engine_metrics_fold_stats_into_counters_gauges_and_batch_sizes():
     log: list = []
     em = m.EngineMetrics(fake_factory(log), flush_interval_s=0.0)
