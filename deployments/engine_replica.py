@@ -16,7 +16,7 @@ from deployments.channel import (
     ON_CHANNEL, ChannelOpen, Outbox, end_idle_channels_when_draining, serve_channel,
 )
 from deployments.errors import OVERLOADED_MESSAGE
-from deployments.metrics import EngineMetrics, GCPauseMetrics
+from deployments.metrics import EngineMetrics, record_gc_pauses
 from deployments.tp_workers import TPWorkers
 from engine import (
     AsyncEngine, Engine, EngineConfig, ProcessAsyncEngine, QueueFullError, SamplingParams,
@@ -73,7 +73,7 @@ class EngineReplica:
         # either (engine/gc_freeze.py).
         if self.engine_process:
             freeze_after_start(self)
-        self.gc_metrics = GCPauseMetrics()  # this process's (the engine's too, unless a child's)
+        record_gc_pauses()  # this process's (the engine's too, unless a child's)
         logger.info("engine replica ready: %s", config.model)
 
     def _start_engine(self, config: EngineConfig) -> AsyncEngine | ProcessAsyncEngine:

@@ -24,7 +24,7 @@ from deployments.keepalive import behind_haproxy, respond
 from deployments.prompt_encoder import PromptEncoder
 from deployments.sampling_defaults import model_sampling_defaults, with_defaults
 from deployments.request_body import DEFAULT_MAX_BODY_BYTES, read_json_body
-from deployments.metrics import GCPauseMetrics, install_http_metrics
+from deployments.metrics import install_http_metrics, record_gc_pauses
 from deployments.stats import summary
 from deployments.sse_chunks import PlainChunks
 from deployments.protocol import (
@@ -94,7 +94,7 @@ class OpenAIIngress:
         # Every stream through this replica waits out a full garbage collection: ~300 ms
         # over the libraries and tokenizer loaded by now (2-core box), unless frozen.
         freeze_after_start(self)
-        self.gc_metrics = GCPauseMetrics()  # (after the freeze: serving's pauses only)
+        record_gc_pauses()  # (after the freeze: serving's pauses only)
 
     # -- plain endpoints ----------------------------------------------------------------
 

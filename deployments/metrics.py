@@ -522,8 +522,9 @@ class GCPauseMetrics:
     `gc.callbacks` hook. (Generation 0 runs hundreds of times a second in well under a
     millisecond: not worth a metric call each.) A full collection stops every thread of the
     process, so its pause is a stall of the engine's steps or of the ingress's streams; the
-    replicas freeze the GC after start-up to keep them short (engine/gc_freeze.py). One per
-    process; `close()` removes the hook."""
+    replicas freeze the GC after start-up to keep them short (engine/gc_freeze.py). A
+    replica takes its process's one recorder from `record_gc_pauses()`; `close()` removes
+    the hook."""
 
     def __init__(self, factory: MetricFactory = ray_metric,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -545,3 +546,16 @@ class GCPauseMetrics:
     def close(self) -> None:
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
+
+
+_gc_pauses: GCPauseMetrics | None = None
+
+
+def record_gc_pauses() -> GCPauseMetrics:
+    """The process's recorder, made by the first replica that asks (a process running
+    several replicas, as tests do outside Serve, still times each collection once)."""
+    global _gc_pauses
+    with _lock:
+        if _gc_pauses is None:
+            _gc_pauses = GCPauseMetrics()
+        return _gc_pauses

@@ -5,8 +5,8 @@ it in one copy and splits it back into the fields on the device. Packing and unp
 follow the dataclass's fields, in the order declared."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
 import itertools
+from dataclasses import dataclass, fields
 from typing import Generic, TypeVar
 
 import numpy as np
