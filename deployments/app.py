@@ -8,15 +8,16 @@ from ray import serve
 from ray.serve import Application
 
 from deployments.autoscaling import with_policy
+from deployments.colocated import EngineIngress
 from deployments.config import AppArgs
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import OpenAIIngress
 from deployments.tp_workers import placement_options
 
 
-def engine_deployment(args: AppArgs, replica_class: type = EngineReplica):
+def engine_options(args: AppArgs) -> dict[str, Any]:
+    """Serve options of a deployment that holds an engine (split or colocated)."""
     options: dict[str, Any] = {
-        "name": "EngineReplica",
         "max_ongoing_requests": args.engine_max_ongoing(),
         # Serve's own queue (all replicas at their cap) gets the same 503 as the engine's.
         "max_queued_requests": args.engine_capacity,
@@ -26,14 +27,22 @@ def engine_deployment(args: AppArgs, replica_class: type = EngineReplica):
         "health_check_timeout_s": args.health_check_timeout_s,
     }
     if args.autoscaling_config is not None:
-        # Serve's policy minus the delta channels, which Serve counts as ongoing requests.
-        options["autoscaling_config"] = with_policy(args.autoscaling_config)
+        # Split: Serve's policy minus the delta channels, which Serve counts as ongoing
+        # requests. Colocated: no channels; its ongoing requests are HTTP requests.
+        colocated = args.ingress == "colocated"
+        options["autoscaling_config"] = (dict(args.autoscaling_config) if colocated
+                                         else with_policy(args.autoscaling_config))
         options["num_replicas"] = "auto"
     else:
         options["num_replicas"] = args.num_replicas
     if args.tp_size > 1:  # one bundle per rank; the replica is rank 0 (deployments/tp_workers.py)
         options.update(placement_options(args.ray_actor_options, args.tp_size, args.tp_bundle,
                                          args.placement_group_strategy))
+    return options
+
+
+def engine_deployment(args: AppArgs, replica_class: type = EngineReplica):
+    options = {"name": "EngineReplica", **engine_options(args)}
     router = args.router.to_serve()
     if router is not None:
         options["request_router_config"] = router
@@ -54,6 +63,20 @@ def build_app_with(args: dict[str, Any] | None, replica_class: type = EngineRepl
         app_args = AppArgs.model_validate(args or {})
     except ValidationError as e:
         raise ValueError(f"invalid radixserve app args:\n{e}") from None
+    ingress_kwargs = dict(max_model_len=app_args.engine.get("max_model_len"),
+                          tokenizer=app_args.engine.get("tokenizer"),
+                          max_body_bytes=app_args.max_request_body_bytes,
+                          api_key=app_args.api_key, admin_api_key=app_args.admin_api_key,
+                          tool_call_parser=app_args.tool_call_parser,
+                          reasoning_parser=app_args.reasoning_parser)
+    if app_args.ingress == "colocated":
+        # Serve's own queue (max_queued_requests) would answer a burst's excess with its
+        # plain-text 503 at the proxy; unbounded, every refusal is the engine's (OpenAI JSON,
+        # at once: its bound is checked in this process).
+        options = {**engine_options(app_args), "max_queued_requests": -1}
+        return serve.deployment(EngineIngress).options(name="EngineIngress", **options).bind(
+            app_args.model, app_args.engine, app_args.gil_switch_interval_ms,
+            app_args.engine_process, app_args.model_name(), **ingress_kwargs)
     engine = engine_deployment(app_args, replica_class)
     ingress = serve.deployment(OpenAIIngress).options(
         name="OpenAIIngress", max_ongoing_requests=app_args.ingress_max_ongoing_requests,
@@ -64,8 +87,4 @@ def build_app_with(args: dict[str, Any] | None, replica_class: type = EngineRepl
         **app_args.ingress_scaling())
     router_reads_text = app_args.router.request_router_class not in ("prefix", "default")
     return ingress.bind(engine, app_args.model, app_args.model_name(),
-                        app_args.engine.get("max_model_len"), app_args.engine.get("tokenizer"),
-                        app_args.max_request_body_bytes, router_reads_text,
-                        api_key=app_args.api_key, admin_api_key=app_args.admin_api_key,
-                        tool_call_parser=app_args.tool_call_parser,
-                        reasoning_parser=app_args.reasoning_parser)
+                        router_reads_text=router_reads_text, **ingress_kwargs)

@@ -48,6 +48,12 @@ class AppArgs(BaseModel):
     # Serve's queue, is where a request over the bound is refused (503 at once).
     max_ongoing_requests: int | None = None
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
+    # "split": OpenAI ingress replicas in front of the engine replicas (prefix-aware routing
+    # between engines, the HTTP work on other CPUs). "colocated": each engine replica serves
+    # HTTP itself, ~3 ms less per request (deployments/colocated.py); no ingress replicas and
+    # no request router: `ingress_*` may not be set with it, nor a router other than "prefix"
+    # (whose settings are then unused: HTTP reaches a replica through Serve's proxy or HAProxy).
+    ingress: Literal["split", "colocated"] = "split"
     # Ingress replicas tokenize, decode text and frame SSE for all streams. None = two per
     # engine replica (scaling with them under autoscaling), at least two for availability.
     ingress_replicas: int | None = None
@@ -140,6 +146,18 @@ class AppArgs(BaseModel):
         if self.engine_process and self.tp_size > 1:
             raise ValueError("engine_process: true does not support engine.tp_size > 1 yet; "
                              "leave engine_process unset at tensor parallelism")
+        return self
+
+    @model_validator(mode="after")
+    def _colocated_has_no_ingress_or_router(self) -> AppArgs:
+        if self.ingress == "colocated":
+            unused = sorted(self.model_fields_set & {"ingress_replicas", "ingress_ray_actor_options",
+                                                     "ingress_max_ongoing_requests"})
+            if self.router.request_router_class != "prefix":  # the default's settings may stay
+                unused.append("router")
+            if unused:
+                raise ValueError(f"ingress: colocated has no ingress replicas and no request router; "
+                                 f"remove {unused} (or use ingress: split)")
         return self
 
     @model_validator(mode="after")

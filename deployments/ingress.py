@@ -73,7 +73,10 @@ class OpenAIIngress:
         self.engine = engine_handle.options(stream=True)
         self.control = engine_handle
         admission.replicas = lambda: engine_replica_ids(self.engine)
-        self.hub = ChannelHub(self.engine, loads=admission)
+        # An engine in this process (deployments/colocated.py) streams each call's deltas on
+        # its own iterator: no channel, and its 503s cost no hop to learn.
+        in_process = getattr(engine_handle, "in_process", False)
+        self.hub = None if in_process else ChannelHub(self.engine, loads=admission)
         self.model_name = served_model_name
         self.tokenizer = Tokenizer(tokenizer or path)  # the engine's `tokenizer` setting wins
         hf_config = load_hf_config(path)

@@ -11,7 +11,8 @@
 # PARTS (default "serve,offline,path") picks what runs; "profile" adds py-spy of the engine
 # replica and an ingress during W2 over HTTP; "gil" runs batch-1 and W2 again with the
 # replica's GIL switch interval at 0.5 ms ("sw05": that under "tput"'s mode); "fast" runs them (and batch-1 800/16: a prefill graph past 512 tokens) under Ray's high-throughput mode (the README's, scripts/serve.sh), and with "sampled" W2 again at temperature 1, then also with top_p 0.95 and repetition_penalty 1.05
-# (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, RAY_SERVE_ENABLE_HA_PROXY=1), "w2only" keeping only its W2 runs, "b1only" only its batch-1 ones; "tput" under the first of
+# (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, RAY_SERVE_ENABLE_HA_PROXY=1), "w2only" keeping only its W2 runs, "b1only" only its batch-1 ones;
+# "colo" runs fast's rows (same seeds, a fresh server) with `ingress: colocated`; "tput" under the first of
 # those alone (no HAProxy: none of its caveats, docs/deploy.md); "process" runs batch-1 and W2
 # with the engine's step loop in a child process of the replica (engine_process: true), and
 # with ASYNC_PATH=1 bench_async_path's offline / AsyncEngine / ProcessAsyncEngine rows; "admission" measures the bound, request intake
@@ -100,7 +101,8 @@ def load(name):
     return json.load(open(path)) if os.path.exists(path) else None
 print(f"\n{'run':<16} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT mean':>9} {'ITL p50':>8} {'ITL mean':>8} {'TPOT':>7} {'ok':>5} {'fail':>5}")
 for name in ("batch1", "batch1short", "w2", "poisson4", "poisson16", "poisson64", "gil_batch1", "gil_w2",
-             "fast_batch1", "fast_batch1short", "fast_batch1mid", "fast_w2", "fast_poisson64", "fast_w2_t1", "fast_w2_sampled", "tput_batch1",
+             "fast_batch1", "fast_batch1short", "fast_batch1mid", "fast_w2", "fast_poisson64",
+             "colo_batch1", "colo_batch1short", "colo_batch1mid", "colo_w2", "colo_poisson64", "fast_w2_t1", "fast_w2_sampled", "tput_batch1",
              "tput_batch1short", "tput_w2", "sw05_batch1", "sw05_w2", "proc_batch1", "proc_w2"):
     m = load(f"http_{name}.json")
     if m:
@@ -175,6 +177,22 @@ if [[ $PARTS == *fast* ]]; then  # the same app with Ray's high-throughput mode:
   fi
   serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1
   pkill -f haproxy > /dev/null 2>&1  # it would keep port 8000 from the parts after this one
+fi
+checkpoint
+
+if [[ $PARTS == *colo* ]]; then  # "fast"'s runs with `ingress: colocated` (deployments/colocated.py)
+  SECONDS=0
+  if RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 SERVE_EXTRA="ingress: colocated" serve_up; then
+    bench warm --num-prompts 64 --input-len 512 --output-len 32
+    bench colo_batch1 --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1 --seed 101
+    bench colo_batch1short --num-prompts 16 --input-len 32 --output-len 64 --max-concurrency 1 --seed 102
+    bench colo_batch1mid --num-prompts 16 --input-len 800 --output-len 16 --max-concurrency 1 --seed 103
+    [[ $PARTS == *b1only* ]] || bench colo_w2 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
+      --question-len 128 --output-len 256
+    [[ $PARTS == *b1only* ]] || bench colo_poisson64 --num-prompts 640 --input-len 512 --output-len 128 --request-rate 64 --seed 164
+  fi
+  serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1
+  pkill -f haproxy > /dev/null 2>&1
 fi
 checkpoint
 

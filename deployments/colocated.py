@@ -1,0 +1,104 @@
+"""`ingress: colocated`: one deployment that is both the OpenAI HTTP ingress and the engine.
+
+Split (the default): HTTP -> an ingress replica -> Serve's router and a gRPC call -> the
+engine replica, whose deltas come back on a delta channel. Colocated: HTTP -> the engine
+replica's own FastAPI app -> its engine, in the same process. Traced on one H200 (8B
+model, `scripts/serve.sh`'s mode; benchmarks/RESULTS.md, session 20), the router, the
+gRPC hop and the channel were ~3.2 ms of a request's ~8 ms outside the engine.
+
+What it gives up: prefix-aware routing between engine replicas (HTTP reaches a replica
+through Serve's proxy or HAProxy, which balance by load), and the ingress replicas' CPUs:
+one process tokenizes, decodes and frames SSE for all of its streams beside the engine
+(`engine_process: true` moves the engine's step loop to a child process with its own GIL).
+So it suits one replica per node and latency-bound traffic, not hundreds of streams.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from deployments.engine_replica import EngineReplica
+from deployments.ingress import OpenAIIngress
+
+
+class LocalStream:
+    """A streamed call's response, as a Serve handle returns it: iterate it, or `cancel()`."""
+
+    def __init__(self, items: AsyncIterator) -> None:
+        self._items = items
+
+    def __aiter__(self) -> LocalStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        return await self._items.__anext__()
+
+    def cancel(self) -> None:
+        """End the call. A call still being iterated ends with its consumer task's
+        cancellation (the engine aborts in the generator's `finally`); one paused between
+        items is closed here."""
+        if not self._items.ag_running:
+            with contextlib.suppress(RuntimeError):
+                asyncio.ensure_future(self._items.aclose())
+
+
+class _Method:
+    def __init__(self, fn: Callable) -> None:
+        self._fn = fn
+
+    def remote(self, *args: Any) -> Any:
+        result = self._fn(*args)
+        return LocalStream(result) if hasattr(result, "__anext__") else result
+
+
+class _Broadcast:
+    def __init__(self, call: Callable) -> None:
+        self._call = call
+
+    async def results_async(self, timeout_s: float | None = None, return_exceptions: bool = False):
+        try:
+            return [await asyncio.wait_for(self._call(), timeout_s)]
+        except Exception as e:  # noqa: BLE001 - as Serve's broadcast reports a replica's failure
+            if return_exceptions:
+                return [e]
+            raise
+
+
+class LocalEngineHandle:
+    """The part of a DeploymentHandle to EngineReplica that OpenAIIngress uses, answered by
+    an EngineReplica in this process: no router, no serialization, no delta channel
+    (`in_process` tells the ingress to stream each call's deltas on its own iterator)."""
+
+    in_process = True
+
+    def __init__(self, replica: EngineReplica) -> None:
+        self.replica = replica
+
+    def options(self, **_: Any) -> LocalEngineHandle:
+        return self
+
+    def __getattr__(self, name: str) -> _Method:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _Method(getattr(self.replica, name))
+
+    def broadcast(self, method: str) -> _Broadcast:
+        return _Broadcast(getattr(self.replica, method))
+
+
+class EngineIngress(OpenAIIngress):
+    """Serve deployment class of `ingress: colocated` (wrapped in `app.py`): the OpenAI
+    API of deployments/ingress.py over an EngineReplica built in this replica."""
+
+    async def __init__(self, model: str | None, engine_kwargs: dict[str, Any],
+                       gil_switch_interval_ms: float | None, engine_process: bool,
+                       served_model_name: str, **ingress_kwargs: Any) -> None:
+        self.replica = EngineReplica(model, engine_kwargs, gil_switch_interval_ms=gil_switch_interval_ms,
+                                     engine_process=engine_process)
+        await super().__init__(LocalEngineHandle(self.replica), model, served_model_name,
+                               **ingress_kwargs)
+
+    def check_health(self) -> None:
+        self.replica.check_health()
