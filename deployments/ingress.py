@@ -75,7 +75,8 @@ class OpenAIIngress:
         admission.replicas = lambda: engine_replica_ids(self.engine)
         # An engine in this process (deployments/colocated.py) streams each call's deltas on
         # its own iterator: no channel, and its 503s cost no hop to learn.
-        in_process = getattr(engine_handle, "in_process", False)
+        # (Read off the type: a DeploymentHandle answers any attribute, as a method handle.)
+        in_process = getattr(type(engine_handle), "in_process", False)
         self.hub = None if in_process else ChannelHub(self.engine, loads=admission)
         self.model_name = served_model_name
         self.tokenizer = Tokenizer(tokenizer or path)  # the engine's `tokenizer` setting wins
