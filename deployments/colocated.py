@@ -102,3 +102,7 @@ class EngineIngress(OpenAIIngress):
 
     def check_health(self) -> None:
         self.replica.check_health()
+
+    def tp_info(self) -> dict[str, Any]:
+        """Where this replica's tensor-parallel ranks run (EngineReplica.tp_info)."""
+        return self.replica.tp_info()

@@ -6,8 +6,11 @@ to an AsyncEngine in-process and through HTTP to the Serve app (same engine sett
 
 `--hops` splits the overhead by hop on an otherwise idle server: the same 16-token request
 (1 and 32 output tokens) in-process, through a Serve deployment handle straight to the
-engine replica, and over HTTP (proxy -> ingress -> replica); `GET /v1/models` for the
-proxy + ingress alone; and a burst of 64 one-token requests through the handle and HTTP.
+engine replica, over HTTP (proxy -> ingress -> replica), and over HTTP to the same engine
+with `ingress: colocated` (proxy -> one replica that is ingress and engine); `GET /v1/models`
+for the proxy + ingress alone; and a burst of 64 one-token requests through the handle and
+both HTTP paths. Set RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 for the
+README's mode (scripts/serve.sh).
 Medians of 30 sequential requests after 5 warm-ups.
 """
 from __future__ import annotations
@@ -110,6 +113,9 @@ def hops() -> dict:
     serve.start(http_options={"port": PORT})
     serve.run(build_app({"engine": ENGINE, "ray_actor_options": {"num_cpus": 1}}),
               name="bench", route_prefix="/")
+    # The same engine with `ingress: colocated` (deployments/colocated.py), beside it.
+    serve.run(build_app({"engine": ENGINE, "ray_actor_options": {"num_cpus": 1},
+                         "ingress": "colocated"}), name="colocated", route_prefix="/colocated")
     handle = None  # made inside the loop: under RAY_SERVE_THROUGHPUT_OPTIMIZED a handle needs one
     base = f"http://127.0.0.1:{PORT}"
 
@@ -118,9 +124,9 @@ def hops() -> dict:
         async for _ in handle.generate.remote(call):
             pass
 
-    async def via_http(client, n=1):
+    async def via_http(client, n=1, prefix=""):
         body = {"model": "radixserve-demo", "prompt": ids(), "max_tokens": n, "ignore_eos": True}
-        (await client.post(f"{base}/v1/completions", json=body)).raise_for_status()
+        (await client.post(f"{base}{prefix}/v1/completions", json=body)).raise_for_status()
 
     async def burst(fn, size=64):
         await asyncio.gather(*[fn() for _ in range(8)])
@@ -139,9 +145,11 @@ def hops() -> dict:
             for n in (1, 32):
                 res[f"handle_{n}"] = await _median_async(lambda: via_handle(n))
                 res[f"http_{n}"] = await _median_async(lambda: via_http(c, n))
+                res[f"colocated_{n}"] = await _median_async(lambda: via_http(c, n, "/colocated"))
             res["http_models"] = await _median_async(lambda: c.get(f"{base}/v1/models"))
             res["burst64_handle"] = await burst(via_handle)
             res["burst64_http"] = await burst(lambda: via_http(c))
+            res["burst64_colocated"] = await burst(lambda: via_http(c, 1, "/colocated"))
             return res
 
     out.update(asyncio.run(serve_side()))
@@ -165,13 +173,14 @@ async def _median_async(fn, n: int = 30) -> float:
 
 
 def print_hops(h: dict) -> None:
-    print(f"\n{'request (16 prompt tokens)':<34} {'in-process':>11} {'handle':>8} {'HTTP':>8}")
+    print(f"\n{'request (16 prompt tokens)':<34} {'in-process':>11} {'handle':>8} {'HTTP':>8} "
+          f"{'HTTP colocated':>15}")
     for n in (1, 32):
         print(f"{f'{n} output token(s), median ms':<34} {h[f'in_process_{n}']:>11.1f} "
-              f"{h[f'handle_{n}']:>8.1f} {h[f'http_{n}']:>8.1f}")
+              f"{h[f'handle_{n}']:>8.1f} {h[f'http_{n}']:>8.1f} {h[f'colocated_{n}']:>15.1f}")
     print(f"{'GET /v1/models, median ms':<34} {'':>11} {'':>8} {h['http_models']:>8.1f}")
     print(f"{'burst of 64 x 1 token, wall ms':<34} {'':>11} {h['burst64_handle']:>8.0f} "
-          f"{h['burst64_http']:>8.0f}")
+          f"{h['burst64_http']:>8.0f} {h['burst64_colocated']:>15.0f}")
 
 
 def _mean(xs) -> float:

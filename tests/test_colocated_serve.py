@@ -5,6 +5,7 @@ that leaves aborts its request, and nothing leaks a KV slot."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 
 import httpx
 import openai
@@ -122,3 +123,27 @@ def test_client_that_leaves_aborts(server):
     after = wait_until(lambda: (s := read_stats())["aborted_requests"] > before and s, timeout=30)
     assert after, read_stats()
     assert_idle()
+
+
+def test_engine_in_a_child_process(server):
+    """`engine_process: true` with `ingress: colocated`: the step loop in a child process,
+    HTTP in the replica. Its own app beside the module's; greedy text as offline."""
+    from ray import serve
+
+    run_app(serve_config_args(ingress="colocated", engine_process=True, engine=ENGINE),
+            name="colocated-process", route_prefix="/colocated-process")
+    try:
+        client = openai.OpenAI(base_url=f"{BASE}/colocated-process/v1", api_key="unused",
+                               max_retries=0, timeout=60)
+        offline = LLM(model=ensure_demo_model(), dtype="float32", max_total_tokens=4096).generate(
+            ["A quiet harbour"], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+        r = client.completions.create(model=MODEL, prompt="A quiet harbour", max_tokens=10,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model=MODEL, prompt="A quiet harbour", max_tokens=10, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}) if c.choices)
+        assert r.choices[0].text == streamed == offline[0].text
+        procs = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        assert "multiprocessing.spawn" in procs  # the replica's engine process
+    finally:
+        serve.delete("colocated-process")

@@ -21,6 +21,16 @@ MAX_TOKENS = 8
 DIST_TIMEOUT_S = 20.0  # rank start-up and every model collective; a dead rank fails fast
 
 
+def app_args(model: str, **extra) -> dict:
+    return serve_config_args(
+        model=model,
+        engine={"tp_size": 2, "dist_timeout_s": DIST_TIMEOUT_S, "max_total_tokens": 1024,
+                "max_running_requests": 8, "chunked_prefill_size": 64},
+        placement_group_strategy="SPREAD", tp_bundle={GPU: 1},
+        health_check_period_s=1.0, health_check_timeout_s=10.0, graceful_shutdown_timeout_s=3.0,
+        **extra)
+
+
 @pytest.fixture(scope="module")
 def cluster(request, tiny_llama):
     """Head (2 CPUs) + worker node (1 CPU), one fake GPU each; the app deployed on it.
@@ -31,13 +41,7 @@ def cluster(request, tiny_llama):
 
     cluster, port = start_local_cluster(request, {"num_cpus": 2, "resources": {GPU: 1}},
                                         {"num_cpus": 1, "resources": {GPU: 1}})
-    args = serve_config_args(
-        model=tiny_llama,
-        engine={"tp_size": 2, "dist_timeout_s": DIST_TIMEOUT_S, "max_total_tokens": 1024,
-                "max_running_requests": 8, "chunked_prefill_size": 64},
-        placement_group_strategy="SPREAD", tp_bundle={GPU: 1},
-        health_check_period_s=1.0, health_check_timeout_s=10.0, graceful_shutdown_timeout_s=3.0)
-    serve.run(build_app(args), name="radixserve", route_prefix="/")
+    serve.run(build_app(app_args(tiny_llama)), name="radixserve", route_prefix="/")
     cluster.node_ids = {cluster.head_node.node_id} | {n.node_id for n in cluster.worker_nodes}
     cluster.base = f"http://127.0.0.1:{port}"
     return cluster
@@ -130,3 +134,19 @@ def test_a_dead_rank_restarts_the_replica(cluster, reference):
     after = tp_info()
     assert set(after["node_ids"]) == cluster.node_ids
     assert after["workers"][0]._actor_id != worker._actor_id
+
+
+def test_colocated_ingress_at_tp2(cluster, reference, tiny_llama):
+    """`ingress: colocated` (deployments/colocated.py) places its one deployment like the
+    engine's: the replica is rank 0, its worker on the other node. Last in the module: it
+    replaces the app."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    serve.run(build_app(app_args(tiny_llama, ingress="colocated")), name="radixserve",
+              route_prefix="/")
+    assert set(serve.status().applications["radixserve"].deployments) == {"EngineIngress"}
+    assert texts(complete(cluster.base)) == reference
+    info = call_deployment("EngineIngress", "tp_info")
+    assert set(info["node_ids"]) == cluster.node_ids and len(info["workers"]) == 1
