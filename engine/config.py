@@ -60,6 +60,9 @@ class EngineConfig:
     # Before the engine reports ready, run a few requests that compile every Triton kernel
     # specialization serving can reach (engine/warmup.py; CUDA only).
     enable_warmup: bool = True
+    # Graph capture first finds the Triton kernels it needs, then compiles them on a thread
+    # pool (engine/precompile.py): an empty Triton cache costs seconds of start-up, not tens.
+    parallel_compile: bool = True
     # Then move every object alive into the garbage collector's permanent generation, so
     # full collections skip the libraries and weights (engine/gc_freeze.py).
     freeze_gc_after_start: bool = True

@@ -20,6 +20,7 @@ import torch
 
 from engine.attention.base import ForwardBatch
 from engine.graph_inputs import compile_decode_inputs, write_decode_inputs
+from engine.precompile import compile_ahead
 from engine.prefix_group_batch import PrefixGroupBatch, packed_len
 
 logger = logging.getLogger(__name__)
@@ -35,11 +36,15 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 @torch.inference_mode()
 def capture_graphs(keys: list, run: Callable, pool=None,
-                   prepare: Callable = lambda key: None) -> tuple[dict, dict, object]:
+                   prepare: Callable = lambda key: None,
+                   precompile: bool = True) -> tuple[dict, dict, object]:
     """One CUDA graph per key, in the order given (largest first: the others reuse its
     memory in the shared `pool`). `prepare(key)` sets the static inputs (outside the graph),
     `run(key)` is the captured work and returns its output tensor. Two warm-up runs first:
     Triton compiles, workspaces grow to size. Returns (graphs, outputs, pool) by key.
+
+    `precompile`: before that, one pass over every key with Triton's compiles deferred, and
+    the kernels it reached compiled in parallel (engine/precompile.py).
 
     Cached memory goes back to the driver once, before the first (largest) graph, not before
     every capture as `torch.cuda.graph` does: after each such release the next warm-up runs
@@ -51,6 +56,14 @@ def capture_graphs(keys: list, run: Callable, pool=None,
     torch.cuda.empty_cache()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
+
+    def run_each() -> None:
+        with torch.cuda.stream(stream):
+            for key in keys:
+                prepare(key)
+                run(key)
+
+    compile_ahead(run_each, precompile)
     with torch.cuda.stream(stream):
         for key in keys:
             prepare(key)
@@ -73,8 +86,9 @@ def capture_graphs(keys: list, run: Callable, pool=None,
 
 class DecodeGraphs:
     def __init__(self, model, attn_backend, req_to_token: torch.Tensor, max_bs: int,
-                 grouped: bool = False, grouped_min_bs: int = 16) -> None:
+                 grouped: bool = False, grouped_min_bs: int = 16, precompile: bool = True) -> None:
         self.model = model
+        self.precompile = precompile
         self.attn_backend = attn_backend
         self.req_to_token = req_to_token
         self.sizes = capture_sizes(max_bs)
@@ -131,10 +145,16 @@ class DecodeGraphs:
         return self.model(batch)
 
     def _capture_all(self) -> None:
-        self.graphs, self.outputs, self.pool = capture_graphs(list(reversed(self.sizes)), self._run)
+        self.graphs, self.outputs, self.pool = capture_graphs(list(reversed(self.sizes)), self._run,
+                                                             precompile=self.precompile)
         statics = {name: getattr(self, name) for name in STATIC_INPUTS}
-        for bs in self.sizes:
-            compile_decode_inputs(bs, self.req_to_token, statics)
+
+        def compile_inputs() -> None:
+            for bs in self.sizes:
+                compile_decode_inputs(bs, self.req_to_token, statics)
+
+        compile_ahead(compile_inputs, self.precompile)
+        compile_inputs()
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     def can_run(self, batch: ForwardBatch) -> bool:

@@ -43,8 +43,9 @@ class ExtendGraphs:
     """Graphs for extend steps of up to `max_tokens` new tokens and `max_bs` requests."""
 
     def __init__(self, model, attn_backend, req_to_token: torch.Tensor, max_tokens: int,
-                 max_bs: int, pool=None) -> None:
+                 max_bs: int, pool=None, precompile: bool = True) -> None:
         self.model = model
+        self.precompile = precompile
         self.attn_backend = attn_backend
         self.req_to_token = req_to_token
         self.token_sizes = _upto(TOKEN_BUCKETS, max_tokens)
@@ -104,7 +105,7 @@ class ExtendGraphs:
     def _capture_all(self) -> None:
         self.graphs, self.outputs, self.pool = capture_graphs(
             list(reversed(self.shapes())), lambda key: self._run(*key), self.pool,
-            prepare=lambda key: self._fill_dummy(key[1]))
+            prepare=lambda key: self._fill_dummy(key[1]), precompile=self.precompile)
         logger.info("captured extend CUDA graphs for %d shapes (up to %d requests, %d tokens)",
                     len(self.graphs), self.max_bs, self.max_tokens)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import precompile
 from engine.attention.base import ForwardBatch, leading_decode_rows
 from engine.batch_builder import build_step
 from engine.config import EngineConfig
@@ -90,7 +91,8 @@ class ModelRunner:
 
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
         return DecodeGraphs(self.model, self.attn_backend, self.req_to_token, max_bs,
-                            grouped=self.prefix_grouper is not None)
+                            grouped=self.prefix_grouper is not None,
+                            precompile=precompile.enabled(self.config.parallel_compile))
 
     def _capture_extend_graphs(self):
         """Graphs for short prefill/extend steps (engine/extend_graphs.py), after the
@@ -108,7 +110,8 @@ class ModelRunner:
             return None
         return ExtendGraphs(self.model, self.attn_backend, self.req_to_token, max_tokens,
                             min(cfg.cuda_graph_max_extend_bs, cfg.max_running_requests),
-                            pool=self.graphs.pool if self.graphs is not None else None)
+                            pool=self.graphs.pool if self.graphs is not None else None,
+                            precompile=precompile.enabled(cfg.parallel_compile))
 
     def _make_prefix_grouper(self):
         """Radix-grouped decode (engine/prefix_groups.py), when the backend runs it."""

@@ -11,8 +11,9 @@ Hugging Face transformers peer.
 
 Issue 14's rows, each by its flag (when any is given, W1-W3 run only if --workloads names them):
 - `--ttft-sweep`: warm time to first token at batch 1 for 1 ... 8,192 prompt tokens (median).
-- `--cold-start`: a fresh process with an empty TRITON_CACHE_DIR, with the start-up warm-up
-  and without: engine start time per phase, each shape's first-request TTFT, then warm.
+- `--cold-start`: a fresh process with an empty TRITON_CACHE_DIR, with the start-up warm-up,
+  the same with the graph capture's compiles serial, and without warm-up: engine start time
+  per phase, each shape's first-request TTFT, then warm.
 - `--long-prefill`: 8 x 16,000-token prompts against the matmul + attention FLOP floor.
 - `--w4`: multi-turn conversations (each turn's prompt = the previous prompt + the answer + a
   new user message); wall time per turn against the weight + KV-read floor of its decode steps.
@@ -700,6 +701,7 @@ def cold_start_child(model: str, lengths, warmup: bool, json_path: str, batch: t
     every shape's first-request TTFT and the first mixed batch, then the same warm, and how
     many Triton binaries serving added after the start. `launched_at`: the parent's
     time.time() when it started this process (so imports count in ready_s)."""
+    from engine import precompile
     from engine.warmup import compiled_kernels
 
     path = model_dir(model, None if model == DEMO else LONG_MAX_POSITIONS)
@@ -718,6 +720,8 @@ def cold_start_child(model: str, lengths, warmup: bool, json_path: str, batch: t
     out = {"warmup": warmup, "engine_start_s": start_s, "process_to_ready_s": ready_s,
            "batch": list(batch),
            "phases": dict(engine.runner.startup.phases), "warmup_report": engine.startup,
+           "compiled_ahead": dict(precompile.totals),
+           "parallel_compile": precompile.enabled(engine.config.parallel_compile),
            "cold_ttft_ms": cold, "warm_ttft_ms": warm, "cold_batch_s": cold_batch,
            "warm_batch_s": warm_batch,
            "binaries_after_start": sum(compiled_kernels().values()) - before}
@@ -727,12 +731,14 @@ def cold_start_child(model: str, lengths, warmup: bool, json_path: str, batch: t
 
 
 def bench_cold_start(model: str, lengths, batch: str) -> dict:
-    """Each of {with warm-up, without} in a fresh Python process with an empty Triton cache
-    (TRITON_CACHE_DIR), so every compile is a real one."""
+    """Each of {with warm-up, the same with the capture's compiles serial
+    (RADIXSERVE_PARALLEL_COMPILE=0), without warm-up} in a fresh Python process with an empty
+    Triton cache (TRITON_CACHE_DIR), so every compile is a real one."""
     import subprocess
 
     out = {}
-    for warmup in (True, False):
+    for name, warmup, parallel in (("warmup", True, True), ("warmup_serial_compile", True, False),
+                                   ("no_warmup", False, True)):
         with tempfile.TemporaryDirectory() as tmp:
             result = os.path.join(tmp, "cold.json")
             cmd = [sys.executable, os.path.abspath(__file__), "--cold-start-child", "--model", model,
@@ -740,12 +746,13 @@ def bench_cold_start(model: str, lengths, batch: str) -> dict:
                    "--cold-batch", batch, "--launched-at", repr(time.time())]
             if not warmup:
                 cmd.append("--no-warmup")
-            env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(tmp, "triton-cache"))
+            env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(tmp, "triton-cache"),
+                       RADIXSERVE_PARALLEL_COMPILE="1" if parallel else "0")
             subprocess.run(cmd, env=env, check=True)
             with open(result) as f:
                 row = json.load(f)
-        out["warmup" if warmup else "no_warmup"] = row
-        print("cold start", "warm-up" if warmup else "no warm-up", row, flush=True)
+        out[name] = row
+        print("cold start", name, row, flush=True)
     return out
 
 
@@ -1029,7 +1036,9 @@ def print_issue14(r: dict) -> None:
         for key, c in r["cold_start"].items():
             print(f"\ncold start, {key.replace('_', ' ')}: process start to ready {c['process_to_ready_s']:.1f} s, engine "
                   f"{c['engine_start_s']:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in c["phases"].items())
-                  + f"); binaries compiled after start: {c['binaries_after_start']}")
+                  + f"); compiled ahead: {c.get('compiled_ahead', {}).get('specializations', 0)} in "
+                  f"{c.get('compiled_ahead', {}).get('seconds', 0.0):.1f} s; binaries compiled after start: "
+                  f"{c['binaries_after_start']}")
             print(f"{'prompt tokens':<16} {'first TTFT ms':>14} {'warm ms':>8} {'ratio':>6}")
             for n, ms in c["cold_ttft_ms"].items():
                 warm = c["warm_ttft_ms"][n]

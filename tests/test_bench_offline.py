@@ -26,8 +26,10 @@ def test_issue14_rows_on_demo_model(tmp_path):
     assert set(r["ttft"]) == {"1", "16"} and all(t["ttft_ms"] > 0 for t in r["ttft"].values())
     assert set(r["engine_start"]["phases"]) >= {"load", "kv_pool", "cuda_graphs", "warmup"}
 
-    for key in ("warmup", "no_warmup"):
+    assert not r["cold_start"]["warmup_serial_compile"]["parallel_compile"]
+    for key in ("warmup", "warmup_serial_compile", "no_warmup"):
         c = r["cold_start"][key]
+        assert c["compiled_ahead"]["specializations"] == 0  # (no graphs on the CPU)
         assert set(c["cold_ttft_ms"]) == set(c["warm_ttft_ms"]) == {"1", "16"}
         assert c["engine_start_s"] > 0 and c["process_to_ready_s"] >= c["engine_start_s"]
         assert c["binaries_after_start"] == 0  # the CPU runs no Triton kernel

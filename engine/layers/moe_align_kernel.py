@@ -20,6 +20,7 @@ import triton.language as tl
 
 from engine.layers.moe_routing import ExpertBlocks, max_blocks
 from engine.layers.pdl import pdl_launch, pdl_prologue
+from engine.precompile import compile_in_place
 
 CHUNK = 128
 CHUNKS_PER_TILE = 64  # chunks the offsets program prefix-sums at once
@@ -112,3 +113,7 @@ def group_by_expert_kernel(topk_ids: torch.Tensor, num_local_experts: int, first
                                    num_local_experts, BLOCK_E=block_e, CHUNK=CHUNK, num_warps=8,
                                    **pdl)
     return ExpertBlocks(sorted_pairs, block_expert, num_pairs, block_m)
+
+
+# their rows and offsets index memory (engine/precompile.py)
+compile_in_place(_count_kernel, _offsets_kernel, _scatter_kernel)

@@ -17,6 +17,7 @@ import triton.language as tl
 from engine.layers.gemv import add_split_sums
 from engine.layers.pdl import pdl_launch, pdl_prologue
 from engine.layers.split_sums import SplitSums
+from engine.precompile import compile_in_place
 
 
 @triton.jit
@@ -43,6 +44,8 @@ def _softmax_topk_kernel(Logits, Weights, Ids, num_experts, stride_l, stride_spl
         best = tl.max(remaining, axis=0)
         # the lowest index holding the maximum
         best_id = tl.min(tl.where(remaining == best, offs_e, BLOCK_E), axis=0)
+        # NaN logits match nothing: an id past the experts would address another's weights
+        best_id = tl.minimum(best_id, num_experts - 1)
         weights = tl.where(offs_k == k, best, weights)
         ids = tl.where(offs_k == k, best_id.to(tl.int64), ids)
         remaining = tl.where(offs_e == best_id, -1.0, remaining)
@@ -76,3 +79,6 @@ def softmax_topk(router_logits: torch.Tensor | SplitSums, top_k: int, renormaliz
 
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+compile_in_place(_softmax_topk_kernel)  # its expert ids index weights (engine/precompile.py)

@@ -1,0 +1,135 @@
+"""Triton kernels compiled in parallel at start-up (issue 14: a fresh replica's start).
+
+With an empty Triton cache a replica compiles a few dozen kernel specializations while it
+captures its CUDA graphs, one after another on one core: 16-20 s of a 29-40 s start on an
+H200 (RESULTS.md, sessions 18-19). The compiles do not depend on each other, only on the
+launch keys the capture's forwards reach. So `capture_graphs` (engine/cuda_graph.py) first
+runs every key's forward once inside `deferred_compiles()`: a launch whose binary is not in
+memory yet is recorded (the specialization as Triton serializes it) and skipped. Then
+`compile_deferred` compiles every recorded specialization on a thread pool, and the real
+capture finds each binary in memory. Threads suffice: Triton's compiler spends its time in
+C++ passes and in ptxas and gcc subprocesses, not holding the GIL (8 decode-kernel variants
+for sm_90: 9.2 s serially, 4.8 s on two threads of a 2-core box).
+
+A skipped launch leaves its outputs unwritten, so the deferred pass computes garbage. Floats
+are harmless (its results are thrown away); integers that address memory are not. A kernel
+whose outputs index memory (MoE's expert ids and expert-sorted rows) is registered with
+`compile_in_place`: during the pass it compiles and runs as usual.
+
+Triton 3.6 API used: `knobs.runtime.jit_cache_hook` (called before every compile with the
+launch key and `specialization_data`; returning True skips the compile and the launch),
+`JITFunction.preload(specialization_data)` (compiles into the same in-memory cache a launch
+reads) and `CompiledKernel._init_handles()` (loads the binary and builds its C launcher, the
+part a first launch would otherwise do serially). `RADIXSERVE_PARALLEL_COMPILE=0` or
+`EngineConfig.parallel_compile=False` turns it off.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_IN_PLACE: set[str] = set()  # kernels (qualified names) that run during a deferred pass
+# what this process compiled ahead, for start-up reports (scripts/bench_offline.py)
+totals = {"specializations": 0, "seconds": 0.0}
+
+
+def kernel_name(jit_function) -> str:
+    return f"{jit_function.fn.__module__}.{jit_function.fn.__qualname__}"
+
+
+def compile_in_place(*kernels) -> None:
+    """Register Triton kernels whose outputs address memory: a deferred pass compiles and
+    launches them instead of skipping them."""
+    _IN_PLACE.update(kernel_name(k) for k in kernels)
+
+
+def enabled(config_flag: bool = True) -> bool:
+    return config_flag and os.environ.get("RADIXSERVE_PARALLEL_COMPILE", "1") != "0"
+
+
+@dataclass
+class Deferred:
+    """Specializations a deferred pass skipped, by (kernel, launch key)."""
+
+    specs: dict[tuple[str, str], tuple[object, str]] = field(default_factory=dict)
+
+    def hook(self, *, key, fn, compile, is_manual_warmup=False, **_) -> bool:
+        """`jit_cache_hook`: True (skip) records the launch; preloads and in-place kernels
+        compile as usual."""
+        name = kernel_name(fn.jit_function)
+        if is_manual_warmup or name in _IN_PLACE:
+            return False
+        self.specs.setdefault((name, str(key)), (fn.jit_function, compile["specialization_data"]))
+        return True
+
+
+@contextmanager
+def deferred_compiles(active: bool = True) -> Iterator[Deferred]:
+    """Inside, Triton launches that would compile are recorded and skipped (see module doc).
+    Inactive (or without Triton), a plain block that records nothing."""
+    deferred = Deferred()
+    try:
+        from triton import knobs
+    except ImportError:
+        active = False
+    if not active:
+        yield deferred
+        return
+    previous = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = deferred.hook
+    try:
+        yield deferred
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+
+
+def compile_ahead(work: Callable[[], object], active: bool = True) -> float:
+    """Run `work` with compiles deferred, then compile what it reached in parallel; returns
+    the seconds compiling took. The caller then runs `work` for real: this run computed
+    garbage wherever it skipped a launch."""
+    if not active:
+        return 0.0
+    with deferred_compiles() as deferred:
+        work()
+    return compile_deferred(deferred, torch.device("cuda", torch.cuda.current_device()))
+
+
+def compile_workers(pending: int) -> int:
+    return max(1, min(pending, os.cpu_count() or 1, 32))
+
+
+def compile_deferred(deferred: Deferred, device: torch.device) -> float:
+    """Compile (and load) every recorded specialization, in parallel; returns seconds."""
+    if not deferred.specs:
+        return 0.0
+    t0 = time.perf_counter()
+    items = list(deferred.specs.values())
+    workers = compile_workers(len(items))
+
+    def build(item) -> None:
+        jit_function, spec = item
+        torch.cuda.set_device(device)
+        kernel = jit_function.preload(spec)
+        try:
+            kernel._init_handles()  # the C launcher's gcc build and the module load
+        except Exception:  # noqa: BLE001 - the first launch redoes it and raises there
+            logger.debug("loading %s deferred to its first launch", kernel_name(jit_function),
+                         exc_info=True)
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="triton-compile") as pool:
+        list(pool.map(build, items))
+    took = time.perf_counter() - t0
+    totals["specializations"] += len(items)
+    totals["seconds"] += took
+    logger.info("compiled %d Triton kernel specializations on %d threads in %.2fs",
+                len(items), workers, took)
+    return took

@@ -1,0 +1,138 @@
+"""Parallel Triton compilation at start-up (engine/precompile.py).
+
+CPU: the deferral hook through Triton's own hook call (the installed Triton builds its
+arguments), the hook's install and restore, and the switches. GPU: engines started on an
+empty Triton cache with and without the parallel compile give the same greedy tokens, the
+capture's specializations were compiled ahead (by preload, on the pool's threads), and
+serving the engine's first requests compiles nothing the capture covers.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import threading
+
+import pytest
+import torch
+
+from engine import precompile
+from moe_models import moe_factory  # noqa: F401 (a fixture)
+
+
+def _triton_hook_call(jit_function, hook, key: str, is_warmup: bool):
+    """Call `hook` the way the installed Triton calls jit_cache_hook before a compile."""
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    target = GPUTarget("cuda", 90, 32)
+    args = dict(hook=hook, key=key, signature={"x": "*fp32"}, target=target, device=0,
+                constants={}, options=CUDABackend(target).parse_options({}), configs=[{}],
+                is_warmup=is_warmup)
+    wanted = inspect.signature(jit_function._call_hook).parameters
+    return jit_function._call_hook(**{k: v for k, v in args.items() if k in wanted})
+
+
+def test_hook_defers_launches_and_passes_preloads_and_in_place_kernels():
+    from engine.attention.triton_common import store_kv_kernel
+    from engine.layers.moe_router_kernel import _softmax_topk_kernel
+
+    deferred = precompile.Deferred()
+    assert _triton_hook_call(store_kv_kernel, deferred.hook, "k1", is_warmup=False) is True
+    assert _triton_hook_call(store_kv_kernel, deferred.hook, "k1", is_warmup=False) is True
+    assert _triton_hook_call(store_kv_kernel, deferred.hook, "k2", is_warmup=False) is True
+    assert len(deferred.specs) == 2  # one per launch key
+    fn, spec = deferred.specs[("engine.attention.triton_common.store_kv_kernel", "k1")]
+    assert fn is store_kv_kernel and json.loads(spec)["name"].endswith("store_kv_kernel")
+    # a preload (what compile_deferred calls) compiles; so does a kernel whose outputs index
+    # memory (MoE's expert ids)
+    assert not _triton_hook_call(store_kv_kernel, deferred.hook, "k3", is_warmup=True)
+    assert not _triton_hook_call(_softmax_topk_kernel, deferred.hook, "k4", is_warmup=False)
+    assert len(deferred.specs) == 2
+
+
+def test_deferred_compiles_installs_and_restores_the_hook():
+    triton = pytest.importorskip("triton")
+    runtime = triton.knobs.runtime
+    before = runtime.jit_cache_hook
+    sentinel = lambda **kw: False  # noqa: E731
+    runtime.jit_cache_hook = sentinel
+    try:
+        with precompile.deferred_compiles() as deferred:
+            assert runtime.jit_cache_hook == deferred.hook
+        assert runtime.jit_cache_hook is sentinel
+        with pytest.raises(RuntimeError):
+            with precompile.deferred_compiles():
+                raise RuntimeError("capture failed")
+        assert runtime.jit_cache_hook is sentinel
+        with precompile.deferred_compiles(active=False):
+            assert runtime.jit_cache_hook is sentinel
+    finally:
+        runtime.jit_cache_hook = before
+
+
+def test_switches(monkeypatch):
+    ran = []
+    assert precompile.compile_ahead(lambda: ran.append(1), active=False) == 0.0 and not ran
+    assert precompile.enabled() and not precompile.enabled(False)
+    monkeypatch.setenv("RADIXSERVE_PARALLEL_COMPILE", "0")
+    assert not precompile.enabled()
+    assert precompile.compile_workers(3) <= 3 and precompile.compile_workers(0) == 1
+
+
+# ------------------------------------------------------------------ GPU: whole engines
+def _start(model: str, tmp_path, monkeypatch, parallel: bool, cache: str):
+    """An LLM on an empty Triton cache, and every compile its start made: (kernel, by
+    preload, thread name)."""
+    import triton
+
+    from engine import LLM
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / cache))
+    compiles: list[tuple[str, bool, str]] = []
+    old = triton.knobs.runtime.jit_post_compile_hook
+
+    def hook(**kw):
+        compiles.append((precompile.kernel_name(kw["fn"].jit_function), kw["is_manual_warmup"],
+                         threading.current_thread().name))
+
+    triton.knobs.runtime.jit_post_compile_hook = hook
+    try:
+        llm = LLM(model=model, device="cuda", dtype="bfloat16", max_running_requests=16,
+                  cuda_graph_max_bs=8, cuda_graph_max_extend_tokens=128, max_model_len=512,
+                  parallel_compile=parallel, enable_warmup=False, mem_fraction_static=0.3)
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = old
+    return llm, compiles
+
+
+def _greedy(llm, prompts):
+    from engine import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_parallel_compile_on_an_empty_cache_matches_serial(tiny_model_factory, moe_factory,
+                                                           tmp_path, monkeypatch, arch):
+    import gc
+
+    model = tiny_model_factory(arch) if arch == "llama" else moe_factory(arch)
+    prompts = [[5, 9, 17, 33, 2], list(range(3, 40)), [7] * 90]
+    serial, serial_compiles = _start(model, tmp_path, monkeypatch, False, "serial")
+    want = _greedy(serial, prompts)
+    del serial
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm, compiles = _start(model, tmp_path, monkeypatch, True, "parallel")
+    assert _greedy(llm, prompts) == want
+    ahead = [c for c in compiles if c[1]]
+    # the capture's kernels were compiled ahead by preload on the pool's threads; what
+    # compiled on a launch is at most the in-place kernels (MoE routing)
+    assert ahead and all(t.startswith("triton-compile") for _, _, t in ahead), compiles
+    on_launch = {name for name, warm, _ in compiles if not warm}
+    assert on_launch <= precompile._IN_PLACE, on_launch
+    assert {n for n, _, _ in serial_compiles} == {n for n, _, _ in compiles}
