@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
+from dataclasses import dataclass, field
 import logging
+import time
 
 import torch
 
@@ -34,24 +36,37 @@ def capture_sizes(max_bs: int) -> list[int]:
     return [s for s in sizes if s <= max_bs]
 
 
+@dataclass
+class Captured:
+    """capture_graphs' result: graphs and their output tensors by key, the shared memory pool,
+    and where the capture's time went (seconds: the deferred pass, compiling ahead, the
+    warm-up runs, the captures), which start-up reports."""
+
+    graphs: dict
+    outputs: dict
+    pool: object
+    times: dict[str, float] = field(default_factory=dict)
+
+
 @torch.inference_mode()
 def capture_graphs(keys: list, run: Callable, pool=None,
                    prepare: Callable = lambda key: None,
-                   precompile: bool = True) -> tuple[dict, dict, object]:
+                   precompile: bool = True) -> Captured:
     """One CUDA graph per key, in the order given (largest first: the others reuse its
     memory in the shared `pool`). `prepare(key)` sets the static inputs (outside the graph),
-    `run(key)` is the captured work and returns its output tensor. Two warm-up runs first:
-    Triton compiles, workspaces grow to size. Returns (graphs, outputs, pool) by key.
+    `run(key)` is the captured work and returns its output tensor. Warm-up runs first: Triton
+    kernels compile and load, workspaces grow to size.
 
     `precompile`: before that, one pass over every key with Triton's compiles deferred, and
-    the kernels it reached compiled in parallel (engine/precompile.py).
+    the kernels it reached compiled in parallel (engine/precompile.py). That pass also ran
+    every torch op once, so one warm-up run per key is enough (two without it).
 
     Cached memory goes back to the driver once, before the first (largest) graph, not before
     every capture as `torch.cuda.graph` does: after each such release the next warm-up runs
     allocate all their tensors anew through cudaMalloc (vLLM skips the release after its first
     graph for the same reason). The capture is otherwise `torch.cuda.graph`'s: synchronize,
     then capture_begin/capture_end on the side stream."""
-    graphs, outputs = {}, {}
+    out = Captured({}, {}, pool)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     stream = torch.cuda.Stream()
@@ -62,26 +77,39 @@ def capture_graphs(keys: list, run: Callable, pool=None,
             for key in keys:
                 prepare(key)
                 run(key)
+        torch.cuda.synchronize()
 
-    compile_ahead(run_each, precompile)
+    t0 = time.perf_counter()
+    out.times["compile_ahead"] = compile_ahead(run_each, precompile)
+    out.times["deferred_pass"] = time.perf_counter() - t0 - out.times["compile_ahead"]
+    warm_s = capture_s = 0.0
     with torch.cuda.stream(stream):
         for key in keys:
+            t1 = time.perf_counter()
             prepare(key)
-            for _ in range(2):
+            for _ in range(1 if precompile else 2):
                 run(key)
             graph = torch.cuda.CUDAGraph()
             torch.cuda.synchronize()
-            graph.capture_begin(pool=pool)
+            t2 = time.perf_counter()
+            graph.capture_begin(pool=out.pool)
             try:
-                outputs[key] = run(key)
+                out.outputs[key] = run(key)
             finally:
                 graph.capture_end()
-            if pool is None:
-                pool = graph.pool()
-            graphs[key] = graph
+            if out.pool is None:
+                out.pool = graph.pool()
+            out.graphs[key] = graph
+            warm_s += t2 - t1
+            capture_s += time.perf_counter() - t2
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
-    return graphs, outputs, pool
+    out.times.update(warmup_runs=warm_s, captures=capture_s)
+    return out
+
+
+def format_times(times: dict[str, float]) -> str:
+    return ", ".join(f"{name} {s:.2f}s" for name, s in times.items())
 
 
 class DecodeGraphs:
@@ -145,17 +173,22 @@ class DecodeGraphs:
         return self.model(batch)
 
     def _capture_all(self) -> None:
-        self.graphs, self.outputs, self.pool = capture_graphs(list(reversed(self.sizes)), self._run,
-                                                             precompile=self.precompile)
+        captured = capture_graphs(list(reversed(self.sizes)), self._run,
+                                  precompile=self.precompile)
+        self.graphs, self.outputs, self.pool = captured.graphs, captured.outputs, captured.pool
+        self.capture_times = captured.times
         statics = {name: getattr(self, name) for name in STATIC_INPUTS}
 
         def compile_inputs() -> None:
             for bs in self.sizes:
                 compile_decode_inputs(bs, self.req_to_token, statics)
 
+        t0 = time.perf_counter()
         compile_ahead(compile_inputs, self.precompile)
         compile_inputs()
-        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+        self.capture_times["graph_inputs"] = time.perf_counter() - t0
+        logger.info("captured decode CUDA graphs for batch sizes %s (%s)", self.sizes,
+                    format_times(self.capture_times))
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.is_decode and batch.batch_size <= self.max_bs

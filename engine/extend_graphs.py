@@ -24,7 +24,7 @@ import logging
 import torch
 
 from engine.attention.base import ForwardBatch
-from engine.cuda_graph import capture_graphs
+from engine.cuda_graph import capture_graphs, format_times
 
 logger = logging.getLogger(__name__)
 
@@ -103,11 +103,13 @@ class ExtendGraphs:
         self.qo_indptr[0] = 0
 
     def _capture_all(self) -> None:
-        self.graphs, self.outputs, self.pool = capture_graphs(
+        captured = capture_graphs(
             list(reversed(self.shapes())), lambda key: self._run(*key), self.pool,
             prepare=lambda key: self._fill_dummy(key[1]), precompile=self.precompile)
-        logger.info("captured extend CUDA graphs for %d shapes (up to %d requests, %d tokens)",
-                    len(self.graphs), self.max_bs, self.max_tokens)
+        self.graphs, self.outputs, self.pool = captured.graphs, captured.outputs, captured.pool
+        self.capture_times = captured.times
+        logger.info("captured extend CUDA graphs for %d shapes (up to %d requests, %d tokens; %s)",
+                    len(self.graphs), self.max_bs, self.max_tokens, format_times(captured.times))
 
     def can_run(self, batch: ForwardBatch) -> bool:
         bs = batch.batch_size

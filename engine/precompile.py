@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 _IN_PLACE: set[str] = set()  # kernels (qualified names) that run during a deferred pass
 # what this process compiled ahead, for start-up reports (scripts/bench_offline.py)
-totals = {"specializations": 0, "seconds": 0.0}
+# (seconds: wall; compile and load: summed over the threads; slowest: one specialization)
+totals = {"specializations": 0, "seconds": 0.0, "compile_s": 0.0, "load_s": 0.0, "slowest_s": 0.0}
 
 
 def kernel_name(jit_function) -> str:
@@ -115,21 +116,27 @@ def compile_deferred(deferred: Deferred, device: torch.device) -> float:
     items = list(deferred.specs.values())
     workers = compile_workers(len(items))
 
-    def build(item) -> None:
+    def build(item) -> tuple[float, float]:
         jit_function, spec = item
         torch.cuda.set_device(device)
+        t1 = time.perf_counter()
         kernel = jit_function.preload(spec)
+        t2 = time.perf_counter()
         try:
             kernel._init_handles()  # the C launcher's gcc build and the module load
         except Exception:  # noqa: BLE001 - the first launch redoes it and raises there
             logger.debug("loading %s deferred to its first launch", kernel_name(jit_function),
                          exc_info=True)
+        return t2 - t1, time.perf_counter() - t2
 
     with ThreadPoolExecutor(workers, thread_name_prefix="triton-compile") as pool:
-        list(pool.map(build, items))
+        spans = list(pool.map(build, items))
     took = time.perf_counter() - t0
     totals["specializations"] += len(items)
     totals["seconds"] += took
+    totals["compile_s"] += sum(c for c, _ in spans)
+    totals["load_s"] += sum(ld for _, ld in spans)
+    totals["slowest_s"] = max(totals["slowest_s"], max(c + ld for c, ld in spans))
     logger.info("compiled %d Triton kernel specializations on %d threads in %.2fs",
                 len(items), workers, took)
     return took

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import sys
 import threading
 
 import pytest
@@ -81,13 +82,25 @@ def test_switches(monkeypatch):
 
 
 # ------------------------------------------------------------------ GPU: whole engines
+def _forget_compiled_kernels() -> None:
+    """Drop the engine kernels' in-memory binaries, which a fresh process would not have."""
+    from triton.runtime.jit import JITFunction
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("engine.") and module is not None:
+            for fn in vars(module).values():
+                if isinstance(fn, JITFunction):
+                    fn.device_caches.clear()
+
+
 def _start(model: str, tmp_path, monkeypatch, parallel: bool, cache: str):
-    """An LLM on an empty Triton cache, and every compile its start made: (kernel, by
-    preload, thread name)."""
+    """An LLM on an empty Triton cache (on disk and in memory), and every compile its start
+    made: (kernel, by preload, thread name)."""
     import triton
 
     from engine import LLM
 
+    _forget_compiled_kernels()
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / cache))
     compiles: list[tuple[str, bool, str]] = []
     old = triton.knobs.runtime.jit_post_compile_hook
