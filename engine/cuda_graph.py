@@ -39,8 +39,8 @@ def capture_sizes(max_bs: int) -> list[int]:
 @dataclass
 class Captured:
     """capture_graphs' result: graphs and their output tensors by key, the shared memory pool,
-    and where the capture's time went (seconds: the deferred pass, compiling ahead, the
-    warm-up runs, the captures), which start-up reports."""
+    and where the capture's time went (seconds: warm-up runs, captures), which start-up
+    reports."""
 
     graphs: dict
     outputs: dict
@@ -49,17 +49,40 @@ class Captured:
 
 
 @torch.inference_mode()
+def run_each(keys: list, run: Callable, prepare: Callable = lambda key: None) -> None:
+    """Every key's work once, outside any graph, on a side stream (capture_all's deferred
+    pass)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for key in keys:
+            prepare(key)
+            run(key)
+    torch.cuda.current_stream().wait_stream(stream)
+
+
+def capture_all(graph_sets: list, precompile: bool) -> dict:
+    """Capture each graph set (objects with `run_keys()` and `capture(pool, warmups)`, which
+    returns the memory pool; decode graphs first, the rest reuse their pool). With
+    `precompile`, first every set's forwards once with Triton's compiles deferred, and what
+    they reached compiled in one parallel round (engine/precompile.py); that pass also ran
+    every torch op once, so one warm-up run per graph is enough (two without it). Returns
+    start-up times by set, and of the deferred pass and the compile."""
+    times: dict = compile_ahead(lambda: [g.run_keys() for g in graph_sets], precompile)
+    pool = None
+    for g in graph_sets:
+        pool = g.capture(pool, warmups=1 if precompile else 2)
+        times[type(g).__name__] = g.capture_times
+    return times
+
+
+@torch.inference_mode()
 def capture_graphs(keys: list, run: Callable, pool=None,
-                   prepare: Callable = lambda key: None,
-                   precompile: bool = True) -> Captured:
+                   prepare: Callable = lambda key: None, warmups: int = 2) -> Captured:
     """One CUDA graph per key, in the order given (largest first: the others reuse its
     memory in the shared `pool`). `prepare(key)` sets the static inputs (outside the graph),
-    `run(key)` is the captured work and returns its output tensor. Warm-up runs first: Triton
-    kernels compile and load, workspaces grow to size.
-
-    `precompile`: before that, one pass over every key with Triton's compiles deferred, and
-    the kernels it reached compiled in parallel (engine/precompile.py). That pass also ran
-    every torch op once, so one warm-up run per key is enough (two without it).
+    `run(key)` is the captured work and returns its output tensor. `warmups` runs of each
+    key first: Triton kernels compile and load, workspaces grow to size.
 
     Cached memory goes back to the driver once, before the first (largest) graph, not before
     every capture as `torch.cuda.graph` does: after each such release the next warm-up runs
@@ -71,23 +94,12 @@ def capture_graphs(keys: list, run: Callable, pool=None,
     torch.cuda.empty_cache()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-
-    def run_each() -> None:
-        with torch.cuda.stream(stream):
-            for key in keys:
-                prepare(key)
-                run(key)
-        torch.cuda.synchronize()
-
-    t0 = time.perf_counter()
-    out.times["compile_ahead"] = compile_ahead(run_each, precompile)
-    out.times["deferred_pass"] = time.perf_counter() - t0 - out.times["compile_ahead"]
     warm_s = capture_s = 0.0
     with torch.cuda.stream(stream):
         for key in keys:
             t1 = time.perf_counter()
             prepare(key)
-            for _ in range(1 if precompile else 2):
+            for _ in range(warmups):
                 run(key)
             graph = torch.cuda.CUDAGraph()
             torch.cuda.synchronize()
@@ -114,9 +126,9 @@ def format_times(times: dict[str, float]) -> str:
 
 class DecodeGraphs:
     def __init__(self, model, attn_backend, req_to_token: torch.Tensor, max_bs: int,
-                 grouped: bool = False, grouped_min_bs: int = 16, precompile: bool = True) -> None:
+                 grouped: bool = False, grouped_min_bs: int = 16) -> None:
+        """Buffers only: `capture` (or engine/cuda_graph.capture_all) captures."""
         self.model = model
-        self.precompile = precompile
         self.attn_backend = attn_backend
         self.req_to_token = req_to_token
         self.sizes = capture_sizes(max_bs)
@@ -140,7 +152,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
-        self._capture_all()
+        self.capture_times: dict[str, float] = {}
 
     def _batch(self, bs: int) -> ForwardBatch:
         return ForwardBatch(
@@ -172,23 +184,29 @@ class DecodeGraphs:
         self.attn_backend.prepare(batch)
         return self.model(batch)
 
-    def _capture_all(self) -> None:
-        captured = capture_graphs(list(reversed(self.sizes)), self._run,
-                                  precompile=self.precompile)
-        self.graphs, self.outputs, self.pool = captured.graphs, captured.outputs, captured.pool
-        self.capture_times = captured.times
+    def _keys(self) -> list[int]:
+        return list(reversed(self.sizes))
+
+    def _write_dummy_inputs(self) -> None:
+        """The graph-inputs kernel at every padded size (it runs outside the graphs, so a
+        size first met in serving would compile it then)."""
         statics = {name: getattr(self, name) for name in STATIC_INPUTS}
+        for bs in self.sizes:
+            compile_decode_inputs(bs, self.req_to_token, statics)
 
-        def compile_inputs() -> None:
-            for bs in self.sizes:
-                compile_decode_inputs(bs, self.req_to_token, statics)
+    def run_keys(self) -> None:
+        run_each(self._keys(), self._run)
+        self._write_dummy_inputs()
 
+    def capture(self, pool=None, warmups: int = 2):
+        captured = capture_graphs(self._keys(), self._run, pool, warmups=warmups)
+        self.graphs, self.outputs, self.pool = captured.graphs, captured.outputs, captured.pool
         t0 = time.perf_counter()
-        compile_ahead(compile_inputs, self.precompile)
-        compile_inputs()
-        self.capture_times["graph_inputs"] = time.perf_counter() - t0
+        self._write_dummy_inputs()
+        self.capture_times = dict(captured.times, graph_inputs=time.perf_counter() - t0)
         logger.info("captured decode CUDA graphs for batch sizes %s (%s)", self.sizes,
                     format_times(self.capture_times))
+        return self.pool
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.is_decode and batch.batch_size <= self.max_bs

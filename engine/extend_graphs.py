@@ -24,7 +24,7 @@ import logging
 import torch
 
 from engine.attention.base import ForwardBatch
-from engine.cuda_graph import capture_graphs, format_times
+from engine.cuda_graph import capture_graphs, format_times, run_each
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +43,9 @@ class ExtendGraphs:
     """Graphs for extend steps of up to `max_tokens` new tokens and `max_bs` requests."""
 
     def __init__(self, model, attn_backend, req_to_token: torch.Tensor, max_tokens: int,
-                 max_bs: int, pool=None, precompile: bool = True) -> None:
+                 max_bs: int) -> None:
+        """Buffers only: `capture` (or engine/cuda_graph.capture_all) captures."""
         self.model = model
-        self.precompile = precompile
         self.attn_backend = attn_backend
         self.req_to_token = req_to_token
         self.token_sizes = _upto(TOKEN_BUCKETS, max_tokens)
@@ -65,9 +65,9 @@ class ExtendGraphs:
         self.no_rows = torch.zeros(0, dtype=torch.long, device=dev)  # the forward reads none
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.pool = pool
+        self.pool = None
+        self.capture_times: dict[str, float] = {}
         self.replays = 0  # steps run by replay (tests check the graphs were used)
-        self._capture_all()
 
     def shapes(self) -> list[tuple[int, int]]:
         """(request capacity, token bucket) pairs: a bucket never smaller than its capacity."""
@@ -102,14 +102,20 @@ class ExtendGraphs:
         self.qo_indptr.fill_(tokens)
         self.qo_indptr[0] = 0
 
-    def _capture_all(self) -> None:
-        captured = capture_graphs(
-            list(reversed(self.shapes())), lambda key: self._run(*key), self.pool,
-            prepare=lambda key: self._fill_dummy(key[1]), precompile=self.precompile)
+    def _keys(self) -> list[tuple[int, int]]:
+        return list(reversed(self.shapes()))
+
+    def run_keys(self) -> None:
+        run_each(self._keys(), lambda key: self._run(*key), lambda key: self._fill_dummy(key[1]))
+
+    def capture(self, pool=None, warmups: int = 2):
+        captured = capture_graphs(self._keys(), lambda key: self._run(*key), pool,
+                                  prepare=lambda key: self._fill_dummy(key[1]), warmups=warmups)
         self.graphs, self.outputs, self.pool = captured.graphs, captured.outputs, captured.pool
         self.capture_times = captured.times
         logger.info("captured extend CUDA graphs for %d shapes (up to %d requests, %d tokens; %s)",
                     len(self.graphs), self.max_bs, self.max_tokens, format_times(captured.times))
+        return self.pool
 
     def can_run(self, batch: ForwardBatch) -> bool:
         bs = batch.batch_size

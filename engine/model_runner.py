@@ -79,24 +79,33 @@ class ModelRunner:
         self.model.set_attention_backend(self.attn_backend)
         self.uploader = PinnedUploader(self.device)
         self.prefix_grouper = self._make_prefix_grouper()
-        self.graphs = self._capture_graphs()
+        self.graphs = self._make_graphs()
         self.group_metadata = self._make_group_metadata()
-        self.extend_graphs = self._capture_extend_graphs()
+        self.extend_graphs = self._make_extend_graphs()
+        self.capture_times = self._capture_graphs()
         self.startup.mark("cuda_graphs")
 
-    def _capture_graphs(self):
+    def _capture_graphs(self) -> dict:
+        """Decode graphs first, then the extend graphs in the same memory pool; the Triton
+        kernels of both compiled ahead in parallel (engine/precompile.py)."""
+        sets = [g for g in (self.graphs, self.extend_graphs) if g is not None]
+        if not sets:
+            return {}
+        from engine.cuda_graph import capture_all
+
+        return capture_all(sets, precompile.enabled(self.config.parallel_compile))
+
+    def _make_graphs(self):
         if not (self.config.enable_cuda_graph and self.device.type == "cuda"):
             return None
         from engine.cuda_graph import DecodeGraphs
 
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
         return DecodeGraphs(self.model, self.attn_backend, self.req_to_token, max_bs,
-                            grouped=self.prefix_grouper is not None,
-                            precompile=precompile.enabled(self.config.parallel_compile))
+                            grouped=self.prefix_grouper is not None)
 
-    def _capture_extend_graphs(self):
-        """Graphs for short prefill/extend steps (engine/extend_graphs.py), after the
-        decode graphs so both share one memory pool."""
+    def _make_extend_graphs(self):
+        """Graphs for short prefill/extend steps (engine/extend_graphs.py)."""
         cfg = self.config
         if not (cfg.enable_cuda_graph and self.device.type == "cuda"
                 and cfg.cuda_graph_max_extend_tokens > 0):
@@ -109,9 +118,7 @@ class ModelRunner:
         if max_tokens < TOKEN_BUCKETS[0]:
             return None
         return ExtendGraphs(self.model, self.attn_backend, self.req_to_token, max_tokens,
-                            min(cfg.cuda_graph_max_extend_bs, cfg.max_running_requests),
-                            pool=self.graphs.pool if self.graphs is not None else None,
-                            precompile=precompile.enabled(cfg.parallel_compile))
+                            min(cfg.cuda_graph_max_extend_bs, cfg.max_running_requests))
 
     def _make_prefix_grouper(self):
         """Radix-grouped decode (engine/prefix_groups.py), when the backend runs it."""

@@ -3,8 +3,8 @@
 With an empty Triton cache a replica compiles a few dozen kernel specializations while it
 captures its CUDA graphs, one after another on one core: 16-20 s of a 29-40 s start on an
 H200 (RESULTS.md, sessions 18-19). The compiles do not depend on each other, only on the
-launch keys the capture's forwards reach. So `capture_graphs` (engine/cuda_graph.py) first
-runs every key's forward once inside `deferred_compiles()`: a launch whose binary is not in
+launch keys the capture's forwards reach. So `capture_all` (engine/cuda_graph.py) first runs
+every graph's forward once inside `deferred_compiles()`: a launch whose binary is not in
 memory yet is recorded (the specialization as Triton serializes it) and skipped. Then
 `compile_deferred` compiles every recorded specialization on a thread pool, and the real
 capture finds each binary in memory. Threads suffice: Triton's compiler spends its time in
@@ -57,11 +57,26 @@ def enabled(config_flag: bool = True) -> bool:
     return config_flag and os.environ.get("RADIXSERVE_PARALLEL_COMPILE", "1") != "0"
 
 
+class _Skipped:
+    """Stands in a kernel's in-memory cache for a deferred specialization until the pass
+    ends, so its later launches skip at a launch's cost: through the hook, every launch
+    would serialize the specialization again (3 of a decode capture's 5 s on an H200)."""
+
+    function = packed_metadata = None
+
+    def launch_metadata(self, *args) -> None:
+        return None
+
+    def run(self, *args) -> None:
+        return None
+
+
 @dataclass
 class Deferred:
     """Specializations a deferred pass skipped, by (kernel, launch key)."""
 
     specs: dict[tuple[str, str], tuple[object, str]] = field(default_factory=dict)
+    placeholders: list[tuple[dict, str]] = field(default_factory=list)
 
     def hook(self, *, key, fn, compile, is_manual_warmup=False, **_) -> bool:
         """`jit_cache_hook`: True (skip) records the launch; preloads and in-place kernels
@@ -70,7 +85,17 @@ class Deferred:
         if is_manual_warmup or name in _IN_PLACE:
             return False
         self.specs.setdefault((name, str(key)), (fn.jit_function, compile["specialization_data"]))
+        caches = fn.jit_function.device_caches.get(compile.get("device"))
+        if caches is not None:  # (kernel_cache, ...): Triton 3.6's JITFunction.device_caches
+            caches[0][key] = _Skipped()
+            self.placeholders.append((caches[0], key))
         return True
+
+    def remove_placeholders(self) -> None:
+        for cache, key in self.placeholders:
+            if isinstance(cache.get(key), _Skipped):
+                del cache[key]
+        self.placeholders.clear()
 
 
 @contextmanager
@@ -91,17 +116,22 @@ def deferred_compiles(active: bool = True) -> Iterator[Deferred]:
         yield deferred
     finally:
         knobs.runtime.jit_cache_hook = previous
+        deferred.remove_placeholders()
 
 
-def compile_ahead(work: Callable[[], object], active: bool = True) -> float:
+def compile_ahead(work: Callable[[], object], active: bool = True) -> dict[str, float]:
     """Run `work` with compiles deferred, then compile what it reached in parallel; returns
-    the seconds compiling took. The caller then runs `work` for real: this run computed
-    garbage wherever it skipped a launch."""
+    seconds {"deferred_pass", "compile_ahead"}. The caller then runs the real work: this run
+    computed garbage wherever it skipped a launch."""
     if not active:
-        return 0.0
+        return {}
+    t0 = time.perf_counter()
     with deferred_compiles() as deferred:
         work()
-    return compile_deferred(deferred, torch.device("cuda", torch.cuda.current_device()))
+        torch.cuda.synchronize()
+    dry = time.perf_counter() - t0
+    return {"deferred_pass": dry,
+            "compile_ahead": compile_deferred(deferred, torch.device("cuda", torch.cuda.current_device()))}
 
 
 def compile_workers(pending: int) -> int:

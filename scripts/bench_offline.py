@@ -614,6 +614,7 @@ def unfused_forward_ms(engine: Engine) -> float:
     runner = engine.runner
     set_fused_kernels(runner.model, False)
     graphs = DecodeGraphs(runner.model, runner.attn_backend, runner.req_to_token, 1)
+    graphs.capture()
     ms = _time_ms(graphs.graphs[1].replay, reps=50)
     set_fused_kernels(runner.model, True)
     return ms
@@ -721,10 +722,7 @@ def cold_start_child(model: str, lengths, warmup: bool, json_path: str, batch: t
            "batch": list(batch),
            "phases": dict(engine.runner.startup.phases), "warmup_report": engine.startup,
            "compiled_ahead": dict(precompile.totals),
-           "capture_times": {name: getattr(g, "capture_times", None) for name, g in
-                             (("decode", engine.runner.graphs),
-                              ("extend", getattr(engine.runner, "extend_graphs", None)))
-                             if g is not None},
+           "capture_times": engine.runner.capture_times,
            "parallel_compile": precompile.enabled(engine.config.parallel_compile),
            "cold_ttft_ms": cold, "warm_ttft_ms": warm, "cold_batch_s": cold_batch,
            "warm_batch_s": warm_batch,
@@ -1047,8 +1045,12 @@ def print_issue14(r: dict) -> None:
             if ahead.get("specializations"):
                 print(f"  compile ahead: {ahead['seconds']:.2f} s wall, compile {ahead['compile_s']:.2f} s + "
                       f"load {ahead['load_s']:.2f} s summed over threads, slowest {ahead['slowest_s']:.2f} s")
-            for name, times in c.get("capture_times", {}).items():
-                print(f"  {name} graphs: " + ", ".join(f"{k} {v:.2f} s" for k, v in times.items()))
+            times = c.get("capture_times", {})
+            print("  capture: " + ", ".join(f"{k} {v:.2f} s" for k, v in times.items()
+                                             if not isinstance(v, dict)))
+            for name, t in times.items():
+                if isinstance(t, dict):
+                    print(f"  {name}: " + ", ".join(f"{k} {v:.2f} s" for k, v in t.items()))
             print(f"{'prompt tokens':<16} {'first TTFT ms':>14} {'warm ms':>8} {'ratio':>6}")
             for n, ms in c["cold_ttft_ms"].items():
                 warm = c["warm_ttft_ms"][n]

@@ -39,9 +39,20 @@ def test_hook_defers_launches_and_passes_preloads_and_in_place_kernels():
     from engine.layers.moe_router_kernel import _softmax_topk_kernel
 
     deferred = precompile.Deferred()
-    assert _triton_hook_call(store_kv_kernel, deferred.hook, "k1", is_warmup=False) is True
-    assert _triton_hook_call(store_kv_kernel, deferred.hook, "k1", is_warmup=False) is True
-    assert _triton_hook_call(store_kv_kernel, deferred.hook, "k2", is_warmup=False) is True
+    kernel_cache: dict = {}
+    store_kv_kernel.device_caches[0] = (kernel_cache, {}, None, None, None)  # as a launch has it
+    try:
+        assert _triton_hook_call(store_kv_kernel, deferred.hook, "k1", is_warmup=False) is True
+        # the skipped key's later launches find a do-nothing stand-in in memory
+        stand_in = kernel_cache["k1"]
+        assert stand_in.launch_metadata(None) is None and stand_in.run(1, 1, 1) is None
+        assert _triton_hook_call(store_kv_kernel, deferred.hook, "k1", is_warmup=False) is True
+        assert _triton_hook_call(store_kv_kernel, deferred.hook, "k2", is_warmup=False) is True
+        kernel_cache["k2"] = "a real binary"  # (compiled meanwhile: kept)
+        deferred.remove_placeholders()
+        assert kernel_cache == {"k2": "a real binary"}
+    finally:
+        store_kv_kernel.device_caches.pop(0, None)
     assert len(deferred.specs) == 2  # one per launch key
     fn, spec = deferred.specs[("engine.attention.triton_common.store_kv_kernel", "k1")]
     assert fn is store_kv_kernel and json.loads(spec)["name"].endswith("store_kv_kernel")
@@ -74,7 +85,7 @@ def test_deferred_compiles_installs_and_restores_the_hook():
 
 def test_switches(monkeypatch):
     ran = []
-    assert precompile.compile_ahead(lambda: ran.append(1), active=False) == 0.0 and not ran
+    assert precompile.compile_ahead(lambda: ran.append(1), active=False) == {} and not ran
     assert precompile.enabled() and not precompile.enabled(False)
     monkeypatch.setenv("RADIXSERVE_PARALLEL_COMPILE", "0")
     assert not precompile.enabled()
@@ -113,7 +124,7 @@ def _start(model: str, tmp_path, monkeypatch, parallel: bool, cache: str):
     try:
         llm = LLM(model=model, device="cuda", dtype="bfloat16", max_running_requests=16,
                   cuda_graph_max_bs=8, cuda_graph_max_extend_tokens=128, max_model_len=512,
-                  parallel_compile=parallel, enable_warmup=False, mem_fraction_static=0.3)
+                  parallel_compile=parallel, enable_warmup=False, max_total_tokens=8192)
     finally:
         triton.knobs.runtime.jit_post_compile_hook = old
     return llm, compiles
@@ -149,3 +160,5 @@ def test_parallel_compile_on_an_empty_cache_matches_serial(tiny_model_factory, m
     on_launch = {name for name, warm, _ in compiles if not warm}
     assert on_launch <= precompile._IN_PLACE, on_launch
     assert {n for n, _, _ in serial_compiles} == {n for n, _, _ in compiles}
+    times = llm.engine.runner.capture_times
+    assert times["compile_ahead"] > 0 and {"DecodeGraphs", "ExtendGraphs"} <= set(times)
