@@ -7,14 +7,16 @@ launch keys the capture's forwards reach. So `capture_all` (engine/cuda_graph.py
 every graph's forward once inside `deferred_compiles()`: a launch whose binary is not in
 memory yet is recorded (the specialization as Triton serializes it) and skipped. Then
 `compile_deferred` compiles every recorded specialization on a thread pool, and the real
-capture finds each binary in memory. Threads suffice: Triton's compiler spends its time in
+capture finds each binary in memory. The warm-up (engine/warmup.py), which compiles the
+eager paths' kernels, runs its requests the same way twice. Threads suffice: Triton's compiler spends its time in
 C++ passes and in ptxas and gcc subprocesses, not holding the GIL (8 decode-kernel variants
 for sm_90: 9.2 s serially, 4.8 s on two threads of a 2-core box).
 
 A skipped launch leaves its outputs unwritten, so the deferred pass computes garbage. Floats
 are harmless (its results are thrown away); integers that address memory are not. A kernel
-whose outputs index memory (MoE's expert ids and expert-sorted rows) is registered with
-`compile_in_place`: during the pass it compiles and runs as usual.
+whose outputs index memory (MoE's expert ids and expert-sorted rows, the argmax that picks
+the next tokens) is registered with `compile_in_place`: during the pass it compiles and runs
+as usual.
 
 Triton 3.6 API used: `knobs.runtime.jit_cache_hook` (called before every compile with the
 launch key and `specialization_data`; returning True skips the compile and the launch),
@@ -143,7 +145,9 @@ def compile_deferred(deferred: Deferred, device: torch.device) -> float:
     if not deferred.specs:
         return 0.0
     t0 = time.perf_counter()
-    items = list(deferred.specs.values())
+    # the largest sources first: they tend to compile longest, and the round lasts until the
+    # last one finishes
+    items = sorted(deferred.specs.values(), key=lambda item: -len(getattr(item[0], "src", "")))
     workers = compile_workers(len(items))
 
     def build(item) -> tuple[float, float]:

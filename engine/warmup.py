@@ -35,6 +35,7 @@ import random
 import sys
 import time
 
+from engine import precompile
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -103,14 +104,14 @@ def warm_up(engine, force: bool = False) -> dict:
     report: dict = {"waves": 0, "requests": 0, "steps": 0}
     if force or _needs_warmup(engine):
         before = compiled_kernels()
-        for wave in warmup_waves(engine):
-            report["steps"] += _run_wave(engine, wave)
-            report["waves"] += 1
-            report["requests"] += len(wave)
-        if engine.runner.device.type == "cuda":
-            from engine.layers.sampling_cut import compile_variants
-
-            compile_variants(engine.runner.vocab_size, engine.runner.device)
+        waves = warmup_waves(engine)
+        on_gpu = engine.runner.device.type == "cuda"
+        ahead = precompile.compile_ahead(lambda: _run_waves(engine, waves),
+                                         on_gpu and precompile.enabled(engine.config.parallel_compile))
+        if ahead:
+            _reset(engine)
+            report["compile_ahead"] = ahead
+        report.update(_run_waves(engine, waves))
         after = compiled_kernels()
         report["kernels_compiled"] = sum(after.values()) - sum(before.values())
         _reset(engine)
@@ -121,6 +122,22 @@ def warm_up(engine, force: bool = False) -> dict:
         logger.info("engine started in %s; warm-up: %d requests in %d steps compiled %d "
                     "Triton binaries beyond the graph capture's", timer.summary(),
                     report["requests"], report["steps"], report.get("kernels_compiled", 0))
+    return report
+
+
+def _run_waves(engine, waves: list[Wave]) -> dict:
+    """The warm-up's requests, wave by wave, then the sampler's cut variants (launched
+    directly). Also run once with compiles deferred (engine/precompile.py): the sampled
+    tokens stay valid ids then, since the argmax kernels that pick them compile in place."""
+    report = {"waves": 0, "requests": 0, "steps": 0}
+    for wave in waves:
+        report["steps"] += _run_wave(engine, wave)
+        report["waves"] += 1
+        report["requests"] += len(wave)
+    if engine.runner.device.type == "cuda":
+        from engine.layers.sampling_cut import compile_variants
+
+        compile_variants(engine.runner.vocab_size, engine.runner.device)
     return report
 
 

@@ -1,10 +1,10 @@
 """Parallel Triton compilation at start-up (engine/precompile.py).
 
 CPU: the deferral hook through Triton's own hook call (the installed Triton builds its
-arguments), the hook's install and restore, and the switches. GPU: engines started on an
-empty Triton cache with and without the parallel compile give the same greedy tokens, the
-capture's specializations were compiled ahead (by preload, on the pool's threads), and
-serving the engine's first requests compiles nothing the capture covers.
+arguments), the stand-ins it leaves and removes, the hook's install and restore, and the
+switches. GPU: engines started (graphs and warm-up) on an empty Triton cache with and without
+the parallel compile give the same greedy tokens, and with it every specialization but the
+in-place kernels' was compiled ahead (by preload, on the pool's threads).
 """
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def _start(model: str, tmp_path, monkeypatch, parallel: bool, cache: str):
     try:
         llm = LLM(model=model, device="cuda", dtype="bfloat16", max_running_requests=16,
                   cuda_graph_max_bs=8, cuda_graph_max_extend_tokens=128, max_model_len=512,
-                  parallel_compile=parallel, enable_warmup=False, max_total_tokens=8192)
+                  parallel_compile=parallel, max_total_tokens=8192)
     finally:
         triton.knobs.runtime.jit_post_compile_hook = old
     return llm, compiles
@@ -154,11 +154,12 @@ def test_parallel_compile_on_an_empty_cache_matches_serial(tiny_model_factory, m
     llm, compiles = _start(model, tmp_path, monkeypatch, True, "parallel")
     assert _greedy(llm, prompts) == want
     ahead = [c for c in compiles if c[1]]
-    # the capture's kernels were compiled ahead by preload on the pool's threads; what
-    # compiled on a launch is at most the in-place kernels (MoE routing)
+    # the capture's and the warm-up's kernels were compiled ahead by preload on the pool's
+    # threads; what compiled on a launch is at most the in-place kernels (argmax, MoE routing)
     assert ahead and all(t.startswith("triton-compile") for _, _, t in ahead), compiles
     on_launch = {name for name, warm, _ in compiles if not warm}
     assert on_launch <= precompile._IN_PLACE, on_launch
     assert {n for n, _, _ in serial_compiles} == {n for n, _, _ in compiles}
     times = llm.engine.runner.capture_times
     assert times["compile_ahead"] > 0 and {"DecodeGraphs", "ExtendGraphs"} <= set(times)
+    assert llm.engine.startup["compile_ahead"]["compile_ahead"] > 0  # the warm-up's kernels

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from engine.layers.pdl import pdl_launch, pdl_prologue
+from engine.precompile import compile_in_place
 
 MAX_ROWS = 16  # above this torch's one block per row has rows enough
 BLOCK = 2048  # ~63 blocks per row of a 128k vocabulary
@@ -65,3 +66,7 @@ def argmax_rows(logits: torch.Tensor, use_kernel: bool | None = None) -> torch.T
     _row_argmax_kernel[(rows,)](best_value, best_index, out, num_blocks,
                                 BLOCKS=triton.next_power_of_2(num_blocks), **pdl)
     return out
+
+
+# the tokens they pick index the embedding at the next step (engine/precompile.py)
+compile_in_place(_block_argmax_kernel, _row_argmax_kernel)
