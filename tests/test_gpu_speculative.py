@@ -16,7 +16,9 @@ KW = dict(dtype="float32", device="cuda", max_total_tokens=8192, cuda_graph_max_
 
 
 def record_runs(graphs) -> list[tuple[int, int]]:
-    """(logits rows, requests) of each step the graphs run, as they happen."""
+    """(logits rows, requests) of each step the graphs run, as they happen: `run`, and for
+    decode graphs `run_packed` too (a packed decode step, engine/graph_inputs.py, since
+    c670303: recording `run` alone missed every draft decode step)."""
     seen: list[tuple[int, int]] = []
     run = graphs.run
 
@@ -25,6 +27,14 @@ def record_runs(graphs) -> list[tuple[int, int]]:
         return run(batch)
 
     graphs.run = recording
+    if hasattr(graphs, "run_packed"):
+        run_packed = graphs.run_packed
+
+        def recording_packed(flat, lengths, pending_tokens):
+            seen.append((lengths[0], lengths[0]))  # one logits row per decoding request
+            return run_packed(flat, lengths, pending_tokens)
+
+        graphs.run_packed = recording_packed
     return seen
 
 
