@@ -137,7 +137,12 @@ def compile_ahead(work: Callable[[], object], active: bool = True) -> dict[str, 
 
 
 def compile_workers(pending: int) -> int:
-    return max(1, min(pending, os.cpu_count() or 1, 32))
+    """Threads for `pending` compiles: one per core this process may run on, up to 32."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # (not on Linux)
+        cores = os.cpu_count() or 1
+    return max(1, min(pending, cores, 32))
 
 
 def compile_deferred(deferred: Deferred, device: torch.device) -> float:
