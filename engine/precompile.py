@@ -8,7 +8,7 @@ every graph's forward once inside `deferred_compiles()`: a launch whose binary i
 memory yet is recorded (the specialization as Triton serializes it) and skipped. Then
 `compile_deferred` compiles every recorded specialization on a thread pool, and the real
 capture finds each binary in memory. The warm-up (engine/warmup.py), which compiles the
-eager paths' kernels, runs its requests the same way twice. Threads suffice: Triton's compiler spends its time in
+eager paths' kernels, runs its requests the same way twice (at tp 1). Threads suffice: Triton's compiler spends its time in
 C++ passes and in ptxas and gcc subprocesses, not holding the GIL (8 decode-kernel variants
 for sm_90: 9.2 s serially, 4.8 s on two threads of a 2-core box).
 

@@ -105,9 +105,13 @@ def warm_up(engine, force: bool = False) -> dict:
     if force or _needs_warmup(engine):
         before = compiled_kernels()
         waves = warmup_waves(engine)
-        on_gpu = engine.runner.device.type == "cuda"
-        ahead = precompile.compile_ahead(lambda: _run_waves(engine, waves),
-                                         on_gpu and precompile.enabled(engine.config.parallel_compile))
+        # At tp > 1 the other ranks would still compile one by one inside the deferred pass
+        # (they follow rank 0's steps, not its hook), and rank 0 waits for them at every
+        # all-reduce: the pass would only add its own time. Their graph capture defers on
+        # every rank (engine/cuda_graph.capture_all).
+        defer = (engine.runner.device.type == "cuda" and engine.config.tp_size == 1
+                 and precompile.enabled(engine.config.parallel_compile))
+        ahead = precompile.compile_ahead(lambda: _run_waves(engine, waves), defer)
         if ahead:
             _reset(engine)
             report["compile_ahead"] = ahead
