@@ -16,7 +16,9 @@ A skipped launch leaves its outputs unwritten, so the deferred pass computes gar
 are harmless (its results are thrown away); integers that address memory are not. A kernel
 whose outputs index memory (MoE's expert ids and expert-sorted rows, the argmax that picks
 the next tokens) is registered with `compile_in_place`: during the pass it compiles and runs
-as usual.
+as usual. The decode graphs' input writer (engine/graph_inputs.py) is not: skipped, it leaves
+the static inputs and req_to_token entries as they were, which are valid indices (zeros at
+allocation, earlier steps' values after).
 
 Triton 3.6 API used: `knobs.runtime.jit_cache_hook` (called before every compile with the
 launch key and `specialization_data`; returning True skips the compile and the launch),
