@@ -705,7 +705,12 @@ def cold_start_child(model: str, lengths, warmup: bool, json_path: str, batch: t
     from engine import precompile
     from engine.warmup import compiled_kernels
 
+    imports_s = time.time() - launched_at  # interpreter start and this script's imports
     path = model_dir(model, None if model == DEMO else LONG_MAX_POSITIONS)
+    t0 = time.perf_counter()
+    if GPU:
+        torch.zeros(1, device="cuda")  # the CUDA context, outside the engine's phases
+    cuda_init_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     engine = make_engine(path, enable_warmup=warmup)
     start_s = time.perf_counter() - t0
@@ -719,6 +724,7 @@ def cold_start_child(model: str, lengths, warmup: bool, json_path: str, batch: t
             for n in lengths}
     warm_batch = mixed_batch(engine, rng, "warm-mix", *batch)
     out = {"warmup": warmup, "engine_start_s": start_s, "process_to_ready_s": ready_s,
+           "imports_s": imports_s, "cuda_init_s": cuda_init_s,
            "batch": list(batch),
            "phases": dict(engine.runner.startup.phases), "warmup_report": engine.startup,
            "compiled_ahead": dict(precompile.totals),
@@ -1036,7 +1042,8 @@ def print_issue14(r: dict) -> None:
             print(f"{n + ' tokens':<30} {t['ttft_ms']:>8.1f} {t['min_ms']:>8.1f} {t['max_ms']:>8.1f}")
     if "cold_start" in r:
         for key, c in r["cold_start"].items():
-            print(f"\ncold start, {key.replace('_', ' ')}: process start to ready {c['process_to_ready_s']:.1f} s, engine "
+            print(f"\ncold start, {key.replace('_', ' ')}: process start to ready {c['process_to_ready_s']:.1f} s "
+                  f"(imports {c.get('imports_s', 0.0):.1f} s, CUDA context {c.get('cuda_init_s', 0.0):.1f} s), engine "
                   f"{c['engine_start_s']:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in c["phases"].items())
                   + f"); compiled ahead: {c.get('compiled_ahead', {}).get('specializations', 0)} in "
                   f"{c.get('compiled_ahead', {}).get('seconds', 0.0):.1f} s; binaries compiled after start: "

@@ -32,6 +32,7 @@ def test_issue14_rows_on_demo_model(tmp_path):
         assert c["compiled_ahead"]["specializations"] == 0  # (no graphs on the CPU)
         assert set(c["cold_ttft_ms"]) == set(c["warm_ttft_ms"]) == {"1", "16"}
         assert c["engine_start_s"] > 0 and c["process_to_ready_s"] >= c["engine_start_s"]
+        assert 0 < c["imports_s"] < c["process_to_ready_s"] and c["cuda_init_s"] >= 0
         assert c["binaries_after_start"] == 0  # the CPU runs no Triton kernel
         assert c["cold_batch_s"] > 0 and c["warm_batch_s"] > 0
 
