@@ -158,14 +158,22 @@ def compile_deferred(deferred: Deferred, device: torch.device) -> float:
     workers = compile_workers(len(items))
 
     def build(item) -> tuple[float, float]:
+        """Compile and load one specialization. Any failure here only costs time: the
+        kernel then compiles at its first launch, as without this module, and a real error
+        (a kernel that does not compile, too much shared memory) is raised there."""
         jit_function, spec = item
         torch.cuda.set_device(device)
         t1 = time.perf_counter()
-        kernel = jit_function.preload(spec)
+        try:
+            kernel = jit_function.preload(spec)
+        except Exception:  # noqa: BLE001
+            logger.warning("compiling %s ahead failed; it compiles at its first launch",
+                           kernel_name(jit_function), exc_info=True)
+            return time.perf_counter() - t1, 0.0
         t2 = time.perf_counter()
         try:
             kernel._init_handles()  # the C launcher's gcc build and the module load
-        except Exception:  # noqa: BLE001 - the first launch redoes it and raises there
+        except Exception:  # noqa: BLE001
             logger.debug("loading %s deferred to its first launch", kernel_name(jit_function),
                          exc_info=True)
         return t2 - t1, time.perf_counter() - t2

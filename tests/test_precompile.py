@@ -12,6 +12,7 @@ import inspect
 import json
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -163,3 +164,24 @@ def test_parallel_compile_on_an_empty_cache_matches_serial(tiny_model_factory, m
     times = llm.engine.runner.capture_times
     assert times["compile_ahead"] > 0 and {"DecodeGraphs", "ExtendGraphs"} <= set(times)
     assert llm.engine.startup["compile_ahead"]["compile_ahead"] > 0  # the warm-up's kernels
+
+
+def test_a_failed_compile_ahead_leaves_the_kernel_to_its_first_launch(monkeypatch, caplog):
+    """compile_deferred never fails the start: a specialization it cannot build (another
+    Triton's serialization, a kernel that does not compile) compiles at its launch instead,
+    where a real error is raised as it would be without this module."""
+    calls = []
+
+    class Unbuildable:
+        fn = SimpleNamespace(__module__="tests", __qualname__="unbuildable")
+        src = "def unbuildable(): pass"
+
+        def preload(self, spec):
+            calls.append(spec)
+            raise RuntimeError("cannot build")
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    deferred = precompile.Deferred({("tests.unbuildable", "k"): (Unbuildable(), "{}")})
+    with caplog.at_level("WARNING", logger="engine.precompile"):
+        precompile.compile_deferred(deferred, torch.device("cuda", 0))
+    assert calls == ["{}"] and "tests.unbuildable" in caplog.text
