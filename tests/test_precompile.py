@@ -185,3 +185,41 @@ def test_a_failed_compile_ahead_leaves_the_kernel_to_its_first_launch(monkeypatc
     with caplog.at_level("WARNING", logger="engine.precompile"):
         precompile.compile_deferred(deferred, torch.device("cuda", 0))
     assert calls == ["{}"] and "tests.unbuildable" in caplog.text
+
+
+def test_capture_all_compiles_every_set_ahead_in_one_round_then_captures_in_order(monkeypatch):
+    """engine/cuda_graph.capture_all: one deferred pass over every graph set's work (so one
+    compile round), then each set captured in order into the pool the previous one returned,
+    with one warm-up run per graph after the pass and two without it."""
+    from engine import cuda_graph
+
+    events = []
+
+    class Set:
+        def __init__(self, name):
+            self.name, self.capture_times = name, {"captures": 0.0}
+
+        def run_keys(self):
+            events.append(("run", self.name))
+
+        def capture(self, pool, warmups):
+            events.append(("capture", self.name, pool, warmups))
+            return f"pool after {self.name}"
+
+    def ahead(work, active):
+        if active:
+            events.append("defer")
+            work()
+            events.append("compile")
+            return {"deferred_pass": 0.1, "compile_ahead": 0.2}
+        return {}
+
+    monkeypatch.setattr(cuda_graph, "compile_ahead", ahead)
+    decode, extend = Set("decode"), Set("extend")
+    times = cuda_graph.capture_all([decode, extend], precompile=True)
+    assert events == ["defer", ("run", "decode"), ("run", "extend"), "compile",
+                      ("capture", "decode", None, 1), ("capture", "extend", "pool after decode", 1)]
+    assert times["compile_ahead"] == 0.2 and times["Set"] is extend.capture_times
+    events.clear()
+    cuda_graph.capture_all([decode, extend], precompile=False)
+    assert events == [("capture", "decode", None, 2), ("capture", "extend", "pool after decode", 2)]
