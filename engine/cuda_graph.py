@@ -24,6 +24,7 @@ from engine.attention.base import ForwardBatch
 from engine.graph_inputs import compile_decode_inputs, write_decode_inputs
 from engine.precompile import compile_ahead
 from engine.prefix_group_batch import PrefixGroupBatch, packed_len
+from engine.warmup import format_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -120,10 +121,6 @@ def capture_graphs(keys: list, run: Callable, pool=None,
     return out
 
 
-def format_times(times: dict[str, float]) -> str:
-    return ", ".join(f"{name} {s:.2f}s" for name, s in times.items())
-
-
 class DecodeGraphs:
     def __init__(self, model, attn_backend, req_to_token: torch.Tensor, max_bs: int,
                  grouped: bool = False, grouped_min_bs: int = 16) -> None:
@@ -205,7 +202,7 @@ class DecodeGraphs:
         self._write_dummy_inputs()
         self.capture_times = dict(captured.times, graph_inputs=time.perf_counter() - t0)
         logger.info("captured decode CUDA graphs for batch sizes %s (%s)", self.sizes,
-                    format_times(self.capture_times))
+                    format_seconds(self.capture_times))
         return self.pool
 
     def can_run(self, batch: ForwardBatch) -> bool:

@@ -24,7 +24,8 @@ import logging
 import torch
 
 from engine.attention.base import ForwardBatch
-from engine.cuda_graph import capture_graphs, format_times, run_each
+from engine.cuda_graph import capture_graphs, run_each
+from engine.warmup import format_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class ExtendGraphs:
         self.graphs, self.outputs, self.pool = captured.graphs, captured.outputs, captured.pool
         self.capture_times = captured.times
         logger.info("captured extend CUDA graphs for %d shapes (up to %d requests, %d tokens; %s)",
-                    len(self.graphs), self.max_bs, self.max_tokens, format_times(captured.times))
+                    len(self.graphs), self.max_bs, self.max_tokens, format_seconds(captured.times))
         return self.pool
 
     def can_run(self, batch: ForwardBatch) -> bool:

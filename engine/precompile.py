@@ -8,9 +8,10 @@ every graph's forward once inside `deferred_compiles()`: a launch whose binary i
 memory yet is recorded (the specialization as Triton serializes it) and skipped. Then
 `compile_deferred` compiles every recorded specialization on a thread pool, and the real
 capture finds each binary in memory. The warm-up (engine/warmup.py), which compiles the
-eager paths' kernels, runs its requests the same way twice (at tp 1). Threads suffice: Triton's compiler spends its time in
-C++ passes and in ptxas and gcc subprocesses, not holding the GIL (8 decode-kernel variants
-for sm_90: 9.2 s serially, 4.8 s on two threads of a 2-core box).
+eager paths' kernels, runs its requests the same way twice (at tp 1). Threads suffice:
+Triton's compiler spends its time in C++ passes and in ptxas and gcc subprocesses, not holding
+the GIL (8 decode-kernel variants for sm_90: 9.2 s serially, 4.8 s on two threads of a 2-core
+box).
 
 A skipped launch leaves its outputs unwritten, so the deferred pass computes garbage. Floats
 are harmless (its results are thrown away); integers that address memory are not. A kernel
@@ -134,8 +135,8 @@ def compile_ahead(work: Callable[[], object], active: bool = True) -> dict[str, 
         work()
         torch.cuda.synchronize()
     dry = time.perf_counter() - t0
-    return {"deferred_pass": dry,
-            "compile_ahead": compile_deferred(deferred, torch.device("cuda", torch.cuda.current_device()))}
+    device = torch.device("cuda", torch.cuda.current_device())
+    return {"deferred_pass": dry, "compile_ahead": compile_deferred(deferred, device)}
 
 
 # Each compile holds its own MLIR/LLVM context (a few hundred MB of host memory at peak): more

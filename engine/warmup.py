@@ -44,6 +44,11 @@ WARMUP_ID = "__warmup__"
 _ids = itertools.count()
 
 
+def format_seconds(times: dict[str, float]) -> str:
+    """"load 0.31s, kv_pool 0.10s, ..." for start-up logs."""
+    return ", ".join(f"{name} {s:.2f}s" for name, s in times.items())
+
+
 class StartupTimer:
     """Wall time of each start-up phase: `mark(name)` closes the phase that started at the
     previous mark (or at construction)."""
@@ -64,8 +69,21 @@ class StartupTimer:
         return self.last - self.start
 
     def summary(self) -> str:
-        parts = ", ".join(f"{name} {s:.2f}s" for name, s in self.phases.items())
-        return f"{self.total:.2f}s ({parts})"
+        return f"{self.total:.2f}s ({format_seconds(self.phases)})"
+
+
+def engine_kernels():
+    """Every Triton kernel (JITFunction) the engine's loaded modules define or import; none
+    without Triton."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return
+    for mod_name, mod in list(sys.modules.items()):
+        if mod_name.startswith("engine.") and mod is not None:
+            for fn in list(vars(mod).values()):
+                if isinstance(fn, JITFunction):
+                    yield fn
 
 
 def compiled_kernels() -> dict[str, int]:
@@ -74,19 +92,11 @@ def compiled_kernels() -> dict[str, int]:
     kernel_key_cache, target, backend, binder) and `kernel_cache` gains one entry per
     specialization compiled (or loaded from the on-disk cache) in this process. Empty under
     the interpreter (TRITON_INTERPRET=1), which compiles nothing."""
-    try:
-        from triton.runtime.jit import JITFunction
-    except ImportError:
-        return {}
     out: dict[str, int] = {}
-    for mod_name, mod in list(sys.modules.items()):
-        if not mod_name.startswith("engine.") or mod is None:
-            continue
-        for fn in list(vars(mod).values()):
-            if isinstance(fn, JITFunction):  # (a kernel imported elsewhere counts once)
-                n = sum(len(caches[0]) for caches in fn.device_caches.values())
-                if n:
-                    out[f"{fn.fn.__module__}.{fn.fn.__qualname__}"] = n
+    for fn in engine_kernels():  # (a kernel imported elsewhere counts once: keyed by name)
+        n = sum(len(caches[0]) for caches in fn.device_caches.values())
+        if n:
+            out[precompile.kernel_name(fn)] = n
     return out
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import sys
 import threading
 from types import SimpleNamespace
 
@@ -96,13 +95,10 @@ def test_switches(monkeypatch):
 # ------------------------------------------------------------------ GPU: whole engines
 def _forget_compiled_kernels() -> None:
     """Drop the engine kernels' in-memory binaries, which a fresh process would not have."""
-    from triton.runtime.jit import JITFunction
+    from engine.warmup import engine_kernels
 
-    for name, module in list(sys.modules.items()):
-        if name.startswith("engine.") and module is not None:
-            for fn in vars(module).values():
-                if isinstance(fn, JITFunction):
-                    fn.device_caches.clear()
+    for fn in engine_kernels():
+        fn.device_caches.clear()
 
 
 def _start(model: str, tmp_path, monkeypatch, parallel: bool, cache: str):
