@@ -22,6 +22,7 @@ from engine.models import load_hf_config, load_model, resolve_device, resolve_dt
 from engine.models.llama import head_dim_of
 from engine.prompt_logprobs import PromptScores, PromptTargets
 from engine.quantization.fp8 import FP8
+from engine.quantization.fp8_layers import set_fast_accum_
 from engine.staging import PinnedUploader
 from engine.step_input import PackedStep, PendingTokens, StepInput
 from engine.step_plan import StepPlan
@@ -66,6 +67,7 @@ class ModelRunner:
                                 load_format=config.load_format, seed=config.seed, tp=self.tp,
                                 hf_config=self.hf_config, moe_parallel=config.moe_parallel,
                                 quantization=config.quantization)
+        set_fast_accum_(self.model, config.fp8_fast_accum)
         set_fused_kernels(self.model, config.enable_fused_kernels and self.device.type == "cuda")
         self.startup.mark("load")
         self.vocab_size = self.hf_config.vocab_size

@@ -1,6 +1,7 @@
 """GPU time of the MoE and FP8 layer kernels against their memory floors, per tile config.
 
-    python scripts/bench_layer_kernels.py [--moe] [--fp8] [--gemv] [--glu] [--quick] [--json PATH]
+    python scripts/bench_layer_kernels.py [--moe] [--fp8] [--fp8-accum] [--gemv] [--glu] [--quick]
+                                          [--json PATH]
 
 MoE (Qwen3-30B-A3B's expert shapes: 128 experts, top-8, hidden 2048, width 768, bf16): per
 batch size, the router (torch vs the Triton kernel), the per-pair path and the grouped
@@ -11,7 +12,12 @@ the weight-only kernel per tile config, `torch._scaled_mm` with the activations 
 torch and by the Triton kernel, and the bf16 GEMM, against the float8 weight bytes. GEMV
 (`--gemv`: Llama-3-8B's and Qwen3-30B-A3B's attention and router linears, bf16, one row):
 cuBLAS against the Triton GEMV (engine/layers/gemv.py) per tile config, against the weight
-bytes; launched as the engine launches it (under PDL where available). GLU (`--glu`):
+bytes; launched as the engine launches it (under PDL where available). FP8 accumulation
+(`--fp8-accum`, Llama-3-8B's linears at prefill-sized batches): `torch._scaled_mm` with
+float32 promotion of the partial sums and with the tensor cores' own accumulation
+(`use_fast_accum`, `EngineConfig.fp8_fast_accum`): time, and each one's error against the
+float32 product of the same quantized operands, beside the error FP8 quantization itself
+makes against the bf16 product. GLU (`--glu`):
 Llama-3-8B's gate_up and the SiLU-and-mul after it, bf16 at one row and float8 at 1-16
 rows: the two launches the engine ran before (GEMV with split sums + the fused SiLU kernel)
 against `gemv_glu` (both in one launch) per tile config.
@@ -204,6 +210,53 @@ def bench_fp8(bw: float, batches: list[int], quick: bool) -> dict:
     return {"rows": rows, "best": best}
 
 
+def accum_errors(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(relative Frobenius error, largest error / the reference's RMS) of y against ref."""
+    diff = (y.float() - ref)
+    rms = ref.pow(2).mean().sqrt()
+    return (diff.norm() / ref.norm()).item(), (diff.abs().max() / rms).item()
+
+
+def bench_fp8_accum(batches: list[int]) -> dict:
+    """`_scaled_mm` with and without fast accumulation: time and error (see the docstring)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows = []
+    for name, (n, k) in LLAMA_LINEARS.items():
+        dense = [(torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16() for _ in range(COPIES)]
+        quantized = [fp8.quantize_rows(w) for w in dense]
+        turn = itertools.cycle(quantized)
+        wq, ws = quantized[0]
+        w_exact = wq.float() * ws
+        for m, outliers in itertools.product(batches, (False, True)):
+            x = torch.randn(m, k, device="cuda")
+            if outliers:  # a few hidden channels far above the rest, as LLM activations have
+                x[:, torch.randperm(k, device="cuda")[: k // 100]] *= 30.0
+            x = x.bfloat16()
+            xq, sx = fp8_kernels.quantize_rows(x)
+            ref = (xq.float() * sx) @ w_exact.t()  # the quantized operands' exact product
+            unquantized = x.float() @ dense[0].float().t()
+            row = {"linear": name, "rows": m, "outliers": outliers}
+            for label, fast in (("precise", False), ("fast", True)):
+                y = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=ws.t(), out_dtype=torch.bfloat16,
+                                     use_fast_accum=fast)
+                row[f"{label}_rel_err"], row[f"{label}_max_err"] = accum_errors(y, ref)
+                if not outliers:
+                    row[f"{label}_us"] = try_time(lambda fast=fast: _scaled_mm_only(xq, sx, *next(turn), fast))
+            row["bf16_rounding_rel_err"], _ = accum_errors(ref.bfloat16(), ref)
+            row["fp8_quantization_rel_err"], _ = accum_errors(ref, unquantized)
+            if not outliers:
+                row["tflops_precise"] = 2 * m * n * k / row["precise_us"] / 1e6
+                row["tflops_fast"] = 2 * m * n * k / row["fast_us"] / 1e6
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return {"rows": rows}
+
+
+def _scaled_mm_only(xq, sx, wq, ws, fast: bool):
+    return torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=ws.t(), out_dtype=torch.bfloat16,
+                            use_fast_accum=fast)
+
+
 MOE_LINEARS = {"moe qkv": (5120, 2048), "moe o": (2048, 4096), "moe router": (128, 2048)}
 
 
@@ -305,6 +358,19 @@ def print_tables(res: dict) -> None:
                   f"{r.get('w8a16_us', float('nan')):>7.1f} {r.get('w8a16_default_us', float('nan')):>7.1f} "
                   f"{r['scaled_mm_torch_quant_us']:>7.1f} {r['scaled_mm_kernel_quant_us']:>7.1f}  "
                   f"{r.get('w8a16_cfg', '')}")
+    if "fp8_accum" in res:
+        print("\nFP8 _scaled_mm (Llama-3-8B linears): float32 promotion vs fast accumulation;"
+              " errors against the quantized operands' float32 product")
+        print(f"{'linear':>8} {'M':>5} {'outl':>4} {'precise us':>10} {'fast us':>8} {'TF/s p/f':>11} "
+              f"{'rel err p':>9} {'rel err f':>9} {'max err p':>9} {'max err f':>9} {'bf16 rnd':>8} {'fp8 q':>7}")
+        for r in res["fp8_accum"]["rows"]:
+            times = (f"{r['precise_us']:>10.1f} {r['fast_us']:>8.1f} "
+                     f"{r['tflops_precise']:>5.0f}/{r['tflops_fast']:<5.0f}" if "fast_us" in r
+                     else f"{'':>10} {'':>8} {'':>11}")
+            print(f"{r['linear']:>8} {r['rows']:>5} {'yes' if r['outliers'] else 'no':>4} {times} "
+                  f"{r['precise_rel_err']:>9.2e} {r['fast_rel_err']:>9.2e} {r['precise_max_err']:>9.2e} "
+                  f"{r['fast_max_err']:>9.2e} {r['bf16_rounding_rel_err']:>8.1e} "
+                  f"{r['fp8_quantization_rel_err']:>7.1e}")
     if "gemv" in res:
         print("\nbf16 linears at one row, us per call: cuBLAS vs the Triton GEMV")
         print(f"{'linear':>10} {'floor':>7} {'cuBLAS':>7} {'default':>7} {'best':>7}  best config")
@@ -323,6 +389,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--moe", action="store_true")
     ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--fp8-accum", action="store_true",
+                    help="FP8 _scaled_mm: float32 promotion vs fast accumulation, time and error")
+    ap.add_argument("--fp8-accum-batches", default="128,479,2048,8192")
     ap.add_argument("--gemv", action="store_true", help="bf16 one-row linears: cuBLAS vs Triton")
     ap.add_argument("--glu", action="store_true", help="gate_up + SiLU: two launches vs gemv_glu")
     ap.add_argument("--quick", action="store_true", help="fewer tile configs")
@@ -335,11 +404,13 @@ def main() -> None:
     bw = measure_ceilings()["copy_tb_s"]  # as bench_offline's floors
     print(f"copy rate {bw:.2f} TB/s", flush=True)
     res = {"copy_tb_s": bw}
-    everything = not (args.moe or args.fp8 or args.gemv or args.glu)
+    everything = not (args.moe or args.fp8 or args.fp8_accum or args.gemv or args.glu)
     if args.moe or everything:
         res["moe"] = bench_moe(bw, [int(b) for b in args.moe_batches.split(",")], args.quick)
     if args.fp8 or everything:
         res["fp8"] = bench_fp8(bw, [int(b) for b in args.fp8_batches.split(",")], args.quick)
+    if args.fp8_accum or everything:
+        res["fp8_accum"] = bench_fp8_accum([int(b) for b in args.fp8_accum_batches.split(",")])
     if args.gemv or everything:
         res["gemv"] = bench_gemv(bw, args.quick)
     if args.glu or everything:

