@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import numbers
+import types
+import typing
 from dataclasses import dataclass
 from typing import Literal
 
@@ -105,6 +109,7 @@ class EngineConfig:
     speculative_ngram_max_match: int = 3  # longest suffix n-gram looked up (tried first)
 
     def __post_init__(self) -> None:
+        _check_field_types(self)
         if self.dtype not in DTYPES + ("auto",):
             raise ValueError(f"dtype must be one of {DTYPES + ('auto',)}, got {self.dtype!r}")
         if self.load_format not in ("safetensors", "dummy"):
@@ -152,3 +157,39 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine setting(s): {', '.join(unknown)}")
         return cls(**kwargs)
+
+
+
+# What a field of each declared type accepts. bool is an int in Python and YAML's `"false"`
+# is a non-empty string: without this, `enable_cuda_graph: "false"` would switch graphs on
+# and `max_running_requests: true` would mean 1, silently.
+# (numbers' ABCs: numpy's integers, from GGUF metadata say, count as ints.)
+_ACCEPTS = {bool: (bool,), int: (numbers.Integral,), float: (numbers.Real,), str: (str,)}
+
+
+def _check_field_types(config: EngineConfig) -> None:
+    """Raise ValueError naming the first field whose value is not of its declared type
+    (bool, int, float or str, optionally None; Literal fields have their own checks)."""
+    for name, declared, optional in _simple_fields():
+        value = getattr(config, name)
+        if value is None and optional:
+            continue
+        kinds = _ACCEPTS[declared]
+        if not isinstance(value, kinds) or (isinstance(value, bool) and declared is not bool):
+            expected = declared.__name__ + (" or None" if optional else "")
+            raise ValueError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+
+
+@functools.cache
+def _simple_fields() -> tuple[tuple[str, type, bool], ...]:
+    """(name, declared type, None allowed) of every bool/int/float/str field."""
+    hints = typing.get_type_hints(EngineConfig)
+    out = []
+    for field in dataclasses.fields(EngineConfig):
+        hint = hints[field.name]
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        args = typing.get_args(hint) if union else (hint,)
+        base = [a for a in args if a is not type(None)]
+        if len(base) == 1 and base[0] in _ACCEPTS:
+            out.append((field.name, base[0], type(None) in args))
+    return tuple(out)

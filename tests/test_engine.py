@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, EngineConfig, SamplingParams
 from hf_reference import hf_greedy
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -373,3 +373,19 @@ def test_waiting_bound_counts_the_free_places_in_the_batch(tiny_llama):
     while eng.has_work:
         eng.step()
     assert eng.stats()["finished_requests"] == 3
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(enable_cuda_graph="false"), "enable_cuda_graph must be bool, got 'false'"),
+    (dict(fp8_fast_accum=1), "fp8_fast_accum must be bool, got 1"),
+    (dict(max_running_requests=True), "max_running_requests must be int, got True"),
+    (dict(max_total_tokens=1.5), "max_total_tokens must be int or None"),
+    (dict(mem_fraction_static="0.5"), "mem_fraction_static must be float"),
+    (dict(tokenizer=7), "tokenizer must be str or None"),
+])
+def test_engine_config_refuses_values_of_the_wrong_type(kwargs, message):
+    """What YAML or JSON may hand the engine: a string for a switch would be truthy, a bool
+    for a count would be 1; both are refused at construction, naming the field."""
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+    EngineConfig(dist_timeout_s=30, max_total_tokens=None, tokenizer=None)  # an int for a float: fine

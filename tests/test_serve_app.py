@@ -390,6 +390,9 @@ def test_bad_app_args_fail_clearly():
         build_app({"engine": {"max_running_requests": 0}})
     with pytest.raises(ValueError, match="unknown engine setting"):
         build_app({"engine": {"no_such_knob": 1}})
+    # a YAML string where a switch belongs would be truthy: refused, naming the field
+    with pytest.raises(ValueError, match="enable_cuda_graph must be bool, got 'false'"):
+        build_app({"engine": {"enable_cuda_graph": "false"}})
     with pytest.raises(ValueError, match="num_replicas"):
         build_app({"num_replicas": 0})
 
