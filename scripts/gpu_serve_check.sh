@@ -8,6 +8,9 @@
 # fetches them into .whl/c1 and .whl/c2 and prints the procedure). Two device calls:
 #   1: carry [".whl/c1"], command: mkdir -p /tmp/chunks && cp .whl/c1/* /tmp/chunks/
 #   2: carry [".whl/c2"], command: bash scripts/gpu_serve_check.sh
+# ENGINE_EXTRA adds engine settings to the served config, e.g.
+# ENGINE_EXTRA="quantization: fp8, kv_cache_dtype: fp8_e4m3" (FP8 weights and KV through HTTP;
+# OFFLINE_ARGS="--quantization fp8 --kv-cache-dtype fp8_e4m3" gives the offline rows the same).
 # PARTS (default "serve,offline,path") picks what runs; "profile" adds py-spy of the engine
 # replica and an ingress during W2 over HTTP; "gil" runs batch-1 and W2 again with the
 # replica's GIL switch interval at 0.5 ms ("sw05": that under "tput"'s mode); "fast" runs them (and batch-1 800/16: a prefill graph past 512 tokens) under Ray's high-throughput mode (the README's, scripts/serve.sh), and with "sampled" W2 again at temperature 1, then also with top_p 0.95 and repetition_penalty 1.05
@@ -54,7 +57,7 @@ applications:
       ray_actor_options: {num_cpus: 4, num_gpus: 1}
       engine: {load_format: dummy, dtype: bfloat16, max_running_requests: 1024,
                chunked_prefill_size: 8192, max_prefill_tokens: 16384, cuda_graph_max_bs: 1024,
-               mem_fraction_static: 0.88, max_queued_requests: 2048, grammar_backend: none}
+               mem_fraction_static: 0.88, max_queued_requests: 2048, grammar_backend: none${ENGINE_EXTRA:+, $ENGINE_EXTRA}}
       ${SERVE_EXTRA:-}
 EOF
   setsid serve run /tmp/gpu_serve.yaml > "$RES/serve.log" 2>&1 &
@@ -241,7 +244,7 @@ checkpoint
 
 if [[ $PARTS == *offline* ]]; then
   python3 scripts/bench_offline.py --workloads "${OFFLINE_WORKLOADS:-W2,W3}" --w2-modes cache_on --no-hf --skip-check \
-    --json "$RES/offline.json" 2>&1 | grep -E "^W[23] " | cut -c1-300
+    --json "$RES/offline.json" ${OFFLINE_ARGS:-} 2>&1 | grep -E "^W[23] " | cut -c1-300
 fi
 checkpoint
 
