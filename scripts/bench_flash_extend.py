@@ -1,8 +1,13 @@
 """Extend attention on a GPU: our Triton kernel against PyTorch's bundled FlashAttention-2
-(varlen) fed by a gather of each request's K/V from the pool, per case: time, TFLOP/s,
-relative difference.
+(varlen) fed by a gather of each request's K/V from the pool, and, when the `flashinfer`
+package imports, against FlashInfer's paged prefill reading the pool in place (pages of one
+slot, its Hopper "fa3" backend and its "fa2" one); per case: time, TFLOP/s, relative
+difference.
 
-    python3 scripts/bench_flash_extend.py
+    python3 scripts/bench_flash_extend.py [--no-flashinfer]
+
+FlashInfer is not on the GPU machine: `scripts/flashinfer_wheels.sh` fetches its wheels and
+prints how to carry them (benchmarks/attention_notes.md says why only FlashInfer).
 
 The question it answered (benchmarks/attention_notes.md, 2026-12-02, H200): should large
 prefill steps leave the Triton kernel for `torch.ops.aten._flash_attention_forward`? No: the
@@ -63,6 +68,54 @@ class FlashExtend:
         out.copy_(attn)
 
 
+class FlashInferExtend:
+    """FlashInfer's paged prefill over the pool as it is: every slot a page of one token, a
+    request's pages its req_to_token row; planned once per step, run once per layer."""
+
+    def __init__(self, batch: ForwardBatch, num_q_heads: int, kv_heads: int, dtype: torch.dtype,
+                 scale: float, backend: str) -> None:
+        import flashinfer
+
+        lens = batch.seq_lens.long()
+        total = sum(batch.seq_lens_cpu)
+        kv_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32, device=lens.device)
+        torch.cumsum(batch.seq_lens, 0, out=kv_indptr[1:])
+        rows = torch.repeat_interleave(batch.req_rows, lens, output_size=total)
+        starts = torch.repeat_interleave(kv_indptr[:-1].long(), lens, output_size=total)
+        pages = batch.req_to_token[rows, torch.arange(total, device=lens.device) - starts]
+        workspace = torch.empty(256 << 20, dtype=torch.uint8, device=lens.device)
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD",
+                                                                      backend=backend)
+        self.wrapper.plan(batch.qo_indptr.int(), kv_indptr, pages.int().contiguous(),
+                          torch.ones(batch.batch_size, dtype=torch.int32, device=lens.device),
+                          num_q_heads, kv_heads, D, 1, causal=True, sm_scale=scale,
+                          q_data_type=dtype, kv_data_type=dtype)
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 out: torch.Tensor) -> None:
+        """q [T, Hq, D] of the step's new tokens (their K/V already in the pool) -> out."""
+        self.wrapper.run(q, (k_cache.unsqueeze(1), v_cache.unsqueeze(1)), out=out)
+
+
+def time_flashinfer(batch, q, pool, tri, backend: str) -> tuple[float, float, float]:
+    """(us per layer, us to plan a step, relative difference to the Triton output); NaNs
+    when FlashInfer is missing or refuses the case (printed)."""
+    try:
+        fi = FlashInferExtend(batch, q.shape[1], pool.k[0].shape[1], q.dtype, D ** -0.5, backend)
+        out = torch.empty_like(q)
+        fi(q, pool.k[0], pool.v[0], out)
+        t_run = do_bench(lambda: fi(q, pool.k[0], pool.v[0], out), warmup=10, rep=50,
+                         return_mode="median")
+        t_plan = do_bench(lambda: FlashInferExtend(batch, q.shape[1], pool.k[0].shape[1],
+                                                   q.dtype, D ** -0.5, backend),
+                          warmup=2, rep=10, return_mode="median")
+        diff = float((out.float() - tri.float()).norm() / tri.float().norm())
+        return t_run * 1e3, t_plan * 1e3, diff
+    except Exception as e:  # noqa: BLE001 - an optional comparison: report, go on
+        print(f"  flashinfer {backend}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return float("nan"), float("nan"), float("nan")
+
+
 CASES = [("1x8192 p0", [(0, 8192)]), ("1x8192 p8192", [(8192, 8192)]),
          ("2x8192 p0", [(0, 8192)] * 2), ("8x2048 p0", [(0, 2048)] * 8),
          ("8x512 p0", [(0, 512)] * 8), ("4x1024 p1024", [(1024, 1024)] * 4),
@@ -70,7 +123,8 @@ CASES = [("1x8192 p0", [(0, 8192)]), ("1x8192 p8192", [(8192, 8192)]),
 
 
 def main() -> None:
-    rows = []
+    use_flashinfer = "--no-flashinfer" not in sys.argv[1:]
+    rows, fi_rows = [], []
     for name, reqs in CASES:
         pool, batch, q, k, v = extend_batch(reqs)
         be = TritonAttentionBackend(pool, D ** -0.5)
@@ -94,6 +148,11 @@ def main() -> None:
         rows.append((name, t_tri * 1e3, t_fl * 1e3, t_prep * 1e3, flops / (t_tri * 1e9),
                      flops / (t_fl * 1e9), diff, ref_err, worth_it(batch)))
         print(rows[-1], flush=True)
+        if use_flashinfer:
+            fi_rows.append((name, t_tri * 1e3, flops)
+                           + time_flashinfer(batch, q, pool, tri, "fa3")
+                           + time_flashinfer(batch, q, pool, tri, "fa2"))
+            print(fi_rows[-1], flush=True)
         del pool, batch, q, k, v, be, prep, tri, fl
         torch.cuda.empty_cache()
     print(f"\n{'case':<14} {'triton us':>10} {'flash us':>9} {'index us':>9} {'tri TF/s':>9} "
@@ -101,6 +160,12 @@ def main() -> None:
     for name, tt, tf, tp, ft, ff, diff, ref_err, used in rows:
         print(f"{name:<14} {tt:>10.1f} {tf:>9.1f} {tp:>9.1f} {ft:>9.0f} {ff:>8.0f} {tt / tf:>8.2f} "
               f"{diff:>9.1e} {ref_err:>8.1e} {'yes' if used else 'no'}")
+    if fi_rows:
+        print(f"\n{'case':<14} {'triton us':>10} {'fa3 us':>8} {'plan us':>8} {'fa3 TF/s':>9} "
+              f"{'rel diff':>9} {'fa2 us':>8} {'plan us':>8} {'fa2 TF/s':>9} {'rel diff':>9}")
+        for name, tt, flops, t3, p3, d3, t2, p2, d2 in fi_rows:
+            print(f"{name:<14} {tt:>10.1f} {t3:>8.1f} {p3:>8.1f} {flops / (t3 * 1e6):>9.0f} "
+                  f"{d3:>9.1e} {t2:>8.1f} {p2:>8.1f} {flops / (t2 * 1e6):>9.0f} {d2:>9.1e}")
 
 
 if __name__ == "__main__":
