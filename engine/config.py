@@ -159,7 +159,6 @@ class EngineConfig:
         return cls(**kwargs)
 
 
-
 # What a field of each declared type accepts. bool is an int in Python and YAML's `"false"`
 # is a non-empty string: without this, `enable_cuda_graph: "false"` would switch graphs on
 # and `max_running_requests: true` would mean 1, silently.
