@@ -3,6 +3,7 @@ and at tp 2 with experts sharded ("tp") or split whole ("ep"); the routing and t
 computation on their own; the Triton path under Triton's interpreter."""
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -27,19 +28,111 @@ def prompts_for(vocab: int) -> list[list[int]]:
 
 
 def test_norm_before_the_router_is_no_quantized_input(moe_factory):
-    """An MoE layer's post-attention norm feeds the router and the experts, so it is never
-    paired with one FP8 linear to quantize for (`set_fused_kernels`); the norm before qkv
-    and the shared expert's SiLU-and-mul are. FP8 MoE weights are refused at load today, so
-    this checks the pairs themselves."""
+    """An MoE layer's post-attention norm feeds the router (kept in the model dtype) and the
+    experts (W8A16: activations unquantized), so it is never paired with one FP8 linear to
+    quantize for (`set_fused_kernels`); the norm before qkv and the shared expert's
+    SiLU-and-mul are."""
     from engine.models.moe import SparseMoeBlock
 
-    model = load_model(moe_factory("qwen2_moe"), dtype="float32")
+    model = load_model(moe_factory("qwen2_moe"), dtype="float32", quantization="fp8")
     sparse = [layer for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
     assert sparse
     for layer in sparse:
         attn, shared = layer.self_attn, layer.mlp.shared_expert
         assert layer.quantized_input_pairs() == [(layer.input_layernorm, attn.qkv_proj)]
         assert shared.quantized_input_pairs() == [(shared.act_fn, shared.down_proj)]
+
+
+# ---- FP8 weights ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_fp8_moe_is_its_dequantized_model(moe_factory, arch):
+    """quantization="fp8" on an MoE model: the linear layers but the routers, and the stacked
+    experts, become float8 with one scale per output row. Its logits equal those of the same
+    model with every float8 weight dequantized, the FP8 linears' inputs rounded per token as
+    `_scaled_mm` takes them (the experts read unrounded activations: W8A16), and stay close
+    to the unquantized model's."""
+    from torch import nn
+
+    from engine.layers.linear import LinearBase
+    from engine.models.moe import SparseMoeBlock
+    from engine.quantization.fp8 import FP8, dequantize, quantize_rows, scaled_mm_ok
+    from test_fp8 import _prompt_logits, _rel
+
+    path = moe_factory(arch)
+    model = load_model(path, dtype="float32", quantization="fp8")
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks and all(b.gate.weight.dtype == torch.float32 for b in blocks)  # routers kept
+    assert all(b.experts.w13.dtype == FP8 and b.experts.w2.dtype == FP8 for b in blocks)
+    assert all(b.experts.w13_scale.shape == (*b.experts.w13.shape[:2], 1) for b in blocks)
+
+    ref = load_model(path, dtype="float32", quantization="fp8")
+
+    def round_input(_module, args):
+        x = args[0]
+        x_q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+        return ((x_q.float() * scale).view(x.shape),)
+
+    for layer in (m for m in ref.modules() if isinstance(m, LinearBase)):
+        if layer.weight_scale is not None:
+            if scaled_mm_ok(layer.weight, layer.weight_scale):
+                layer.register_forward_pre_hook(round_input)
+            layer.weight = nn.Parameter(dequantize(layer.weight, layer.weight_scale, torch.float32),
+                                        requires_grad=False)
+            layer.weight_scale = None
+    for experts in (m for m in ref.modules() if isinstance(m, FusedMoE)):
+        for name in ("w13", "w2"):
+            w, scale = getattr(experts, name), getattr(experts, f"{name}_scale")
+            setattr(experts, name, nn.Parameter(w.float() * scale, requires_grad=False))
+            setattr(experts, f"{name}_scale", None)
+    prompts = random_sequences(model.config.vocab_size, [9, 14], seed=3)
+    logits = _prompt_logits(model, prompts)
+    torch.testing.assert_close(logits, _prompt_logits(ref, prompts), atol=1e-4, rtol=1e-4)
+    full = _prompt_logits(load_model(path, dtype="float32"), prompts)
+    # Measured 2026-12-04 (CPU): Mixtral 0.45, Qwen2-MoE 0.38, Qwen3-MoE 0.24. Larger than a
+    # dense tiny model's 0.09-0.14 (test_fp8.py): rounding flips some tokens' expert choices.
+    # The equality above is the exact check; this one catches a scale gone wrong (x 2^k).
+    assert _rel(logits, full) < 0.6
+
+
+def test_fp8_moe_serves_and_refuses_prequantized_moe_checkpoints(moe_factory, tmp_path):
+    """An FP8 MoE engine generates; an MoE checkpoint already in FP8 is refused at start-up
+    (only bf16/fp32 MoE checkpoints quantized at load are supported), naming the way in."""
+    import json
+    import shutil
+
+    path = moe_factory("qwen3_moe")
+    llm = LLM(model=path, dtype="float32", quantization="fp8", max_total_tokens=512)
+    try:
+        out = llm.generate(prompts_for(768)[:2], GREEDY)
+    finally:
+        llm.close()
+    assert all(len(o.token_ids) == 8 for o in out)
+    fp8_dir = tmp_path / "fp8"
+    shutil.copytree(path, fp8_dir)
+    config = json.loads((fp8_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="pre-quantized FP8 checkpoints of MoE models"):
+        load_model(str(fp8_dir), dtype="float32")
+
+
+def test_fp8_experts_equal_dequantized_experts():
+    """`experts_torch` with float8 weights and per-row scales equals the same experts with
+    the weights dequantized (the CPU path and the reference of the Triton kernels)."""
+    from engine.quantization.fp8 import quantize_rows
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 32, generator=g)
+    w13, w2 = torch.randn(4, 48, 32, generator=g), torch.randn(4, 32, 24, generator=g)
+    weights, ids = select_experts(torch.randn(6, 4, generator=g), 2, renormalize=True)
+    q13, s13 = quantize_rows(w13.reshape(-1, 32))
+    q2, s2 = quantize_rows(w2.reshape(-1, 24))
+    q13, s13, q2, s2 = q13.view(4, 48, 32), s13.view(4, 48, 1), q2.view(4, 32, 24), s2.view(4, 32, 1)
+    out = experts_torch(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2)
+    ref = experts_torch(x, q13.float() * s13, q2.float() * s2, weights, ids)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    assert ((out - experts_torch(x, w13, w2, weights, ids)).norm() / out.norm()).item() < 0.1
 
 
 # ---- whole models against HF ------------------------------------------------------------------
@@ -239,12 +332,14 @@ def test_moe_kernels_compile_for_hopper():
 
     bf16 = dict(X="*bf16", W13="*bf16", W2="*bf16", Act="*bf16", Out="*bf16", TopkWeights="*fp32",
                 K="i32", N="i32")
-    for tokens in (1, 4):  # the tiles the per-pair path launches
-        gate_up, down = tiles_for(tokens)
-        compile_for_sm90(_gate_up_kernel, bf16, dict(TOP_K=8, BLOCK_N=gate_up.block_n,
-                                                     BLOCK_K=gate_up.block_k),
+    fp8 = dict(bf16, W13="*fp8e4nv", W2="*fp8e4nv", W="*fp8e4nv", Scale="*fp32")
+    for tokens, (types, scaled) in itertools.product((1, 4), ((bf16, False), (fp8, True))):
+        gate_up, down = tiles_for(tokens)  # the tiles the per-pair path launches
+        compile_for_sm90(_gate_up_kernel, types, dict(TOP_K=8, BLOCK_N=gate_up.block_n,
+                                                      BLOCK_K=gate_up.block_k, HAS_SCALE=scaled),
                          num_warps=gate_up.num_warps, num_stages=gate_up.num_stages)
-        compile_for_sm90(_down_kernel, bf16, dict(BLOCK_N=down.block_n, BLOCK_K=down.block_k),
+        compile_for_sm90(_down_kernel, types, dict(BLOCK_N=down.block_n, BLOCK_K=down.block_k,
+                                                   HAS_SCALE=scaled),
                          num_warps=down.num_warps, num_stages=down.num_stages)
     compile_for_sm90(_softmax_topk_kernel, dict(Logits="*bf16", Weights="*fp32"),
                      dict(TOP_K=8, RENORMALIZE=True, BLOCK_E=128, BLOCK_TOPK=8))
@@ -256,10 +351,13 @@ def test_moe_kernels_compile_for_hopper():
                          num_warps=8)
     compile_for_sm90(_scatter_kernel, align, dict(BLOCK_E=256, CHUNK=128), num_warps=8)
     grouped = dict(A="*bf16", W="*bf16", C="*bf16", PairWeights="*fp32", N="i32", K="i32")
-    for block_m in (16, 32, 64, 128):
+    grouped_fp8 = dict(grouped, W="*fp8e4nv", Scale="*fp32")
+    for block_m, (types, scaled) in itertools.product((16, 32, 64, 128),
+                                                      ((grouped, False), (grouped_fp8, True))):
         for rows_per_a, tiles in zip((8, 1), grouped_tiles_for(block_m)):
-            compile_for_sm90(_grouped_gemm_kernel, grouped,
+            compile_for_sm90(_grouped_gemm_kernel, types,
                              dict(ROWS_PER_A=rows_per_a, WEIGHTED=rows_per_a == 1, PRECISION="tf32",
-                                  BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k),
+                                  BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                                  HAS_SCALE=scaled),
                              num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     compile_for_sm90(_sum_choices_kernel, dict(PerPair="*bf16", Out="*bf16"), dict(TOP_K=8, BLOCK=1024))

@@ -94,6 +94,31 @@ def test_per_pair_path_any_tiling(config):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if not INTERPRET else []))
+@pytest.mark.parametrize("case", CASES + ([] if INTERPRET else GPU_CASES[:3]),
+                         ids=lambda c: "x".join(map(str, c)))
+def test_fp8_experts_match_the_dequantized_reference(case, dtype):
+    """Float8 expert weights with per-row scales (FP8 MoE models, W8A16) through both Triton
+    paths (per pair at decode sizes, grouped above) against `experts_torch` on the same
+    weights dequantized; expert parallelism's half-slices too (first_expert)."""
+    from engine.quantization.fp8 import quantize_rows
+
+    x, w13, w2, weights, ids = random_moe(*case, dtype, seed=7)
+    q13, s13 = quantize_rows(w13.float().reshape(-1, w13.shape[-1]))
+    q2, s2 = quantize_rows(w2.float().reshape(-1, w2.shape[-1]))
+    q13, q2 = q13.view(w13.shape), q2.view(w2.shape)
+    s13, s2 = s13.view(*w13.shape[:2], 1), s2.view(*w2.shape[:2], 1)
+    ref = experts_torch(x.float(), q13.float() * s13, q2.float() * s2, weights, ids)
+    out = experts_triton(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2)
+    assert (out.float() - ref).abs().max().item() <= TOL[dtype] * (1 + ref.abs().max().item())
+    half = case[1] // 2  # the second half of the experts, as rank 1 of two holds them
+    ref = experts_torch(x.float(), q13[half:].float() * s13[half:], q2[half:].float() * s2[half:],
+                        weights, ids, first_expert=half)
+    out = experts_triton(x, q13[half:], q2[half:], weights, ids, first_expert=half,
+                         w13_scale=s13[half:].contiguous(), w2_scale=s2[half:].contiguous())
+    assert (out.float() - ref).abs().max().item() <= TOL[dtype] * (1 + ref.abs().max().item())
+
+
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 128, 8), (5, 60, 4), (3, 8, 2)])
 def test_softmax_topk_kernel_matches_select_experts(tokens, experts, top_k, renormalize):

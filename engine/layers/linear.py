@@ -41,6 +41,7 @@ class LinearBase(nn.Module):
         self.register_parameter("weight_scale", None)  # set when the layer is FP8
         self.quantize_input = True  # FP8 layers: dynamic per-token activation scales
         self.fast_accum = False  # FP8 layers: `_scaled_mm`'s use_fast_accum (set_fast_accum_)
+        self.keep_dtype = False  # never quantized to FP8 (MoE routers)
         # Rows up to which a bf16/fp16 weight multiplies with the Triton GEMV on GPUs (0:
         # never; set by `set_fused_kernels`): it keeps a decode step's PDL chain unbroken.
         self.gemv_rows = 0

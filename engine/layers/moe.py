@@ -38,12 +38,23 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :d]) * x[..., d:]
 
 
+def expert_weight(w: torch.Tensor, scale: torch.Tensor | None, e: int, dtype: torch.dtype
+                  ) -> torch.Tensor:
+    """Expert e's matrix of a stacked weight, dequantized to `dtype` when it is float8 (one
+    scale per output row, `scale` [E, N, 1])."""
+    if scale is None:
+        return w[e]
+    return (w[e].float() * scale[e]).to(dtype)
+
+
 def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+                  topk_ids: torch.Tensor, first_expert: int = 0, w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), local experts only.
 
     x [T, H]; w13 [E_local, 2I, H]; w2 [E_local, H, I]; topk_* [T, k]. The reference (and
     the CPU path): reads the per-expert counts on the host and loops over experts in use.
+    Float8 weights (FP8) come with per-row scales and are dequantized expert by expert.
     """
     t, k = topk_ids.shape
     local = topk_ids.flatten() - first_expert
@@ -55,7 +66,8 @@ def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     for e, n in enumerate(counts[1:num_local + 1]):
         if n:
             pairs = order[start:start + n]
-            out[pairs] = F.linear(silu_and_mul(F.linear(x[pairs // k], w13[e])), w2[e])
+            gate_up = F.linear(x[pairs // k], expert_weight(w13, w13_scale, e, x.dtype))
+            out[pairs] = F.linear(silu_and_mul(gate_up), expert_weight(w2, w2_scale, e, x.dtype))
             start += n
     out = (out.float() * topk_weights.flatten()[:, None].float()).to(out.dtype)  # fp32, as HF
     return out.view(t, k, w2.shape[1]).sum(dim=1)
@@ -70,10 +82,12 @@ def block_rows(num_pairs: int, num_local_experts: int) -> int:
 
 def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, first_expert: int = 0,
-                   keep_choices: bool = False) -> torch.Tensor | SplitSums:
+                   keep_choices: bool = False, w13_scale: torch.Tensor | None = None,
+                   w2_scale: torch.Tensor | None = None) -> torch.Tensor | SplitSums:
     """The same as `experts_torch` in Triton (GPU, or TRITON_INTERPRET=1): per-pair products
     for decode-sized batches, two grouped GEMMs over expert blocks above. With
-    `keep_choices` each token's k weighted outputs may come back unsummed (a SplitSums)."""
+    `keep_choices` each token's k weighted outputs may come back unsummed (a SplitSums).
+    Float8 weights are read as they are and scaled per output row (W8A16)."""
     from engine.layers.fused_kernels import silu_and_mul as silu_and_mul_kernel
     from engine.layers.moe_align_kernel import group_by_expert_kernel
     from engine.layers.moe_kernels import choices_or_sum, grouped_gemm, tiles_for
@@ -83,17 +97,19 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     num_pairs = t * k
     if num_pairs <= MAX_PAIRS:
         return experts_per_pair(x, w13, w2, topk_weights, topk_ids, first_expert,
-                                keep_choices=keep_choices)
+                                keep_choices=keep_choices, w13_scale=w13_scale,
+                                w2_scale=w2_scale)
     block_m = block_rows(num_pairs, w13.shape[0])
     blocks = group_by_expert_kernel(topk_ids, w13.shape[0], first_expert, block_m)
     gate_up_tiles, down_tiles = tiles_for(block_m)
     gate_up = torch.empty((num_pairs, w13.shape[1]), dtype=x.dtype, device=x.device)
-    grouped_gemm(x, w13, blocks, gate_up, rows_per_a=k, config=gate_up_tiles)
+    grouped_gemm(x, w13, blocks, gate_up, rows_per_a=k, config=gate_up_tiles, w_scale=w13_scale)
     act = silu_and_mul_kernel(gate_up)
     # Pairs of other ranks' experts are not written: their rows must read as zero.
     out = torch.zeros((num_pairs, w2.shape[1]), dtype=x.dtype, device=x.device)
     grouped_gemm(act, w2, blocks, out, rows_per_a=1,
-                 pair_weights=topk_weights.flatten().float().contiguous(), config=down_tiles)
+                 pair_weights=topk_weights.flatten().float().contiguous(), config=down_tiles,
+                 w_scale=w2_scale)
     return choices_or_sum(out, k, keep_choices)
 
 
@@ -123,6 +139,23 @@ class FusedMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, hidden_size, i), requires_grad=False)
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
+        # FP8 (`quantize_fp8_`): float8 w13/w2 with one scale per output row, [E, N, 1]
+        self.register_parameter("w13_scale", None)
+        self.register_parameter("w2_scale", None)
+
+    @torch.no_grad()
+    def quantize_fp8_(self) -> None:
+        """Loaded weights -> float8 with one scale per output row of each expert (FP8 weights
+        quantized at load, `EngineConfig(quantization="fp8")`); activations stay in the model
+        dtype (W8A16): half the bytes a decode step reads."""
+        from engine.quantization.fp8 import quantize_rows
+
+        for name in ("w13", "w2"):
+            w = getattr(self, name)
+            q, scale = quantize_rows(w.data.reshape(-1, w.shape[-1]))
+            setattr(self, name, nn.Parameter(q.view(w.shape), requires_grad=False))
+            setattr(self, f"{name}_scale",
+                    nn.Parameter(scale.view(w.shape[0], w.shape[1], 1), requires_grad=False))
 
     def is_local(self, expert_id: int) -> bool:
         return 0 <= expert_id - self.first_expert < self.num_local_experts
@@ -147,11 +180,13 @@ class FusedMoE(nn.Module):
                 keep_choices: bool = False) -> torch.Tensor | SplitSums:
         """This rank's experts' output; with `keep_choices` (tp size 1 only) possibly each
         token's choices unsummed, for an RMSNorm to add (engine/layers/split_sums.py)."""
+        scales = dict(w13_scale=self.w13_scale, w2_scale=self.w2_scale)
         if not x.is_cuda:
-            out = experts_torch(x, self.w13, self.w2, topk_weights, topk_ids, self.first_expert)
+            out = experts_torch(x, self.w13, self.w2, topk_weights, topk_ids, self.first_expert,
+                                **scales)
         else:
             out = experts_triton(x, self.w13, self.w2, topk_weights, topk_ids, self.first_expert,
-                                 keep_choices=keep_choices and self.tp.size == 1)
+                                 keep_choices=keep_choices and self.tp.size == 1, **scales)
         if self.reduce_results and self.tp.size > 1:
             out = self.tp.all_reduce(out)
         return out

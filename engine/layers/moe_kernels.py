@@ -23,11 +23,14 @@ from engine.layers.tiles import Tiles
 
 # num_pairs (tokens x top-k) changes every step and is only compared against: not
 # specialised (== 1 / divisible by 16 would each compile another binary).
+# W may be float8 (FP8 experts): each tile is converted to A's dtype for the dot and the
+# output scaled by Scale, one float32 per (expert, output row), [E, N] contiguous.
 @triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(A, W, C, SortedPairs, BlockExpert, PairWeights, num_pairs, N, K,
                          stride_am, stride_we, stride_wn, stride_cm,
                          ROWS_PER_A: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         Scale=None, HAS_SCALE: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_prologue(PDL)
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
@@ -47,9 +50,11 @@ def _grouped_gemm_kernel(A, W, C, SortedPairs, BlockExpert, PairWeights, num_pai
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if HAS_SCALE:
+        acc = acc * tl.load(Scale + expert * N + offs_n, mask=n_mask, other=0.0)[None, :]
     if WEIGHTED:  # the router's weight of each pair, applied before rounding (fp32 accumulator)
         acc = acc * tl.load(PairWeights + pairs, mask=valid, other=0.0)[:, None]
     c_ptrs = C + pairs[:, None] * stride_cm + offs_n[None, :]
@@ -71,11 +76,13 @@ def tiles_for(block_m: int) -> tuple[Tiles, Tiles]:
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, out: torch.Tensor,
                  rows_per_a: int, pair_weights: torch.Tensor | None = None,
-                 config: Tiles = Tiles(128, 64)) -> torch.Tensor:
+                 config: Tiles = Tiles(128, 64), w_scale: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """out[p] = a[p // rows_per_a] @ w[expert(p)].T (times pair_weights[p]) for every pair p
     of a local expert; rows of other pairs are left as they are.
 
-    a [rows, K] (unit last stride), w [E, N, K] contiguous, out [num_pairs, N].
+    a [rows, K] (unit last stride), w [E, N, K] contiguous, out [num_pairs, N]; float8 w
+    comes with `w_scale` [E, N, 1] (float32, one per output row).
     """
     n, k = w.shape[1], w.shape[2]
     block_n = min(config.block_n, max(16, triton.next_power_of_2(n)))
@@ -89,7 +96,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, out: to
                                # float32 models get float32 products, not TF32's 10-bit mantissa
                                PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
                                BLOCK_M=blocks.block_m,
-                               BLOCK_N=block_n, BLOCK_K=block_k, num_warps=config.num_warps,
+                               BLOCK_N=block_n, BLOCK_K=block_k, Scale=w_scale,
+                               HAS_SCALE=w_scale is not None, num_warps=config.num_warps,
                                num_stages=config.num_stages, **pdl_launch(a.device))
     return out
 

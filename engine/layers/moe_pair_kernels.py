@@ -40,10 +40,13 @@ def tiles_for(tokens: int) -> tuple[Tiles, Tiles]:
     return Tiles(32, 256, num_stages=4), Tiles(16, 64, num_stages=2)
 
 
+# W13/W2 may be float8 (FP8 experts): weights are widened to float32 as they are read and
+# the sums scaled by Scale, one float32 per (expert, output row), [E, N] contiguous.
 @triton.jit
 def _gate_up_kernel(X, W13, TopkIds, Out, inter, K, stride_x, stride_we, stride_wn, stride_o,
                     first_expert, num_local,
-                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    Scale=None, HAS_SCALE: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_prologue(PDL)
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(TopkIds + pair).to(tl.int64) - first_expert
@@ -68,6 +71,9 @@ def _gate_up_kernel(X, W13, TopkIds, Out, inter, K, stride_x, stride_we, stride_
         up_ptrs += BLOCK_K
     gate = tl.sum(acc_gate, axis=1)
     up = tl.sum(acc_up, axis=1)
+    if HAS_SCALE:
+        gate = gate * tl.load(Scale + expert * 2 * inter + offs_n, mask=n_mask, other=0.0)
+        up = up * tl.load(Scale + expert * 2 * inter + inter + offs_n, mask=n_mask, other=0.0)
     # Rounded where the grouped path rounds: the GEMM's output, then the activation.
     gate = gate.to(Out.dtype.element_ty).to(tl.float32)
     up = up.to(Out.dtype.element_ty).to(tl.float32)
@@ -77,7 +83,8 @@ def _gate_up_kernel(X, W13, TopkIds, Out, inter, K, stride_x, stride_we, stride_
 
 @triton.jit
 def _down_kernel(Act, W2, TopkIds, TopkWeights, Out, N, inter, stride_a, stride_we, stride_wn,
-                 stride_o, first_expert, num_local, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                 stride_o, first_expert, num_local, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 Scale=None, HAS_SCALE: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_prologue(PDL)
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(TopkIds + pair).to(tl.int64) - first_expert
@@ -98,17 +105,22 @@ def _down_kernel(Act, W2, TopkIds, TopkWeights, Out, N, inter, stride_a, stride_
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     # Rounded as the grouped path rounds: the weighted product, in the model dtype.
-    y = tl.sum(acc, axis=1) * tl.load(TopkWeights + pair).to(tl.float32)
+    y = tl.sum(acc, axis=1)
+    if HAS_SCALE:
+        y = y * tl.load(Scale + expert * N + offs_n, mask=n_mask, other=0.0)
+    y = y * tl.load(TopkWeights + pair).to(tl.float32)
     tl.store(Out + pair * stride_o + offs_n, y.to(Out.dtype.element_ty), mask=n_mask)
 
 
 def experts_per_pair(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, first_expert: int = 0,
                      config: Tiles | None = None, down_config: Tiles | None = None,
-                     keep_choices: bool = False) -> torch.Tensor | SplitSums:
+                     keep_choices: bool = False, w13_scale: torch.Tensor | None = None,
+                     w2_scale: torch.Tensor | None = None) -> torch.Tensor | SplitSums:
     """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), local experts only:
     `moe.experts_torch`'s result, for batches of at most a few tokens. With `keep_choices`
-    the k weighted outputs come back unsummed, for the next RMSNorm to add."""
+    the k weighted outputs come back unsummed, for the next RMSNorm to add. Float8 weights
+    come with their per-row scales ([E, N, 1])."""
     t, top_k = topk_ids.shape
     default_gate_up, default_down = tiles_for(t)
     config, down_config = config or default_gate_up, down_config or default_down
@@ -119,12 +131,14 @@ def experts_per_pair(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     _gate_up_kernel[(t * top_k, triton.cdiv(inter, config.block_n))](
         x, w13, ids, act, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         first_expert, num_local, TOP_K=top_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        Scale=w13_scale, HAS_SCALE=w13_scale is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device))
     out = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
     _down_kernel[(t * top_k, triton.cdiv(hidden, down_config.block_n))](
         act, w2, ids, topk_weights.contiguous(), out, hidden, inter, act.stride(0), w2.stride(0),
         w2.stride(1), out.stride(0), first_expert, num_local,
         BLOCK_N=down_config.block_n, BLOCK_K=down_config.block_k,
+        Scale=w2_scale, HAS_SCALE=w2_scale is not None,
         num_warps=down_config.num_warps, num_stages=down_config.num_stages,
         **pdl_launch(x.device))
     return choices_or_sum(out, top_k, keep_choices)

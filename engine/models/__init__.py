@@ -105,8 +105,9 @@ def load_model(model_dir: str, *, dtype: str | torch.dtype = "auto", device: str
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, hf_config, device)
     scheme = fp8_scheme(hf_config, quantization)
-    if scheme is not None and issubclass(model_cls, MoEForCausalLM):
-        raise ValueError(f"FP8 weights are not supported for MoE models ({model_cls.__name__}) yet")
+    if scheme is not None and scheme.prequantized and issubclass(model_cls, MoEForCausalLM):
+        raise ValueError(f"pre-quantized FP8 checkpoints of MoE models ({model_cls.__name__}) are "
+                         "not supported yet; load the bf16 checkpoint with quantization='fp8'")
     with _default_dtype(torch_dtype), device:
         options = {"moe_parallel": moe_parallel} if issubclass(model_cls, MoEForCausalLM) else {}
         model = model_cls(hf_config, None, tp, **options)

@@ -46,6 +46,7 @@ class SparseMoeBlock(nn.Module):
         hidden, num_experts = hf_config.hidden_size, hf_config.num_experts
         self.gate = ReplicatedLinear(hidden, num_experts, bias=False, tp=tp)
         self.gate.split_sums_ok = True  # the router kernel adds a GEMV's partial sums
+        self.gate.keep_dtype = True  # FP8 models keep the router in the model dtype
         # Set by the decoder layer: its output goes only to an RMSNorm, which can add each
         # token's expert outputs itself (engine/layers/split_sums.py).
         self.split_sums_ok = False
@@ -56,6 +57,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = LlamaMLP(hf_config, tp, shared_intermediate_size,
                                           reduce_results=False)
             self.shared_expert_gate = ReplicatedLinear(hidden, 1, bias=False, tp=tp)
+            self.shared_expert_gate.keep_dtype = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitSums:
         topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)

@@ -22,11 +22,19 @@ def linear_layers(model: nn.Module) -> list[LinearBase]:
 
 @torch.no_grad()
 def quantize_linears_(model: nn.Module) -> None:
-    """Loaded weights -> float8 with one scale per output channel (row)."""
+    """Loaded weights -> float8 with one scale per output channel (row): every linear layer
+    but those marked `keep_dtype` (MoE routers: a token's experts hang on small logit gaps),
+    and the stacked experts of MoE layers (`FusedMoE.quantize_fp8_`)."""
+    from engine.layers.moe import FusedMoE
+
     for layer in linear_layers(model):
+        if layer.keep_dtype:
+            continue
         weight, scale = quantize_rows(layer.weight.data)
         layer.weight = nn.Parameter(weight, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+    for experts in (m for m in model.modules() if isinstance(m, FusedMoE)):
+        experts.quantize_fp8_()
 
 
 def set_fast_accum_(model: nn.Module, on: bool) -> None:
