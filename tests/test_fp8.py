@@ -239,6 +239,22 @@ def test_runner_builds_fp8_kv_pool(tiny_llama):
         EngineConfig(quantization="int4")
 
 
+def test_block_scaled_weights_take_the_weight_only_kernel_when_it_can_step_their_groups():
+    """Which FP8 weights decode through the weight-only GEMV (GPU, <= 16 rows): per-channel
+    scales, and block scales whose K-width is a power of two of at least 16 (checkpoints'
+    128); other widths dequantize (fp8_linear's slow path), as every block scale did before."""
+    from engine.layers.gemv import fit_scale_groups, scale_group
+    from engine.layers.tiles import Tiles
+
+    k = 4096
+    assert scale_group(k, None) == 0 and scale_group(k, torch.ones(8, 1)) == 0
+    assert scale_group(k, torch.ones(8, k // 128)) == 128
+    assert scale_group(3 * 96, torch.ones(8, 3)) == -1  # 96 wide: not a power of two
+    assert scale_group(k, torch.ones(8, k // 8)) == -1  # too narrow for a K step
+    assert fit_scale_groups(Tiles(32, 512), k, torch.ones(8, k // 128)).block_k == 128
+    assert fit_scale_groups(Tiles(32, 64), k, torch.ones(8, k // 128)).block_k == 64
+
+
 @pytest.mark.parametrize("fast", [True, False])
 def test_fast_accumulation_setting_reaches_scaled_mm(tiny_llama, monkeypatch, fast):
     """`EngineConfig.fp8_fast_accum` (default True) is what every FP8 layer's
@@ -285,6 +301,10 @@ def test_fp8_weight_kernels_compile_for_hopper():
         compile_for_sm90(_gemv_kernel, {**gemv, "Out": "*fp32" if split_k > 1 else "*bf16"},
                          dict(PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=256, SPLIT_K=split_k),
                          num_stages=4)
+    for block_m, row_dot in ((1, False), (1, True), (16, False)):  # block-scaled weights
+        compile_for_sm90(_gemv_kernel, {**gemv, "Out": "*fp32"},
+                         dict(PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128,
+                              SPLIT_K=4, ROW_DOT=row_dot, SCALE_GROUP=128), num_stages=4)
     for split_k in (1, 4):  # one row on the tensor cores (`Tiles.row_dot`)
         ptx = compile_for_sm90(_gemv_kernel, {**gemv, "Out": "*fp32" if split_k > 1 else "*bf16"},
                                dict(PRECISION="tf32", BLOCK_M=1, BLOCK_N=64, BLOCK_K=128,

@@ -51,6 +51,45 @@ def test_w8a16_matches_dequantized_matmul(shape, dtype, config):
     assert (out.double() - ref).abs().max().item() <= tol * (1 + ref.abs().max().item())
 
 
+def random_block_scaled_weight(n: int, k: int, group: int, seed: int):
+    """A float8 weight with one scale per (row, `group`-wide run of K) as checkpoints' block
+    scales arrive ([N, K / group], rows of a block repeating their block's scales), the
+    scales spread over 2^-3..2^3 so a kernel that applies the wrong group shows."""
+    g = torch.Generator().manual_seed(seed)
+    weight = fp8.to_fp8(torch.randn(n, k, generator=g) * 100)
+    scale = 2.0 ** torch.randint(-3, 4, (-(-n // 128), k // group), generator=g).float() / (100 * k ** 0.5)
+    return weight.to(DEVICE), scale.repeat_interleave(128, dim=0)[:n].contiguous().to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 72, 256), (3, 200, 512), (16, 40, 384)] +
+                         ([] if INTERPRET else [(1, 4096, 14336), (8, 6144, 4096)]),
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("config", [None, Tiles(32, 256, num_stages=4), Tiles(16, 64, split_k=3),
+                                    Tiles(64, 128, split_k=4, row_dot=True)],
+                         ids=["default", "wide_k_steps", "split3", "row_dot"])
+def test_block_scaled_weights_in_the_weight_only_kernel(shape, dtype, config):
+    """Block-scaled float8 weights (HF `fp8` / compressed-tensors block checkpoints, scales
+    [N, K / 128]) through the weight-only GEMV at decode-sized batches: each K step scaled by
+    its group's scales (K steps wider than a group are narrowed to it), equal to the
+    dequantized matmul; so is the SwiGLU form."""
+    m, n, k = shape
+    weight, scale = random_block_scaled_weight(n, k, 128, seed=n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    dense = fp8.dequantize(weight, scale, torch.float64)
+    ref = x.double() @ dense.t()
+    out = w8a16_linear(x, weight, scale, config)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
+    assert (out.double() - ref).abs().max().item() <= tol * (1 + ref.abs().max().item())
+    if config is None and n % 2 == 0:  # [gate; up] halves: silu(gate) * up in one launch
+        from engine.layers.gemv import gemv_glu
+
+        h = (x.double() @ dense.t()).to(dtype)
+        glu = torch.nn.functional.silu(h[:, : n // 2]) * h[:, n // 2:]
+        out = gemv_glu(x, weight, scale)
+        assert (out.double() - glu.double()).abs().max().item() <= 2 * tol * (1 + glu.abs().max().item())
+
+
 @pytest.mark.parametrize("shape", [(72, 200), (40, 1000)] + ([] if INTERPRET else [(6144, 4096), (4096, 14336)]),
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("config", [Tiles(64, 128, split_k=4, row_dot=True),
@@ -173,6 +212,29 @@ def test_fp8_model_on_gpu_is_the_dequantized_model(tiny_llama):
     top1 = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
     print(f"fp8 weights on the GPU: relative logit error {_rel(logits, ref):.3f}, top-1 {top1:.2f}")
     assert top1 > 0.6
+
+
+@cuda_only
+def test_block_scaled_checkpoint_on_gpu_is_its_dequantized_model(tiny_llama, tmp_path):
+    """An HF FineGrainedFP8 checkpoint (block scales) on the GPU: decode-sized batches take
+    the weight-only kernel with its block scales (they dequantized the whole weight every
+    step before), and the logits equal the dequantized checkpoint's."""
+    from engine.layers.linear import LinearBase
+    from engine.models import load_model
+    from fp8_checkpoints import write_fp8_checkpoints
+    from test_fp8 import _prompt_logits
+    from test_models import random_sequences
+
+    fp8_dir, deq_dir = write_fp8_checkpoints(tiny_llama, tmp_path, "fp8-block")
+    model = load_model(fp8_dir, dtype="float32", device=DEVICE)
+    layers = [m for m in model.modules() if isinstance(m, LinearBase) and m.weight_scale is not None]
+    assert layers and all(m.weight_scale.shape[1] > 1 for m in layers)
+    x = torch.randn(3, layers[0].weight.shape[1], device=DEVICE)
+    assert fp8.takes_weight_only_kernel(x, layers[0].weight_scale)
+    ref = load_model(deq_dir, dtype="float32", device=DEVICE)
+    prompts = random_sequences(model.config.vocab_size, [5, 7], seed=4)  # 12 rows
+    torch.testing.assert_close(_prompt_logits(model, prompts), _prompt_logits(ref, prompts),
+                               atol=1e-4, rtol=1e-4)
 
 
 @cuda_only

@@ -87,13 +87,16 @@ ROW_DOT_UNSCALE = tl.constexpr(16.0)
 
 @triton.jit
 def _gemv_kernel(X, W, Scale, Out, M, N, K, k_per_split, stride_xm, stride_wn, stride_om, row_scale,
-                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 stride_s, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr = True,
                  ROW_DOT: tl.constexpr = False, GLU: tl.constexpr = False,
-                 PDL: tl.constexpr = False):
+                 SCALE_GROUP: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Program (n block, K slice). With SPLIT_K > 1, Out is float32 [SPLIT_K, M, N] partial
     sums (scaled) that `_sum_splits_kernel` adds up. With GLU, W is [gate; up] ([2N, K]) and
-    the program multiplies its rows of both: Out = silu(x gate^T) * (x up^T), [M, N]."""
+    the program multiplies its rows of both: Out = silu(x gate^T) * (x up^T), [M, N].
+    SCALE_GROUP > 0: block-scaled float8 weights, Scale [N, K / SCALE_GROUP] (row stride
+    stride_s), one scale per SCALE_GROUP-wide run of a row; BLOCK_K divides SCALE_GROUP and
+    the K slices start at multiples of BLOCK_K, so each step reads within one group."""
     pdl_prologue(PDL)
     k_start = tl.program_id(1) * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
@@ -105,15 +108,15 @@ def _gemv_kernel(X, W, Scale, Out, M, N, K, k_per_split, stride_xm, stride_wn, s
         r = tl.arange(0, 2 * BLOCK_N)
         cols = tl.program_id(0) * BLOCK_N + r // 2
         both = _rows_times_x(X, W, Scale, cols + (r % 2) * N, cols < N, M, k_start, k_end,
-                             stride_xm, stride_wn, row_scale, PRECISION, BLOCK_M, 2 * BLOCK_N,
-                             BLOCK_K, HAS_SCALE, ROW_DOT)
+                             stride_xm, stride_wn, row_scale, stride_s, PRECISION, BLOCK_M,
+                             2 * BLOCK_N, BLOCK_K, HAS_SCALE, ROW_DOT, SCALE_GROUP)
         gate, up = tl.split(tl.reshape(both, (BLOCK_M, BLOCK_N, 2)))
         dtype = Out.dtype.element_ty
         acc = silu_mul(gate.to(dtype), up.to(dtype))
     else:
         acc = _rows_times_x(X, W, Scale, offs_n, n_mask, M, k_start, k_end, stride_xm,
-                            stride_wn, row_scale, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-                            HAS_SCALE, ROW_DOT)
+                            stride_wn, row_scale, stride_s, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                            HAS_SCALE, ROW_DOT, SCALE_GROUP)
     out_ptrs = Out + offs_m[:, None] * stride_om + offs_n[None, :]
     if SPLIT_K > 1:
         out_ptrs += tl.program_id(1) * M * N
@@ -122,10 +125,12 @@ def _gemv_kernel(X, W, Scale, Out, M, N, K, k_per_split, stride_xm, stride_wn, s
 
 @triton.jit
 def _rows_times_x(X, W, Scale, rows, row_mask, M, k_start, k_end, stride_xm, stride_wn,
-                  row_scale, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr, ROW_DOT: tl.constexpr):
+                  row_scale, stride_s, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr,
+                  ROW_DOT: tl.constexpr, SCALE_GROUP: tl.constexpr):
     """x[:, k_start:k_end] times W's BLOCK_N rows `rows` over the same K range (scaled by
-    their weight scales): float32 [BLOCK_M, BLOCK_N]."""
+    their weight scales: per row at the end, or per K step with SCALE_GROUP): float32
+    [BLOCK_M, BLOCK_N]."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
@@ -142,7 +147,11 @@ def _rows_times_x(X, W, Scale, rows, row_mask, M, k_start, k_end, stride_xm, str
             # f16 holds every float8 weight exactly, and bf16 activations exactly from 2^-10
             # to 2^20 once scaled by 2^-4 (f16's normal range is 2^-14 to 65504)
             xs = (x.to(tl.float32) * row_scale).to(tl.float16)
-            acc16 = tl.dot(xs, tl.trans(w.to(tl.float16)), acc16)
+            if SCALE_GROUP > 0:
+                acc16 += tl.dot(xs, tl.trans(w.to(tl.float16))) * _group_scales(
+                    Scale, rows, row_mask, stride_s, k0, SCALE_GROUP)[None, :]
+            else:
+                acc16 = tl.dot(xs, tl.trans(w.to(tl.float16)), acc16)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         acc = tl.sum(acc16, axis=0)[None, :] * ROW_DOT_UNSCALE
@@ -152,7 +161,11 @@ def _rows_times_x(X, W, Scale, rows, row_mask, M, k_start, k_end, stride_xm, str
             k_mask = offs_k < k_end - k0
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            acc2 += w.to(tl.float32) * x.to(tl.float32)
+            if SCALE_GROUP > 0:
+                s = _group_scales(Scale, rows, row_mask, stride_s, k0, SCALE_GROUP)
+                acc2 += (w.to(tl.float32) * s[:, None]) * x.to(tl.float32)
+            else:
+                acc2 += w.to(tl.float32) * x.to(tl.float32)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         acc = tl.sum(acc2, axis=1)[None, :]
@@ -162,12 +175,23 @@ def _rows_times_x(X, W, Scale, rows, row_mask, M, k_start, k_end, stride_xm, str
             k_mask = offs_k < k_end - k0
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
+            if SCALE_GROUP > 0:
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION) * \
+                    _group_scales(Scale, rows, row_mask, stride_s, k0, SCALE_GROUP)[None, :]
+            else:
+                acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-    if HAS_SCALE:
+    if HAS_SCALE and SCALE_GROUP == 0:
         acc = acc * tl.load(Scale + rows, mask=row_mask, other=0.0)[None, :]
     return acc
+
+
+@triton.jit
+def _group_scales(Scale, rows, row_mask, stride_s, k0, SCALE_GROUP: tl.constexpr):
+    """The scales of `rows` for the group holding K offset k0 (block-scaled weights)."""
+    return tl.load(Scale + rows.to(tl.int64) * stride_s + k0 // SCALE_GROUP, mask=row_mask,
+                   other=0.0)
 
 
 @triton.jit
@@ -227,7 +251,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     for a consumer that adds them itself."""
     m, k = x.shape
     n = weight.shape[0]
-    config = config or gemv_config(m, n, k, weight.element_size())
+    config = fit_scale_groups(config or gemv_config(m, n, k, weight.element_size()), k, weight_scale)
     # K slices whole in BLOCK_K steps, so only the last slice is ragged
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(k, k_per_split)
@@ -248,10 +272,29 @@ def gemv_glu(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor |
     (SiLU of partial sums is not the SiLU of their sum)."""
     m, k = x.shape
     n = weight.shape[0] // 2
-    config = config or glu_config(m, n, k, weight.element_size())
+    config = fit_scale_groups(config or glu_config(m, n, k, weight.element_size()), k, weight_scale)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _launch(x, weight, weight_scale, out, n, k, 1, config, glu=True)
     return out
+
+
+def scale_group(k: int, weight_scale: torch.Tensor | None) -> int:
+    """The K-width of one weight scale (block-scaled float8 weights, [N, G] scales), or 0 for
+    one scale per row (or none). A width the kernel cannot step through (not a power of two
+    of at least 16) is -1: such weights take the dequantizing path (fp8.fp8_linear)."""
+    if weight_scale is None or weight_scale.shape[1] == 1:
+        return 0
+    groups = weight_scale.shape[1]
+    width = k // groups
+    return width if width * groups == k and width >= 16 and width & (width - 1) == 0 else -1
+
+
+def fit_scale_groups(config: Tiles, k: int, weight_scale: torch.Tensor | None) -> Tiles:
+    """Tiles whose K steps stay inside one scale group (block-scaled weights)."""
+    width = scale_group(k, weight_scale)
+    if width > 0 and config.block_k > width:
+        return dataclasses.replace(config, block_k=width)
+    return config
 
 
 def glu_config(rows: int, n: int, k: int, weight_bytes: int) -> Tiles:
@@ -274,6 +317,7 @@ def _launch(x, weight, weight_scale, out, n: int, k_per_split: int, split_k: int
     _gemv_kernel[(triton.cdiv(n, config.block_n), split_k)](
         x, weight, weight if weight_scale is None else weight_scale, out, m, n, k,
         k_per_split, x.stride(0), weight.stride(0), out.stride(-2), ROW_DOT_SCALE,
+        0 if weight_scale is None else weight_scale.stride(0),
         # float32 activations get float32 products, not TF32's 10-bit mantissa
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k,
@@ -281,4 +325,5 @@ def _launch(x, weight, weight_scale, out, n: int, k_per_split: int, split_k: int
         # f16 products for bf16/fp16 activations only: float32 ones keep float32 products
         ROW_DOT=config.row_dot and block_m == 1 and weight.element_size() == 1
         and x.dtype != torch.float32,
-        GLU=glu, num_stages=config.num_stages, **pdl_launch(x.device))
+        GLU=glu, SCALE_GROUP=max(0, scale_group(k, weight_scale)),
+        num_stages=config.num_stages, **pdl_launch(x.device))

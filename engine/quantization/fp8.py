@@ -45,12 +45,14 @@ def scaled_mm_ok(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
 
 def takes_weight_only_kernel(x: torch.Tensor, weight_scale: torch.Tensor) -> bool:
     """Whether `fp8_linear` multiplies x by the weight with the weight-only GEMV: on the
-    GPU, per-channel scales, a decode-sized batch."""
-    if not (x.is_cuda and weight_scale.shape[1] == 1):
+    GPU, a decode-sized batch, per-channel scales or block scales whose groups the kernel
+    steps through (a power-of-two width, like checkpoints' 128)."""
+    if not x.is_cuda:
         return False
+    from engine.layers.gemv import scale_group
     from engine.quantization.fp8_kernels import W8A16_MAX_ROWS
 
-    return x.numel() // x.shape[-1] <= W8A16_MAX_ROWS
+    return scale_group(x.shape[-1], weight_scale) >= 0 and x.numel() // x.shape[-1] <= W8A16_MAX_ROWS
 
 
 def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -60,11 +62,12 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
     weight-only kernel may return a `SplitSums` (engine/layers/split_sums.py) instead. x may
     come quantized already (`Fp8Rows`, from the kernel before the linear).
 
-    On the GPU, decode-sized batches with per-channel weights run the weight-only kernel
-    (`fp8_kernels.w8a16_linear`: bf16 activations, half the weight bytes). Otherwise
-    per-channel weights with dynamic per-token activations run as one `torch._scaled_mm`.
-    Block-scaled weights, weight-only checkpoints (no activation quantization) and shapes
-    `_scaled_mm` refuses dequantize the weight and run a plain matmul: the same math, slower.
+    On the GPU, decode-sized batches run the weight-only kernel (`fp8_kernels.w8a16_linear`:
+    bf16 activations, half the weight bytes; per-channel scales, or block scales applied per
+    K step). Otherwise per-channel weights with dynamic per-token activations run as one
+    `torch._scaled_mm`; block-scaled weights above decode sizes, weight-only checkpoints (no
+    activation quantization) and shapes `_scaled_mm` refuses dequantize the weight and run a
+    plain matmul: the same math, slower.
     `fast_accum`: `_scaled_mm` accumulates in the tensor cores' own precision (Hopper), not
     promoting partial sums to float32 along K; faster, a little less exact.
     """
