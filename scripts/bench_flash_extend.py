@@ -40,19 +40,25 @@ def worth_it(batch: ForwardBatch) -> bool:
     return new >= MIN_NEW_TOKENS and sum(batch.seq_lens_cpu) <= MAX_KEYS_PER_NEW_TOKEN * new
 
 
+def key_slots(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int32 offsets [B + 1] of each request's keys, the pool slot of every key): key j of
+    request i lives at req_to_token[row_i, j], for j < seq_len_i, flattened."""
+    lens = batch.seq_lens.long()
+    total = sum(batch.seq_lens_cpu)
+    cu_k = torch.zeros(batch.batch_size + 1, dtype=torch.int32, device=lens.device)
+    torch.cumsum(batch.seq_lens, 0, out=cu_k[1:])
+    rows = torch.repeat_interleave(batch.req_rows, lens, output_size=total)
+    starts = torch.repeat_interleave(cu_k[:-1].long(), lens, output_size=total)
+    positions = torch.arange(total, device=lens.device) - starts
+    return cu_k, batch.req_to_token[rows, positions]
+
+
 class FlashExtend:
     """One step's gather indices and lengths (built once), then one call per layer."""
 
     def __init__(self, batch: ForwardBatch) -> None:
-        lens = batch.seq_lens.long()
-        total = sum(batch.seq_lens_cpu)
-        self.cu_k = torch.zeros(batch.batch_size + 1, dtype=torch.int32, device=lens.device)
-        torch.cumsum(batch.seq_lens, 0, out=self.cu_k[1:])
-        # slot of key j of request i = req_to_token[row_i, j], for j < seq_len_i, flattened
-        rows = torch.repeat_interleave(batch.req_rows, lens, output_size=total)
-        starts = torch.repeat_interleave(self.cu_k[:-1].long(), lens, output_size=total)
-        positions = torch.arange(total, device=lens.device) - starts
-        self.slots = batch.req_to_token[rows, positions].long()
+        self.cu_k, slots = key_slots(batch)
+        self.slots = slots.long()
         self.cu_q = batch.qo_indptr
         self.max_q = max(batch.extend_lens_cpu)
         self.max_k = max(batch.seq_lens_cpu)
@@ -76,18 +82,13 @@ class FlashInferExtend:
                  scale: float, backend: str) -> None:
         import flashinfer
 
-        lens = batch.seq_lens.long()
-        total = sum(batch.seq_lens_cpu)
-        kv_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32, device=lens.device)
-        torch.cumsum(batch.seq_lens, 0, out=kv_indptr[1:])
-        rows = torch.repeat_interleave(batch.req_rows, lens, output_size=total)
-        starts = torch.repeat_interleave(kv_indptr[:-1].long(), lens, output_size=total)
-        pages = batch.req_to_token[rows, torch.arange(total, device=lens.device) - starts]
-        workspace = torch.empty(256 << 20, dtype=torch.uint8, device=lens.device)
+        kv_indptr, pages = key_slots(batch)
+        device = kv_indptr.device
+        workspace = torch.empty(256 << 20, dtype=torch.uint8, device=device)
         self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD",
                                                                       backend=backend)
         self.wrapper.plan(batch.qo_indptr.int(), kv_indptr, pages.int().contiguous(),
-                          torch.ones(batch.batch_size, dtype=torch.int32, device=lens.device),
+                          torch.ones(batch.batch_size, dtype=torch.int32, device=device),
                           num_q_heads, kv_heads, D, 1, causal=True, sm_scale=scale,
                           q_data_type=dtype, kv_data_type=dtype)
 

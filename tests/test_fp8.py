@@ -55,6 +55,36 @@ def _fake_quant_inputs(model) -> None:
         layer.register_forward_pre_hook(hook)
 
 
+def dequantize_fp8_(model, round_scaled_mm_inputs: bool = False) -> None:
+    """Every float8 weight of `model` (linears and MoE experts) back to float32, scales
+    dropped: the reference an FP8 model must equal. With `round_scaled_mm_inputs`, the
+    linears `_scaled_mm` would multiply round their inputs per token as it takes them (CPU
+    and prefill-sized batches: W8A8); the experts read unrounded activations (W8A16)."""
+    from torch import nn
+
+    from engine.layers.moe import FusedMoE
+    from engine.quantization.fp8 import scaled_mm_ok
+
+    def round_input(_module, args):
+        x = args[0]
+        x_q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+        return ((x_q.float() * scale).view(x.shape),)
+
+    for layer in _linears(model):
+        if layer.weight_scale is not None:
+            if round_scaled_mm_inputs and scaled_mm_ok(layer.weight, layer.weight_scale):
+                layer.register_forward_pre_hook(round_input)
+            layer.weight = nn.Parameter(dequantize(layer.weight, layer.weight_scale, torch.float32),
+                                        requires_grad=False)
+            layer.weight_scale = None
+    for experts in (m for m in model.modules() if isinstance(m, FusedMoE)):
+        if experts.w13_scale is not None:
+            for name in ("w13", "w2"):
+                w, scale = getattr(experts, name), getattr(experts, f"{name}_scale")
+                setattr(experts, name, nn.Parameter(w.float() * scale, requires_grad=False))
+                setattr(experts, f"{name}_scale", None)
+
+
 def _greedy(model, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy continuations of all prompts in one batch, and every step's logits."""
     runner = MiniRunner(model)

@@ -192,18 +192,13 @@ def test_fp8_model_on_gpu_is_the_dequantized_model(tiny_llama):
     """A whole model with on-the-fly FP8 weights on the GPU (decode-sized batches: the
     weight-only kernel) gives the logits of the same model with those weights dequantized,
     and stays close to the unquantized model (top-1 agreement reported)."""
-    from torch import nn
-
     from engine.models import load_model
-    from test_fp8 import _linears, _prompt_logits, _rel
+    from test_fp8 import _prompt_logits, _rel, dequantize_fp8_
     from test_models import random_sequences
 
     model = load_model(tiny_llama, dtype="float32", device=DEVICE, quantization="fp8")
     dequantized = load_model(tiny_llama, dtype="float32", device=DEVICE, quantization="fp8")
-    for layer in _linears(dequantized):
-        layer.weight = nn.Parameter(fp8.dequantize(layer.weight, layer.weight_scale, torch.float32),
-                                    requires_grad=False)
-        layer.weight_scale = None
+    dequantize_fp8_(dequantized)
     full = load_model(tiny_llama, dtype="float32", device=DEVICE)
     prompts = random_sequences(model.config.vocab_size, [5, 7], seed=4)  # 12 rows: <= 16
     logits = _prompt_logits(model, prompts)

@@ -148,27 +148,16 @@ def test_gpu_fp8_moe_is_its_dequantized_model(moe_factory, arch):
     the weight-only kernels and W8A16 experts, so logits of <= 16 rows equal those of the same
     model with its float8 weights dequantized (no activation rounding at those sizes); and the
     engine with CUDA graphs generates with them."""
-    from torch import nn
-
-    from engine.layers.linear import LinearBase
     from engine.layers.moe import FusedMoE
     from engine.models import load_model
-    from engine.quantization.fp8 import FP8, dequantize
-    from test_fp8 import _prompt_logits
+    from engine.quantization.fp8 import FP8
+    from test_fp8 import _prompt_logits, dequantize_fp8_
 
     path = moe_factory(arch)
     model = load_model(path, dtype="float32", device="cuda", quantization="fp8")
     assert all(m.w13.dtype == FP8 for m in model.modules() if isinstance(m, FusedMoE))
     ref = load_model(path, dtype="float32", device="cuda", quantization="fp8")
-    for layer in (m for m in ref.modules() if isinstance(m, LinearBase)):
-        if layer.weight_scale is not None:
-            layer.weight = nn.Parameter(dequantize(layer.weight, layer.weight_scale, torch.float32),
-                                        requires_grad=False)
-            layer.weight_scale = None
-    for experts in (m for m in ref.modules() if isinstance(m, FusedMoE)):
-        experts.w13 = nn.Parameter(experts.w13.float() * experts.w13_scale, requires_grad=False)
-        experts.w2 = nn.Parameter(experts.w2.float() * experts.w2_scale, requires_grad=False)
-        experts.w13_scale = experts.w2_scale = None
+    dequantize_fp8_(ref)
     rows = prompts(2, 5, 7, seed=9)  # <= 16 rows: the weight-only paths
     torch.testing.assert_close(_prompt_logits(model, rows), _prompt_logits(ref, rows),
                                atol=1e-3, rtol=1e-3)

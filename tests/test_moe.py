@@ -52,12 +52,9 @@ def test_fp8_moe_is_its_dequantized_model(moe_factory, arch):
     model with every float8 weight dequantized, the FP8 linears' inputs rounded per token as
     `_scaled_mm` takes them (the experts read unrounded activations: W8A16), and stay close
     to the unquantized model's."""
-    from torch import nn
-
-    from engine.layers.linear import LinearBase
     from engine.models.moe import SparseMoeBlock
-    from engine.quantization.fp8 import FP8, dequantize, quantize_rows, scaled_mm_ok
-    from test_fp8 import _prompt_logits, _rel
+    from engine.quantization.fp8 import FP8
+    from test_fp8 import _prompt_logits, _rel, dequantize_fp8_
 
     path = moe_factory(arch)
     model = load_model(path, dtype="float32", quantization="fp8")
@@ -67,24 +64,7 @@ def test_fp8_moe_is_its_dequantized_model(moe_factory, arch):
     assert all(b.experts.w13_scale.shape == (*b.experts.w13.shape[:2], 1) for b in blocks)
 
     ref = load_model(path, dtype="float32", quantization="fp8")
-
-    def round_input(_module, args):
-        x = args[0]
-        x_q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
-        return ((x_q.float() * scale).view(x.shape),)
-
-    for layer in (m for m in ref.modules() if isinstance(m, LinearBase)):
-        if layer.weight_scale is not None:
-            if scaled_mm_ok(layer.weight, layer.weight_scale):
-                layer.register_forward_pre_hook(round_input)
-            layer.weight = nn.Parameter(dequantize(layer.weight, layer.weight_scale, torch.float32),
-                                        requires_grad=False)
-            layer.weight_scale = None
-    for experts in (m for m in ref.modules() if isinstance(m, FusedMoE)):
-        for name in ("w13", "w2"):
-            w, scale = getattr(experts, name), getattr(experts, f"{name}_scale")
-            setattr(experts, name, nn.Parameter(w.float() * scale, requires_grad=False))
-            setattr(experts, f"{name}_scale", None)
+    dequantize_fp8_(ref, round_scaled_mm_inputs=True)
     prompts = random_sequences(model.config.vocab_size, [9, 14], seed=3)
     logits = _prompt_logits(model, prompts)
     torch.testing.assert_close(logits, _prompt_logits(ref, prompts), atol=1e-4, rtol=1e-4)

@@ -44,7 +44,9 @@ def expert_weight(w: torch.Tensor, scale: torch.Tensor | None, e: int, dtype: to
     scale per output row, `scale` [E, N, 1])."""
     if scale is None:
         return w[e]
-    return (w[e].float() * scale[e]).to(dtype)
+    from engine.quantization.fp8 import dequantize
+
+    return dequantize(w[e], scale[e], dtype)
 
 
 def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
