@@ -178,14 +178,38 @@ class ModelRunner:
         if name == "auto":
             name = "triton" if self.device.type == "cuda" else "torch"
         scale = head_dim_of(self.hf_config) ** -0.5
+        prefill = self.config.prefill_attention_backend
+        if prefill == "flashinfer" and name != "triton":
+            raise ValueError("prefill_attention_backend='flashinfer' needs the Triton attention "
+                             f"backend (a CUDA GPU); this engine attends with {name!r}")
         if name == "triton":
             from engine.attention.triton_backend import TritonAttentionBackend
 
             graphs = self.config.enable_cuda_graph and self.device.type == "cuda"
-            return TritonAttentionBackend(self.kv_pool, scale, graph_mode=graphs)
+            backend = TritonAttentionBackend(self.kv_pool, scale, graph_mode=graphs)
+            self._add_flashinfer_prefill(backend, prefill, scale)
+            return backend
         from engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend(self.kv_pool, scale)
+
+    def _add_flashinfer_prefill(self, backend, prefill: str, scale: float) -> None:
+        """FlashInfer's Hopper prefill for large extend steps, when asked for or ("auto")
+        when it can serve; its kernel is built (or loaded from its cache) here."""
+        if prefill == "triton":
+            return
+        from engine.attention import flashinfer_prefill
+
+        reason = flashinfer_prefill.unavailable_reason(self.device, self.kv_pool.k[0].dtype)
+        if reason is not None:
+            if prefill == "flashinfer":
+                raise ValueError(f"prefill_attention_backend='flashinfer': {reason}")
+            return
+        q_heads = max(1, self.hf_config.num_attention_heads // self.tp.size)
+        backend.use_flashinfer_prefill(flashinfer_prefill.FlashInferPrefill(self.device, scale),
+                                       q_heads)
+        logger.info("prefill attention: FlashInfer fa3 for large extend steps (kernel ready "
+                    "in %.1fs)", self.startup.mark("flashinfer"))
 
     # -- per step -----------------------------------------------------------------------
 

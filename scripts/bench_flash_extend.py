@@ -1,8 +1,8 @@
 """Extend attention on a GPU: our Triton kernel against PyTorch's bundled FlashAttention-2
 (varlen) fed by a gather of each request's K/V from the pool, and, when the `flashinfer`
-package imports, against FlashInfer's paged prefill reading the pool in place (pages of one
-slot, its Hopper "fa3" backend and its "fa2" one); per case: time, TFLOP/s, relative
-difference.
+package imports, against the engine's FlashInfer path (engine/attention/flashinfer_prefill.py:
+FlashInfer's Hopper "fa3" paged prefill reading the pool in place, pages of one slot); per
+case: time, TFLOP/s, relative difference, and which kernel the engine's rule picks.
 
     python3 scripts/bench_flash_extend.py [--no-flashinfer]
 
@@ -29,36 +29,26 @@ from triton.testing import do_bench  # noqa: E402
 
 from check_attention import D, extend_batch, extend_flops, extend_reference  # noqa: E402
 from engine.attention.base import ForwardBatch  # noqa: E402
+from engine.attention.flashinfer_prefill import (FlashInferPrefill, host_indptr,  # noqa: E402
+                                                 key_slots, worth_it)
 from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 # The candidate rule for sending a step to flash: enough new tokens, contexts not much longer.
 MIN_NEW_TOKENS, MAX_KEYS_PER_NEW_TOKEN = 1024, 4
 
 
-def worth_it(batch: ForwardBatch) -> bool:
+def flash_candidate(batch: ForwardBatch) -> bool:
     new = sum(batch.extend_lens_cpu)
     return new >= MIN_NEW_TOKENS and sum(batch.seq_lens_cpu) <= MAX_KEYS_PER_NEW_TOKEN * new
-
-
-def key_slots(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int32 offsets [B + 1] of each request's keys, the pool slot of every key): key j of
-    request i lives at req_to_token[row_i, j], for j < seq_len_i, flattened."""
-    lens = batch.seq_lens.long()
-    total = sum(batch.seq_lens_cpu)
-    cu_k = torch.zeros(batch.batch_size + 1, dtype=torch.int32, device=lens.device)
-    torch.cumsum(batch.seq_lens, 0, out=cu_k[1:])
-    rows = torch.repeat_interleave(batch.req_rows, lens, output_size=total)
-    starts = torch.repeat_interleave(cu_k[:-1].long(), lens, output_size=total)
-    positions = torch.arange(total, device=lens.device) - starts
-    return cu_k, batch.req_to_token[rows, positions]
 
 
 class FlashExtend:
     """One step's gather indices and lengths (built once), then one call per layer."""
 
     def __init__(self, batch: ForwardBatch) -> None:
-        self.cu_k, slots = key_slots(batch)
-        self.slots = slots.long()
+        self.cu_k = host_indptr(batch.seq_lens_cpu).to(batch.seq_lens.device)
+        self.slots = key_slots(batch.req_to_token, batch.req_rows, batch.seq_lens,
+                               sum(batch.seq_lens_cpu)).long()
         self.cu_q = batch.qo_indptr
         self.max_q = max(batch.extend_lens_cpu)
         self.max_k = max(batch.seq_lens_cpu)
@@ -74,46 +64,23 @@ class FlashExtend:
         out.copy_(attn)
 
 
-class FlashInferExtend:
-    """FlashInfer's paged prefill over the pool as it is: every slot a page of one token, a
-    request's pages its req_to_token row; planned once per step, run once per layer."""
-
-    def __init__(self, batch: ForwardBatch, num_q_heads: int, kv_heads: int, dtype: torch.dtype,
-                 scale: float, backend: str) -> None:
-        import flashinfer
-
-        kv_indptr, pages = key_slots(batch)
-        device = kv_indptr.device
-        workspace = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD",
-                                                                      backend=backend)
-        self.wrapper.plan(batch.qo_indptr.int(), kv_indptr, pages.int().contiguous(),
-                          torch.ones(batch.batch_size, dtype=torch.int32, device=device),
-                          num_q_heads, kv_heads, D, 1, causal=True, sm_scale=scale,
-                          q_data_type=dtype, kv_data_type=dtype)
-
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 out: torch.Tensor) -> None:
-        """q [T, Hq, D] of the step's new tokens (their K/V already in the pool) -> out."""
-        self.wrapper.run(q, (k_cache.unsqueeze(1), v_cache.unsqueeze(1)), out=out)
-
-
-def time_flashinfer(batch, q, pool, tri, backend: str) -> tuple[float, float, float]:
-    """(us per layer, us to plan a step, relative difference to the Triton output); NaNs
+def time_flashinfer(batch, q, pool, tri) -> tuple[float, float, float]:
+    """The engine's FlashInfer path (engine/attention/flashinfer_prefill.py) on the whole
+    step: (us per layer, us to plan a step, relative difference to the Triton output); NaNs
     when FlashInfer is missing or refuses the case (printed)."""
     try:
-        fi = FlashInferExtend(batch, q.shape[1], pool.k[0].shape[1], q.dtype, D ** -0.5, backend)
+        fi = FlashInferPrefill(q.device, D ** -0.5)
+        args = (batch, 0, q.shape[1], pool.k[0].shape[1], D, q.dtype)
+        fi.plan(*args)
         out = torch.empty_like(q)
-        fi(q, pool.k[0], pool.v[0], out)
-        t_run = do_bench(lambda: fi(q, pool.k[0], pool.v[0], out), warmup=10, rep=50,
+        fi.run(q, pool.k[0], pool.v[0], out)
+        t_run = do_bench(lambda: fi.run(q, pool.k[0], pool.v[0], out), warmup=10, rep=50,
                          return_mode="median")
-        t_plan = do_bench(lambda: FlashInferExtend(batch, q.shape[1], pool.k[0].shape[1],
-                                                   q.dtype, D ** -0.5, backend),
-                          warmup=2, rep=10, return_mode="median")
+        t_plan = do_bench(lambda: fi.plan(*args), warmup=2, rep=10, return_mode="median")
         diff = float((out.float() - tri.float()).norm() / tri.float().norm())
         return t_run * 1e3, t_plan * 1e3, diff
     except Exception as e:  # noqa: BLE001 - an optional comparison: report, go on
-        print(f"  flashinfer {backend}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        print(f"  flashinfer: {type(e).__name__}: {str(e)[:300]}", flush=True)
         return float("nan"), float("nan"), float("nan")
 
 
@@ -147,12 +114,11 @@ def main() -> None:
             ref_err = float((fl.float() - ref).norm() / ref.norm())
         flops = extend_flops(reqs)
         rows.append((name, t_tri * 1e3, t_fl * 1e3, t_prep * 1e3, flops / (t_tri * 1e9),
-                     flops / (t_fl * 1e9), diff, ref_err, worth_it(batch)))
+                     flops / (t_fl * 1e9), diff, ref_err, flash_candidate(batch)))
         print(rows[-1], flush=True)
         if use_flashinfer:
-            fi_rows.append((name, t_tri * 1e3, flops)
-                           + time_flashinfer(batch, q, pool, tri, "fa3")
-                           + time_flashinfer(batch, q, pool, tri, "fa2"))
+            fi_rows.append((name, t_tri * 1e3, flops, worth_it(batch.extend_lens_cpu))
+                           + time_flashinfer(batch, q, pool, tri))
             print(fi_rows[-1], flush=True)
         del pool, batch, q, k, v, be, prep, tri, fl
         torch.cuda.empty_cache()
@@ -163,10 +129,10 @@ def main() -> None:
               f"{diff:>9.1e} {ref_err:>8.1e} {'yes' if used else 'no'}")
     if fi_rows:
         print(f"\n{'case':<14} {'triton us':>10} {'fa3 us':>8} {'plan us':>8} {'fa3 TF/s':>9} "
-              f"{'rel diff':>9} {'fa2 us':>8} {'plan us':>8} {'fa2 TF/s':>9} {'rel diff':>9}")
-        for name, tt, flops, t3, p3, d3, t2, p2, d2 in fi_rows:
+              f"{'speed-up':>8} {'rel diff':>9} engine's rule")
+        for name, tt, flops, rule, t3, p3, d3 in fi_rows:
             print(f"{name:<14} {tt:>10.1f} {t3:>8.1f} {p3:>8.1f} {flops / (t3 * 1e6):>9.0f} "
-                  f"{d3:>9.1e} {t2:>8.1f} {p2:>8.1f} {flops / (t2 * 1e6):>9.0f} {d2:>9.1e}")
+                  f"{tt / t3:>8.2f} {d3:>9.1e} {'flashinfer' if rule else 'triton'}")
 
 
 if __name__ == "__main__":

@@ -788,7 +788,14 @@ def bench_long_prefill(engine: Engine, ceilings: dict, num: int = 8, length: int
             "matmul_tflop": matmul / 1e12, "attention_tflop": attention / 1e12,
             "peak_tflop_s": peak, "floor_s": (matmul + attention) / (peak * 1e12),
             "floor_measured_s": (matmul + attention) / (ceilings["matmul_tflop_s"] * 1e12),
-            "phases": res["phases"]}
+            "phases": res["phases"], "flashinfer_steps": flashinfer_steps(engine)}
+
+
+def flashinfer_steps(engine: Engine) -> int | None:
+    """Steps whose extend attention FlashInfer ran so far (engine/attention/
+    flashinfer_prefill.py); None when the engine runs without it."""
+    fi = getattr(engine.runner.attn_backend, "flashinfer", None)
+    return None if fi is None else fi.steps
 
 
 def bench_w4(engine: Engine, ceilings: dict, conversations: int = 64, turns: int = 4,
@@ -1070,7 +1077,9 @@ def print_issue14(r: dict) -> None:
         print(f"\nlong prefill {lp['requests']} x {lp['length']}: {lp['wall_s']:.3f} s wall, "
               f"{lp['prefill_gpu_s']:.3f} s GPU; floor {lp['floor_s']:.3f} s at {lp['peak_tflop_s']:.0f} TFLOP/s "
               f"({lp['matmul_tflop']:.0f} matmul + {lp['attention_tflop']:.0f} attention TFLOP): "
-              f"{lp['wall_s'] / lp['floor_s']:.2f}x; at the measured matmul rate {lp['wall_s'] / lp['floor_measured_s']:.2f}x")
+              f"{lp['wall_s'] / lp['floor_s']:.2f}x; at the measured matmul rate {lp['wall_s'] / lp['floor_measured_s']:.2f}x"
+              + (f"; {lp['flashinfer_steps']} steps' attention by FlashInfer"
+                 if lp.get("flashinfer_steps") is not None else ""))
     if "W4" in r:
         w = r["W4"]
         print(f"\nW4: {w['conversations']} conversations, {w['first']}-token first message, "

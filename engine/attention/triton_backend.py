@@ -12,6 +12,7 @@ import torch
 import triton
 
 from engine.attention.base import ForwardBatch
+from engine.attention.flashinfer_prefill import FlashInferPrefill, worth_it
 from engine.attention.triton_common import store_kv_kernel
 from engine.attention.triton_configs import PREFIX_MAX_SPLITS, TritonLaunchConfigs, smem_limit_of
 from engine.attention.triton_decode import (decode_partial_kernel, decode_reduce_kernel,
@@ -132,6 +133,11 @@ class TritonAttentionBackend(TritonLaunchConfigs):
         self._grouped = None  # the step's PrefixGroupBatch when it runs grouped
         self._pfx = _Partials(self.block_d, self.device, self._retired)
         self.windows: dict[int, int] = {}
+        # Large extend steps' attention by FlashInfer's Hopper kernel (flashinfer_prefill.py),
+        # when the runner hands one over; `_fi_step`: this step's extend requests go there.
+        self.flashinfer: FlashInferPrefill | None = None
+        self._fi_q_heads = 0
+        self._fi_step = False
 
     # The runner builds per-step group metadata only for backends that run it.
     supports_prefix_groups = True
@@ -143,10 +149,17 @@ class TritonAttentionBackend(TritonLaunchConfigs):
         may lie outside the window); the other layers still use them."""
         self.windows = dict(windows)
 
+    def use_flashinfer_prefill(self, prefill: FlashInferPrefill, num_q_heads: int) -> None:
+        """From now on large extend steps' requests attend through `prefill` (its kernel is
+        built here, before serving)."""
+        prefill.warm_up(self.kv_pool.k[0], self.kv_pool.v[0], num_q_heads, self.cache_dtype)
+        self.flashinfer, self._fi_q_heads = prefill, num_q_heads
+
     # ------------------------------------------------------------------ per step
     def prepare(self, batch: ForwardBatch) -> None:
         self._prepared = batch
         self._grouped = None
+        self._fi_step = False
         if batch.is_decode:
             bound = batch.req_to_token.shape[1] if self.graph_mode else batch.max_seq_len
             pg = getattr(batch, "prefix_groups", None)
@@ -168,6 +181,11 @@ class TritonAttentionBackend(TritonLaunchConfigs):
                     d, max(batch.seq_lens_cpu[:d]), eager=True) if d else 1
             rest = batch.extend_lens_cpu[d:]
             self._max_extend = max(rest) if rest else 0
+            self._fi_step = (self.flashinfer is not None and not batch.decoders_on_device
+                             and worth_it(rest) and not torch.cuda.is_current_stream_capturing())
+            if self._fi_step:
+                self.flashinfer.plan(batch, d, self._fi_q_heads, self.kv_heads, self.head_dim,
+                                     self.cache_dtype)
 
     def _mid_buffers(self, bsz: int, hq: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._mid.get(bsz, hq, splits)
@@ -220,7 +238,9 @@ class TritonAttentionBackend(TritonLaunchConfigs):
             self.decode(q[:d], k_cache, v_cache, out[:d], batch.req_rows[:d],
                         batch.seq_lens[:d], batch.req_to_token, self._mixed_splits, None, window,
                         mixed=True)
-        if d < batch.batch_size:
+        if self._fi_step and not window:  # (a sliding-window layer: Triton; the plan has none)
+            self.flashinfer.run(q, k_cache, v_cache, out)
+        elif d < batch.batch_size:
             self.extend(q, k, v, k_cache, v_cache, out, batch, d, window)
         return out
 

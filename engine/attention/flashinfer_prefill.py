@@ -1,0 +1,158 @@
+"""Large extend steps through FlashInfer's Hopper prefill kernel (its "fa3" backend).
+
+Measured on the H200 (benchmarks/attention_notes.md, session 23): over our page-size-1 pool,
+read in place (every slot a page of one token), FlashInfer 0.7.4's fa3 prefill is 1.2-1.4x
+faster than `extend_kernel` on long prompts' chunks (1 x 8,192 new tokens over an 8,192-token
+prefix: 3.0 against 4.3 ms a layer) and slower on many short extends over long contexts
+(64 x 64 over 1,216: 391 against 310 us). It also costs a host-side plan per step (the work
+schedule, built from the step's lengths). So the Triton backend hands it only the extend
+requests of steps that carry many new tokens per request (`worth_it`); decode steps, mixed
+steps' decoders, short extends and every CUDA-graph step stay on Triton.
+
+FlashInfer is optional (`pip install flashinfer-python`) and compiles its kernel with nvcc at
+first use on a machine (about two minutes on 16 cores; then cached in ~/.cache/flashinfer, or
+under $FLASHINFER_WORKSPACE_BASE): the engine builds it at start-up (`warm_up`), never inside
+a served step. docs/deploy.md says how to bake it into an image.
+"""
+from __future__ import annotations
+
+import importlib.util
+import itertools
+
+import torch
+
+from engine.attention.base import ForwardBatch
+
+# `worth_it`'s thresholds, from the measured cases above: 8 x 512 new tokens gained 12 us a
+# layer, 64 x 64 over long prefixes lost 81.
+MIN_NEW_TOKENS = 2048
+MIN_MEAN_NEW_TOKENS = 512
+WORKSPACE_BYTES = 128 << 20  # FlashInfer's split-KV scratch (its documented default)
+
+
+def unavailable_reason(device: torch.device, kv_dtype: torch.dtype) -> str | None:
+    """Why FlashInfer's fa3 prefill cannot serve this engine, or None when it can."""
+    if device.type != "cuda":
+        return f"it needs a CUDA GPU (the engine runs on {device.type})"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"its fa3 kernel needs a Hopper GPU (sm_90); this one is sm_{major}{minor}"
+    if kv_dtype not in (torch.bfloat16, torch.float16):
+        return (f"the KV cache is {str(kv_dtype).replace('torch.', '')}; it serves bfloat16 "
+                "and float16 pools here (an fp8 pool stays on the Triton kernels)")
+    if importlib.util.find_spec("flashinfer") is None:
+        return "the flashinfer package is not installed (pip install flashinfer-python)"
+    return None
+
+
+def worth_it(extend_lens: list[int]) -> bool:
+    """Whether a step's extend requests (their new-token counts) go to FlashInfer."""
+    new = sum(extend_lens)
+    return new >= MIN_NEW_TOKENS and new >= MIN_MEAN_NEW_TOKENS * len(extend_lens)
+
+
+def key_slots(req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor,
+              total: int) -> torch.Tensor:
+    """The pool slot of every key of the requests, request after request: key j of request
+    i is req_to_token[req_rows[i], j] for j < seq_lens[i]; `total` = sum(seq_lens), known on
+    the host, so nothing waits for the device."""
+    lens = seq_lens.long()
+    starts = torch.cumsum(lens, 0) - lens
+    rows = torch.repeat_interleave(req_rows, lens, output_size=total)
+    first = torch.repeat_interleave(starts, lens, output_size=total)
+    return req_to_token[rows, torch.arange(total, device=lens.device) - first]
+
+
+def host_indptr(lengths: list[int]) -> torch.Tensor:
+    """[0, l0, l0 + l1, ...] as a host int32 tensor (FlashInfer plans on the host)."""
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+
+
+def _plan_args(extend_lens: list[int], seq_lens: list[int], slots: torch.Tensor,
+               num_q_heads: int, kv_heads: int, head_dim: int, scale: float,
+               dtype: torch.dtype) -> dict:
+    """FlashInfer's plan arguments. Its host-side lengths are pinned: FlashInfer copies them
+    to the device with non_blocking=True, and from pageable memory torch would make that
+    copy wait for the stream, stalling the overlap scheduler's host (the step before has
+    not finished when this one is planned). `seq_lens` given spares FlashInfer deriving them
+    into a pageable tensor of its own."""
+    return dict(qo_indptr=host_indptr(extend_lens).pin_memory(),
+                paged_kv_indptr=host_indptr(seq_lens).pin_memory(), paged_kv_indices=slots,
+                paged_kv_last_page_len=torch.ones(len(seq_lens), dtype=torch.int32).pin_memory(),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32).pin_memory(),
+                num_qo_heads=num_q_heads, num_kv_heads=kv_heads, head_dim_qk=head_dim,
+                page_size=1, causal=True, sm_scale=scale, q_data_type=dtype, kv_data_type=dtype)
+
+
+class _Planner:
+    """One FlashInfer wrapper and the event that says its last plan's copies are done.
+
+    A plan writes the work schedule into the wrapper's pinned host buffer and copies it to
+    the device asynchronously; re-planning the same wrapper before that copy has run (the
+    overlap scheduler plans step N+1 while step N's work is queued) would overwrite it. Two
+    planners alternate, and each waits for its own previous copy (in practice long done)."""
+
+    def __init__(self, workspace: torch.Tensor) -> None:
+        import flashinfer
+
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD",
+                                                                      backend="fa3")
+        self.copied: torch.cuda.Event | None = None
+
+    def plan(self, **kw) -> None:
+        if self.copied is not None and not self.copied.query():
+            self.copied.synchronize()
+        self.wrapper.plan(**kw)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+
+
+class FlashInferPrefill:
+    """Per step: `plan` the extend requests from `first` on; per layer: `run`."""
+
+    def __init__(self, device: torch.device, scale: float) -> None:
+        self.scale = float(scale)
+        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._planners = [_Planner(workspace), _Planner(workspace)]
+        self._turn = 0
+        self._q_start = 0
+        self.steps = 0  # steps planned here (tests and benchmarks read it)
+
+    def plan(self, batch: ForwardBatch, first: int, num_q_heads: int, kv_heads: int,
+             head_dim: int, dtype: torch.dtype) -> None:
+        """Requests first.. of the batch, their K/V (prefix and new) already in the pool."""
+        ext, lens = batch.extend_lens_cpu[first:], batch.seq_lens_cpu[first:]
+        self._q_start = sum(batch.extend_lens_cpu[:first])
+        slots = key_slots(batch.req_to_token, batch.req_rows[first:], batch.seq_lens[first:],
+                          sum(lens))
+        planner = self._planners[self._turn]
+        self._turn ^= 1
+        planner.plan(**_plan_args(ext, lens, slots.int(), num_q_heads, kv_heads, head_dim,
+                                  self.scale, dtype))
+        self._wrapper = planner.wrapper
+        self.steps += 1
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            out: torch.Tensor) -> None:
+        """Attention of the planned requests' new tokens (rows from the plan's first on of q
+        [T, Hq, D]) into the same rows of out; k_cache/v_cache [slots, Hkv, D]: one layer."""
+        s = self._q_start
+        self._wrapper.run(q[s:].contiguous(), (k_cache.unsqueeze(1), v_cache.unsqueeze(1)), out=out[s:])
+
+    def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int,
+                dtype: torch.dtype) -> None:
+        """Build (JIT-compile, or load from FlashInfer's cache) the kernel now: one request
+        of 16 tokens over the pool's padding slot 0, which is never read as a real key."""
+        kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+        n = 16
+        planner = self._planners[0]
+        slots = torch.zeros(n, dtype=torch.int32, device=k_cache.device)
+        planner.plan(**_plan_args([n], [n], slots, num_q_heads, kv_heads, head_dim, self.scale,
+                                  dtype))
+        q = torch.zeros(n, num_q_heads, head_dim, dtype=dtype, device=k_cache.device)
+        planner.wrapper.run(q, (k_cache.unsqueeze(1), v_cache.unsqueeze(1)),
+                            out=torch.empty_like(q))
+        torch.cuda.synchronize(k_cache.device)
+
+
+__all__ = ["FlashInferPrefill", "key_slots", "unavailable_reason", "worth_it"]

@@ -1,0 +1,138 @@
+"""FlashInfer's Hopper prefill for large extend steps (engine/attention/flashinfer_prefill.py).
+
+CPU: which steps it takes, the key gather and the plan's lengths, and the start-up errors
+when it is asked for and cannot serve. GPU (`-m gpu`; FlashInfer installed, an sm_90 GPU):
+the Triton backend with FlashInfer against the torch reference on long extends, mixed steps
+and steps that stay on Triton, and the engine's prompt logprobs and tokens with and without
+it, with overlapped steps that never wait for the GPU."""
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.attention import flashinfer_prefill
+from engine.attention.flashinfer_prefill import host_indptr, key_slots, worth_it
+
+
+def test_large_extends_go_to_flashinfer_and_small_ones_stay():
+    assert worth_it([2048])
+    assert worth_it([512] * 4)
+    assert worth_it([8192, 16])  # one long chunk carries a few short prompts
+    assert not worth_it([2047])  # too few new tokens for the plan to pay
+    assert not worth_it([64] * 64)  # many short extends: FlashInfer measured slower
+    assert not worth_it([511] * 8)
+    assert not worth_it([])
+
+
+def test_key_slots_follow_each_request_row():
+    req_to_token = torch.arange(5 * 10, dtype=torch.int32).view(5, 10)
+    rows, lens = torch.tensor([3, 1, 4]), torch.tensor([2, 0, 4], dtype=torch.int32)
+    got = key_slots(req_to_token, rows, lens, 6)
+    assert got.tolist() == [30, 31, 40, 41, 42, 43]
+    assert host_indptr([2, 0, 4]).tolist() == [0, 2, 2, 6]
+    assert host_indptr([2, 0, 4]).dtype == torch.int32
+
+
+def test_flashinfer_refuses_the_cpu_with_its_reason():
+    reason = flashinfer_prefill.unavailable_reason(torch.device("cpu"), torch.bfloat16)
+    assert "CUDA GPU" in reason
+
+
+def test_asking_for_flashinfer_on_the_cpu_fails_at_start(tiny_llama):
+    with pytest.raises(ValueError, match="prefill_attention_backend='flashinfer' needs the Triton"):
+        LLM(model=tiny_llama, dtype="float32", device="cpu", prefill_attention_backend="flashinfer")
+    with pytest.raises(ValueError, match="prefill_attention_backend must be"):
+        EngineConfig(model=tiny_llama, prefill_attention_backend="fa3")
+    # "auto" on the CPU is the torch backend, as before
+    llm = LLM(model=tiny_llama, dtype="float32", device="cpu", max_total_tokens=256)
+    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0))[0].token_ids
+
+
+def _serves() -> bool:
+    return (torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
+            and flashinfer_prefill.unavailable_reason(torch.device("cuda"), torch.bfloat16) is None)
+
+
+needs_flashinfer = pytest.mark.skipif(not _serves(), reason="needs FlashInfer on an sm_90 GPU")
+
+# head_dim 128, bf16: the kernel FlashInfer builds for Llama-3-shaped models (one JIT build)
+CASES = [
+    ("one_long_prompt", [(0, 2048)], 1),
+    ("chunks_over_prefixes", [(3000, 1024), (0, 1500), (700, 900)], 1),
+    ("decoders_then_a_chunk", [(500, 1)] * 5 + [(1000, 2048)], 1),
+    ("short_extends_stay_on_triton", [(1216, 64)] * 8 + [(0, 300)], 0),
+]
+
+
+@pytest.mark.gpu
+@needs_flashinfer
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("fused_qkv", [True, False], ids=["strided_q", "contiguous_q"])
+def test_backend_with_flashinfer_matches_torch(case, fused_qkv):
+    from test_triton_attention import compare, make_case, reference
+
+    from engine.attention.triton_backend import TritonAttentionBackend
+
+    _, reqs, planned = case
+    c = make_case(reqs, 32, 8, 128, torch.bfloat16, "cuda", fused_qkv=fused_qkv, seed=7)
+    ref, ref_pool = reference(c)
+    be = TritonAttentionBackend(c.pool, 128 ** -0.5)
+    be.use_flashinfer_prefill(flashinfer_prefill.FlashInferPrefill(torch.device("cuda"),
+                                                                  128 ** -0.5), 32)
+    be.prepare(c.batch)
+    out = torch.full(c.q.shape, float("nan"), dtype=c.q.dtype, device="cuda")
+    be.forward(c.q, c.k, c.v, c.layer, c.batch, out=out)
+    assert be.flashinfer.steps == planned
+    r = compare(c, out, ref, ref_pool)
+    assert r["ok"], r
+
+
+def _long_prompts(n, length, seed):
+    r = random.Random(seed)
+    return [[r.randint(3, 700) for _ in range(length)] for _ in range(n)]
+
+
+@pytest.mark.gpu
+@needs_flashinfer
+def test_engine_with_flashinfer_matches_triton_and_never_waits(tiny_model_factory, monkeypatch):
+    """Prompt logprobs of 3,000-token prompts (their prefill chunks through FlashInfer) equal
+    the Triton engine's within bf16 noise, and greedy tokens agree; every overlapped launch
+    runs under torch's sync debug mode (the plan's host copies must not wait)."""
+    from engine.overlap import OverlapStepper
+
+    path = tiny_model_factory("llama", hidden_size=512, num_attention_heads=4,
+                              num_key_value_heads=2, max_position_embeddings=8192)
+
+    def strict(method):
+        def run(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return method(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return run
+
+    ps = _long_prompts(3, 3000, seed=5) + _long_prompts(4, 40, seed=6)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs_start=0)
+    runs = {}
+    for prefill in ("triton", "flashinfer"):
+        if prefill == "flashinfer":
+            monkeypatch.setattr(OverlapStepper, "_forward", strict(OverlapStepper._forward))
+        llm = LLM(model=path, dtype="bfloat16", device="cuda", max_total_tokens=16384,
+                  chunked_prefill_size=4096, cuda_graph_max_bs=8,
+                  prefill_attention_backend=prefill)
+        runs[prefill] = llm.generate(ps, params)
+        fi = llm.engine.runner.attn_backend.flashinfer
+        assert (fi is not None and fi.steps > 0) == (prefill == "flashinfer")
+        s = llm.stats()
+        assert s["free_slots"] + s["evictable_slots"] == s["total_slots"]
+    diffs = [abs(a - b) for x, y in zip(runs["triton"], runs["flashinfer"])
+             for a, b in zip(x.prompt_logprobs, y.prompt_logprobs) if a is not None]
+    assert len(diffs) == 3 * 2999 + 4 * 39
+    assert max(diffs) < 0.1 and sum(diffs) / len(diffs) < 0.01, (max(diffs), sum(diffs) / len(diffs))
+    same = sum(x.token_ids == y.token_ids for x, y in zip(runs["triton"], runs["flashinfer"]))
+    assert same >= len(ps) - 1
