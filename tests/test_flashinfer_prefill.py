@@ -98,13 +98,18 @@ def _long_prompts(n, length, seed):
 
 @pytest.mark.gpu
 @needs_flashinfer
-def test_engine_with_flashinfer_matches_triton_and_never_waits(tiny_model_factory, monkeypatch):
-    """Prompt logprobs of 3,000-token prompts (their prefill chunks through FlashInfer) equal
-    the Triton engine's within bf16 noise, and greedy tokens agree; every overlapped launch
-    runs under torch's sync debug mode (the plan's host copies must not wait)."""
+def test_engine_with_flashinfer_is_as_close_to_float32_as_triton(tiny_model_factory, monkeypatch):
+    """Prompt logprobs of 3,000-token prompts (their prefill chunks through FlashInfer) and
+    greedy tokens, against the same engine in float32: the bf16 engine with FlashInfer is as
+    close as the bf16 engine with Triton alone (the random tiny model amplifies bf16
+    rounding, so both differ from float32 by a similar, nonzero amount). Every overlapped
+    launch of the FlashInfer engine runs under torch's sync debug mode (the plan's host
+    copies must not wait for the GPU)."""
     from engine.overlap import OverlapStepper
 
-    path = tiny_model_factory("llama", hidden_size=512, num_attention_heads=4,
+    # init_std 0.1: bf16 against float32 moves a prompt logprob by ~0.08 on average (on the
+    # CPU, 600-token prompts); at the default 0.3 the model is chaotic (~0.8-1.0)
+    path = tiny_model_factory("llama", init_std=0.1, hidden_size=512, num_attention_heads=4,
                               num_key_value_heads=2, max_position_embeddings=8192)
 
     def strict(method):
@@ -119,20 +124,26 @@ def test_engine_with_flashinfer_matches_triton_and_never_waits(tiny_model_factor
     ps = _long_prompts(3, 3000, seed=5) + _long_prompts(4, 40, seed=6)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs_start=0)
     runs = {}
-    for prefill in ("triton", "flashinfer"):
+    for name, dtype, prefill in (("float32", "float32", "triton"), ("triton", "bfloat16", "triton"),
+                                 ("flashinfer", "bfloat16", "flashinfer")):
         if prefill == "flashinfer":
             monkeypatch.setattr(OverlapStepper, "_forward", strict(OverlapStepper._forward))
-        llm = LLM(model=path, dtype="bfloat16", device="cuda", max_total_tokens=16384,
-                  chunked_prefill_size=4096, cuda_graph_max_bs=8,
-                  prefill_attention_backend=prefill)
-        runs[prefill] = llm.generate(ps, params)
+        llm = LLM(model=path, dtype=dtype, device="cuda", max_total_tokens=16384,
+                  chunked_prefill_size=4096, cuda_graph_max_bs=8, prefill_attention_backend=prefill)
+        runs[name] = llm.generate(ps, params)
         fi = llm.engine.runner.attn_backend.flashinfer
         assert (fi is not None and fi.steps > 0) == (prefill == "flashinfer")
         s = llm.stats()
         assert s["free_slots"] + s["evictable_slots"] == s["total_slots"]
-    diffs = [abs(a - b) for x, y in zip(runs["triton"], runs["flashinfer"])
+
+    def error(name):  # mean and max |logprob - float32's| over every prompt token, tokens equal
+        d = [abs(a - b) for x, y in zip(runs[name], runs["float32"])
              for a, b in zip(x.prompt_logprobs, y.prompt_logprobs) if a is not None]
-    assert len(diffs) == 3 * 2999 + 4 * 39
-    assert max(diffs) < 0.1 and sum(diffs) / len(diffs) < 0.01, (max(diffs), sum(diffs) / len(diffs))
-    same = sum(x.token_ids == y.token_ids for x, y in zip(runs["triton"], runs["flashinfer"]))
-    assert same >= len(ps) - 1
+        same = sum(x.token_ids == y.token_ids for x, y in zip(runs[name], runs["float32"]))
+        return len(d), sum(d) / len(d), max(d), same
+
+    tri, fi = error("triton"), error("flashinfer")
+    print("vs float32 (tokens, mean, max, equal outputs): triton", tri, "flashinfer", fi)
+    assert tri[0] == fi[0] == 3 * 2999 + 4 * 39
+    assert fi[1] <= 1.25 * tri[1] + 1e-3, (tri, fi)
+    assert fi[3] >= tri[3] - 1, (tri, fi)
