@@ -53,7 +53,7 @@ class EngineConfig:
 
     # Kernels
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    # Large prefill/extend steps (>= 2,048 new tokens, >= 512 per request) of the Triton
+    # Large prefill/extend steps (>= 4,096 new tokens, >= 1,024 per request) of the Triton
     # backend: "flashinfer" = FlashInfer's Hopper (fa3) kernel, 1.2-1.4x faster on long
     # prompts (engine/attention/flashinfer_prefill.py; the package is optional and builds its
     # kernel at start-up); "auto" = FlashInfer when it can serve (installed, sm_90, a

@@ -37,6 +37,15 @@ if [ -d .whl/c2 ] && [ ! -d /tmp/site/ray ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/ray-*.whl .whl/c2/*.whl \
     || { echo "installing the Ray Serve wheels failed"; exit 1; }
 fi
+# pip --target does not add Ray's commands to a /tmp/site/bin that another install made first
+# (FlashInfer's, say): write them then.
+for cmd in "serve ray.serve.scripts cli" "ray ray.scripts.scripts main"; do
+  set -- $cmd
+  [ -e "/tmp/site/bin/$1" ] || [ ! -d /tmp/site/ray ] || {
+    mkdir -p /tmp/site/bin
+    printf '#!/usr/bin/env python3\nimport sys\nfrom %s import %s\nsys.exit(%s())\n' "$2" "$3" "$3" > "/tmp/site/bin/$1"
+    chmod +x "/tmp/site/bin/$1"; }
+done
 export PYTHONPATH=$ROOT:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
 export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
 

@@ -1,18 +1,20 @@
 """Large extend steps through FlashInfer's Hopper prefill kernel (its "fa3" backend).
 
-Measured on the H200 (benchmarks/attention_notes.md, session 23): over our page-size-1 pool,
-read in place (every slot a page of one token), FlashInfer 0.7.4's fa3 prefill is 1.2-1.4x
-faster than `extend_kernel` on long prompts' chunks (1 x 8,192 new tokens over an 8,192-token
-prefix: 3.0 against 4.3 ms a layer) and slower on many short extends over long contexts
-(64 x 64 over 1,216: 391 against 310 us). It also costs a host-side plan per step (the work
-schedule, built from the step's lengths). So the Triton backend hands it only the extend
-requests of steps that carry many new tokens per request (`worth_it`); decode steps, mixed
-steps' decoders, short extends and every CUDA-graph step stay on Triton.
+Measured on the H200 (benchmarks/attention_notes.md, session 23), per layer, over our
+page-size-1 pool read in place (every slot a page of one token), this module's path against
+`extend_kernel`: 1.34-1.36x faster on long prompts' chunks (1 x 16,000 new tokens: 3.69 against
+4.94 ms; 1 x 8,192 over an 8,192-token prefix: 3.17 against 4.31), 1.24x on 4 x 1,024 over
+1,024, even at 8 x 2,048, slower on 8 x 512 (118 against 92 us) and on many short extends over
+long contexts (64 x 64 over 1,216: 452 against 307 us). Each step also pays a host-side plan
+(the work schedule, from the step's lengths: 0.6-2.6 ms, which the overlap scheduler hides
+behind the step before). So the Triton backend hands it only the extend requests of steps
+with many new tokens per request (`worth_it`); decode steps, mixed steps' decoders, short
+extends and every CUDA-graph step stay on Triton.
 
 FlashInfer is optional (`pip install flashinfer-python`) and compiles its kernel with nvcc at
-first use on a machine (about two minutes on 16 cores; then cached in ~/.cache/flashinfer, or
-under $FLASHINFER_WORKSPACE_BASE): the engine builds it at start-up (`warm_up`), never inside
-a served step. docs/deploy.md says how to bake it into an image.
+first use on a machine (110 s on 16 cores; then loaded from its cache in ~/.cache/flashinfer,
+or under $FLASHINFER_WORKSPACE_BASE, in under 3 s): the engine builds it at start-up
+(`warm_up`), never inside a served step. docs/deploy.md says how to bake it into an image.
 """
 from __future__ import annotations
 
@@ -23,10 +25,9 @@ import torch
 
 from engine.attention.base import ForwardBatch
 
-# `worth_it`'s thresholds, from the measured cases above: 8 x 512 new tokens gained 12 us a
-# layer, 64 x 64 over long prefixes lost 81.
-MIN_NEW_TOKENS = 2048
-MIN_MEAN_NEW_TOKENS = 512
+# `worth_it`'s thresholds, from the measured cases above: 4 x 1,024 won, 8 x 512 lost.
+MIN_NEW_TOKENS = 4096
+MIN_MEAN_NEW_TOKENS = 1024
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's split-KV scratch (its documented default)
 
 
