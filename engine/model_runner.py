@@ -206,8 +206,16 @@ class ModelRunner:
                 raise ValueError(f"prefill_attention_backend='flashinfer': {reason}")
             return
         q_heads = max(1, self.hf_config.num_attention_heads // self.tp.size)
-        backend.use_flashinfer_prefill(flashinfer_prefill.FlashInferPrefill(self.device, scale),
-                                       q_heads)
+        try:
+            backend.use_flashinfer_prefill(
+                flashinfer_prefill.FlashInferPrefill(self.device, scale), q_heads)
+        except Exception as e:  # noqa: BLE001 - an optional kernel: on "auto", Triton serves
+            if prefill == "flashinfer":
+                raise
+            logger.warning("prefill attention: FlashInfer is installed but its kernel could not "
+                           "be built (%s: %s); large prefill steps stay on Triton",
+                           type(e).__name__, e)
+            return
         logger.info("prefill attention: FlashInfer fa3 for large extend steps (kernel ready "
                     "in %.1fs)", self.startup.mark("flashinfer"))
 

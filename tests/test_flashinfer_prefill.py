@@ -53,6 +53,23 @@ def test_asking_for_flashinfer_on_the_cpu_fails_at_start(tiny_llama):
     assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0))[0].token_ids
 
 
+def test_a_flashinfer_that_cannot_build_leaves_auto_on_triton(tiny_llama, monkeypatch, caplog):
+    """"auto" where FlashInfer looks usable but fails to build (here: it is not installed,
+    so its import fails inside the build) starts on Triton with a warning; asked for
+    explicitly, the same failure stops the start."""
+    if importlib.util.find_spec("flashinfer") is not None:
+        pytest.skip("FlashInfer is installed here: its import would not fail")
+    monkeypatch.setattr(flashinfer_prefill, "unavailable_reason", lambda device, dtype: None)
+    kw = dict(model=tiny_llama, dtype="float32", device="cpu", attention_backend="triton",
+              max_total_tokens=256)
+    with caplog.at_level("WARNING", logger="engine.model_runner"):
+        llm = LLM(**kw)
+    assert llm.engine.runner.attn_backend.flashinfer is None
+    assert "could not be built (ModuleNotFoundError" in caplog.text
+    with pytest.raises(ModuleNotFoundError, match="flashinfer"):
+        LLM(**kw, prefill_attention_backend="flashinfer")
+
+
 def _serves() -> bool:
     return (torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
             and flashinfer_prefill.unavailable_reason(torch.device("cuda"), torch.bfloat16) is None)
