@@ -1,23 +1,27 @@
 #!/usr/bin/env bash
 # Wheels for FlashInfer on the GPU machine (Python 3.12; it has torch, nvcc 13.0, ninja, numpy,
 # einops, click, tabulate, tqdm, requests, nvidia-ml-py, but not flashinfer or the packages
-# below), for scripts/bench_flash_extend.py's FlashInfer columns (issue 14's FA3 comparison;
-# benchmarks/attention_notes.md). Run from the project root:  bash scripts/flashinfer_wheels.sh
-# It fills .whl_fi/c1, c2, ... with at most 56 MB each (a device call carries 64 MiB with the
-# tree). Then chain the calls, each within ~30 s of the last (the machine stays warm that long):
-#   call i < last: carry [".whl_fi/ci"], command: mkdir -p /tmp/fi && cp .whl_fi/ci/* /tmp/fi/
-#   last call: carry [".whl_fi/cN"], command starts with
-#     cp .whl_fi/cN/* /tmp/fi/ && cat /tmp/fi/flashinfer.part.* > /tmp/$(cat /tmp/fi/flashinfer.name) &&
+# below), for the engine's FlashInfer prefill (engine/attention/flashinfer_prefill.py), its GPU
+# tests and scripts/bench_flash_extend.py. Run from the project root:  bash scripts/flashinfer_wheels.sh
+# It fills .whl_fi/c1 and .whl_fi/c2 with at most 59 MB each (a device call carries 64 MiB with
+# the tree). Then chain two calls, the second within ~30 s of the first (the machine stays warm
+# that long):
+#   call 1: carry [".whl_fi/c1"], command: mkdir -p /tmp/fi && cp .whl_fi/c1/* /tmp/fi/
+#   call 2: carry [".whl_fi/c2"], command starts with
+#     cp .whl_fi/c2/* /tmp/fi/ && cat /tmp/fi/flashinfer.part.* > /tmp/$(cat /tmp/fi/flashinfer.name) &&
 #     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/flashinfer_python-*.whl /tmp/fi/*.whl &&
-#     export PYTHONPATH=$PWD:/tmp/site && python3 scripts/bench_flash_extend.py
-# FlashInfer compiles its kernels with nvcc at first use (minutes per configuration): budget the
-# last call for it. Not yet run on the device (2026-12-04): which of these `import flashinfer`
-# and the prefill JIT really need was read from the wheel's metadata, not tried.
+#     export PYTHONPATH=$PWD:/tmp/site FLASHINFER_WORKSPACE_BASE=/tmp/fiws FLASHINFER_CUDA_ARCH_LIST=9.0a && ...
+# FlashInfer compiles its kernel with nvcc at first use: 110 s on the H200 machine's 16 cores
+# (2026-12-04). To skip that in later sessions, bring the built modules back once
+# (cd /tmp/fiws && tar czf $OUT/fi_jit.tgz --exclude="*.o" --exclude="*.ninja*" .: 4 MB) and
+# carry them beside c1 (.carry/fijit/fi_jit.tgz; unpack with tar xzf ... -C /tmp/fiws).
+# Not fetched: nccl-extensions (22 MB), which flashinfer-python lists but neither
+# `import flashinfer` nor the prefill needs (checked on the device, 2026-12-04).
 set -euo pipefail
 mkdir -p .git/info && (grep -qx '/.whl_fi/' .git/info/exclude 2>/dev/null || echo '/.whl_fi/' >> .git/info/exclude)
 rm -rf .whl_fi && mkdir -p .whl_fi/all
 specs="flashinfer-python==0.7.4 apache-tvm-ffi==0.1.15.post2 cuda-tile==1.7.0 nccl4py==0.6.0
-nccl-extensions==0.1.0 nvidia-cudnn-frontend==1.32.0 nvidia-cutlass-dsl==4.8.1"
+nvidia-cudnn-frontend==1.32.0 nvidia-cutlass-dsl==4.8.1"
 plat=""
 for n in 39 35 34 31 28 27 24 17; do plat="$plat --platform manylinux_2_${n}_x86_64"; done
 for s in $specs; do
@@ -25,11 +29,14 @@ for s in $specs; do
     $plat --platform manylinux2014_x86_64 -d .whl_fi/all "$s"
 done
 fi=$(ls .whl_fi/all/flashinfer_python-*.whl)
-mkdir -p .whl_fi/c1 .whl_fi/c2 .whl_fi/c3
-basename "$fi" > .whl_fi/c3/flashinfer.name
+rm -rf .whl_fi/c1 .whl_fi/c2 .whl_fi/c3 .whl_fi/c23
+mkdir -p .whl_fi/c1 .whl_fi/c2
+basename "$fi" > .whl_fi/c2/flashinfer.name
 split -b 56M "$fi" .whl_fi/part.
 mv .whl_fi/part.aa .whl_fi/c1/flashinfer.part.aa
 mv .whl_fi/part.ab .whl_fi/c2/flashinfer.part.ab
-for w in .whl_fi/all/*.whl; do [ "$w" = "$fi" ] || cp "$w" .whl_fi/c3/; done
+for w in .whl_fi/all/*.whl; do
+  [ "$w" = "$fi" ] || cp "$w" .whl_fi/c2/
+done
 rm -rf .whl_fi/all
 du -sh .whl_fi/c*
