@@ -55,9 +55,10 @@ class EngineConfig:
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     # Large prefill/extend steps (>= 4,096 new tokens, >= 1,024 per request) of the Triton
     # backend: "flashinfer" = FlashInfer's Hopper (fa3) kernel, 1.2-1.4x faster on long
-    # prompts (engine/attention/flashinfer_prefill.py; the package is optional and builds its
-    # kernel at start-up); "auto" = FlashInfer when it can serve (installed, sm_90, a
-    # bf16/fp16 KV cache), else Triton; "triton" = never FlashInfer.
+    # prompts (engine/attention/flashinfer_prefill.py; the package is optional; its kernel is
+    # built at start-up, 110 s once, then cached); "auto" = FlashInfer when it can serve
+    # (installed, sm_90, a bf16/fp16 KV cache) and its kernel is built already, else Triton;
+    # "triton" = never FlashInfer.
     prefill_attention_backend: Literal["auto", "triton", "flashinfer"] = "auto"
     enable_cuda_graph: bool = True
     # RMSNorm (+ residual add), RoPE and SiLU-and-mul as one Triton kernel each (GPU only).

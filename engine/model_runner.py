@@ -194,16 +194,24 @@ class ModelRunner:
         return TorchAttentionBackend(self.kv_pool, scale)
 
     def _add_flashinfer_prefill(self, backend, prefill: str, scale: float) -> None:
-        """FlashInfer's Hopper prefill for large extend steps, when asked for or ("auto")
-        when it can serve; its kernel is built (or loaded from its cache) here."""
+        """FlashInfer's Hopper prefill for large extend steps, when asked for (its kernel
+        built here, or loaded from its cache) or ("auto") when it can serve and its kernel
+        is built already."""
         if prefill == "triton":
             return
         from engine.attention import flashinfer_prefill
 
-        reason = flashinfer_prefill.unavailable_reason(self.device, self.kv_pool.k[0].dtype)
+        dtype = self.kv_pool.k[0].dtype
+        reason = flashinfer_prefill.unavailable_reason(self.device, dtype)
         if reason is not None:
             if prefill == "flashinfer":
                 raise ValueError(f"prefill_attention_backend='flashinfer': {reason}")
+            return
+        if prefill == "auto" and not flashinfer_prefill.kernel_is_built(dtype, backend.head_dim):
+            logger.info("prefill attention: Triton. FlashInfer is installed but its kernel for "
+                        "this model is not built on this machine; prefill_attention_backend="
+                        "flashinfer builds it at start-up (about 2 minutes, once: it is cached), "
+                        "docs/deploy.md says how to bake it into an image")
             return
         q_heads = max(1, self.hf_config.num_attention_heads // self.tp.size)
         try:

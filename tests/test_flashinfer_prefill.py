@@ -60,6 +60,7 @@ def test_a_flashinfer_that_cannot_build_leaves_auto_on_triton(tiny_llama, monkey
     if importlib.util.find_spec("flashinfer") is not None:
         pytest.skip("FlashInfer is installed here: its import would not fail")
     monkeypatch.setattr(flashinfer_prefill, "unavailable_reason", lambda device, dtype: None)
+    monkeypatch.setattr(flashinfer_prefill, "kernel_is_built", lambda dtype, head_dim: True)
     kw = dict(model=tiny_llama, dtype="float32", device="cpu", attention_backend="triton",
               max_total_tokens=256)
     with caplog.at_level("WARNING", logger="engine.model_runner"):
@@ -68,6 +69,29 @@ def test_a_flashinfer_that_cannot_build_leaves_auto_on_triton(tiny_llama, monkey
     assert "could not be built (ModuleNotFoundError" in caplog.text
     with pytest.raises(ModuleNotFoundError, match="flashinfer"):
         LLM(**kw, prefill_attention_backend="flashinfer")
+
+
+def test_auto_takes_flashinfer_only_when_its_kernel_is_built(tiny_llama, monkeypatch, caplog):
+    """"auto" never adds FlashInfer's two-minute compile to a start: with its kernel not
+    built it starts on Triton and says how to get FlashInfer (the build itself is not
+    attempted: the import that would fail here is never reached)."""
+    monkeypatch.setattr(flashinfer_prefill, "unavailable_reason", lambda device, dtype: None)
+    asked = []
+    monkeypatch.setattr(flashinfer_prefill, "kernel_is_built",
+                        lambda dtype, head_dim: asked.append((dtype, head_dim)) or False)
+    with caplog.at_level("INFO", logger="engine.model_runner"):
+        llm = LLM(model=tiny_llama, dtype="float32", device="cpu", attention_backend="triton",
+                  max_total_tokens=256)
+    assert llm.engine.runner.attn_backend.flashinfer is None
+    assert asked == [(torch.float32, llm.engine.runner.attn_backend.head_dim)]
+    assert "not built on this machine" in caplog.text
+    assert "could not be built" not in caplog.text
+
+
+def test_kernel_is_built_says_no_without_flashinfer():
+    if importlib.util.find_spec("flashinfer") is not None:
+        pytest.skip("FlashInfer is installed here")
+    assert flashinfer_prefill.kernel_is_built(torch.bfloat16, 128) is False
 
 
 def _serves() -> bool:
@@ -160,6 +184,7 @@ def test_engine_with_flashinfer_is_as_close_to_float32_as_triton(tiny_model_fact
         same = sum(x.token_ids == y.token_ids for x, y in zip(runs[name], runs["float32"]))
         return len(d), sum(d) / len(d), max(d), same
 
+    assert flashinfer_prefill.kernel_is_built(torch.bfloat16, 128)  # so "auto" takes it now
     tri, fi = error("triton"), error("flashinfer")
     print("vs float32 (tokens, mean, max, equal outputs): triton", tri, "flashinfer", fi)
     assert tri[0] == fi[0] == 3 * 2999 + 4 * 39

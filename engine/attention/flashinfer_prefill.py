@@ -13,8 +13,9 @@ extends and every CUDA-graph step stay on Triton.
 
 FlashInfer is optional (`pip install flashinfer-python`) and compiles its kernel with nvcc at
 first use on a machine (110 s on 16 cores; then loaded from its cache in ~/.cache/flashinfer,
-or under $FLASHINFER_WORKSPACE_BASE, in under 3 s): the engine builds it at start-up
-(`warm_up`), never inside a served step. docs/deploy.md says how to bake it into an image.
+or under $FLASHINFER_WORKSPACE_BASE, in under 3 s). The engine builds or loads it at start-up
+(`warm_up`), never inside a served step, and "auto" takes it only when it is built already
+(`kernel_is_built`). docs/deploy.md says how to bake it into an image.
 """
 from __future__ import annotations
 
@@ -44,6 +45,21 @@ def unavailable_reason(device: torch.device, kv_dtype: torch.dtype) -> str | Non
     if importlib.util.find_spec("flashinfer") is None:
         return "the flashinfer package is not installed (pip install flashinfer-python)"
     return None
+
+
+def kernel_is_built(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether FlashInfer's fa3 prefill module for this dtype and head size is built already
+    (in its JIT cache, or installed prebuilt): "auto" takes FlashInfer only then, so it never
+    adds a 110 s compile to a replica's start. False when FlashInfer cannot say (an API of
+    another version)."""
+    try:
+        from flashinfer.jit import gen_batch_prefill_module
+
+        spec = gen_batch_prefill_module("fa3", dtype, dtype, dtype, torch.int32, head_dim,
+                                        head_dim, 0, False, False, False)
+        return bool(spec.is_compiled)
+    except Exception:  # noqa: BLE001 - an optional package's internals: unknown means not built
+        return False
 
 
 def worth_it(extend_lens: list[int]) -> bool:
@@ -156,4 +172,4 @@ class FlashInferPrefill:
         torch.cuda.synchronize(k_cache.device)
 
 
-__all__ = ["FlashInferPrefill", "key_slots", "unavailable_reason", "worth_it"]
+__all__ = ["FlashInferPrefill", "kernel_is_built", "key_slots", "unavailable_reason", "worth_it"]
