@@ -100,7 +100,8 @@ def _prompt_logprobs(prompts, **kw) -> list[float]:
     llm = LLM(dtype="float32", max_total_tokens=512, **kw)
     try:
         params = SamplingParams(max_tokens=1, prompt_logprobs_start=0, **GREEDY)
-        return [x for o in llm.generate(prompts, params) for x in o.prompt_logprobs if x is not None]
+        outs = llm.generate(prompts, params)
+        return [x for o in outs for x in o.prompt_logprobs if x is not None]
     finally:
         llm.close()
 

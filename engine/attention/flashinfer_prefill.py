@@ -132,6 +132,7 @@ class FlashInferPrefill:
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._planners = [_Planner(workspace), _Planner(workspace)]
         self._turn = 0
+        self._wrapper = None  # the planned step's (plan sets it; run reads it)
         self._q_start = 0
         self.steps = 0  # steps planned here (tests and benchmarks read it)
 
@@ -154,7 +155,8 @@ class FlashInferPrefill:
         """Attention of the planned requests' new tokens (rows from the plan's first on of q
         [T, Hq, D]) into the same rows of out; k_cache/v_cache [slots, Hkv, D]: one layer."""
         s = self._q_start
-        self._wrapper.run(q[s:].contiguous(), (k_cache.unsqueeze(1), v_cache.unsqueeze(1)), out=out[s:])
+        self._wrapper.run(q[s:].contiguous(), (k_cache.unsqueeze(1), v_cache.unsqueeze(1)),
+                          out=out[s:])
 
     def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int,
                 dtype: torch.dtype) -> None:
