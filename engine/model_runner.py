@@ -130,8 +130,7 @@ class ModelRunner:
             return None
         from engine.prefix_groups import PrefixGrouper
 
-        q_heads = max(1, self.hf_config.num_attention_heads // self.tp.size)
-        group = max(1, q_heads // self._kv_shape()[1])
+        group = max(1, self.q_heads // self._kv_shape()[1])
         return PrefixGrouper(cfg.prefix_group_min_tokens,
                              self.attn_backend.prefix_members_per_tile(group))
 
@@ -146,6 +145,11 @@ class ModelRunner:
 
     def _kv_shape(self) -> tuple[int, int, int]:
         return kv_shape(self.hf_config, self.tp.size)
+
+    @property
+    def q_heads(self) -> int:
+        """Query heads of this rank's attention."""
+        return max(1, self.hf_config.num_attention_heads // self.tp.size)
 
     def _make_kv_pool(self) -> KVPool:
         layers, kv_heads, head_dim = self._kv_shape()
@@ -213,10 +217,10 @@ class ModelRunner:
                         "flashinfer builds it at start-up (about 2 minutes, once: it is cached), "
                         "docs/deploy.md says how to bake it into an image")
             return
-        q_heads = max(1, self.hf_config.num_attention_heads // self.tp.size)
+        kv_heads, head_dim = self.kv_pool.k[0].shape[1:]
         try:
-            backend.use_flashinfer_prefill(
-                flashinfer_prefill.FlashInferPrefill(self.device, scale), q_heads)
+            backend.use_flashinfer_prefill(flashinfer_prefill.FlashInferPrefill(
+                self.device, scale, self.q_heads, kv_heads, head_dim, dtype))
         except Exception as e:  # noqa: BLE001 - an optional kernel: on "auto", Triton serves
             if prefill == "flashinfer":
                 raise

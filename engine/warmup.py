@@ -201,8 +201,7 @@ def warmup_waves(engine) -> list[Wave]:
     # Longer than a chunk and than one wave of extend programs: the many-program extend
     # config, then a chunk extending the cached first chunk.
     backend = runner.attn_backend
-    heads = max(1, runner.hf_config.num_attention_heads // runner.tp.size)
-    wave_tokens = 64 * (getattr(backend, "num_sms", 132) // heads + 1)
+    wave_tokens = 64 * (getattr(backend, "num_sms", 132) // runner.q_heads + 1)
     long_ids = prompt(min(max_prompt, max(chunk + 300, wave_tokens + 1)))
     waves.append([(0, long_ids, greedy(2))])
     waves.append([(0, prompt(len(long_ids)), with_prompt_logprobs(2, len(long_ids) - 2))])

@@ -69,14 +69,13 @@ def time_flashinfer(batch, q, pool, tri) -> tuple[float, float, float]:
     step: (us per layer, us to plan a step, relative difference to the Triton output); NaNs
     when FlashInfer is missing or refuses the case (printed)."""
     try:
-        fi = FlashInferPrefill(q.device, D ** -0.5)
-        args = (batch, 0, q.shape[1], pool.k[0].shape[1], D, q.dtype)
-        fi.plan(*args)
+        fi = FlashInferPrefill(q.device, D ** -0.5, q.shape[1], pool.k[0].shape[1], D, q.dtype)
+        fi.plan(batch, 0)
         out = torch.empty_like(q)
         fi.run(q, pool.k[0], pool.v[0], out)
         t_run = do_bench(lambda: fi.run(q, pool.k[0], pool.v[0], out), warmup=10, rep=50,
                          return_mode="median")
-        t_plan = do_bench(lambda: fi.plan(*args), warmup=2, rep=10, return_mode="median")
+        t_plan = do_bench(lambda: fi.plan(batch, 0), warmup=2, rep=10, return_mode="median")
         diff = float((out.float() - tri.float()).norm() / tri.float().norm())
         return t_run * 1e3, t_plan * 1e3, diff
     except Exception as e:  # noqa: BLE001 - an optional comparison: report, go on

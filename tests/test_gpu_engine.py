@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine_steps import run_with_arrivals
+from engine_steps import never_syncing, run_with_arrivals
 from hf_reference import hf_greedy
 
 pytestmark = [pytest.mark.gpu,
@@ -73,17 +73,8 @@ def test_overlap_launches_a_step_without_waiting_for_the_gpu(tiny_llama, monkeyp
     which raises on any synchronizing call."""
     from engine.overlap import OverlapStepper
 
-    def strict(method):
-        def run(*args, **kwargs):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                return method(*args, **kwargs)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return run
-
     for name in ("_forward", "_sample"):
-        monkeypatch.setattr(OverlapStepper, name, strict(getattr(OverlapStepper, name)))
+        monkeypatch.setattr(OverlapStepper, name, never_syncing(getattr(OverlapStepper, name)))
     llm = LLM(model=tiny_llama, dtype="float32", device="cuda", max_total_tokens=4096,
               enable_cuda_graph=graphs, cuda_graph_max_bs=16, chunked_prefill_size=48)
     assert isinstance(llm.engine.stepper, OverlapStepper)

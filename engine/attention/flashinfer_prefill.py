@@ -125,10 +125,13 @@ class _Planner:
 
 
 class FlashInferPrefill:
-    """Per step: `plan` the extend requests from `first` on; per layer: `run`."""
+    """One model's attention shapes (per rank) and two planners. Per step: `plan` the extend
+    requests from `first` on; per layer: `run`."""
 
-    def __init__(self, device: torch.device, scale: float) -> None:
-        self.scale = float(scale)
+    def __init__(self, device: torch.device, scale: float, num_q_heads: int, kv_heads: int,
+                 head_dim: int, dtype: torch.dtype) -> None:
+        self.shape_args = dict(num_q_heads=num_q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                               scale=float(scale), dtype=dtype)
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._planners = [_Planner(workspace), _Planner(workspace)]
         self._turn = 0
@@ -136,8 +139,7 @@ class FlashInferPrefill:
         self._q_start = 0
         self.steps = 0  # steps planned here (tests and benchmarks read it)
 
-    def plan(self, batch: ForwardBatch, first: int, num_q_heads: int, kv_heads: int,
-             head_dim: int, dtype: torch.dtype) -> None:
+    def plan(self, batch: ForwardBatch, first: int) -> None:
         """Requests first.. of the batch, their K/V (prefix and new) already in the pool."""
         ext, lens = batch.extend_lens_cpu[first:], batch.seq_lens_cpu[first:]
         self._q_start = sum(batch.extend_lens_cpu[:first])
@@ -145,8 +147,7 @@ class FlashInferPrefill:
                           sum(lens))
         planner = self._planners[self._turn]
         self._turn ^= 1
-        planner.plan(**_plan_args(ext, lens, slots.int(), num_q_heads, kv_heads, head_dim,
-                                  self.scale, dtype))
+        planner.plan(**_plan_args(ext, lens, slots.int(), **self.shape_args))
         self._wrapper = planner.wrapper
         self.steps += 1
 
@@ -158,17 +159,16 @@ class FlashInferPrefill:
         self._wrapper.run(q[s:].contiguous(), (k_cache.unsqueeze(1), v_cache.unsqueeze(1)),
                           out=out[s:])
 
-    def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int,
-                dtype: torch.dtype) -> None:
+    def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Build (JIT-compile, or load from FlashInfer's cache) the kernel now: one request
         of 16 tokens over the pool's padding slot 0, which is never read as a real key."""
-        kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
         n = 16
         planner = self._planners[0]
         slots = torch.zeros(n, dtype=torch.int32, device=k_cache.device)
-        planner.plan(**_plan_args([n], [n], slots, num_q_heads, kv_heads, head_dim, self.scale,
-                                  dtype))
-        q = torch.zeros(n, num_q_heads, head_dim, dtype=dtype, device=k_cache.device)
+        planner.plan(**_plan_args([n], [n], slots, **self.shape_args))
+        shape = self.shape_args
+        q = torch.zeros(n, shape["num_q_heads"], shape["head_dim"], dtype=shape["dtype"],
+                        device=k_cache.device)
         planner.wrapper.run(q, (k_cache.unsqueeze(1), v_cache.unsqueeze(1)),
                             out=torch.empty_like(q))
         torch.cuda.synchronize(k_cache.device)

@@ -136,7 +136,6 @@ class TritonAttentionBackend(TritonLaunchConfigs):
         # Large extend steps' attention by FlashInfer's Hopper kernel (flashinfer_prefill.py),
         # when the runner hands one over; `_fi_step`: this step's extend requests go there.
         self.flashinfer: FlashInferPrefill | None = None
-        self._fi_q_heads = 0
         self._fi_step = False
 
     # The runner builds per-step group metadata only for backends that run it.
@@ -149,11 +148,11 @@ class TritonAttentionBackend(TritonLaunchConfigs):
         may lie outside the window); the other layers still use them."""
         self.windows = dict(windows)
 
-    def use_flashinfer_prefill(self, prefill: FlashInferPrefill, num_q_heads: int) -> None:
+    def use_flashinfer_prefill(self, prefill: FlashInferPrefill) -> None:
         """From now on large extend steps' requests attend through `prefill` (its kernel is
         built here, before serving)."""
-        prefill.warm_up(self.kv_pool.k[0], self.kv_pool.v[0], num_q_heads, self.cache_dtype)
-        self.flashinfer, self._fi_q_heads = prefill, num_q_heads
+        prefill.warm_up(self.kv_pool.k[0], self.kv_pool.v[0])
+        self.flashinfer = prefill
 
     # ------------------------------------------------------------------ per step
     def prepare(self, batch: ForwardBatch) -> None:
@@ -184,8 +183,7 @@ class TritonAttentionBackend(TritonLaunchConfigs):
             self._fi_step = (self.flashinfer is not None and not batch.decoders_on_device
                              and worth_it(rest) and not torch.cuda.is_current_stream_capturing())
             if self._fi_step:
-                self.flashinfer.plan(batch, d, self._fi_q_heads, self.kv_heads, self.head_dim,
-                                     self.cache_dtype)
+                self.flashinfer.plan(batch, d)
 
     def _mid_buffers(self, bsz: int, hq: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._mid.get(bsz, hq, splits)
