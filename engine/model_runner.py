@@ -78,6 +78,7 @@ class ModelRunner:
         self.req_to_token = torch.zeros((config.max_running_requests + 1, self.max_context),
                                         dtype=torch.int32, device=self.device)
         self.attn_backend = self._make_attention_backend()
+        self._flashinfer_load = self._start_flashinfer_load()  # beside the graph capture
         self.model.set_attention_backend(self.attn_backend)
         self.uploader = PinnedUploader(self.device)
         self.prefix_grouper = self._make_prefix_grouper()
@@ -86,6 +87,7 @@ class ModelRunner:
         self.extend_graphs = self._make_extend_graphs()
         self.capture_times = self._capture_graphs()
         self.startup.mark("cuda_graphs")
+        self._add_flashinfer_prefill()
 
     def _capture_graphs(self) -> dict:
         """Decode graphs first, then the extend graphs in the same memory pool; the Triton
@@ -190,19 +192,19 @@ class ModelRunner:
             from engine.attention.triton_backend import TritonAttentionBackend
 
             graphs = self.config.enable_cuda_graph and self.device.type == "cuda"
-            backend = TritonAttentionBackend(self.kv_pool, scale, graph_mode=graphs)
-            self._add_flashinfer_prefill(backend, prefill, scale)
-            return backend
+            return TritonAttentionBackend(self.kv_pool, scale, graph_mode=graphs)
         from engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend(self.kv_pool, scale)
 
-    def _add_flashinfer_prefill(self, backend, prefill: str, scale: float) -> None:
+    def _start_flashinfer_load(self):
         """FlashInfer's Hopper prefill for large extend steps, when asked for (its kernel
-        built here, or loaded from its cache) or ("auto") when it can serve and its kernel
-        is built already."""
-        if prefill == "triton":
-            return
+        built here, or loaded from its cache) or ("auto") when it can serve: its import and
+        kernel load start on a thread now (engine/attention/flashinfer_prefill.py); None when
+        it will not serve."""
+        prefill = self.config.prefill_attention_backend
+        if prefill == "triton" or not hasattr(self.attn_backend, "use_flashinfer_prefill"):
+            return None
         from engine.attention import flashinfer_prefill
 
         dtype = self.kv_pool.k[0].dtype
@@ -210,26 +212,39 @@ class ModelRunner:
         if reason is not None:
             if prefill == "flashinfer":
                 raise ValueError(f"prefill_attention_backend='flashinfer': {reason}")
+            return None
+        return flashinfer_prefill.start_loading(dtype, self.kv_pool.k[0].shape[2],
+                                                build=prefill == "flashinfer")
+
+    def _add_flashinfer_prefill(self) -> None:
+        """Hands the backend FlashInfer's prefill once its background load is done."""
+        if self._flashinfer_load is None:
             return
-        if prefill == "auto" and not flashinfer_prefill.kernel_is_built(dtype, backend.head_dim):
-            logger.info("prefill attention: Triton. FlashInfer is installed but its kernel for "
-                        "this model is not built on this machine; prefill_attention_backend="
-                        "flashinfer builds it at start-up (about 2 minutes, once: it is cached), "
-                        "docs/deploy.md says how to bake it into an image")
-            return
-        kv_heads, head_dim = self.kv_pool.k[0].shape[1:]
+        from engine.attention import flashinfer_prefill
+
+        explicit = self.config.prefill_attention_backend == "flashinfer"
         try:
-            backend.use_flashinfer_prefill(flashinfer_prefill.FlashInferPrefill(
-                self.device, scale, self.q_heads, kv_heads, head_dim, dtype))
+            loaded_s = self._flashinfer_load.result()
+            if loaded_s is None:
+                logger.info("prefill attention: Triton. FlashInfer is installed but its kernel "
+                            "for this model is not built on this machine; prefill_attention_"
+                            "backend=flashinfer builds it at start-up (about 2 minutes, once: it "
+                            "is cached), docs/deploy.md says how to bake it into an image")
+                return
+            kv_heads, head_dim = self.kv_pool.k[0].shape[1:]
+            self.attn_backend.use_flashinfer_prefill(flashinfer_prefill.FlashInferPrefill(
+                self.device, self.attn_backend.scale, self.q_heads, kv_heads, head_dim,
+                self.kv_pool.k[0].dtype))
         except Exception as e:  # noqa: BLE001 - an optional kernel: on "auto", Triton serves
-            if prefill == "flashinfer":
+            if explicit:
                 raise
             logger.warning("prefill attention: FlashInfer is installed but its kernel could not "
                            "be built (%s: %s); large prefill steps stay on Triton",
                            type(e).__name__, e)
             return
-        logger.info("prefill attention: FlashInfer fa3 for large extend steps (kernel ready "
-                    "in %.1fs)", self.startup.mark("flashinfer"))
+        logger.info("prefill attention: FlashInfer fa3 for large extend steps (loaded beside "
+                    "the graph capture in %.1fs, then %.1fs more)", loaded_s,
+                    self.startup.mark("flashinfer"))
 
     # -- per step -----------------------------------------------------------------------
 

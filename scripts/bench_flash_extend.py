@@ -4,7 +4,7 @@ package imports, against the engine's FlashInfer path (engine/attention/flashinf
 FlashInfer's Hopper "fa3" paged prefill reading the pool in place, pages of one slot); per
 case: time, TFLOP/s, relative difference, and which kernel the engine's rule picks.
 
-    python3 scripts/bench_flash_extend.py [--no-flashinfer]
+    python3 scripts/bench_flash_extend.py [--no-flashinfer] [--cases=NAME,NAME]
 
 FlashInfer is not on the GPU machine: `scripts/flashinfer_wheels.sh` fetches its wheels and
 prints how to carry them (benchmarks/attention_notes.md says why only FlashInfer).
@@ -86,13 +86,20 @@ def time_flashinfer(batch, q, pool, tri) -> tuple[float, float, float]:
 CASES = [("1x8192 p0", [(0, 8192)]), ("1x8192 p8192", [(8192, 8192)]),
          ("2x8192 p0", [(0, 8192)] * 2), ("8x2048 p0", [(0, 2048)] * 8),
          ("8x512 p0", [(0, 512)] * 8), ("4x1024 p1024", [(1024, 1024)] * 4),
-         ("64x64 p1216", [(1216, 64)] * 64), ("1x16000 p0", [(0, 16000)])]
+         ("64x64 p1216", [(1216, 64)] * 64), ("1x16000 p0", [(0, 16000)]),
+         # W1's mixed steps: ~8,192 new tokens of fresh 128-1,024-token prompts
+         ("16x512 p0", [(0, 512)] * 16), ("14x576 p0", [(0, 576)] * 14),
+         ("8x1024 p0", [(0, 1024)] * 8), ("32x256 p0", [(0, 256)] * 32)]
 
 
 def main() -> None:
-    use_flashinfer = "--no-flashinfer" not in sys.argv[1:]
+    args = sys.argv[1:]
+    use_flashinfer = "--no-flashinfer" not in args
+    only = next((a.split("=", 1)[1].split(",") for a in args if a.startswith("--cases=")), None)
     rows, fi_rows = [], []
     for name, reqs in CASES:
+        if only is not None and name not in only:
+            continue
         pool, batch, q, k, v = extend_batch(reqs)
         be = TritonAttentionBackend(pool, D ** -0.5)
         be.prepare(batch)

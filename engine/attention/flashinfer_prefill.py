@@ -14,13 +14,15 @@ extends and every CUDA-graph step stay on Triton.
 FlashInfer is optional (`pip install flashinfer-python`) and compiles its kernel with nvcc at
 first use on a machine (110 s on 16 cores; then loaded from its cache in ~/.cache/flashinfer,
 or under $FLASHINFER_WORKSPACE_BASE, in under 3 s). The engine builds or loads it at start-up
-(`warm_up`), never inside a served step, and "auto" takes it only when it is built already
-(`kernel_is_built`). docs/deploy.md says how to bake it into an image.
+(`start_loading` on a thread beside the CUDA-graph capture, then `warm_up`), never inside a
+served step, and "auto" takes it only when it is built already (`kernel_is_built`). docs/deploy.md says how to bake it into an image.
 """
 from __future__ import annotations
 
 import importlib.util
 import itertools
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -47,19 +49,47 @@ def unavailable_reason(device: torch.device, kv_dtype: torch.dtype) -> str | Non
     return None
 
 
+def _fa3_spec(dtype: torch.dtype, head_dim: int):
+    """FlashInfer's JIT spec of the fa3 paged prefill module that `plan` loads for this model
+    (q, K/V and output in `dtype`, int32 indices, no positional encoding, window, soft cap or
+    fp16 reduction)."""
+    from flashinfer.jit import gen_batch_prefill_module
+
+    return gen_batch_prefill_module("fa3", dtype, dtype, dtype, torch.int32, head_dim, head_dim,
+                                    0, False, False, False)
+
+
 def kernel_is_built(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether FlashInfer's fa3 prefill module for this dtype and head size is built already
     (in its JIT cache, or installed prebuilt): "auto" takes FlashInfer only then, so it never
     adds a 110 s compile to a replica's start. False when FlashInfer cannot say (an API of
     another version)."""
     try:
-        from flashinfer.jit import gen_batch_prefill_module
-
-        spec = gen_batch_prefill_module("fa3", dtype, dtype, dtype, torch.int32, head_dim,
-                                        head_dim, 0, False, False, False)
-        return bool(spec.is_compiled)
+        return bool(_fa3_spec(dtype, head_dim).is_compiled)
     except Exception:  # noqa: BLE001 - an optional package's internals: unknown means not built
         return False
+
+
+def load_kernel(dtype: torch.dtype, head_dim: int, build: bool) -> float | None:
+    """Import FlashInfer and load its fa3 prefill module (building it first when `build`, else
+    returning None when it is not built): the seconds it took. Host work only (the package's
+    import is most of it: ~3-4 s), so the runner runs it on a thread while it captures its
+    CUDA graphs; `FlashInferPrefill.warm_up` then runs the kernel once."""
+    start = time.perf_counter()
+    if not build and not kernel_is_built(dtype, head_dim):
+        return None
+    import flashinfer  # noqa: F401 - the whole package, as `plan` will want it
+
+    _fa3_spec(dtype, head_dim).build_and_load()
+    return time.perf_counter() - start
+
+
+def start_loading(dtype: torch.dtype, head_dim: int, build: bool) -> Future:
+    """`load_kernel` on a background thread; the future re-raises its error."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashinfer-load")
+    future = pool.submit(load_kernel, dtype, head_dim, build)
+    pool.shutdown(wait=False)
+    return future
 
 
 def worth_it(extend_lens: list[int]) -> bool:
@@ -156,7 +186,7 @@ class FlashInferPrefill:
         """Attention of the planned requests' new tokens (rows from the plan's first on of q
         [T, Hq, D]) into the same rows of out; k_cache/v_cache [slots, Hkv, D]: one layer."""
         s = self._q_start
-        self._wrapper.run(q[s:].contiguous(), (k_cache.unsqueeze(1), v_cache.unsqueeze(1)),
+        self._wrapper.run(q[s:], (k_cache.unsqueeze(1), v_cache.unsqueeze(1)),
                           out=out[s:])
 
     def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -174,4 +204,5 @@ class FlashInferPrefill:
         torch.cuda.synchronize(k_cache.device)
 
 
-__all__ = ["FlashInferPrefill", "kernel_is_built", "key_slots", "unavailable_reason", "worth_it"]
+__all__ = ["FlashInferPrefill", "kernel_is_built", "key_slots", "load_kernel", "start_loading",
+           "unavailable_reason", "worth_it"]
