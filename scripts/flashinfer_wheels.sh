@@ -12,9 +12,12 @@
 #     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/flashinfer_python-*.whl /tmp/fi/*.whl &&
 #     export PYTHONPATH=$PWD:/tmp/site FLASHINFER_WORKSPACE_BASE=/tmp/fiws FLASHINFER_CUDA_ARCH_LIST=9.0a && ...
 # FlashInfer compiles its kernel with nvcc at first use: 110 s on the H200 machine's 16 cores
-# (2026-12-04). To skip that in later sessions, bring the built modules back once
-# (cd /tmp/fiws && tar czf $OUT/fi_jit.tgz --exclude="*.o" --exclude="*.ninja*" .: 4 MB) and
-# carry them beside c1 (.carry/fijit/fi_jit.tgz; unpack with tar xzf ... -C /tmp/fiws).
+# (2026-12-04). To skip that in later sessions, bring the whole build back once
+# (cd /tmp/fiws && tar czf $OUT/fi_jit.tgz .) and carry it beside c1 (.carry/fijit/fi_jit.tgz;
+# unpack with tar xzf ... -C /tmp/fiws, then `find /tmp/fiws -type f -exec touch {} +` after
+# the pip install, so ninja finds the build newer than the sources just installed). The
+# objects and ninja's log are part of it: FlashInfer runs ninja before every load, and a
+# library without them is rebuilt (the engine's "auto" then stays on Triton: kernel_is_built).
 # Not fetched: nccl-extensions (22 MB), which flashinfer-python lists but neither
 # `import flashinfer` nor the prefill needs (checked on the device, 2026-12-04).
 set -euo pipefail

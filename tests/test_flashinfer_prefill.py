@@ -7,8 +7,12 @@ and steps that stay on Triton, and the engine's prompt logprobs and tokens with 
 it, with overlapped steps that never wait for the GPU."""
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import os
 import random
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -20,12 +24,14 @@ from engine.attention.flashinfer_prefill import host_indptr, key_slots, worth_it
 
 def test_large_extends_go_to_flashinfer_and_small_ones_stay():
     assert worth_it([4096])
-    assert worth_it([1024] * 4)  # measured 1.24x faster (over 1,024-token prefixes)
+    assert worth_it([1024] * 4)  # measured 1.43x faster (over 1,024-token prefixes)
     assert worth_it([8192, 16])  # one long chunk carries a few short prompts
+    assert worth_it([512] * 8)  # fresh prompts (W1's mixed steps): measured 1.20x
+    assert worth_it([256] * 16)  # 32 x 256 measured 1.29x
     assert not worth_it([4095])  # too few new tokens for the plan to pay
     assert not worth_it([2048])
     assert not worth_it([64] * 64)  # many short extends: FlashInfer measured slower
-    assert not worth_it([512] * 8)  # measured slower
+    assert not worth_it([128] * 40)
     assert not worth_it([])
 
 
@@ -88,6 +94,44 @@ def test_auto_takes_flashinfer_only_when_its_kernel_is_built(tiny_llama, monkeyp
     assert "could not be built" not in caplog.text
 
 
+class _CachedModule:
+    """The part of FlashInfer's JIT spec that `kernel_is_built` reads, over a real ninja build
+    (a copy standing in for nvcc)."""
+    is_aot = False
+
+    def __init__(self, root) -> None:
+        self.build_dir, self.ninja_path = root, root / "build.ninja"
+        (root / "kernel.cu").write_text("source")
+
+    def write_ninja(self) -> None:
+        self.ninja_path.write_text("rule nvcc\n  command = cp $in $out\n"
+                                   "build module.so: nvcc kernel.cu\n")
+
+    @property
+    def is_compiled(self) -> bool:
+        return (self.build_dir / "module.so").exists()
+
+
+def test_kernel_is_built_only_when_ninja_would_not_rebuild_it(tmp_path, monkeypatch):
+    """A JIT cache holding the library but not its build state (objects, ninja's log), or older
+    than its sources, is rebuilt by FlashInfer at the first plan: "auto" must not count it
+    as built."""
+    ninja = shutil.which("ninja") or os.path.join(importlib.import_module("ninja").BIN_DIR, "ninja")
+    monkeypatch.setenv("PATH", f"{os.path.dirname(ninja)}{os.pathsep}{os.environ['PATH']}")
+    spec = _CachedModule(tmp_path)
+    monkeypatch.setattr(flashinfer_prefill, "_fa3_spec", lambda dtype, head_dim: spec)
+    assert not flashinfer_prefill.kernel_is_built(torch.bfloat16, 128)  # never built
+    spec.write_ninja()
+    subprocess.run([ninja, "-C", str(tmp_path)], check=True, capture_output=True)
+    assert flashinfer_prefill.kernel_is_built(torch.bfloat16, 128)
+    os.remove(tmp_path / ".ninja_log")  # the library alone, as a cache copied without its build
+    assert not flashinfer_prefill.kernel_is_built(torch.bfloat16, 128)
+    subprocess.run([ninja, "-C", str(tmp_path)], check=True, capture_output=True)
+    later = os.path.getmtime(tmp_path / "module.so") + 10
+    os.utime(tmp_path / "kernel.cu", (later, later))  # FlashInfer reinstalled: newer sources
+    assert not flashinfer_prefill.kernel_is_built(torch.bfloat16, 128)
+
+
 def test_kernel_is_built_says_no_without_flashinfer():
     if importlib.util.find_spec("flashinfer") is not None:
         pytest.skip("FlashInfer is installed here")
@@ -106,6 +150,7 @@ CASES = [
     ("one_long_prompt", [(0, 4096)], 1),
     ("chunks_over_prefixes", [(3000, 2048), (0, 1500), (700, 1200)], 1),
     ("decoders_then_a_chunk", [(500, 1)] * 5 + [(1000, 4096)], 1),
+    ("fresh_short_prompts", [(0, 512)] * 7 + [(0, 700)], 1),
     ("short_extends_stay_on_triton", [(1216, 64)] * 8 + [(0, 2048)], 0),
 ]
 

@@ -1,26 +1,28 @@
 """Large extend steps through FlashInfer's Hopper prefill kernel (its "fa3" backend).
 
-Measured on the H200 (benchmarks/attention_notes.md, session 23), per layer, over our
+Measured on the H200 (benchmarks/attention_notes.md, sessions 23-24), per layer, over our
 page-size-1 pool read in place (every slot a page of one token), this module's path against
 `extend_kernel`: 1.34-1.36x faster on long prompts' chunks (1 x 16,000 new tokens: 3.69 against
-4.94 ms; 1 x 8,192 over an 8,192-token prefix: 3.17 against 4.31), 1.24x on 4 x 1,024 over
-1,024, even at 8 x 2,048, slower on 8 x 512 (118 against 92 us) and on many short extends over
-long contexts (64 x 64 over 1,216: 452 against 307 us). Each step also pays a host-side plan
-(the work schedule, from the step's lengths: 0.6-2.6 ms, which the overlap scheduler hides
-behind the step before). So the Triton backend hands it only the extend requests of steps
-with many new tokens per request (`worth_it`); decode steps, mixed steps' decoders, short
-extends and every CUDA-graph step stay on Triton.
+4.94 ms; 1 x 8,192 over an 8,192-token prefix: 3.17 against 4.31), 1.43x on 4 x 1,024 over
+1,024, 1.09-1.29x on batches of fresh 256-1,024-token prompts (8 x 512: 76 against 91 us),
+slower on many short extends over long contexts (64 x 64 over 1,216: 452 against 307 us).
+Each step also pays a host-side plan (the work schedule, from the step's lengths: 0.5-2.6 ms,
+which the overlap scheduler hides behind the step before). So the Triton backend hands it
+only the extend requests of large steps with enough new tokens per request (`worth_it`);
+decode steps, mixed steps' decoders, short extends and every CUDA-graph step stay on Triton.
 
 FlashInfer is optional (`pip install flashinfer-python`) and compiles its kernel with nvcc at
 first use on a machine (110 s on 16 cores; then loaded from its cache in ~/.cache/flashinfer,
-or under $FLASHINFER_WORKSPACE_BASE, in under 3 s). The engine builds or loads it at start-up
-(`start_loading` on a thread beside the CUDA-graph capture, then `warm_up`), never inside a
-served step, and "auto" takes it only when it is built already (`kernel_is_built`). docs/deploy.md says how to bake it into an image.
+or under $FLASHINFER_WORKSPACE_BASE). The engine builds or loads it at start-up (`start_loading`
+on a thread beside the CUDA-graph capture, then `warm_up`), never inside a served step, and
+"auto" takes it only when it is built and current (`kernel_is_built`). docs/deploy.md says how
+to bake it into an image.
 """
 from __future__ import annotations
 
 import importlib.util
 import itertools
+import subprocess
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -28,9 +30,10 @@ import torch
 
 from engine.attention.base import ForwardBatch
 
-# `worth_it`'s thresholds, from the measured cases above: 4 x 1,024 won, 8 x 512 lost.
+# `worth_it`'s thresholds, from the measured cases above: every case from 32 x 256 up won;
+# short extends over long contexts (64 x 64 over 1,216) lost.
 MIN_NEW_TOKENS = 4096
-MIN_MEAN_NEW_TOKENS = 1024
+MIN_MEAN_NEW_TOKENS = 256
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's split-KV scratch (its documented default)
 
 
@@ -60,14 +63,28 @@ def _fa3_spec(dtype: torch.dtype, head_dim: int):
 
 
 def kernel_is_built(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether FlashInfer's fa3 prefill module for this dtype and head size is built already
-    (in its JIT cache, or installed prebuilt): "auto" takes FlashInfer only then, so it never
-    adds a 110 s compile to a replica's start. False when FlashInfer cannot say (an API of
-    another version)."""
+    """Whether FlashInfer's fa3 prefill module for this dtype and head size is built and
+    current (installed prebuilt, or in its JIT cache with nothing for ninja to redo): "auto"
+    takes FlashInfer only then, so it never adds a 60-110 s compile to a replica's start.
+    False when FlashInfer cannot say (an API of another version)."""
     try:
-        return bool(_fa3_spec(dtype, head_dim).is_compiled)
+        spec = _fa3_spec(dtype, head_dim)
+        return bool(spec.is_compiled) and _jit_build_is_current(spec)
     except Exception:  # noqa: BLE001 - an optional package's internals: unknown means not built
         return False
+
+
+def _jit_build_is_current(spec) -> bool:
+    """FlashInfer runs ninja before loading a JIT-cached module, so a cache holding the library
+    without its objects and build log, or older than FlashInfer's installed sources, rebuilds
+    at the first `plan` (seen on the H200: 68 s of a start). Ninja's dry run says whether it
+    would."""
+    if getattr(spec, "is_aot", False):
+        return True
+    spec.write_ninja()  # as FlashInfer's own build does first
+    dry = subprocess.run(["ninja", "-n", "-C", str(spec.build_dir), "-f", str(spec.ninja_path)],
+                         capture_output=True, text=True, check=False, timeout=60)
+    return dry.returncode == 0 and "no work to do" in dry.stdout
 
 
 def load_kernel(dtype: torch.dtype, head_dim: int, build: bool) -> float | None:
