@@ -18,7 +18,8 @@
 # "colo" runs fast's rows (same seeds, a fresh server) with `ingress: colocated`; "tput" under the first of
 # those alone (no HAProxy: none of its caveats, docs/deploy.md); "process" runs batch-1 and W2
 # with the engine's step loop in a child process of the replica (engine_process: true), and
-# with ASYNC_PATH=1 bench_async_path's offline / AsyncEngine / ProcessAsyncEngine rows; "admission" measures the bound, request intake
+# with ASYNC_PATH=1 bench_async_path's offline / AsyncEngine / ProcessAsyncEngine rows; "hproc" runs
+# those two with the engine process under Ray's high-throughput mode ("fast"'s); "admission" measures the bound, request intake
 # and a 10 MB body with the stand-in engine. PATH_ARGS overrides the path bench's options; "ceiling"
 # runs the path bench's HTTP hop at 512 streams under default Serve and under the high-throughput
 # mode (CEILING_ARGS overrides its options). POISSON_RATES (default "4 16 64") sets "serve"'s sweep.
@@ -115,7 +116,7 @@ print(f"\n{'run':<16} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT mean':>9} {'ITL p
 for name in ("batch1", "batch1short", "w2", "poisson4", "poisson16", "poisson64", "gil_batch1", "gil_w2",
              "fast_batch1", "fast_batch1short", "fast_batch1mid", "fast_w2", "fast_poisson64",
              "colo_batch1", "colo_batch1short", "colo_batch1mid", "colo_w2", "colo_poisson64", "fast_w2_t1", "fast_w2_sampled", "tput_batch1",
-             "tput_batch1short", "tput_w2", "sw05_batch1", "sw05_w2", "proc_batch1", "proc_w2"):
+             "tput_batch1short", "tput_w2", "sw05_batch1", "sw05_w2", "proc_batch1", "proc_w2", "hproc_batch1", "hproc_w2"):
     m = load(f"http_{name}.json")
     if m:
         m = m.get("metrics", m)
@@ -241,6 +242,10 @@ if [[ $PARTS == *sw05* ]]; then  # both: Ray's high-throughput mode and the 0.5 
 fi
 checkpoint
 
+if [[ $PARTS == *hproc* ]]; then  # "process" under Ray's high-throughput mode (fast's), batch-1 and W2
+  RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 variant hproc "engine_process: true"
+  pkill -f haproxy > /dev/null 2>&1
+fi
 if [[ $PARTS == *process* ]]; then  # the engine's step loop in a child process of the replica
   variant proc "engine_process: true"
   if [ "${ASYNC_PATH:-0}" = 1 ]; then  # (up to 300 s more)
