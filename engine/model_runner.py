@@ -63,6 +63,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         torch.manual_seed(config.seed)
+        self._flashinfer_load = self._start_flashinfer_load()  # beside the weight load
         self.model = load_model(config.model, dtype=self.dtype, device=self.device,
                                 load_format=config.load_format, seed=config.seed, tp=self.tp,
                                 hf_config=self.hf_config, moe_parallel=config.moe_parallel,
@@ -78,8 +79,8 @@ class ModelRunner:
         self.req_to_token = torch.zeros((config.max_running_requests + 1, self.max_context),
                                         dtype=torch.int32, device=self.device)
         self.attn_backend = self._make_attention_backend()
-        self._flashinfer_load = self._start_flashinfer_load()  # beside the graph capture
         self.model.set_attention_backend(self.attn_backend)
+        self._add_flashinfer_prefill()  # its thread done before the capture's Python-bound work
         self.uploader = PinnedUploader(self.device)
         self.prefix_grouper = self._make_prefix_grouper()
         self.graphs = self._make_graphs()
@@ -87,7 +88,6 @@ class ModelRunner:
         self.extend_graphs = self._make_extend_graphs()
         self.capture_times = self._capture_graphs()
         self.startup.mark("cuda_graphs")
-        self._add_flashinfer_prefill()
 
     def _capture_graphs(self) -> dict:
         """Decode graphs first, then the extend graphs in the same memory pool; the Triton
@@ -155,7 +155,7 @@ class ModelRunner:
 
     def _make_kv_pool(self) -> KVPool:
         layers, kv_heads, head_dim = self._kv_shape()
-        kv_dtype = FP8 if self.config.kv_cache_dtype == "fp8_e4m3" else self.dtype
+        kv_dtype = self._kv_dtype()
         per_token = KVPool.bytes_per_token(layers, kv_heads, head_dim, kv_dtype)
         num_slots = self.config.max_total_tokens
         if num_slots is None:
@@ -179,10 +179,17 @@ class ModelRunner:
                              + (f", {draft:.1f} GiB kept for a draft model)" if draft else ")"))
         return int(budget // per_token)
 
-    def _make_attention_backend(self):
+    def _kv_dtype(self) -> torch.dtype:
+        return FP8 if self.config.kv_cache_dtype == "fp8_e4m3" else self.dtype
+
+    def _attention_backend_name(self) -> str:
         name = self.config.attention_backend
         if name == "auto":
             name = "triton" if self.device.type == "cuda" else "torch"
+        return name
+
+    def _make_attention_backend(self):
+        name = self._attention_backend_name()
         scale = head_dim_of(self.hf_config) ** -0.5
         prefill = self.config.prefill_attention_backend
         if prefill == "flashinfer" and name != "triton":
@@ -200,24 +207,27 @@ class ModelRunner:
     def _start_flashinfer_load(self):
         """FlashInfer's Hopper prefill for large extend steps, when asked for (its kernel
         built here, or loaded from its cache) or ("auto") when it can serve: its import and
-        kernel load start on a thread now (engine/attention/flashinfer_prefill.py); None when
-        it will not serve."""
+        kernel load (seconds of host work) start on a thread while the weights load
+        (engine/attention/flashinfer_prefill.py); None when it will not serve."""
         prefill = self.config.prefill_attention_backend
-        if prefill == "triton" or not hasattr(self.attn_backend, "use_flashinfer_prefill"):
+        if prefill == "triton" or self._attention_backend_name() != "triton":
             return None
         from engine.attention import flashinfer_prefill
 
-        dtype = self.kv_pool.k[0].dtype
-        reason = flashinfer_prefill.unavailable_reason(self.device, dtype)
+        kv_dtype = self._kv_dtype()
+        reason = flashinfer_prefill.unavailable_reason(self.device, kv_dtype)
         if reason is not None:
             if prefill == "flashinfer":
                 raise ValueError(f"prefill_attention_backend='flashinfer': {reason}")
             return None
-        return flashinfer_prefill.start_loading(dtype, self.kv_pool.k[0].shape[2],
+        return flashinfer_prefill.start_loading(kv_dtype, head_dim_of(self.hf_config),
                                                 build=prefill == "flashinfer")
 
     def _add_flashinfer_prefill(self) -> None:
-        """Hands the backend FlashInfer's prefill once its background load is done."""
+        """Hands the backend FlashInfer's prefill once its background load is done. Joined
+        before the CUDA-graph capture: on the H200 a load running beside the capture (~12 s
+        of Python: FlashInfer's import and JIT spec) slowed the capture by ~5 s, more than
+        the load itself took inline (4.2 s)."""
         if self._flashinfer_load is None:
             return
         from engine.attention import flashinfer_prefill
@@ -242,8 +252,8 @@ class ModelRunner:
                            "be built (%s: %s); large prefill steps stay on Triton",
                            type(e).__name__, e)
             return
-        logger.info("prefill attention: FlashInfer fa3 for large extend steps (loaded beside "
-                    "the graph capture in %.1fs, then %.1fs more)", loaded_s,
+        logger.info("prefill attention: FlashInfer fa3 for large extend steps (loaded in "
+                    "%.1fs beside the weights, then %.1fs more)", loaded_s,
                     self.startup.mark("flashinfer"))
 
     # -- per step -----------------------------------------------------------------------

@@ -13,7 +13,8 @@
 #     export PYTHONPATH=$PWD:/tmp/site FLASHINFER_WORKSPACE_BASE=/tmp/fiws FLASHINFER_CUDA_ARCH_LIST=9.0a && ...
 # FlashInfer compiles its kernel with nvcc at first use: 110 s on the H200 machine's 16 cores
 # (2026-12-04). To skip that in later sessions, bring the whole build back once
-# (cd /tmp/fiws && tar czf $OUT/fi_jit.tgz .) and carry it beside c1 (.carry/fijit/fi_jit.tgz;
+# (cd /tmp/fiws && tar czf $OUT/fi_jit_full.tgz .: 3.7 MB for the one module the engine uses)
+# and carry it beside c1 (.carry/fijit_full/; c1 + it + the tree ~65 MB, just under the limit;
 # unpack with tar xzf ... -C /tmp/fiws, then `find /tmp/fiws -type f -exec touch {} +` after
 # the pip install, so ninja finds the build newer than the sources just installed). The
 # objects and ninja's log are part of it: FlashInfer runs ninja before every load, and a

@@ -14,8 +14,8 @@ decode steps, mixed steps' decoders, short extends and every CUDA-graph step sta
 FlashInfer is optional (`pip install flashinfer-python`) and compiles its kernel with nvcc at
 first use on a machine (110 s on 16 cores; then loaded from its cache in ~/.cache/flashinfer,
 or under $FLASHINFER_WORKSPACE_BASE). The engine builds or loads it at start-up (`start_loading`
-on a thread beside the CUDA-graph capture, then `warm_up`), never inside a served step, and
-"auto" takes it only when it is built and current (`kernel_is_built`). docs/deploy.md says how
+on a thread while the weights load, then `warm_up`), never inside a served step, and "auto"
+takes it only when it is built and current (`kernel_is_built`). docs/deploy.md says how
 to bake it into an image.
 """
 from __future__ import annotations
@@ -90,8 +90,8 @@ def _jit_build_is_current(spec) -> bool:
 def load_kernel(dtype: torch.dtype, head_dim: int, build: bool) -> float | None:
     """Import FlashInfer and load its fa3 prefill module (building it first when `build`, else
     returning None when it is not built): the seconds it took. Host work only (the package's
-    import is most of it: ~3-4 s), so the runner runs it on a thread while it captures its
-    CUDA graphs; `FlashInferPrefill.warm_up` then runs the kernel once."""
+    import and FlashInfer's JIT spec: 4-12 s on the H200 machine), so the runner runs it on
+    a thread while the weights load; `FlashInferPrefill.warm_up` then runs the kernel once."""
     start = time.perf_counter()
     if not build and not kernel_is_built(dtype, head_dim):
         return None
