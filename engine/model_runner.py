@@ -225,36 +225,38 @@ class ModelRunner:
 
     def _add_flashinfer_prefill(self) -> None:
         """Hands the backend FlashInfer's prefill once its background load is done. Joined
-        before the CUDA-graph capture: on the H200 a load running beside the capture (~12 s
-        of Python: FlashInfer's import and JIT spec) slowed the capture by ~5 s, more than
-        the load itself took inline (4.2 s)."""
+        before the CUDA-graph capture: in the one start measured with the load (~12 s of
+        Python: FlashInfer's import and JIT spec) beside the capture, the capture took 18.3 s
+        against 11.3-13.3 s on other H200 machines (one GIL)."""
         if self._flashinfer_load is None:
             return
         from engine.attention import flashinfer_prefill
 
-        explicit = self.config.prefill_attention_backend == "flashinfer"
         try:
             loaded_s = self._flashinfer_load.result()
-            if loaded_s is None:
-                logger.info("prefill attention: Triton. FlashInfer is installed but its kernel "
-                            "for this model is not built on this machine; prefill_attention_"
-                            "backend=flashinfer builds it at start-up (about 2 minutes, once: it "
-                            "is cached), docs/deploy.md says how to bake it into an image")
-                return
-            kv_heads, head_dim = self.kv_pool.k[0].shape[1:]
-            self.attn_backend.use_flashinfer_prefill(flashinfer_prefill.FlashInferPrefill(
-                self.device, self.attn_backend.scale, self.q_heads, kv_heads, head_dim,
-                self.kv_pool.k[0].dtype))
+            if loaded_s is not None:
+                kv_heads, head_dim = self.kv_pool.k[0].shape[1:]
+                self.attn_backend.use_flashinfer_prefill(flashinfer_prefill.FlashInferPrefill(
+                    self.device, self.attn_backend.scale, self.q_heads, kv_heads, head_dim,
+                    self.kv_pool.k[0].dtype))
         except Exception as e:  # noqa: BLE001 - an optional kernel: on "auto", Triton serves
-            if explicit:
+            if self.config.prefill_attention_backend == "flashinfer":
                 raise
             logger.warning("prefill attention: FlashInfer is installed but its kernel could not "
                            "be built (%s: %s); large prefill steps stay on Triton",
                            type(e).__name__, e)
             return
-        logger.info("prefill attention: FlashInfer fa3 for large extend steps (loaded in "
-                    "%.1fs beside the weights, then %.1fs more)", loaded_s,
-                    self.startup.mark("flashinfer"))
+        finally:
+            waited_s = self.startup.mark("flashinfer")
+        if loaded_s is None:
+            logger.info("prefill attention: Triton. FlashInfer is installed but its kernel for "
+                        "this model is not built, or its build is not current, on this machine; "
+                        "prefill_attention_backend=flashinfer builds it at start-up (about 2 "
+                        "minutes, once: it is cached), docs/deploy.md says how to bake it into "
+                        "an image")
+            return
+        logger.info("prefill attention: FlashInfer fa3 for large extend steps (loaded in %.1fs "
+                    "beside the weights, then %.1fs more)", loaded_s, waited_s)
 
     # -- per step -----------------------------------------------------------------------
 
