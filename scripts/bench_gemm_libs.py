@@ -7,45 +7,27 @@ default for `F.linear`), cuBLASLt (`torch.backends.cuda.preferred_blas_library("
 and, with `--inductor`, torch.compile's max-autotune (Triton templates against cuBLAS; its
 own table is printed). A fourth row per M chains the layer's four GEMMs the way a prefill
 step runs them, under each library, in one CUDA graph. Weights are random (std 0.02, as the
-dummy loader writes them); four copies are used in turn so L2 does not serve the replays.
+dummy loader writes them); four copies are used in turn so L2 does not serve the replays
+(the timing is bench_layer_kernels.py's `graph_us`; session 24's table took the best of five
+replays instead of their mean).
 Prints a table (us and TFLOP/s per cell); `--json` writes it.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_layer_kernels import COPIES, graph_us  # noqa: E402
+from bench_layer_kernels import LLAMA_LINEARS as SHAPES  # noqa: E402
+
 LIBS = ("cublas", "cublaslt")
-COPIES = 4
-
-
-def graph_time_us(fn, reps: int) -> float:
-    """Mean time of one `fn()` over `reps` calls replayed from a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    return best
 
 
 def linear_case(m: int, n: int, k: int):
@@ -85,7 +67,7 @@ def inductor_table(m: int, name: str) -> None:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     fn = torch.compile(lambda a: F.linear(a, w), mode="max-autotune-no-cudagraphs", dynamic=False)
     fn(x)  # prints inductor's AUTOTUNE table for this shape
-    print(f"inductor {name} M={m}: {graph_time_us(lambda: fn(x), 10):.1f} us", flush=True)
+    print(f"inductor {name} M={m}: {graph_us(lambda: fn(x), 10):.1f} us", flush=True)
 
 
 def main() -> None:
@@ -105,7 +87,7 @@ def main() -> None:
             for lib in LIBS:
                 set_lib(lib)
                 fn = layer_chain(m) if name == "layer" else linear_case(m, n, k)
-                us = graph_time_us(fn, reps)
+                us = graph_us(fn, reps)
                 row[lib] = {"us": us, "tflop_s": flop / us / 1e6}
             rows.append(row)
             print(row, flush=True)
