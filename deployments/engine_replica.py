@@ -85,7 +85,7 @@ class EngineReplica:
         self.tp_workers = TPWorkers(config) if config.tp_size > 1 else None
         tp = self.tp_workers.tp if self.tp_workers else None
         try:
-            return AsyncEngine(config, Engine(config, tp=tp), detokenize=False)
+            return AsyncEngine(config, make_engine=lambda: Engine(config, tp=tp), detokenize=False)
         except BaseException:
             if self.tp_workers is not None:  # the ranks may be inside a collective: no goodbye
                 self.tp_workers.close(graceful=False)

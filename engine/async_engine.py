@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -45,16 +46,28 @@ class AsyncEngine:
     with stop strings are decoded here all the same (the engine must see the stop)."""
 
     def __init__(self, config: EngineConfig, engine: Engine | None = None,
-                 detokenize: bool = True) -> None:
-        self.engine = engine or Engine(config)
-        self.config = self.engine.config
+                 detokenize: bool = True, make_engine: Callable[[], Engine] | None = None) -> None:
+        """Without `engine`, the engine thread builds it (`make_engine()`, or `Engine(config)`)
+        and the constructor waits for it, re-raising its error. On a CPU with several torch
+        threads this matters: once a second thread (the caller's, having loaded the model)
+        also starts OpenMP regions, libgomp gives each its own team, and with more threads
+        than cores they sleep between regions. SmolLM2 on two cores, stepped on the thread
+        that did not load it: 62.4 ms a decoded token against 34.3 here
+        (scripts/bench_engine_thread.py). (Ray replicas get OMP_NUM_THREADS from their
+        num_cpus: with 1, torch has no team to lose.)"""
+        self.engine: Engine = engine  # type: ignore[assignment] - the thread sets it when None
         self.detokenize = detokenize
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._step_hooks: list[Callable[[Engine], None]] = []
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        built: Future = Future()
+        make = None if engine is not None else make_engine or (lambda: Engine(config))
+        self._thread = threading.Thread(target=self._run, args=(make, built),
+                                        name="engine-loop", daemon=True)
         self._thread.start()
+        built.result()  # waits for the build; its error is re-raised here
+        self.config = self.engine.config
 
     # -- public API ---------------------------------------------------------------------
 
@@ -209,6 +222,16 @@ class AsyncEngine:
         req = self.engine.abort(request_id)
         if req is not None:
             self._push(request_id, stream_delta(req, [], True, self.detokenize))
+
+    def _run(self, make: Callable[[], Engine] | None, built: Future) -> None:
+        try:
+            engine = self.engine if make is None else make()
+        except BaseException as e:  # noqa: BLE001 - the constructor re-raises it
+            built.set_exception(e)
+            return
+        self.engine = engine
+        built.set_result(None)
+        self._loop()
 
     def _loop(self) -> None:
         self._run_hooks()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 
 import pytest
 
@@ -278,3 +279,39 @@ def test_a_step_failing_before_admission_ends_the_waiting_requests(tiny_llama):
         assert eng.is_alive()
     finally:
         eng.shutdown()
+
+
+def test_engine_is_built_on_the_thread_that_steps_it(tiny_llama):
+    """A CPU model's OpenMP regions run fastest from the one thread that loaded it
+    (engine/async_engine.py; scripts/bench_engine_thread.py): AsyncEngine builds its engine
+    on its step thread, and that thread runs every step."""
+    from engine.engine import Engine
+
+    config = EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=512)
+    threads = {}
+
+    def make_engine():
+        threads["build"] = threading.get_ident()
+        engine = Engine(config)
+        step = engine.step
+
+        def recorded_step():
+            threads.setdefault("steps", set()).add(threading.get_ident())
+            return step()
+
+        engine.step = recorded_step
+        return engine
+
+    eng = AsyncEngine(config, make_engine=make_engine)
+    try:
+        out = run(collect(eng, [5, 6, 7], SamplingParams(max_tokens=3, **GREEDY), "t"))
+        assert sum(len(d.token_ids) for d in out) == 3
+        assert threads["build"] != threading.get_ident()
+        assert threads["steps"] == {threads["build"]}
+    finally:
+        eng.shutdown()
+
+
+def test_a_failed_build_raises_from_the_constructor(tmp_path):
+    with pytest.raises(Exception, match="no-such-model|not found|does not exist|No such"):
+        AsyncEngine(EngineConfig(model=str(tmp_path / "no-such-model")))
