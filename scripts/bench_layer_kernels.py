@@ -267,21 +267,26 @@ def gemv_configs(quick: bool) -> list[Tiles]:
         (8, 16, 32, 64), (64, 128), (2, 4, 8, 16))]
 
 
-def bench_gemv(bw: float, quick: bool) -> dict:
+def bench_gemv(bw: float, quick: bool, batches: list[int]) -> dict:
+    """bf16 linears at each row count: cuBLAS against the Triton GEMV's default tiles and
+    the sweep's best (rows > 1: what RADIXSERVE_BF16_GEMV_ROWS would switch on)."""
     rows, best = [], {}
-    for name, (n, k) in {**LLAMA_LINEARS, **MOE_LINEARS}.items():
-        weights = itertools.cycle([(torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
-                                   for _ in range(COPIES)])
-        x = torch.randn(1, k, device="cuda").bfloat16()
-        times = {c: try_time(lambda c=c: gemv(x, next(weights), None, c)) for c in gemv_configs(quick)}
-        c = min(times, key=times.get)
-        row = {"linear": name, "floor_us": 2 * n * k / bw / 1e6,
-               "cublas_us": graph_us(lambda: torch.nn.functional.linear(x, next(weights))),
-               "gemv_default_us": try_time(lambda: gemv(x, next(weights))),
-               "gemv_best_us": times[c], "gemv_best_cfg": str(c)}
-        best[name] = str(c)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    for m in batches:
+        linears = {**LLAMA_LINEARS, **MOE_LINEARS} if m == 1 else LLAMA_LINEARS
+        for name, (n, k) in linears.items():
+            weights = itertools.cycle([(torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
+                                       for _ in range(COPIES)])
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            times = {c: try_time(lambda c=c: gemv(x, next(weights), None, c))
+                     for c in gemv_configs(quick)}
+            c = min(times, key=times.get)
+            row = {"linear": name, "rows": m, "floor_us": 2 * n * k / bw / 1e6,
+                   "cublas_us": graph_us(lambda: torch.nn.functional.linear(x, next(weights))),
+                   "gemv_default_us": try_time(lambda: gemv(x, next(weights))),
+                   "gemv_best_us": times[c], "gemv_best_cfg": str(c)}
+            best[f"{name} x{m}"] = str(c)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return {"rows": rows, "best": best}
 
 
@@ -372,10 +377,10 @@ def print_tables(res: dict) -> None:
                   f"{r['fast_max_err']:>9.2e} {r['bf16_rounding_rel_err']:>8.1e} "
                   f"{r['fp8_quantization_rel_err']:>7.1e}")
     if "gemv" in res:
-        print("\nbf16 linears at one row, us per call: cuBLAS vs the Triton GEMV")
-        print(f"{'linear':>10} {'floor':>7} {'cuBLAS':>7} {'default':>7} {'best':>7}  best config")
+        print("\nbf16 linears, us per call: cuBLAS vs the Triton GEMV")
+        print(f"{'linear':>10} {'rows':>4} {'floor':>7} {'cuBLAS':>7} {'default':>7} {'best':>7}  best config")
         for r in res["gemv"]["rows"]:
-            print(f"{r['linear']:>10} {r['floor_us']:>7.1f} {r['cublas_us']:>7.1f} "
+            print(f"{r['linear']:>10} {r['rows']:>4} {r['floor_us']:>7.1f} {r['cublas_us']:>7.1f} "
                   f"{r['gemv_default_us']:>7.1f} {r['gemv_best_us']:>7.1f}  {r['gemv_best_cfg']}")
     if "glu" in res:
         print("\ngate_up + SiLU-and-mul (Llama-3-8B), us per call: two launches vs gemv_glu")
@@ -392,7 +397,8 @@ def main() -> None:
     ap.add_argument("--fp8-accum", action="store_true",
                     help="FP8 _scaled_mm: float32 promotion vs fast accumulation, time and error")
     ap.add_argument("--fp8-accum-batches", default="128,479,2048,8192")
-    ap.add_argument("--gemv", action="store_true", help="bf16 one-row linears: cuBLAS vs Triton")
+    ap.add_argument("--gemv", action="store_true", help="bf16 linears: cuBLAS vs Triton")
+    ap.add_argument("--gemv-rows", default="1", help="--gemv's row counts, e.g. 1,16,32,64")
     ap.add_argument("--glu", action="store_true", help="gate_up + SiLU: two launches vs gemv_glu")
     ap.add_argument("--quick", action="store_true", help="fewer tile configs")
     ap.add_argument("--moe-batches", default="1,4,8,16,64,256,480,2048,8192")
@@ -412,7 +418,7 @@ def main() -> None:
     if args.fp8_accum or everything:
         res["fp8_accum"] = bench_fp8_accum([int(b) for b in args.fp8_accum_batches.split(",")])
     if args.gemv or everything:
-        res["gemv"] = bench_gemv(bw, args.quick)
+        res["gemv"] = bench_gemv(bw, args.quick, [int(m) for m in args.gemv_rows.split(",")])
     if args.glu or everything:
         res["glu"] = bench_glu(bw, args.quick)
     print_tables(res)

@@ -7,6 +7,7 @@ interpreter's bf16 arithmetic is not exact), from `test_gemv_under_the_interpret
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -24,8 +25,8 @@ CONFIGS = [None, Tiles(16, 64, num_stages=4), Tiles(32, 64, split_k=3), Tiles(64
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("shape", [(1, 96, 256), (1, 130, 1000), (3, 64, 300)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(1, 96, 256), (1, 130, 1000), (3, 64, 300), (33, 72, 200),
+                                   (64, 40, 128)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("config", CONFIGS, ids=["default", "tiles", "split3", "split8"])
 def test_gemv_matches_matmul(shape, config):
     m, n, k = shape
@@ -109,15 +110,15 @@ def test_linear_takes_the_gemv_at_one_row():
         layer = ReplicatedLinear(512, 384, bias=True).to(torch.bfloat16)
     torch.nn.init.normal_(layer.weight, std=512 ** -0.5)
     torch.nn.init.normal_(layer.bias)
-    for rows in (1, 2):
+    for rows, gemv_rows in ((1, 1), (2, 1), (32, 64), (64, 64)):
         x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
         ref = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
         layer.gemv_rows = 0
         cublas = layer(x)
-        layer.gemv_rows = 1
+        layer.gemv_rows = gemv_rows  # RADIXSERVE_BF16_GEMV_ROWS raises it past 1
         out = layer(x)
         assert (out.float() - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
-        if rows > 1:  # past gemv_rows: cuBLAS either way
+        if rows > gemv_rows:  # past gemv_rows: cuBLAS either way
             assert torch.equal(out, cublas)
 
 
@@ -136,12 +137,22 @@ def test_bf16_gemv_compiles_for_hopper():
 
     io = dict(X="*bf16", W="*bf16", Scale="*bf16", M="i32", N="i32", K="i32", k_per_split="i32",
               row_scale="fp32")
-    for n, k in ((6144, 4096), (4096, 14336), (128, 2048)):  # qkv, down, an MoE router
-        tiles = gemv_config(1, n, k, weight_bytes=2)
+    shapes = ((6144, 4096), (4096, 14336), (28672, 4096), (128, 2048))  # qkv, down, gate_up, router
+    for rows, (n, k) in itertools.product((1, 16, 32, 64), shapes):
+        tiles = gemv_config(rows, n, k, weight_bytes=2)
         compile_for_sm90(_gemv_kernel, {**io, "Out": "*fp32" if tiles.split_k > 1 else "*bf16"},
-                         dict(PRECISION="tf32", BLOCK_M=1, BLOCK_N=tiles.block_n,
+                         dict(PRECISION="tf32", BLOCK_M=rows, BLOCK_N=tiles.block_n,
                               BLOCK_K=tiles.block_k, SPLIT_K=tiles.split_k, HAS_SCALE=False),
                          num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+def test_bf16_gemv_rows_setting():
+    from engine.layers import bf16_gemv_rows
+
+    assert bf16_gemv_rows(None) == 1 and bf16_gemv_rows("32") == 32
+    for bad in ("0", "65", "-1"):
+        with pytest.raises(ValueError, match="RADIXSERVE_BF16_GEMV_ROWS"):
+            bf16_gemv_rows(bad)
 
 
 def test_glu_gemv_compiles_for_hopper():

@@ -33,7 +33,7 @@ def compile_for_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int
     "fp32", "i32"); other capitalised parameters are int64 pointers (ReqToToken int32), other
     lower-case ones int32 scalars; constexprs unset take their defaults, except `PDL`, which is
     on as on an H200 (engine/layers/pdl.py), and then checked to come before any global
-    memory access."""
+    memory access. Also checks the kernel fits a block's shared memory on sm_90."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -55,13 +55,17 @@ def compile_for_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int
             sig[prm.name] = "i32"
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v
                                                       for k, v in constexprs.items()})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ptx"]
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    assert kernel.metadata.shared <= H100_SHARED_BYTES, \
+        f"{fn.__name__}: {kernel.metadata.shared} bytes of shared memory, past Hopper's"
+    ptx = kernel.asm["ptx"]
     if check_pdl:
         assert_waits_before_memory(ptx, fn.__name__)
     return ptx
 
 
+H100_SHARED_BYTES = 227 * 1024  # the most one block may use on sm_90
 GLOBAL_ACCESS = ("ld.global", "st.global", "cp.async", "atom.global", "red.global")
 
 

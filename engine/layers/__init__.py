@@ -11,8 +11,21 @@ from engine.layers.parallel import TPContext
 from engine.layers.rotary import RotaryEmbedding, get_rope
 from engine.quantization.fp8 import takes_quantized_input
 
-# Rows up to which bf16 linears take the Triton GEMV (RADIXSERVE_TRITON_GEMV=0: cuBLAS always).
-GEMV_ROWS = 1
+
+
+def bf16_gemv_rows(setting: str | None) -> int:
+    """Rows up to which bf16 linears take the Triton GEMV: 1, or RADIXSERVE_BF16_GEMV_ROWS
+    (2-64), an A/B not yet measured on a GPU: short prompts' extend graphs would chain their
+    linears under PDL instead of draining the GPU around each cuBLAS GEMM (~3.5 us a side
+    on the H200: benchmarks/RESULTS.md, session 11)."""
+    rows = int(setting or 1)
+    if not 1 <= rows <= 64:
+        raise ValueError(f"RADIXSERVE_BF16_GEMV_ROWS must be within 1-64, got {rows}")
+    return rows
+
+
+# RADIXSERVE_TRITON_GEMV=0: cuBLAS always.
+GEMV_ROWS = bf16_gemv_rows(os.environ.get("RADIXSERVE_BF16_GEMV_ROWS"))
 
 
 def set_fused_kernels(model, enabled: bool) -> None:

@@ -37,8 +37,9 @@ def gemv_config(rows: int, n: int, k: int, weight_bytes: int = 1) -> Tiles:
         return _fp8_tiles(rows, n, k)
     if rows == 1:
         return _bf16_row_tiles(n)
-    # (not launched by the engine: bf16 linears take cuBLAS above one row) K steps of the
-    # float8 tiles' bytes
+    if weight_bytes == 2:
+        return _bf16_rows_tiles(n, k)
+    # float32 weights (tests under the interpreter): K steps of the float8 tiles' bytes
     tiles = _fp8_tiles(rows, n, k)
     return dataclasses.replace(tiles, block_k=max(32, tiles.block_k // weight_bytes))
 
@@ -51,6 +52,19 @@ def _bf16_row_tiles(n: int) -> Tiles:
     2.4 / 4.7."""
     block_n = 32 if n >= 5120 else 16 if n >= 4096 else 8
     return Tiles(block_n=block_n, block_k=128, num_stages=4, split_k=4)
+
+
+def _bf16_rows_tiles(n: int, k: int) -> Tiles:
+    """2-64 rows of bf16 weights, taken only when RADIXSERVE_BF16_GEMV_ROWS raises the rows
+    (engine/layers/__init__.py). Not yet swept on a GPU (`bench_layer_kernels.py --gemv
+    --gemv-rows 16,32,64`): 128-wide K steps keep a 64-row activation tile and the weight's
+    in shared memory over four stages (96 KB), and K is cut where the output alone leaves
+    fewer than ~2 programs per multiprocessor."""
+    if k >= 3 * n:
+        return Tiles(block_n=32, block_k=128, num_stages=4, split_k=4)
+    if n >= 16384:
+        return Tiles(block_n=32, block_k=128, num_stages=4)
+    return Tiles(block_n=32, block_k=128, num_stages=4, split_k=2)
 
 
 def _fp8_tiles(rows: int, n: int, k: int) -> Tiles:
