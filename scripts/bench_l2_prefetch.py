@@ -10,7 +10,9 @@ time and the GEMV's part of it (the chain minus the same chain without the GEMV)
 weight's floor at the measured copy rate, and what the chain saved against the same chain
 without a prefetch ("cold"): the figure that decides, since a prefetch that did not finish
 in the idle stretch still moves its bytes, later. "warm" rows skip the copy (the upper
-bound: the whole weight left in L2 by the chain before, where it fits).
+bound: the whole weight left in L2 by the chain before, where it fits); "f" rows issue the
+prefetch from the waiting kernel itself (a prefetch fused into RoPE or attention) instead of
+a launch of its own.
 
     python3 scripts/bench_l2_prefetch.py [--idle 0,4,8] [--prefetch-mb 0,8,16,32,all]
                                          [--chunks-kb 16] [--json PATH]
@@ -40,9 +42,15 @@ FLUSH_BYTES = 256 << 20
 
 
 @triton.jit
-def _wait_kernel(Sink, nanoseconds, PDL: tl.constexpr):
-    """Spin for `nanoseconds` by the global timer: a stretch in which the bus idles."""
+def _wait_kernel(Sink, nanoseconds, W, nbytes, FUSED: tl.constexpr, CHUNK: tl.constexpr,
+                 PER_PROGRAM: tl.constexpr, PDL: tl.constexpr):
+    """Spin for `nanoseconds` by the global timer: a stretch in which the bus idles. FUSED:
+    first ask for W's first `nbytes` itself (a prefetch inside the kernel before the GEMV,
+    as RoPE or attention could, instead of a launch of its own)."""
     pdl_prologue(PDL)
+    if FUSED:
+        for program in range(0, tl.cdiv(tl.cdiv(nbytes, CHUNK), PER_PROGRAM)):
+            l2_prefetch.prefetch_chunks(W, nbytes, program, CHUNK, PER_PROGRAM)
     start = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
                                       is_pure=False, pack=1)
     now = start
@@ -71,17 +79,21 @@ def copy_rate(device: torch.device) -> float:
 
 
 def chain_us(weight, scale, x, flush, idle_us: float, prefetch_bytes: int, with_gemv: bool,
-             warm: bool, sink) -> float:
+             warm: bool, fused: bool, sink) -> float:
     src, dst = flush
     launch = pdl_launch(x.device)
+    size = weight.numel() * weight.element_size()
+    nbytes = min(prefetch_bytes, size) // 16 * 16
 
     def chain():
         if not warm:
             dst.copy_(src)
-        if prefetch_bytes:
+        if prefetch_bytes and not fused:
             l2_prefetch.prefetch_l2(weight, prefetch_bytes)
-        if idle_us:
-            _wait_kernel[(1,)](sink, int(idle_us * 1000), **launch)
+        if idle_us or fused:
+            _wait_kernel[(1,)](sink, int(idle_us * 1000), weight.reshape(-1).view(torch.uint8),
+                               nbytes, FUSED=fused, CHUNK=l2_prefetch.CHUNK_BYTES,
+                               PER_PROGRAM=l2_prefetch.CHUNKS_PER_PROGRAM, **launch)
         if with_gemv:
             gemv(x, weight, scale)
 
@@ -112,19 +124,20 @@ def main() -> None:
         size = weight.numel() * weight.element_size()
         floor = size / rate * 2e6  # the copy rate counts read + write; a GEMV only reads
         for idle in (float(v) for v in args.idle.split(",")):
-            plans = [("cold", 0, 16)]
+            plans = [("cold", 0, 16, False)]
             for mb in args.prefetch_mb.split(","):
                 nbytes = size if mb == "all" else int(float(mb) * (1 << 20))
                 if nbytes:
-                    plans += [(f"{min(nbytes, size) >> 20} MB", nbytes, int(kb))
-                              for kb in args.chunks_kb.split(",")]
-            plans.append(("warm", 0, 16))
+                    label = f"{min(nbytes, size) >> 20} MB"
+                    plans += [(label, nbytes, int(kb), False) for kb in args.chunks_kb.split(",")]
+                    plans.append((label + " f", nbytes, 16, True))
+            plans.append(("warm", 0, 16, False))
             cold = None
-            for label, nbytes, chunk_kb in plans:
+            for label, nbytes, chunk_kb, fused in plans:
                 l2_prefetch.CHUNK_BYTES = chunk_kb << 10
                 warm = label == "warm"
-                total = chain_us(weight, scale, x, flush, idle, nbytes, True, warm, sink)
-                base = chain_us(weight, scale, x, flush, idle, nbytes, False, warm, sink)
+                total = chain_us(weight, scale, x, flush, idle, nbytes, True, warm, fused, sink)
+                base = chain_us(weight, scale, x, flush, idle, nbytes, False, warm, fused, sink)
                 row = dict(weight=name, mb=size / 2**20, floor_us=floor, idle_us=idle,
                            chunk_kb=chunk_kb, prefetch=label, chain_us=total,
                            gemv_us=total - base)

@@ -98,3 +98,20 @@ def test_prefetch_kernel_runs_inside_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(weight, before)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_benchmarks_waiting_kernel_compiles_for_hopper(fused):
+    """scripts/bench_l2_prefetch.py's stand-in for the idle stretch, with the prefetch fused
+    into it or not: the next device session's first call depends on it."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from bench_l2_prefetch import _wait_kernel
+
+    ptx = compile_for_sm90(_wait_kernel, {"Sink": "*i64", "nanoseconds": "i64", "W": "*u8",
+                                          "nbytes": "i64"},
+                           {"FUSED": fused, "CHUNK": 16 << 10, "PER_PROGRAM": 128})
+    assert "%globaltimer" in ptx
+    assert ("cp.async.bulk.prefetch.L2.global" in ptx) == fused

@@ -53,12 +53,10 @@ TARGETS = parse_targets(os.environ.get("RADIXSERVE_L2_PREFETCH"))
 
 
 @triton.jit
-def _prefetch_kernel(W, nbytes, CHUNK: tl.constexpr, PER_PROGRAM: tl.constexpr,
-                     PDL: tl.constexpr):
-    # Waits like every kernel under PDL (the chain's order stays a plain stream's), though
-    # the bytes it asks for are weights nothing writes.
-    pdl_prologue(PDL)
-    offsets = (tl.program_id(0) * PER_PROGRAM + tl.arange(0, PER_PROGRAM)).to(tl.int64) * CHUNK
+def prefetch_chunks(W, nbytes, program, CHUNK: tl.constexpr, PER_PROGRAM: tl.constexpr):
+    """Chunks program * PER_PROGRAM.. of W's first `nbytes` into L2, one bulk prefetch each
+    (a helper other kernels may call too; the copies finish on their own)."""
+    offsets = (program * PER_PROGRAM + tl.arange(0, PER_PROGRAM)).to(tl.int64) * CHUNK
     inside = offsets < nbytes
     # Lanes past the end repeat the first chunk's first 16 bytes instead of branching:
     # the instruction takes no predicate from Triton, and a repeat costs nothing.
@@ -68,6 +66,15 @@ def _prefetch_kernel(W, nbytes, CHUNK: tl.constexpr, PER_PROGRAM: tl.constexpr,
     tl.inline_asm_elementwise(
         "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
         "=r,l,r", [address, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_kernel(W, nbytes, CHUNK: tl.constexpr, PER_PROGRAM: tl.constexpr,
+                     PDL: tl.constexpr):
+    # Waits like every kernel under PDL (the chain's order stays a plain stream's), though
+    # the bytes it asks for are weights nothing writes.
+    pdl_prologue(PDL)
+    prefetch_chunks(W, nbytes, tl.program_id(0), CHUNK, PER_PROGRAM)
 
 
 def can_prefetch(weight: torch.Tensor) -> bool:
