@@ -12,7 +12,6 @@ from engine.layers.rotary import RotaryEmbedding, get_rope
 from engine.quantization.fp8 import takes_quantized_input
 
 
-
 def bf16_gemv_rows(setting: str | None) -> int:
     """Rows up to which bf16 linears take the Triton GEMV: 1, or RADIXSERVE_BF16_GEMV_ROWS
     (2-64), an A/B not yet measured on a GPU: short prompts' extend graphs would chain their
@@ -24,7 +23,7 @@ def bf16_gemv_rows(setting: str | None) -> int:
     return rows
 
 
-# RADIXSERVE_TRITON_GEMV=0: cuBLAS always.
+# Rows up to which bf16 linears take the Triton GEMV (RADIXSERVE_TRITON_GEMV=0: cuBLAS always).
 GEMV_ROWS = bf16_gemv_rows(os.environ.get("RADIXSERVE_BF16_GEMV_ROWS"))
 
 
