@@ -194,9 +194,13 @@ class AppArgs(BaseModel):
         return self
 
     @property
+    def engine_batch(self) -> int:
+        """Requests an engine replica runs at once (max_running_requests)."""
+        return self.engine.get("max_running_requests", EngineConfig.max_running_requests)
+
+    @property
     def engine_capacity(self) -> int:
-        running = self.engine.get("max_running_requests", EngineConfig.max_running_requests)
-        return running + self.engine["max_queued_requests"]
+        return self.engine_batch + self.engine["max_queued_requests"]
 
     def engine_max_ongoing(self) -> int:
         # Slack: refused requests leave at once, but briefly count against Serve's cap.

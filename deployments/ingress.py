@@ -65,8 +65,12 @@ class OpenAIIngress:
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  router_reads_text: bool = False, api_key: str | None = None,
                  admin_api_key: str | None = None, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None,
+                 max_calls_in_flight: int | None = None) -> None:
         auth.configure(api_key, admin_api_key)
+        # A request's engine calls (prompts x n) in flight at once: the engine's batch, so a
+        # larger request runs through it in turn (deployments/streams.py, merged_stream).
+        self.max_calls_in_flight = max_calls_in_flight
         path = resolve_model(model)
         self.model_path, self.tokenizer_path = path, tokenizer or path
         self.sampling_defaults = model_sampling_defaults(path)  # generation_config.json
@@ -260,10 +264,13 @@ class OpenAIIngress:
         except ValueError as e:
             raise APIError.bad_request(str(e)) from None
 
+    def _merged(self, calls: list[EngineCall]):
+        return merged_stream(self.engine, calls, self.hub, self.max_calls_in_flight)
+
     async def _open(self, calls: list[EngineCall]):
         """(batches, stream): the merged stream with its first batch read already, so that
         errors before any token get a real HTTP status; close `stream` when done."""
-        stream = merged_stream(self.engine, calls, self.hub)
+        stream = self._merged(calls)
         first = await anext(stream, None)
         if first is not None and (err := error_of(first[0][1])) is not None:
             await stream.aclose()
@@ -323,7 +330,7 @@ class OpenAIIngress:
         return calls, choices
 
     async def _gather(self, calls: list[EngineCall], choices: list[ChoiceState]) -> None:
-        async for batch in merged_stream(self.engine, calls, self.hub):
+        async for batch in self._merged(calls):
             for i, item in batch:
                 if (err := error_of(item)) is not None:
                     raise err
@@ -342,7 +349,7 @@ class OpenAIIngress:
     async def _stream(self, calls: list[EngineCall], choices: list[ChoiceState],
                       include_usage: bool, chat: bool, want_lp: bool, echo=None,
                       outputs=None) -> StreamingResponse:
-        stream = merged_stream(self.engine, calls, self.hub)
+        stream = self._merged(calls)
         first = await anext(stream, None)  # errors before any token get a real HTTP status
         if first is not None and (err := error_of(first[0][1])) is not None:
             await stream.aclose()

@@ -71,12 +71,15 @@ def error_of(item: dict) -> APIError | None:
     return APIError(item["error"], status=status)
 
 
-async def merged_stream(handle, calls: list[EngineCall],
-                        hub: ChannelHub | None = None) -> AsyncIterator[list[tuple[int, dict]]]:
+async def merged_stream(handle, calls: list[EngineCall], hub: ChannelHub | None = None,
+                        window: int | None = None) -> AsyncIterator[list[tuple[int, dict]]]:
     """Yield batches of (call index, item) from all calls: everything that arrived since the
     consumer last asked (at least one). With a `hub`, deltas come on its delta channels where
-    open (deployments/channel.py). Closing this generator (e.g. the HTTP client went away)
-    cancels every call, which aborts them in the engine."""
+    open (deployments/channel.py). At most `window` calls are in flight at once (None: all):
+    the next starts as one ends, so a request of more prompts x choices than the engine
+    takes at once runs through it in turn instead of being refused for the engine's bound.
+    Closing this generator (e.g. the HTTP client went away) cancels every call started,
+    which aborts them in the engine; the rest never start."""
     queue: asyncio.Queue = asyncio.Queue()
     finished = [asyncio.Event() for _ in calls]
     closing = False  # the consumer left: the calls' cancellation below is expected
@@ -96,7 +99,7 @@ async def merged_stream(handle, calls: list[EngineCall],
         if hub is not None:
             call.channel = hub.ingress_id
             hub.listen(call.request_id, functools.partial(deliver, i))
-    responses = [submit(handle.generate, call) for call in calls]
+    responses, tasks = [], []
 
     async def pump(i: int, response) -> None:
         try:
@@ -133,14 +136,23 @@ async def merged_stream(handle, calls: list[EngineCall],
         finally:
             queue.put_nowait((i, None))  # unbounded: never waits, even while cancelled
 
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(responses)]
+    def start_next() -> None:
+        i = len(responses)
+        responses.append(submit(handle.generate, calls[i]))
+        tasks.append(asyncio.create_task(pump(i, responses[i])))
+
+    for _ in range(min(window or len(calls), len(calls))):
+        start_next()
     try:
-        remaining = len(tasks)
+        remaining = len(calls)
         while remaining:
             batch = [await queue.get()]
             while not queue.empty():
                 batch.append(queue.get_nowait())
-            remaining -= sum(item is None for _, item in batch)
+            ended = sum(item is None for _, item in batch)
+            remaining -= ended
+            for _ in range(min(ended, len(calls) - len(responses))):
+                start_next()  # each call that ended makes room for the next
             batch = [(i, item) for i, item in batch if item is not None]
             if batch:
                 yield batch

@@ -141,6 +141,37 @@ def test_burst_over_the_bound_is_refused_at_once_and_loses_nothing(server):
     _no_kv_leak(SMALL)
 
 
+def test_a_request_larger_than_the_engines_bound_runs_through_it_in_turn(server):
+    """10 prompts x 3 choices = 30 engine calls against room for 12 (4 running + 8 queued):
+    the ingress keeps at most a batch of them (4) in flight, so the request is answered
+    whole instead of refused for the bound; streamed, every choice's text is the same."""
+    prompts = [f"Tale {i}: at dawn the" for i in range(10)]
+    body = {"model": "radixserve-demo", "prompt": prompts, "n": 3, "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{SMALL}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert sorted(c["index"] for c in choices) == list(range(30))
+    singles = [httpx.post(f"{SMALL}/v1/completions", timeout=60, json={
+        **body, "prompt": p, "n": 1}).json()["choices"][0]["text"] for p in prompts]
+    for c in choices:  # choice index = prompt * n + j
+        assert c["text"] == singles[c["index"] // 3] and c["finish_reason"] == "length", c
+    assert r.json()["usage"]["completion_tokens"] == 30 * 6
+
+    streamed = {}
+    with httpx.stream("POST", f"{SMALL}/v1/completions", json={**body, "stream": True},
+                      timeout=120) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                for c in chunk["choices"]:
+                    streamed[c["index"]] = streamed.get(c["index"], "") + c["text"]
+    assert streamed == {c["index"]: c["text"] for c in choices}
+    _no_kv_leak(SMALL)
+
+
 def _engine_calls(base: str) -> int:
     stats = _stats(base)
     return stats["requests_on_channel"] + stats["requests_on_own_stream"]
