@@ -51,13 +51,19 @@ def _wait_kernel(Sink, nanoseconds, W, nbytes, FUSED: tl.constexpr, CHUNK: tl.co
     if FUSED:
         for program in range(0, tl.cdiv(tl.cdiv(nbytes, CHUNK), PER_PROGRAM)):
             l2_prefetch.prefetch_chunks(W, nbytes, program, CHUNK, PER_PROGRAM)
-    start = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                      is_pure=False, pack=1)
+    start = _global_timer(nanoseconds)
     now = start
     while now - start < nanoseconds:
-        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                        is_pure=False, pack=1)
+        now = _global_timer(nanoseconds)
     tl.store(Sink, now - start)
+
+
+@triton.jit
+def _global_timer(anything):
+    """The GPU's nanosecond clock. (The argument only gives the asm an operand: older Tritons
+    want at least one.)"""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [anything],
+                                     dtype=tl.int64, is_pure=False, pack=1)
 
 
 def make_weights(device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
