@@ -16,7 +16,7 @@ import pytest
 from deployments.admission import REPORT_FRESH_S
 from deployments.errors import OVERLOADED_MESSAGE
 from engine.demo_model import ensure_demo_model
-from serve_helpers import BASE, run_app, serve_config_args, start_ray, stop_ray
+from serve_helpers import BASE, run_app, serve_config_args, start_ray, stop_ray, wait_until
 
 pytestmark = pytest.mark.slow
 SMALL = f"{BASE}/small"  # running 4 + queued 8 per replica, 1 MB bodies, tokenizer elsewhere
@@ -169,6 +169,16 @@ def test_a_request_larger_than_the_engines_bound_runs_through_it_in_turn(server)
                 for c in chunk["choices"]:
                     streamed[c["index"]] = streamed.get(c["index"], "") + c["text"]
     assert streamed == {c["index"]: c["text"] for c in choices}
+    _no_kv_leak(SMALL)
+
+    # A client that leaves after the first event: the calls in flight are aborted, and the
+    # rest never reach the engine.
+    before = _engine_calls(SMALL)
+    with httpx.stream("POST", f"{SMALL}/v1/completions", timeout=120,
+                      json={**body, "max_tokens": 400, "stream": True}) as s:
+        next(line for line in s.iter_lines() if line.startswith("data: "))
+    assert wait_until(lambda: _stats(SMALL)["running"] == 0, timeout=30)
+    assert _engine_calls(SMALL) - before < 30
     _no_kv_leak(SMALL)
 
 
