@@ -15,8 +15,8 @@
 # replica and an ingress during W2 over HTTP; "gil" runs batch-1 and W2 again with the
 # replica's GIL switch interval at 0.5 ms ("sw05": that under "tput"'s mode); "fast" runs them (and batch-1 800/16: a prefill graph past 512 tokens) under Ray's high-throughput mode (the README's, scripts/serve.sh), and with "sampled" W2 again at temperature 1, then also with top_p 0.95 and repetition_penalty 1.05
 # (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, RAY_SERVE_ENABLE_HA_PROXY=1), "w2only" keeping only its W2 runs, "b1only" only its batch-1 ones;
-# "colo" runs fast's rows (same seeds, a fresh server) with `ingress: colocated` ("cproc": its batch-1
-# and W2 rows with `engine_process: true` as well); "tput" under the first of
+# "colo" runs fast's rows (same seeds, a fresh server) with `ingress: colocated` ("cproc": the
+# same with `engine_process: true` as well); "tput" under the first of
 # those alone (no HAProxy: none of its caveats, docs/deploy.md); "process" runs batch-1 and W2
 # with the engine's step loop in a child process of the replica (engine_process: true), and
 # with ASYNC_PATH=1 bench_async_path's offline / AsyncEngine / ProcessAsyncEngine rows; "hproc" runs
@@ -117,7 +117,7 @@ print(f"\n{'run':<16} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT mean':>9} {'ITL p
 for name in ("batch1", "batch1short", "w2", "poisson4", "poisson16", "poisson64", "gil_batch1", "gil_w2",
              "fast_batch1", "fast_batch1short", "fast_batch1mid", "fast_w2", "fast_poisson64",
              "colo_batch1", "colo_batch1short", "colo_batch1mid", "colo_w2", "colo_poisson64", "fast_w2_t1", "fast_w2_sampled", "tput_batch1",
-             "tput_batch1short", "tput_w2", "sw05_batch1", "sw05_w2", "proc_batch1", "proc_w2", "hproc_batch1", "hproc_w2", "cproc_batch1", "cproc_batch1short", "cproc_w2"):
+             "tput_batch1short", "tput_w2", "sw05_batch1", "sw05_w2", "proc_batch1", "proc_w2", "hproc_batch1", "hproc_w2", "cproc_batch1", "cproc_batch1short", "cproc_batch1mid", "cproc_w2", "cproc_poisson64"):
     m = load(f"http_{name}.json")
     if m:
         m = m.get("metrics", m)
@@ -194,36 +194,26 @@ if [[ $PARTS == *fast* ]]; then  # the same app with Ray's high-throughput mode:
 fi
 checkpoint
 
-if [[ $PARTS == *colo* ]]; then  # "fast"'s runs with `ingress: colocated` (deployments/colocated.py)
+colocated_rows() {  # name prefix, then YAML app args past `ingress: colocated`: "fast"'s runs
+  local name=$1 extra=$2
   SECONDS=0
-  if RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 SERVE_EXTRA="ingress: colocated" serve_up; then
+  if RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 SERVE_EXTRA="ingress: colocated$extra" serve_up; then
     bench warm --num-prompts 64 --input-len 512 --output-len 32
-    bench colo_batch1 --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1 --seed 101
-    bench colo_batch1short --num-prompts 16 --input-len 32 --output-len 64 --max-concurrency 1 --seed 102
-    bench colo_batch1mid --num-prompts 16 --input-len 800 --output-len 16 --max-concurrency 1 --seed 103
-    [[ $PARTS == *b1only* ]] || bench colo_w2 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
+    bench "${name}_batch1" --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1 --seed 101
+    bench "${name}_batch1short" --num-prompts 16 --input-len 32 --output-len 64 --max-concurrency 1 --seed 102
+    bench "${name}_batch1mid" --num-prompts 16 --input-len 800 --output-len 16 --max-concurrency 1 --seed 103
+    [[ $PARTS == *b1only* ]] || bench "${name}_w2" --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
       --question-len 128 --output-len 256
-    [[ $PARTS == *b1only* ]] || bench colo_poisson64 --num-prompts 640 --input-len 512 --output-len 128 --request-rate 64 --seed 164
+    [[ $PARTS == *b1only* ]] || bench "${name}_poisson64" --num-prompts 640 --input-len 512 --output-len 128 --request-rate 64 --seed 164
   fi
   serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1
   pkill -f haproxy > /dev/null 2>&1
-fi
-checkpoint
+}
 
-if [[ $PARTS == *cproc* ]]; then  # `ingress: colocated` with the engine in a child process: no
-  # router or gRPC hop per request, and the step loop off the HTTP process's GIL
-  SECONDS=0
-  if RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 \
-     SERVE_EXTRA=$'ingress: colocated\n      engine_process: true' serve_up; then
-    bench warm --num-prompts 64 --input-len 512 --output-len 32
-    bench cproc_batch1 --num-prompts 8 --input-len 512 --output-len 256 --max-concurrency 1 --seed 101
-    bench cproc_batch1short --num-prompts 16 --input-len 32 --output-len 64 --max-concurrency 1 --seed 102
-    bench cproc_w2 --dataset shared-prefix --num-groups 32 --prompts-per-group 16 --system-len 2048 \
-      --question-len 128 --output-len 256
-  fi
-  serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1
-  pkill -f haproxy > /dev/null 2>&1
-fi
+# "colo": `ingress: colocated` (deployments/colocated.py); "cproc": that with the engine in a
+# child process (no router or gRPC hop per request, and the step loop off the HTTP process's GIL)
+[[ $PARTS == *colo* ]] && colocated_rows colo ""
+[[ $PARTS == *cproc* ]] && colocated_rows cproc $'\n      engine_process: true'
 checkpoint
 
 if [[ $PARTS == *tput* ]]; then  # RAY_SERVE_THROUGHPUT_OPTIMIZED=1 alone: Serve's Python proxy kept
