@@ -31,8 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from bench_layer_kernels import LLAMA_LINEARS  # noqa: E402
-from check_attention import D, DT, decode_batch, graph_time_us  # noqa: E402
-from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from check_attention import D, DT, decode_batch, decode_layers, graph_time_us  # noqa: E402
 
 LAYERS = 4  # pool layers cycled through, so K/V come from HBM as in a step
 
@@ -65,14 +64,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     pool, batch, q, k, v = decode_batch(args.batch, args.context, LAYERS, contiguous=False)
-    backend = TritonAttentionBackend(pool, D ** -0.5, graph_mode=True)
-    backend.prepare(batch)
-    out = torch.empty(q.shape, dtype=q.dtype, device="cuda")
-    layer = {"i": 0}
-
-    def attention():
-        backend.forward(q, k, v, layer["i"] % LAYERS, batch, out=out)
-        layer["i"] += 1
+    attention, _ = decode_layers(pool, batch, q, k, v, LAYERS, graph_mode=True)
 
     weights = [[torch.randn(n, kk, device="cuda", dtype=DT) * 0.02 for n, kk in LLAMA_LINEARS.values()]
                for _ in range(LAYERS)]

@@ -104,8 +104,8 @@ def decode_batch(bsz: int, seqlen: int, layers: int, contiguous: bool) -> tuple:
     return pool, batch, q, k, v
 
 
-def time_decode(pool, batch, q, k, v, layers, cfg=None, splits=None,
-                graph_mode=False) -> tuple[float, int]:
+def decode_layers(pool, batch, q, k, v, layers, cfg=None, splits=None, graph_mode=False):
+    """(fn, backend): each fn() runs the decode path of the next of `layers` pool layers."""
     be = TritonAttentionBackend(pool, D ** -0.5, force_num_splits=splits, graph_mode=graph_mode)
     if cfg:
         be.decode_cfg = dict(cfg)
@@ -116,6 +116,12 @@ def time_decode(pool, batch, q, k, v, layers, cfg=None, splits=None,
     def fn():
         be.forward(q, k, v, state["l"] % layers, batch, out=out)
         state["l"] += 1
+    return fn, be
+
+
+def time_decode(pool, batch, q, k, v, layers, cfg=None, splits=None,
+                graph_mode=False) -> tuple[float, int]:
+    fn, be = decode_layers(pool, batch, q, k, v, layers, cfg, splits, graph_mode)
     return graph_time_us(fn, layers), be._num_splits
 
 
