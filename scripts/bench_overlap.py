@@ -4,7 +4,7 @@ A W1 decode step at ~480 requests is ~10 ms of GEMMs, bound by the tensor cores,
 of attention, bound by reading K/V, run one after the other; a model of W1's steps from the
 real scheduler puts the whole run at ~18 s of GEMMs, ~7 s of attention and ~3 s of other
 work (benchmarks/RESULTS.md, session 25). Even with every GEMM at the machine's peak the
-sum stays above the 24.7 s that 11,000 tok/s allows; run side by side (the batch cut in
+sum (25.3 s) stays above the 24.7 s that 11,000 tok/s allows; run side by side (the batch cut in
 two, one half's attention while the other half's GEMMs run, as NanoFlow does), the two could
 take about the longer of them.
 

@@ -11,8 +11,9 @@ lands within 3% of the measured run: 9,640 modelled against 9,894 measured tok/s
 8,192-token chunks).
 
 It answers what W1's goal (11,000 tok/s) needs: how the time splits, what other chunk sizes
-would give, and what running the decode attention beside the GEMMs would (the longer of the
-two instead of their sum; scripts/bench_overlap.py measures whether the GPU can).
+would give, what every GEMM at the machine's peak would, and what running the decode
+attention beside the GEMMs would (the longer of the two instead of their sum;
+scripts/bench_overlap.py measures whether the GPU can).
 
     python scripts/w1_step_model.py [--chunks 8192,4096,2048]
 """
@@ -77,11 +78,14 @@ def gemm_rate(rows: int) -> float:
     return max(719.0, 763 - (763 - 719) * (rows - 2048) / 6144)
 
 
-def price(step: tuple[int, int, int]) -> tuple[float, float, float]:
-    """(GEMM, decode attention, other) seconds of one step."""
+PEAK_TFLOPS = 790.0  # the machine's 8,192-cube bf16 product (session 24)
+
+
+def price(step: tuple[int, int, int], rate=gemm_rate) -> tuple[float, float, float]:
+    """(GEMM, decode attention, other) seconds of one step, GEMMs at `rate(rows)` TFLOP/s."""
     prompt, decoders, kv_tokens = step
     rows = prompt + decoders
-    gemm = max(WEIGHTS_S, rows * FLOP_PER_TOKEN / (gemm_rate(rows) * 1e12))
+    gemm = max(WEIGHTS_S, rows * FLOP_PER_TOKEN / (rate(rows) * 1e12))
     return gemm, kv_tokens * KV_BYTES_PER_TOKEN / KV_READ_RATE, STEP_S + prompt * PROMPT_TOKEN_S
 
 
@@ -90,17 +94,19 @@ def main() -> None:
     ap.add_argument("--chunks", default="8192,4096,2048", help="chunked_prefill_size values")
     args = ap.parse_args()
     print(f"{'chunk':>6} {'steps':>6} {'mixed':>6} {'GEMM s':>7} {'attn s':>7} {'other s':>8} "
-          f"{'W1 s':>6} {'tok/s':>7} {'overlapped s':>13} {'tok/s':>7}")
+          f"{'W1 s':>6} {'tok/s':>7} {'GEMMs at peak s':>16} {'tok/s':>7} "
+          f"{'overlapped s':>13} {'tok/s':>7}")
     for chunk in (int(c) for c in args.chunks.split(",")):
         steps, outputs = w1_steps(chunk)
         parts = [price(s) for s in steps]
         gemm, attn, other = (sum(p[i] for p in parts) for i in range(3))
         total = gemm + attn + other
+        at_peak = sum(sum(price(s, lambda rows: PEAK_TFLOPS)) for s in steps)
         overlapped = sum(max(g, a) + o for g, a, o in parts)
         mixed = sum(1 for s in steps if s[0])
         print(f"{chunk:>6} {len(steps):>6} {mixed:>6} {gemm:7.2f} {attn:7.2f} {other:8.2f} "
-              f"{total:6.2f} {outputs / total:7,.0f} {overlapped:13.2f} {outputs / overlapped:7,.0f}",
-              flush=True)
+              f"{total:6.2f} {outputs / total:7,.0f} {at_peak:16.2f} {outputs / at_peak:7,.0f} "
+              f"{overlapped:13.2f} {outputs / overlapped:7,.0f}", flush=True)
 
 
 if __name__ == "__main__":
