@@ -17,10 +17,11 @@ def bf16_gemv_rows(setting: str | None) -> int:
     (2-64), an A/B not yet measured on a GPU: short prompts' extend graphs would chain their
     linears under PDL instead of draining the GPU around each cuBLAS GEMM (~3.5 us a side
     on the H200: benchmarks/RESULTS.md, session 11)."""
-    rows = int(setting or 1)
-    if not 1 <= rows <= 64:
-        raise ValueError(f"RADIXSERVE_BF16_GEMV_ROWS must be within 1-64, got {rows}")
-    return rows
+    if not setting:
+        return 1
+    if not (setting.strip().isdigit() and 1 <= int(setting) <= 64):
+        raise ValueError(f"RADIXSERVE_BF16_GEMV_ROWS must be a whole number within 1-64, got {setting!r}")
+    return int(setting)
 
 
 # Rows up to which bf16 linears take the Triton GEMV (RADIXSERVE_TRITON_GEMV=0: cuBLAS always).
