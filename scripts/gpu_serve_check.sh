@@ -128,7 +128,7 @@ if off:
     w2, w3 = off.get("W2", {}), off.get("W3", {})
     print(f"offline W2 cache_on: {w2.get('cache_on_output_tok_s', 0):.0f} tok/s; "
           f"W3: TTFT {w3.get('ttft_ms', 0):.1f} ms, step {w3.get('step_ms', 0):.2f} ms")
-for name in ("path.txt", "ceiling.txt", "admission.txt", "intake.txt", "async_path.txt"):
+for name in ("online.txt", "online_table.txt", "path.txt", "ceiling.txt", "admission.txt", "intake.txt", "async_path.txt"):
     path = os.path.join(out, name)
     if os.path.exists(path):
         print(f"\n{name}:\n" + open(path).read().rstrip())
@@ -140,6 +140,56 @@ checkpoint() {  # after each part, so a run cut short still brings back what it 
   cp "$RES/summary.txt" "$OUT/summary.txt"
   tar -czf "$OUT/results.tgz" -C "$RES" . 2>/dev/null  # one file: $OUT brings back eight at most
 }
+
+online_http() {  # name, extra app args: O1 through HTTP in the README's mode (scripts/serve.sh's
+  # variables), one rate at a time, with py-spy of the engine replica and an ingress at the top rate
+  local name=$1 top=${ONLINE_RATES##*,}
+  SECONDS=0
+  if RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 SERVE_EXTRA="$2" serve_up; then
+    echo "$name: /v1/models answered ${SECONDS}s after launch" >> "$RES/online.txt"
+    for rate in ${ONLINE_RATES//,/ }; do
+      if [ "$rate" = "$top" ]; then
+        for who in EngineReplica OpenAIIngress; do
+          pid=$(pgrep -f "ServeReplica:radixserve:$who" | head -1)
+          (sleep 8; py-spy record -d 6 -r 200 --subprocesses --nonblocking -f raw \
+             -o "$RES/pyspy_${name}_$who.txt" --pid "$pid" > /dev/null 2>&1) &
+        done
+      fi
+      python3 scripts/bench_online.py http --rates "$rate" --mixes "$ONLINE_MIXES" \
+        --duration "$ONLINE_SECONDS" --json "$RES/online_${name}_$rate.json" 2>&1 | grep -v "^[-m]"
+    done
+    sleep 2
+    for who in EngineReplica OpenAIIngress; do
+      echo "== py-spy $name $who"; python3 scripts/pyspy_top.py "$RES/pyspy_${name}_$who.txt" 12 2>&1 | cut -c1-180
+    done
+    python3 - "$RES" "$name" <<'PY'
+import glob, json, sys
+res, name = sys.argv[1], sys.argv[2]
+rows = [r for f in sorted(glob.glob(f"{res}/online_{name}_*.json")) for r in json.load(open(f))["rows"]]
+json.dump({"target": name, "rows": rows}, open(f"{res}/{name}.json", "w"))
+PY
+  fi
+  serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1; pkill -f haproxy > /dev/null 2>&1
+}
+
+# "online": O1 (BENCHMARKS.md), the offline engine and then HTTP with the same arrivals;
+# ONLINE_MODES lists app-arg variants to serve ("default" = the app as configured)
+ONLINE_RATES=${ONLINE_RATES:-16,32} ONLINE_MIXES=${ONLINE_MIXES:-fixed} ONLINE_SECONDS=${ONLINE_SECONDS:-20}
+if [[ $PARTS == *online* ]]; then
+  python3 scripts/bench_online.py offline --rates "$ONLINE_RATES" --mixes "$ONLINE_MIXES" \
+    --duration "$ONLINE_SECONDS" --json "$RES/offline.json" ${ONLINE_ENGINE:+--engine $ONLINE_ENGINE} 2>&1 | grep -v "^[-m]"
+  names=""
+  for mode in ${ONLINE_MODES:-default}; do
+    case $mode in
+      default) extra="" ;;
+      proc) extra="engine_process: true" ;;
+      *) extra=$mode; mode=custom ;;
+    esac
+    online_http "$mode" "$extra"; names="$names $RES/$mode.json"
+  done
+  python3 scripts/bench_online.py report "$RES/offline.json" $names | tee "$RES/online_table.txt"
+fi
+checkpoint
 
 if [[ $PARTS == *profile* ]]; then
   SECONDS=0
