@@ -203,6 +203,15 @@ async def served_model(base_url: str) -> tuple[str, int | None]:
     return data["id"], data.get("max_model_len")
 
 
+def engine_steps(args, engine) -> int:
+    """Steps the engine (all replicas) has run so far: what a run's step rate comes from."""
+    if engine is not None:
+        return engine.stats()["steps"]
+    import urllib.request
+    with urllib.request.urlopen(args.base_url.rstrip("/") + "/v1/stats", timeout=30) as resp:
+        return json.loads(resp.read()).get("steps", 0)
+
+
 # -- figures -----------------------------------------------------------------------------
 
 def summarize(rate: float, timings: list[Timing], duration: float) -> dict:
@@ -222,14 +231,14 @@ def summarize(rate: float, timings: list[Timing], duration: float) -> dict:
     }
 
 
-COLUMNS = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p99", "goodput")
+COLUMNS = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p99", "goodput", "ms_per_step")
 
 
 def table(runs: dict[str, dict]) -> str:
     """Rows per (mix, rate): each run's figures, and each later run's ratio to the first
     (the offline engine, when `report` is given its file first)."""
     names = list(runs)
-    head = f"{'mix':<9}{'rate':>5}  {'run':<10}" + "".join(f"{c:>10}" for c in COLUMNS) + f"{'fail':>6}"
+    head = f"{'mix':<9}{'rate':>5}  {'run':<10}" + "".join(f"{c:>12}" for c in COLUMNS) + f"{'fail':>6}"
     lines = [head, "-" * len(head)]
     keys = sorted({(m["mix"], m["rate"]) for r in runs.values() for m in r["rows"]})
     for mix, rate in keys:
@@ -237,14 +246,14 @@ def table(runs: dict[str, dict]) -> str:
                 for n in names}
         for n, m in rows.items():
             if m:
-                lines.append(f"{mix:<9}{rate:>5g}  {n[:10]:<10}" + "".join(f"{m[c]:>10.2f}" for c in COLUMNS)
+                lines.append(f"{mix:<9}{rate:>5g}  {n[:10]:<10}" + "".join(f"{m[c]:>12.2f}" for c in COLUMNS)
                              + f"{m['failed']:>6}")
         base = rows[names[0]]
         for n in names[1:]:
             if base and rows[n]:
                 ratio = [rows[n][c] / base[c] if base[c] else float("nan") for c in COLUMNS]
                 label = f"{n[:4]}/{names[0][:4]}"
-                lines.append(f"{mix:<9}{rate:>5g}  {label:<10}" + "".join(f"{x:>10.2f}" for x in ratio))
+                lines.append(f"{mix:<9}{rate:>5g}  {label:<10}" + "".join(f"{x:>12.2f}" for x in ratio))
     return "\n".join(lines)
 
 
@@ -296,11 +305,14 @@ def run_target(args, rates: list[float], mixes: list[str]) -> list[dict]:
             workload = arrivals(rate, args.duration, mix, args.seed, max_context, args.length_scale)
             if vocab and vocab < TOKEN_HIGH:
                 workload = scaled_prompts(workload, vocab)
+            steps = engine_steps(args, engine if args.target == "offline" else None)
             if args.target == "offline":
                 timings, duration = run_offline(engine, workload)
             else:
                 timings, duration = asyncio.run(run_http(args.base_url, model, workload))
-            row = {"mix": mix, **summarize(rate, timings, duration)}
+            steps = engine_steps(args, engine if args.target == "offline" else None) - steps
+            row = {"mix": mix, **summarize(rate, timings, duration), "steps": steps,
+                   "ms_per_step": 1e3 * duration / max(1, steps)}
             print(f"{args.target} {mix} {rate:g}/s: {row['requests']} requests, TTFT p50 "
                   f"{row['ttft_p50']:.1f} ms, TPOT p50 {row['tpot_p50']:.2f} ms", file=sys.stderr, flush=True)
             rows.append(row)
