@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Wheels for FlashInfer on the GPU machine (Python 3.12; it has torch, nvcc 13.0, ninja, numpy,
 # einops, click, tabulate, tqdm, requests, nvidia-ml-py, but not flashinfer or the packages
-# below), for the engine's FlashInfer prefill (engine/attention/flashinfer_prefill.py), its GPU
-# tests and scripts/bench_flash_extend.py. Run from the project root:  bash scripts/flashinfer_wheels.sh
+# below), for the engine's FlashInfer prefill (engine/attention/flashinfer_prefill.py) and its GPU
+# tests. Run from the project root:  bash scripts/flashinfer_wheels.sh
 # It fills .whl_fi/c1 and .whl_fi/c2 with at most 59 MB each (a device call carries 64 MiB with
 # the tree). Then chain two calls, the second within ~30 s of the first (the machine stays warm
 # that long):
