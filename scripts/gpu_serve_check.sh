@@ -83,7 +83,7 @@ EOF
 }
 
 bench() {  # name, then bench_serving options (batch-1 and Poisson runs take seeds of their own:
-  # with the warm-up's seed their first prompts were the warm-up's, radix hits, 2026-12-04)
+  # with the warm-up's seed their first prompts would be the warm-up's, radix hits)
   local name=$1; shift
   python3 scripts/bench_serving.py --quiet --prompt-format tokens --token-id-low 100 \
     --token-id-high 120000 --json "$RES/http_$name.json" "$@" 2>&1 | tail -3
