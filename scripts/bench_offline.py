@@ -9,7 +9,8 @@ Hugging Face transformers peer.
                                     [--ttft-sweep] [--cold-start] [--long-prefill] [--w4] [--decode-batch N]
                                     [--quantization fp8] [--kv-cache-dtype fp8_e4m3] [--engine KEY=VALUE]
 
-The latency and start-up rows, each by its flag (when any is given, W1-W3 run only if --workloads names them):
+The latency and start-up rows, each by its flag (when any is given, W1-W3 run only if
+--workloads names them):
 - `--ttft-sweep`: warm time to first token at batch 1 for 1 ... 8,192 prompt tokens (median).
 - `--cold-start`: a fresh process with an empty TRITON_CACHE_DIR, with the start-up warm-up,
   the same with the graph capture's compiles serial, and without warm-up: engine start time
