@@ -3,7 +3,7 @@
 Split (the default): HTTP -> an ingress replica -> Serve's router and a gRPC call -> the
 engine replica, whose deltas come back on a delta channel. Colocated: HTTP -> the engine
 replica's own FastAPI app -> its engine, in the same process. Traced on one H200 (8B
-model, `scripts/serve.sh`'s mode; benchmarks/RESULTS.md, session 20), the router, the
+model, `scripts/serve.sh`'s mode; benchmarks/history.md), the router, the
 gRPC hop and the channel were ~3.2 ms of a request's ~8 ms outside the engine.
 
 What it gives up: prefix-aware routing between engine replicas (HTTP reaches a replica

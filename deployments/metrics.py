@@ -399,7 +399,7 @@ class RequestTimer:
     Inter-token latency is one sample per `itl_window_s` of a stream (the mean gap over the
     window), not one per delta: a Ray Histogram.observe costs tens of microseconds under
     the GIL the engine loop needs, and per delta it took 12% of a loaded replica's
-    samples (py-spy, W2 on the H200, 2026-12-01)."""
+    samples (py-spy, W2 on the H200)."""
 
     def __init__(self, metrics: MetricSet, clock: Callable[[], float], itl_window_s: float = 0.25) -> None:
         self._metrics = metrics

@@ -52,8 +52,8 @@ class AsyncEngine:
         threads this matters: once a second thread (the caller's, having loaded the model)
         also starts OpenMP regions, libgomp gives each its own team, and with more threads
         than cores they sleep between regions. SmolLM2 on two cores, stepped on the thread
-        that did not load it: 62.4 ms a decoded token against 34.3 here
-        (scripts/bench_engine_thread.py). (Ray replicas get OMP_NUM_THREADS from their
+        that did not load it: 62.4 ms a decoded token against 34.3 here.
+        (Ray replicas get OMP_NUM_THREADS from their
         num_cpus: with 1, torch has no team to lose.)"""
         self.engine: Engine = engine  # type: ignore[assignment] - the thread sets it when None
         self.detokenize = detokenize

@@ -46,7 +46,7 @@ class EngineConfig:
     quantization: Literal["fp8"] | None = None
     # FP8 GEMMs above decode-sized batches (`torch._scaled_mm`): accumulate in the tensor
     # cores' own precision (True, as vLLM's and SGLang's CUTLASS FP8 kernels do on Hopper), or
-    # promote partial sums to float32 along K (False: slower; benchmarks/RESULTS.md, session 22).
+    # promote partial sums to float32 along K (False: 2-22% slower GEMMs).
     fp8_fast_accum: bool = True
     # "fp8_e4m3": the KV pool stores float8 (half of bf16's bytes, so twice the tokens).
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"

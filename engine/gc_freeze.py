@@ -4,7 +4,7 @@ A full (generation 2) collection walks every tracked object: after start-up that
 imported libraries (torch, transformers, Triton: ~330k objects) plus the engine's own, and it
 stopped the step loop for 250-400 ms each time it ran. The overlapped scheduler keeps only
 one step queued on the GPU (20-140 ms in W1), so each such pause left the GPU idle: 1.2-1.3 s
-of W1's ~21 s on the H200 went to gaps before decode steps of up to 406 ms (2026-12-04).
+of W1's ~21 s on the H200 went to gaps before decode steps of up to 406 ms.
 
 `freeze_after_start` collects once and moves every object alive at the end of start-up into
 the permanent generation (`gc.freeze()`), which later collections skip; what remains for

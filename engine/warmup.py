@@ -5,7 +5,7 @@ Why: Triton compiles a kernel the first time it is launched with a new launch ke
 (constexprs, num_warps/num_stages, and for plain int and pointer arguments whether the value
 == 1, is divisible by 16 / 16-byte aligned). Without a warm-up a fresh replica compiles on its
 first requests of each new shape, 1.7-2.3 s each on an H200 with an empty Triton cache, which
-is exactly when autoscaling has added it under load (issue 14). The kernels opt out of the
+is exactly when autoscaling has added it under load. The kernels opt out of the
 specializations that vary per step (see engine/attention/triton_common.py), so what is left
 is a handful of launch configurations chosen by host-side sizes; this module drives a few
 real requests through the engine that reach each of them:

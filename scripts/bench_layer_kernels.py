@@ -7,7 +7,7 @@ MoE (Qwen3-30B-A3B's expert shapes: 128 experts, top-8, hidden 2048, width 768, 
 batch size, the router (torch vs the Triton kernel), the per-pair path and the grouped
 path per tile config (each GEMM alone, and the whole layer: routing + experts), against the
 floor (bytes of the experts the batch touches, at the measured copy rate) and, at batch
-256, a dense GEMM of the same FLOPs (issue 18's goal). FP8 (Llama-3-8B's linear shapes):
+256, a dense GEMM of the same FLOPs (the MoE goal's yardstick). FP8 (Llama-3-8B's linear shapes):
 the weight-only kernel per tile config, `torch._scaled_mm` with the activations quantized by
 torch and by the Triton kernel, and the bf16 GEMM, against the float8 weight bytes. GEMV
 (`--gemv`: Llama-3-8B's and Qwen3-30B-A3B's attention and router linears, bf16, one row):
@@ -157,7 +157,7 @@ def bench_moe(bw: float, batches: list[int], quick: bool) -> dict:
         moe_pair_kernels.MAX_PAIRS = 0
         row["layer_grouped_default_us"] = graph_us(lambda: experts_triton(x, *next(turn), weights, ids))
         moe_pair_kernels.MAX_PAIRS = saved
-        if t == 256:  # issue 18's goal: the same FLOPs as one dense GEMM pair
+        if t == 256:  # the MoE goal's yardstick: the same FLOPs as one dense GEMM pair
             a1 = torch.randn(t * TOP_K, HIDDEN, device="cuda").bfloat16()
             a2 = torch.randn(t * TOP_K, INTER, device="cuda").bfloat16()
             row["dense_same_flops_us"] = graph_us(lambda: (a1 @ w13[0].t(), a2 @ w2[0].t()))

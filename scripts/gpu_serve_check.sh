@@ -18,8 +18,7 @@
 # "colo" runs fast's rows (same seeds, a fresh server) with `ingress: colocated` ("cproc": the
 # same with `engine_process: true` as well); "tput" under the first of
 # those alone (no HAProxy: none of its caveats, docs/deploy.md); "process" runs batch-1 and W2
-# with the engine's step loop in a child process of the replica (engine_process: true), and
-# with ASYNC_PATH=1 bench_async_path's offline / AsyncEngine / ProcessAsyncEngine rows; "hproc" runs
+# with the engine's step loop in a child process of the replica (engine_process: true); "hproc" runs
 # those two with the engine process under Ray's high-throughput mode ("fast"'s); "admission" measures the bound, request intake
 # and a 10 MB body with the stand-in engine. PATH_ARGS overrides the path bench's options; "ceiling"
 # runs the path bench's HTTP hop at 512 streams under default Serve and under the high-throughput
@@ -84,7 +83,7 @@ EOF
 }
 
 bench() {  # name, then bench_serving options (batch-1 and Poisson runs take seeds of their own:
-  # with the warm-up's seed their first prompts were the warm-up's, radix hits, 2026-12-04)
+  # with the warm-up's seed their first prompts would be the warm-up's, radix hits)
   local name=$1; shift
   python3 scripts/bench_serving.py --quiet --prompt-format tokens --token-id-low 100 \
     --token-id-high 120000 --json "$RES/http_$name.json" "$@" 2>&1 | tail -3
@@ -128,7 +127,7 @@ if off:
     w2, w3 = off.get("W2", {}), off.get("W3", {})
     print(f"offline W2 cache_on: {w2.get('cache_on_output_tok_s', 0):.0f} tok/s; "
           f"W3: TTFT {w3.get('ttft_ms', 0):.1f} ms, step {w3.get('step_ms', 0):.2f} ms")
-for name in ("online.txt", "online_table.txt", "path.txt", "ceiling.txt", "admission.txt", "intake.txt", "async_path.txt"):
+for name in ("online.txt", "online_table.txt", "path.txt", "ceiling.txt", "admission.txt", "intake.txt"):
     path = os.path.join(out, name)
     if os.path.exists(path):
         print(f"\n{name}:\n" + open(path).read().rstrip())
@@ -305,11 +304,6 @@ if [[ $PARTS == *hproc* ]]; then  # "process" under Ray's high-throughput mode (
 fi
 if [[ $PARTS == *process* ]]; then  # the engine's step loop in a child process of the replica
   variant proc "engine_process: true"
-  if [ "${ASYNC_PATH:-0}" = 1 ]; then  # (up to 300 s more)
-    # Without Ray: W2 offline, through AsyncEngine (thread) and ProcessAsyncEngine (child process).
-    timeout 300 python3 scripts/bench_async_path.py --switch-ms 5 --process 2>&1 | tee "$RES/async_path.log" \
-      | grep -E "^(path|offline|AsyncEngine|ProcessAsyncEngine|parent GPU|[0-9]+ requests)" > "$RES/async_path.txt"
-  fi
 fi
 checkpoint
 

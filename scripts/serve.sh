@@ -5,8 +5,8 @@
 #
 # The mode (docs/deploy.md) puts HAProxy in front of the ingress replicas instead of Serve's
 # Python proxy and talks gRPC between replicas. Measured on one H200 in one call (8B-shaped
-# model, benchmarks/RESULTS.md): batch-1 time to first token 12.5 ms against 20.7 ms for plain
-# `serve run` (the offline engine: 12.2), W2 over HTTP 95% of the offline engine against 81%.
+# model, benchmarks/RESULTS.md): W2 over HTTP 95% of the offline engine against 81% for plain
+# `serve run`, and ~8 ms less per request.
 # Serve reads these variables when the cluster and its processes start, so they are set here,
 # before `serve run` starts Ray; a variable already set in the environment wins.
 # RAY_SERVE_LOG_TO_STDERR=1 keeps the replicas' logs in this terminal (the mode sends them to

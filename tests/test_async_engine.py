@@ -283,7 +283,7 @@ def test_a_step_failing_before_admission_ends_the_waiting_requests(tiny_llama):
 
 def test_engine_is_built_on_the_thread_that_steps_it(tiny_llama):
     """A CPU model's OpenMP regions run fastest from the one thread that loaded it
-    (engine/async_engine.py; scripts/bench_engine_thread.py): AsyncEngine builds its engine
+    (engine/async_engine.py): AsyncEngine builds its engine
     on its step thread, and that thread runs every step."""
     from engine.engine import Engine
 

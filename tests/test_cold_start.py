@@ -1,4 +1,4 @@
-"""Cold start (issue 14): after the engine starts (graph capture + engine/warmup.py), serving
+"""Cold start: after the engine starts (graph capture + engine/warmup.py), serving
 compiles no Triton kernel, and a fresh replica's first request of each prompt shape takes
 at most twice the warm time to its first token.
 

@@ -1,4 +1,4 @@
-"""FP8 on CPU (issue 19): pre-quantized checkpoints, on-the-fly quantization, the FP8 KV cache.
+"""FP8 on CPU: pre-quantized checkpoints, on-the-fly quantization, the FP8 KV cache.
 
 The FP8 GEMM runs through torch._scaled_mm, which PyTorch's CPU build implements, so these
 tests exercise the same code path as the GPU. Tolerances:
@@ -8,10 +8,10 @@ tests exercise the same code path as the GPU. Tolerances:
 - FP8 vs full precision: e4m3 keeps 3 mantissa bits, so one rounding has a relative RMS error
   of ~2.5%; a GEMM rounding both operands ~3.5% (`test_fp8_gemm_error_is_fp8_rounding` checks
   < 5%). The tiny random demo model (init std 0.3) amplifies perturbations through its
-  layers: we measured 9-14% relative L2 logit error on 2026-12-01, and allow 20%;
+  layers: we measured 9-14% relative L2 logit error, and allow 20%;
 - FP8 KV cache: only K and V are rounded (one rounding each, ~2.5%), but the same random
   model amplifies it: we measured 12.5% relative L2 logit error and 82% top-1 agreement
-  (teacher-forced prefill + 4 decode steps, 2026-12-01) and allow 20% / 70%.
+  (teacher-forced prefill + 4 decode steps) and allow 20% / 70%.
 """
 from __future__ import annotations
 

@@ -155,7 +155,7 @@ def test_fast_accumulation_error_is_small_beside_fp8_rounding(k):
     """`_scaled_mm` with use_fast_accum (`EngineConfig.fp8_fast_accum`, the default): the
     product of the float8 operands stays within 5e-3 relative (Frobenius) of its float32
     value; float32 promotion within 2.5e-3 (the bf16 output's own rounding is ~1.7e-3).
-    Measured on an H200 (2026-12-04, scripts/bench_layer_kernels.py --fp8-accum): 2.1e-3 at
+    Measured on an H200 (scripts/bench_layer_kernels.py --fp8-accum): 2.1e-3 at
     K 4,096, 3.3e-3 at 14,336, against ~3.7e-2 that rounding the operands to float8 costs."""
     torch.backends.cuda.matmul.allow_tf32 = False
     weight, scale = random_fp8_weight(1024, k, seed=5)

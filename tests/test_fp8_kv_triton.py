@@ -1,4 +1,4 @@
-"""FP8 KV pool (kv_cache_dtype="fp8_e4m3", issue 19) on the Triton attention backend.
+"""FP8 KV pool (kv_cache_dtype="fp8_e4m3") on the Triton attention backend.
 
 Decode, extend and store kernels: tests/test_triton_attention.py (`fp8` cases). Here:
 - every fp8 kernel variant compiled for sm_90 on any machine (CPU test; Triton's NVIDIA
@@ -13,7 +13,7 @@ Decode, extend and store kernels: tests/test_triton_attention.py (`fp8` cases). 
 
 Tolerance of the last check: the tiny random demo model amplifies KV rounding (see
 tests/test_fp8.py). With the torch backend on a CPU (bf16 model, 8 prompts x 16 greedy
-tokens, teacher-forced against the bf16 pool; 2026-12-01) the fp8 pool moved the chosen
+tokens, teacher-forced against the bf16 pool) the fp8 pool moved the chosen
 tokens' logprobs by 0.26 on average (max 2.0; mean |logprob| 1.8); decode against prefill
 scoring on one bf16 pool differs by 0.001. We allow a mean of 0.5.
 """

@@ -69,7 +69,7 @@ def test_fp8_moe_is_its_dequantized_model(moe_factory, arch):
     logits = _prompt_logits(model, prompts)
     torch.testing.assert_close(logits, _prompt_logits(ref, prompts), atol=1e-4, rtol=1e-4)
     full = _prompt_logits(load_model(path, dtype="float32"), prompts)
-    # Measured 2026-12-04 (CPU): Mixtral 0.45, Qwen2-MoE 0.38, Qwen3-MoE 0.24. Larger than a
+    # Measured on a CPU: Mixtral 0.45, Qwen2-MoE 0.38, Qwen3-MoE 0.24. Larger than a
     # dense tiny model's 0.09-0.14 (test_fp8.py): rounding flips some tokens' expert choices.
     # The equality above is the exact check; this one catches a scale gone wrong (x 2^k).
     assert _rel(logits, full) < 0.6

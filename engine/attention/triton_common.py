@@ -70,7 +70,7 @@ def pv_dot(p, v, F32_DOT: tl.constexpr):
 # Loads dequantize in registers to float16, not to the query's bfloat16: every e4m3 value is
 # exact in both, but sm_90 converts e4m3 pairs to f16 pairs in one instruction and has no
 # direct path to bf16 (f16 -> bf16 is one quarter-rate F2F per value, which made an fp8 pool
-# decode as slowly as a bf16 one: session 16, RESULTS.md). So the dots over pool K/V take
+# decode as slowly as a bf16 one on the H200). So the dots over pool K/V take
 # float16 operands: the query through `f16_operand` (bf16 -> f16 is exact up to 65504), the
 # probabilities as float16 (finer than bf16 on [2^-14, 1]). With a KV_SCALE other than 1 the
 # scaled values must stay below 65504 (448 * KV_SCALE).

@@ -1,6 +1,6 @@
 """Launch configurations of the Triton attention kernels: block sizes, warps and pipeline
 stages from the step's shape and the GPU's shared memory, and the decode / shared-prefix
-split counts. Measured choices are noted where they are made (H200, 2026-11-29).
+split counts. Measured choices are noted where they are made (H200).
 
 `TritonLaunchConfigs` is a mixin of `TritonAttentionBackend` (triton_backend.py), which sets
 the attributes these read: block_d, dot_dtype, kv_fp8, smem_limit, num_sms, kv_heads,
@@ -31,7 +31,7 @@ class TritonLaunchConfigs:
 
     def pick_decode_cfg(self, programs: int, mixed: bool = False) -> dict:
         """Decode launch config from the number of stage-1 programs. Measured on an H200
-        (2026-12-03, session 16, Llama-3-8B shapes; RESULTS.md): a grid many waves deep
+        (Llama-3-8B shapes; benchmarks/history.md): a grid many waves deep
         (>= 8 per SM) runs best with one warp per program, which needs no cross-warp
         reductions and no shared-memory round trip of the probabilities (480 x 800: a bf16
         pool 379 us with BLOCK_N 32 against 420 with four warps; an fp8 pool 245 us with
@@ -58,7 +58,7 @@ class TritonLaunchConfigs:
         return dict(BLOCK_N=32, num_warps=4, num_stages=1)
 
     def pick_extend_cfg(self, hq: int, bsz: int, max_extend: int) -> dict:
-        """Extend launch config. Measured on an H200 (2026-11-29, 32q/8kv/128, bf16):
+        """Extend launch config. Measured on an H200 (32q/8kv/128, bf16):
         BLOCK_M 64 x BLOCK_N 64, 4 warps for prefill-shaped grids (8 x 512: 93-98 us, 128-row
         tiles 106+ us); BLOCK_N 128 when the grid is under one wave (one request, 128 new on a
         2048 prefix: 41 us against 48)."""

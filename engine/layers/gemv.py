@@ -23,7 +23,7 @@ from engine.layers.split_sums import SplitSums
 from engine.layers.tiles import Tiles
 
 # RADIXSERVE_SPLIT_SUMS=0: every GEMV sums its own K slices and the MoE experts their
-# choices (for A/B runs, scripts/bench_pdl.py)
+# choices (for A/B runs)
 KEEP_SPLITS = os.environ.get("RADIXSERVE_SPLIT_SUMS", "1") != "0"
 # RADIXSERVE_FP8_ROW_DOT=0: one-row float8 GEMVs on the CUDA cores with their earlier tiles
 ROW_DOT = os.environ.get("RADIXSERVE_FP8_ROW_DOT", "1") != "0"
@@ -45,7 +45,7 @@ def gemv_config(rows: int, n: int, k: int, weight_bytes: int = 1) -> Tiles:
 
 
 def _bf16_row_tiles(n: int) -> Tiles:
-    """One row, bf16 weights (2026-12-02, `--gemv`; Llama-3-8B and Qwen3-30B-A3B linears):
+    """One row, bf16 weights (`--gemv`; Llama-3-8B and Qwen3-30B-A3B linears):
     every shape's fastest cuts K into 4 slices of 128-wide steps, with row blocks as thin as
     keep a few programs per multiprocessor busy. Against cuBLAS, us: qkv 14.9 / 16.0, o 10.9 /
     13.4, gate_up 58.1 / 57.1, down 30.9 / 32.0; MoE qkv 7.6 / 8.2, o 7.7 / 9.3, router
@@ -68,7 +68,7 @@ def _bf16_rows_tiles(n: int, k: int) -> Tiles:
 
 
 def _fp8_tiles(rows: int, n: int, k: int) -> Tiles:
-    """Float8 weights (Llama-3-8B linears, 2026-12-02): wide outputs have programs to spare
+    """Float8 weights (Llama-3-8B linears): wide outputs have programs to spare
     and take short K steps on the CUDA cores; at one row the narrower ones (qkv, o, down)
     multiply on the tensor cores in f16 (`row_dot`; H200, us: qkv 10.6 -> 9.5, o 9.3 -> 7.6,
     down 19.9 -> 17.6, gate_up 33.5 on the CUDA cores vs 35.1); above one row each shape the

@@ -64,7 +64,7 @@ def _grouped_gemm_kernel(A, W, C, SortedPairs, BlockExpert, PairWeights, num_pai
 def tiles_for(block_m: int) -> tuple[Tiles, Tiles]:
     """(gate/up tiles, down tiles) for expert blocks of `block_m` rows: the sweep's fastest on
     the H200 at the batch sizes that pick each block size (scripts/bench_layer_kernels.py,
-    2026-12-02, Qwen3-30B-A3B shapes)."""
+    Qwen3-30B-A3B shapes)."""
     if block_m <= 16:
         return Tiles(64, 128, num_stages=4), Tiles(64, 128)
     if block_m <= 32:

@@ -25,7 +25,7 @@ from engine.layers.split_sums import SplitSums
 from engine.layers.tiles import Tiles
 
 # Up to this many (token, choice) pairs the per-pair path runs. On the H200 (Qwen3-30B-A3B
-# shapes, scripts/bench_layer_kernels.py, 2026-12-02) at 1/4/8 tokens it took 29/78/140 us
+# shapes, scripts/bench_layer_kernels.py) at 1/4/8 tokens it took 29/78/140 us
 # against the grouped GEMMs' 24/71/127 us with their best tiles plus ~10 us of grouping:
 # about even, with three launches fewer. At 16 tokens grouping won clearly.
 MAX_PAIRS = 64
@@ -33,7 +33,7 @@ MAX_PAIRS = 64
 
 def tiles_for(tokens: int) -> tuple[Tiles, Tiles]:
     """(gate/up tiles, down tiles) from the sweep on the H200 (scripts/bench_layer_kernels.py,
-    2026-12-02, Qwen3-30B-A3B shapes): gate/up's fastest at 1 and 4 tokens (at 8, 64 x 128
+    Qwen3-30B-A3B shapes): gate/up's fastest at 1 and 4 tokens (at 8, 64 x 128
     tiles were); down's fastest at 1 token, and at 4 and 8."""
     if tokens == 1:
         return Tiles(32, 256, num_stages=4), Tiles(64, 256, num_stages=4)
