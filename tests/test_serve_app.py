@@ -397,6 +397,21 @@ def test_bad_app_args_fail_clearly():
         build_app({"num_replicas": 0})
 
 
+def test_engine_process_auto_follows_the_replica_device():
+    """"auto" (the default): the step loop in a child process for a GPU replica at tp_size 1;
+    on CPU replicas and at tensor parallelism in the replica's own process."""
+    from deployments.config import AppArgs
+
+    assert AppArgs().engine_process == "auto" and not AppArgs().use_engine_process
+    gpu = {"num_cpus": 4, "num_gpus": 1}
+    assert AppArgs(ray_actor_options=gpu).use_engine_process
+    assert not AppArgs(ray_actor_options=gpu, engine={"tp_size": 2}).use_engine_process
+    assert not AppArgs(ray_actor_options=gpu, engine_process=False).use_engine_process
+    assert AppArgs(engine_process=True).use_engine_process
+    with pytest.raises(ValueError, match="engine_process: true does not support"):
+        AppArgs(engine_process=True, engine={"tp_size": 2})
+
+
 def test_a_replica_that_dies_mid_request_ends_its_streams_and_comes_back(server):
     """Last in this module: it kills the module's engine replica. A stream in flight ends
     with an error event and [DONE], a waiting non-streamed request gets a 500 JSON error,
