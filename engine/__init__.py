@@ -18,6 +18,7 @@ from engine.sampling_params import SamplingParams
 from engine.step_report import StepReport
 from engine.tokenizer import ChatPrompt, IncrementalDetokenizer, Tokenizer
 from engine.tp_worker import run_worker
+from engine.warmup import process_age_s
 
 __all__ = [
     # running the engine
@@ -35,4 +36,6 @@ __all__ = [
     "init_tp", "open_rendezvous", "resolve_device", "run_worker",
     # a server process's own start-up: full garbage collections skip what is alive by then
     "freeze_after_start",
+    # start-up logs: seconds since this process started (imports included)
+    "process_age_s",
 ]

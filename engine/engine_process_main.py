@@ -27,6 +27,8 @@ from engine.sampling_params import SamplingParams
 from engine.step_report import StepReport, step_report
 from engine.stream_deltas import wire_update
 
+from engine.warmup import process_age_s
+
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5  # an idle child wakes this often to check that its parent still lives
@@ -125,6 +127,7 @@ def run(config: EngineConfig, commands: Connection, out: Connection, parent_pid:
     """The child's entry point (multiprocessing "spawn")."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C of `serve run` reaches the parent
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-process %(levelname)s %(message)s")
+    logger.info("engine process up: imports took %.1fs", process_age_s())
     try:
         engine = Engine(config)
     except BaseException as e:  # noqa: BLE001 - the parent re-raises it

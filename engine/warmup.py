@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import random
 import sys
 import time
@@ -42,6 +43,19 @@ logger = logging.getLogger(__name__)
 
 WARMUP_ID = "__warmup__"
 _ids = itertools.count()
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux; 0.0 elsewhere): start-up logs say where a
+    replica's first minute went, imports included."""
+    try:
+        with open("/proc/self/stat") as f:
+            started_ticks = int(f.read().rpartition(")")[2].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return uptime - started_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def format_seconds(times: dict[str, float]) -> str:

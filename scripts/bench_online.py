@@ -141,6 +141,46 @@ def warm_offline(engine, vocab: int) -> None:
                     engine.requests.pop(u.req.request_id, None)
 
 
+def reference_figures(engine, vocab: int, prompt_len: int = 512) -> dict:
+    """What the targets compare with: a batch-1 TTFT of a `prompt_len`-token prompt, and a
+    pure decode step (no prefill in it) at several batch sizes."""
+    from engine import SamplingParams
+    rng = random.Random(11)
+    ttfts = []
+    for i in range(5):
+        prompt = [rng.randint(100, vocab - 1) for _ in range(prompt_len)]
+        start = time.perf_counter()
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        while engine.has_work:
+            for u in engine.step():
+                if u.finished:
+                    engine.requests.pop(u.req.request_id, None)
+        ttfts.append(time.perf_counter() - start)
+    out = {"batch1_ttft_ms": 1e3 * percentile(ttfts, 50)}
+    for batch in (16, 32, 48, 64):
+        out[f"decode_step_ms_b{batch}"] = decode_step_ms(engine, vocab, batch, rng, prompt_len)
+    return out
+
+
+def decode_step_ms(engine, vocab: int, batch: int, rng: random.Random, prompt_len: int,
+                   steps: int = 30) -> float:
+    from engine import SamplingParams
+    params = SamplingParams(max_tokens=steps + 20, ignore_eos=True)
+    for j in range(batch):
+        engine.add_request(f"d{batch}-{j}", [rng.randint(100, vocab - 1) for _ in range(prompt_len)], params)
+    for _ in range(10):  # past every prefill
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = time.perf_counter() - start
+    while engine.has_work:
+        for u in engine.step():
+            if u.finished:
+                engine.requests.pop(u.req.request_id, None)
+    return 1e3 * elapsed / steps
+
+
 # -- through HTTP ------------------------------------------------------------------------
 
 async def run_http(base_url: str, model: str, workload: list[Arrival]) -> tuple[list[Timing], float]:
@@ -271,6 +311,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="multiply every prompt and output length (smoke runs on a CPU)")
     p.add_argument("--model", default="llama3-8b", help="offline: bench_offline's model name (or demo)")
     p.add_argument("--engine", nargs="*", default=[], help="offline: EngineConfig KEY=VALUE overrides")
+    p.add_argument("--reference", action="store_true",
+                   help="offline: also a batch-1 TTFT and pure decode steps at batch 16-64")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--vocab", type=int, default=0,
                    help="http: fold prompt ids into this vocabulary (the demo model's)")
@@ -279,22 +321,29 @@ def main(argv: list[str] | None = None) -> None:
     if args.target == "report":
         runs = {Path(f).stem: json.loads(Path(f).read_text()) for f in args.files}
         print(table(runs))
+        for name, run in runs.items():
+            if "reference" in run:
+                print(f"{name} reference: " + ", ".join(f"{k} {v:.2f}" for k, v in run["reference"].items()))
         return
     rates = [float(r) for r in args.rates.split(",")]
     mixes = args.mixes.split(",")
-    rows = run_target(args, rates, mixes)
-    result = {"target": args.target, "rows": rows}
+    result = {"target": args.target}
+    result["rows"] = run_target(args, rates, mixes, result)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result, indent=1))
     print(table({args.target: result}))
+    if "reference" in result:
+        print("reference: " + ", ".join(f"{k} {v:.2f}" for k, v in result["reference"].items()))
 
 
-def run_target(args, rates: list[float], mixes: list[str]) -> list[dict]:
+def run_target(args, rates: list[float], mixes: list[str], result: dict) -> list[dict]:
     rows = []
     if args.target == "offline":
         import bench_offline
         engine, vocab, max_context = offline_engine(args.model, bench_offline.parse_overrides(args.engine))
         warm_offline(engine, vocab)
+        if args.reference:
+            result["reference"] = reference_figures(engine, vocab, min(512, max_context // 4))
     else:
         model, max_context = asyncio.run(served_model(args.base_url))
         vocab, max_context = args.vocab, max_context or 4096

@@ -116,14 +116,14 @@ print(f"\n{'run':<16} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT mean':>9} {'ITL p
 for name in ("batch1", "batch1short", "w2", "poisson4", "poisson16", "poisson64", "gil_batch1", "gil_w2",
              "fast_batch1", "fast_batch1short", "fast_batch1mid", "fast_w2", "fast_poisson64",
              "colo_batch1", "colo_batch1short", "colo_batch1mid", "colo_w2", "colo_poisson64", "fast_w2_t1", "fast_w2_sampled", "tput_batch1",
-             "tput_batch1short", "tput_w2", "sw05_batch1", "sw05_w2", "proc_batch1", "proc_w2", "hproc_batch1", "hproc_w2", "cproc_batch1", "cproc_batch1short", "cproc_batch1mid", "cproc_w2", "cproc_poisson64"):
+             "tput_batch1short", "tput_w2", "sw05_batch1", "sw05_w2", "proc_batch1", "proc_w2", "hproc_batch1", "hproc_w2", "cproc_batch1", "cproc_batch1short", "cproc_batch1mid", "cproc_w2", "cproc_poisson64", "default_w2", "proc_w2", "custom_w2"):
     m = load(f"http_{name}.json")
     if m:
         m = m.get("metrics", m)
         print(f"{name:<16} {m['output_throughput']:>10.0f} {m['ttft_ms_p50']:>9.1f} {m['ttft_ms_mean']:>9.1f} "
               f"{m['itl_ms_p50']:>8.2f} {m['itl_ms_mean']:>8.2f} {m['tpot_ms_mean']:>7.2f} {m['completed']:>5} {m['failed']:>5}")
 off = load("offline.json")
-if off:
+if off and "W2" in off:
     w2, w3 = off.get("W2", {}), off.get("W3", {})
     print(f"offline W2 cache_on: {w2.get('cache_on_output_tok_s', 0):.0f} tok/s; "
           f"W3: TTFT {w3.get('ttft_ms', 0):.1f} ms, step {w3.get('step_ms', 0):.2f} ms")
@@ -145,7 +145,11 @@ online_http() {  # name, extra app args: O1 through HTTP in the README's mode (s
   local name=$1 top=${ONLINE_RATES##*,}
   SECONDS=0
   if RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 SERVE_EXTRA="$2" serve_up; then
-    echo "$name: /v1/models answered ${SECONDS}s after launch" >> "$RES/online.txt"
+    local models_at=$SECONDS body='{"model": "llama3-8b-dummy", "prompt": "w1 w2", "max_tokens": 1}'
+    until curl -sf -o /dev/null http://127.0.0.1:8000/v1/completions -H 'content-type: application/json' -d "$body"; do
+      sleep 0.2; [ $SECONDS -lt 300 ] || break
+    done
+    echo "$name: /v1/models answered ${models_at}s after launch, the first completion ${SECONDS}s" >> "$RES/online.txt"
     for rate in ${ONLINE_RATES//,/ }; do
       if [ "$rate" = "$top" ]; then
         for who in EngineReplica OpenAIIngress; do
@@ -157,6 +161,8 @@ online_http() {  # name, extra app args: O1 through HTTP in the README's mode (s
       python3 scripts/bench_online.py http --rates "$rate" --mixes "$ONLINE_MIXES" \
         --duration "$ONLINE_SECONDS" --json "$RES/online_${name}_$rate.json" 2>&1 | grep -v "^[-m]"
     done
+    [[ $PARTS != *w2* ]] || bench "${name}_w2" --dataset shared-prefix --num-groups 32 --prompts-per-group 16 \
+      --system-len 2048 --question-len 128 --output-len 256
     sleep 2
     for who in EngineReplica OpenAIIngress; do
       echo "== py-spy $name $who"; python3 scripts/pyspy_top.py "$RES/pyspy_${name}_$who.txt" 12 2>&1 | cut -c1-180
@@ -176,7 +182,7 @@ PY
 ONLINE_RATES=${ONLINE_RATES:-16,32} ONLINE_MIXES=${ONLINE_MIXES:-fixed} ONLINE_SECONDS=${ONLINE_SECONDS:-20}
 if [[ $PARTS == *online* ]]; then
   python3 scripts/bench_online.py offline --rates "$ONLINE_RATES" --mixes "$ONLINE_MIXES" \
-    --duration "$ONLINE_SECONDS" --json "$RES/offline.json" ${ONLINE_ENGINE:+--engine $ONLINE_ENGINE} 2>&1 | grep -v "^[-m]"
+    --duration "$ONLINE_SECONDS" --reference --json "$RES/online_offline.json" ${ONLINE_ENGINE:+--engine $ONLINE_ENGINE} 2>&1 | grep -v "^[-m]"
   names=""
   for mode in ${ONLINE_MODES:-default}; do
     case $mode in
@@ -186,7 +192,7 @@ if [[ $PARTS == *online* ]]; then
     esac
     online_http "$mode" "$extra"; names="$names $RES/$mode.json"
   done
-  python3 scripts/bench_online.py report "$RES/offline.json" $names | tee "$RES/online_table.txt"
+  python3 scripts/bench_online.py report "$RES/online_offline.json" $names | tee "$RES/online_table.txt"
 fi
 checkpoint
 
