@@ -20,7 +20,6 @@ from deployments.channel import ChannelHub
 from deployments.chat_request import ChatFeatures
 from deployments.engine_replica import EngineCall, resolve_model
 from deployments.errors import APIError, as_api_error, install_error_handlers
-from deployments.keepalive import behind_haproxy, respond
 from deployments.prompt_encoder import PromptEncoder
 from deployments.sampling_defaults import model_sampling_defaults, with_defaults
 from deployments.request_body import DEFAULT_MAX_BODY_BYTES, read_json_body
@@ -90,9 +89,6 @@ class OpenAIIngress:
         self.name_token = TokenNamer(self.tokenizer)
         self.encoder = PromptEncoder(self.tokenizer, self.max_context)
         self.max_body_bytes = max_body_bytes
-        # Behind HAProxy a client leaving a non-streamed request is noticed only on a write
-        # (deployments/keepalive.py).
-        self.keepalives = behind_haproxy()
         # Ray's PrefixCacheAffinityRouter reads prompt text; ours hashes token ids, and
         # decoding every prompt again for nothing costs the event loop ~1 ms per 2k tokens.
         self.router_reads_text = router_reads_text
@@ -338,13 +334,12 @@ class OpenAIIngress:
 
     async def _answer(self, calls: list[EngineCall], choices: list[ChoiceState],
                       build: Callable[[], Any]) -> Any:
-        """A non-streamed answer: every choice gathered, then `build()`; behind HAProxy with
-        keep-alives (deployments/keepalive.py)."""
-        async def whole():
-            await self._gather(calls, choices)
-            return build()
-
-        return await respond(whole(), self.keepalives)
+        """A non-streamed answer: every choice gathered, then `build()`. Nothing is written
+        before it is whole, so an error at any point keeps its own status. A client that
+        leaves meanwhile is seen on the receive channel (HAProxy resets the replica's
+        connection, Serve's proxy forwards the disconnect), and Serve cancels this call."""
+        await self._gather(calls, choices)
+        return build()
 
     async def _stream(self, calls: list[EngineCall], choices: list[ChoiceState],
                       include_usage: bool, chat: bool, want_lp: bool, echo=None,
