@@ -8,8 +8,8 @@
 #
 # What it changes (docs/deploy.md, "Ray Serve's high-throughput mode"):
 # - `listen stats` (RAY_SERVE_HAPROXY_STATS_PORT) and `frontend prometheus`
-#   (RAY_SERVE_HAPROXY_METRICS_PORT) bind RADIXSERVE_HAPROXY_STATS_HOST (127.0.0.1 unless
-#   set) instead of every interface: neither has authentication;
+#   (RAY_SERVE_HAPROXY_METRICS_PORT) bind 127.0.0.1 instead of every
+#   interface: neither has authentication (reach them through an SSH tunnel);
 # - the admin socket is `mode 600` instead of 666, in a directory only its owner can enter
 #   (it takes `level admin` commands: disable servers, shut sessions);
 # - `timeout http-request 10s` in the defaults: a client sending its headers slowly is cut
@@ -19,7 +19,7 @@
 set -euo pipefail
 
 real=${RADIXSERVE_HAPROXY_BINARY:?scripts/serve.sh sets RADIXSERVE_HAPROXY_BINARY}
-stats_host=${RADIXSERVE_HAPROXY_STATS_HOST:-127.0.0.1}
+stats_host=127.0.0.1
 
 config=""
 args=("$@")
