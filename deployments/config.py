@@ -78,7 +78,7 @@ class AppArgs(BaseModel):
     # shares the GIL with the event loop that streams deltas; a thread that wants the GIL
     # waits up to this long for the holder to let go. None: Python's default (5 ms).
     gil_switch_interval_ms: float | None = None
-    # Run the engine's step loop in a child process of the replica (engine/process_engine.py):
+    # Run the engine's step loop in a child process of the replica (engine/runtime/process_engine.py):
     # its own GIL, so request intake and delta sends no longer slow the steps. One more
     # process per replica (it holds the model; the replica keeps a tokenizer); tp_size 1 only.
     # "auto": on for replicas given a GPU at tp_size 1, where sharing the GIL with the

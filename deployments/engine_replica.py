@@ -72,7 +72,7 @@ class EngineReplica:
         self.engine.add_step_listener(self._after_step)
         # With the engine in this process its start-up froze the GC already; with it in a
         # child, this process forwards every delta and must not stop for full collections
-        # either (engine/gc_freeze.py).
+        # either (engine/runtime/gc_freeze.py).
         if self.engine_process:
             freeze_after_start(self)
         record_gc_pauses()  # this process's (the engine's too, unless a child's)

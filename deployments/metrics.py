@@ -522,7 +522,7 @@ class GCPauseMetrics:
     `gc.callbacks` hook. (Generation 0 runs hundreds of times a second in well under a
     millisecond: not worth a metric call each.) A full collection stops every thread of the
     process, so its pause is a stall of the engine's steps or of the ingress's streams; the
-    replicas freeze the GC after start-up to keep them short (engine/gc_freeze.py). A
+    replicas freeze the GC after start-up to keep them short (engine/runtime/gc_freeze.py). A
     replica takes its process's one recorder from `record_gc_pauses()`; `close()` removes
     the hook."""
 

@@ -33,7 +33,7 @@ class EngineConfig:
     max_prefill_tokens: int = 16384  # token budget of one step's prefill part
     max_queued_requests: int = 0  # 0 = unbounded; above it `add_request` raises QueueFullError
     enable_radix_cache: bool = True
-    schedule_policy: Literal["fcfs", "lpm"] = "fcfs"  # admission order: engine/admission.py
+    schedule_policy: Literal["fcfs", "lpm"] = "fcfs"  # admission order: engine/core/admission.py
 
     # Memory
     max_total_tokens: int | None = None  # KV slots in the pool
@@ -65,28 +65,28 @@ class EngineConfig:
     enable_fused_kernels: bool = True
     cuda_graph_max_bs: int = 256
     # Prefill/extend steps of at most this many new tokens over at most _bs requests replay
-    # a CUDA graph (engine/extend_graphs.py): short prompts are launch-bound. 0 disables.
+    # a CUDA graph (engine/executor/extend_graphs.py): short prompts are launch-bound. 0 disables.
     # None = 16 requests, or 64 with speculative decoding (its verify steps are extends of
     # k + 1 tokens per decoding request, and drafts are only made for steps a graph covers).
     cuda_graph_max_extend_tokens: int = 1024
     cuda_graph_max_extend_bs: int | None = None
     enable_overlap_schedule: bool = True
     # Before the engine reports ready, run a few requests that compile every Triton kernel
-    # specialization serving can reach (engine/warmup.py; CUDA only).
+    # specialization serving can reach (engine/runtime/warmup.py; CUDA only).
     enable_warmup: bool = True
     # Graph capture first finds the Triton kernels it needs, then compiles them on a thread
-    # pool (engine/precompile.py): an empty Triton cache costs seconds of start-up, not tens.
+    # pool (engine/kernels/precompile.py): an empty Triton cache costs seconds of start-up, not tens.
     parallel_compile: bool = True
     # Then move every object alive into the garbage collector's permanent generation, so
-    # full collections skip the libraries and weights (engine/gc_freeze.py).
+    # full collections skip the libraries and weights (engine/runtime/gc_freeze.py).
     freeze_gc_after_start: bool = True
     # Decode attention reads a cached prefix shared by several running requests once for
-    # all of them (Triton backend; engine/prefix_groups.py), when it is at least this long.
+    # all of them (Triton backend; engine/core/prefix_groups.py), when it is at least this long.
     enable_prefix_grouped_decode: bool = True
     prefix_group_min_tokens: int = 256
 
     # Parallelism
-    tp_size: int = 1  # tensor-parallel ranks (rank 0 schedules and samples; see engine/distributed.py)
+    tp_size: int = 1  # tensor-parallel ranks (rank 0 schedules and samples; see engine/executor/distributed.py)
     dist_timeout_s: float = 300.0  # a collective or rank start-up taking longer fails (dead/hung rank)
     # MoE models at tp > 1: "tp" gives every rank a slice of each expert's width, "ep" gives
     # each rank whole experts (engine/layers/moe.py); either way one all-reduce per layer.

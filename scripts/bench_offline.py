@@ -52,9 +52,9 @@ import torch  # noqa: E402
 
 from engine import SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.demo_model import ensure_demo_model  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.kv_pool import KVPool  # noqa: E402
+from engine.loading.demo_model import ensure_demo_model  # noqa: E402
+from engine.runtime.engine import Engine  # noqa: E402
+from engine.attention.kv_pool import KVPool  # noqa: E402
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -78,7 +78,7 @@ QWEN3_30B_A3B = {
 LLAMA32_1B = dict(LLAMA3_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                   head_dim=64, tie_word_embeddings=True)
 MODELS = {"llama3-8b": LLAMA3_8B, "moe": QWEN3_30B_A3B, "llama3.2-1b": LLAMA32_1B}
-DEMO = "demo"  # the tiny demo model (engine/demo_model.py): real tiny weights, any device
+DEMO = "demo"  # the tiny demo model (engine/loading/demo_model.py): real tiny weights, any device
 H200_BF16_TFLOPS = 790.0  # dense bf16 peak the long-prefill floor is quoted against
 
 GPU = torch.cuda.is_available()
@@ -540,7 +540,7 @@ W2_MODES = {"cache_on": (True, True), "plain_decode": (True, False), "cache_off"
 
 
 def bench_w2(path: str, modes: list[str], profile_steps: tuple[int, int] | None = None) -> dict:
-    """Radix cache on with grouped decode (engine/prefix_groups.py), on with the plain
+    """Radix cache on with grouped decode (engine/core/prefix_groups.py), on with the plain
     decode kernel, and off. KV bytes per decode step are counted by the grouper."""
     out = {}
     for key in modes:
@@ -609,7 +609,7 @@ def bench_w3(path: str, ceilings: dict, profile_steps: tuple[int, int] | None = 
 
 def unfused_forward_ms(engine: Engine) -> float:
     """The batch-1 decode graph re-captured with the torch RMSNorm / RoPE / SiLU-mul path."""
-    from engine.cuda_graph import DecodeGraphs
+    from engine.executor.cuda_graph import DecodeGraphs
     from engine.layers import set_fused_kernels
 
     runner = engine.runner
@@ -703,8 +703,8 @@ def cold_start_child(model: str, lengths, warmup: bool, json_path: str, batch: t
     every shape's first-request TTFT and the first mixed batch, then the same warm, and how
     many Triton binaries serving added after the start. `launched_at`: the parent's
     time.time() when it started this process (so imports count in ready_s)."""
-    from engine import precompile
-    from engine.warmup import compiled_kernels
+    from engine.kernels import precompile
+    from engine.runtime.warmup import compiled_kernels
 
     imports_s = time.time() - launched_at  # interpreter start and this script's imports
     path = model_dir(model, None if model == DEMO else LONG_MAX_POSITIONS)

@@ -30,7 +30,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from engine.attention.base import ForwardBatch  # noqa: E402
 from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from engine.kv_pool import KVPool  # noqa: E402
+from engine.attention.kv_pool import KVPool  # noqa: E402
 
 HQ, HKV, D, DT = 32, 8, 128, torch.bfloat16
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from test_models import MiniRunner, random_sequences
 from triton_on_cpu import compile_for_sm90, run_under_interpreter
 
-from engine.kv_pool import KVPool
+from engine.attention.kv_pool import KVPool
 from engine.layers.linear import LinearBase
 from engine.models import load_model
 from engine.quantization.fp8 import FP8, dequantize, fp8_linear, quantize_rows
@@ -146,8 +146,8 @@ def test_fp8_checkpoint_loads_exactly_and_matches_dequantized_greedy(checkpoints
 
 
 def test_on_the_fly_fp8_stays_close_and_generates(tiny_llama):
-    from engine.engine import LLM
-    from engine.sampling_params import SamplingParams
+    from engine.runtime.engine import LLM
+    from engine.core.sampling_params import SamplingParams
 
     model = load_model(tiny_llama, dtype="float32", device="cpu", quantization="fp8")
     ref = load_model(tiny_llama, dtype="float32", device="cpu")
@@ -258,7 +258,7 @@ def test_fp8_kv_pool_holds_more_tokens_per_byte():
 
 def test_runner_builds_fp8_kv_pool(tiny_llama):
     from engine.config import EngineConfig
-    from engine.model_runner import ModelRunner
+    from engine.executor.model_runner import ModelRunner
 
     runner = ModelRunner(EngineConfig(model=tiny_llama, device="cpu", kv_cache_dtype="fp8_e4m3",
                                       max_total_tokens=64))
@@ -273,8 +273,8 @@ def test_block_scaled_weights_take_the_weight_only_kernel_when_it_can_step_their
     """Which FP8 weights decode through the weight-only GEMV (GPU, <= 16 rows): per-channel
     scales, and block scales whose K-width is a power of two of at least 16 (checkpoints'
     128); other widths dequantize (fp8_linear's slow path), as every block scale did before."""
-    from engine.layers.gemv import fit_scale_groups, scale_group
-    from engine.layers.tiles import Tiles
+    from engine.kernels.gemv import fit_scale_groups, scale_group
+    from engine.kernels.tiles import Tiles
 
     k = 4096
     assert scale_group(k, None) == 0 and scale_group(k, torch.ones(8, 1)) == 0
@@ -290,7 +290,7 @@ def test_fast_accumulation_setting_reaches_scaled_mm(tiny_llama, monkeypatch, fa
     """`EngineConfig.fp8_fast_accum` (default True) is what every FP8 layer's
     `torch._scaled_mm` gets as use_fast_accum (the GPU test measures what it changes)."""
     from engine.config import EngineConfig
-    from engine.model_runner import ModelRunner
+    from engine.executor.model_runner import ModelRunner
 
     assert EngineConfig().fp8_fast_accum is True
     calls = []
@@ -322,8 +322,8 @@ def test_fp8_weight_kernels_compile_for_hopper():
     """Every variant the GPU path launches compiles for sm_90, and the activations' cast to
     float8 is the hardware's saturating round-to-nearest (the interpreter's is not exact)."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
-    from engine.layers.gemv import _gemv_kernel, _sum_splits_kernel
-    from engine.quantization.fp8_kernels import _quantize_rows_kernel
+    from engine.kernels.gemv import _gemv_kernel, _sum_splits_kernel
+    from engine.kernels.fp8 import _quantize_rows_kernel
 
     gemv = dict(X="*bf16", W="*fp8e4nv", Scale="*fp32", Out="*bf16", M="i32", N="i32", K="i32",
                 k_per_split="i32", row_scale="fp32")

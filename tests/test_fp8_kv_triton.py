@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 import test_prefix_groups as tpg
-from engine.attention.triton_common import kv_decode
+from engine.kernels.attention.common import kv_decode
 from engine.quantization.fp8 import FP8
 from test_triton_attention import DEVICE, make_case
 
@@ -101,9 +101,9 @@ def test_fp8_kernels_compile_for_hopper(kv_scale):
     e.g. about types across branches): compile every fp8 variant for sm_90 here, and check
     the store really uses the hardware's saturating round-to-nearest cast."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
-    from engine.attention.triton_common import store_kv_kernel
-    from engine.attention.triton_decode import decode_partial_kernel, prefix_attn_kernel
-    from engine.attention.triton_extend import extend_kernel
+    from engine.kernels.attention.common import store_kv_kernel
+    from engine.kernels.attention.decode import decode_partial_kernel, prefix_attn_kernel
+    from engine.kernels.attention.extend import extend_kernel
 
     io = dict(Q="bf16", K="bf16", V="bf16", Out="bf16", KC="fp8e4nv", VC="fp8e4nv",
               MidO="fp32", MidLse="fp32", PfxO="fp32", PfxLse="fp32")

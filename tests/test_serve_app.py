@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from engine import LLM, SamplingParams
-from engine.demo_model import ensure_demo_model
+from engine.loading.demo_model import ensure_demo_model
 from serve_helpers import (
     BASE, ROOT, leave_a_non_streamed_request, run_app, serve_config_args, start_ray, stats,
     stop_ray, wait_until,

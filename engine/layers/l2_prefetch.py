@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.layers.pdl import pdl_launch, pdl_prologue
+from engine.kernels.pdl import pdl_launch, pdl_prologue
 
 MAX_ROWS = 16
 CHUNK_BYTES = 16 << 10  # one bulk prefetch; 16-byte multiples, as the instruction requires
