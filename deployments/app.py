@@ -69,7 +69,8 @@ def build_app_with(args: dict[str, Any] | None, replica_class: type = EngineRepl
                           api_key=app_args.api_key, admin_api_key=app_args.admin_api_key,
                           tool_call_parser=app_args.tool_call_parser,
                           reasoning_parser=app_args.reasoning_parser,
-                          max_calls_in_flight=app_args.engine_batch)
+                          max_calls_in_flight=app_args.engine_batch,
+                          freeze_gc=app_args.freeze_gc)
     if app_args.ingress == "colocated":
         # Serve's own queue (max_queued_requests) would answer a burst's excess with its
         # plain-text 503 at the proxy; unbounded, every refusal is the engine's (OpenAI JSON,

@@ -196,6 +196,11 @@ class AppArgs(BaseModel):
         return self
 
     @property
+    def freeze_gc(self) -> bool:
+        """The engine's freeze_gc_after_start, which the app's ingress replicas follow too."""
+        return EngineConfig(**self.engine).freeze_gc_after_start
+
+    @property
     def engine_batch(self) -> int:
         """Requests an engine replica runs at once (max_running_requests)."""
         return self.engine.get("max_running_requests", EngineConfig.max_running_requests)

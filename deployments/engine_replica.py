@@ -74,7 +74,7 @@ class EngineReplica:
         # child, this process forwards every delta and must not stop for full collections
         # either (engine/runtime/gc_freeze.py).
         if self.engine_process:
-            freeze_after_start(self)
+            freeze_after_start(self, config.freeze_gc_after_start)
         record_gc_pauses()  # this process's (the engine's too, unless a child's)
         logger.info("engine replica ready: %s, %.1fs after its process started", config.model,
                     process_age_s())

@@ -65,7 +65,7 @@ class OpenAIIngress:
                  router_reads_text: bool = False, api_key: str | None = None,
                  admin_api_key: str | None = None, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None,
-                 max_calls_in_flight: int | None = None) -> None:
+                 max_calls_in_flight: int | None = None, freeze_gc: bool = True) -> None:
         auth.configure(api_key, admin_api_key)
         # A request's engine calls (prompts x n) in flight at once: the engine's batch, so a
         # larger request runs through it in turn (deployments/streams.py, merged_stream).
@@ -96,8 +96,9 @@ class OpenAIIngress:
         self.chat_features = ChatFeatures(self.tokenizer.hf, hf_config.model_type,
                                           tool_call_parser, reasoning_parser)
         # Every stream through this replica waits out a full garbage collection: ~300 ms
-        # over the libraries and tokenizer loaded by now (2-core box), unless frozen.
-        freeze_after_start(self)
+        # over the libraries and tokenizer loaded by now (2-core box), unless frozen
+        # (`freeze_gc`: the engine's freeze_gc_after_start).
+        freeze_after_start(self, freeze_gc)
         record_gc_pauses()  # (after the freeze: serving's pauses only)
 
     # -- plain endpoints ----------------------------------------------------------------

@@ -4,12 +4,73 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
+import os
 import types
 import typing
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class KernelConfig:
+    """Kernel paths each GPU step may take: all on by default, each switchable off for A/B
+    runs (docs/engine.md lists what each one turns off). CPU tensors take torch paths anyway."""
+
+    # Triton kernels launched under programmatic dependent launch (Hopper; engine/kernels/pdl.py).
+    pdl: bool = True
+    # bf16/fp16 linears of up to `bf16_gemv_rows` rows on the Triton GEMV; False: cuBLAS always.
+    triton_gemv: bool = True
+    # 1, or 2-64: short prompts' extend steps on the GEMV too (chained under PDL instead of
+    # draining around each cuBLAS GEMM). Above 1 not yet measured on a GPU.
+    bf16_gemv_rows: int = 1
+    # A norm / SiLU-and-mul quantizes the input of the FP8 linear after it in its own launch.
+    fused_fp8_quant: bool = True
+    # A GEMV's K-slice partial sums (and MoE experts' choices) summed by their consumer.
+    split_sums: bool = True
+    # One-row float8 GEMVs multiply on the tensor cores (False: the CUDA cores).
+    fp8_row_dot: bool = True
+    # The float8 SwiGLU gate_up GEMV and its SiLU-and-mul in one launch.
+    glu_gemv: bool = True
+    # The decode attention kernel stores the step's new K/V (False: a store kernel first).
+    decode_stores_kv: bool = True
+    # Top-k / top-p / min-p by a sort-free threshold search on GPUs (False: by sorting).
+    sort_free_cut: bool = True
+
+    def __post_init__(self) -> None:
+        _check_field_types(self, prefix="kernels.")
+        if not 1 <= self.bf16_gemv_rows <= 64:
+            raise ValueError(f"kernels.bf16_gemv_rows must be within 1-64, got {self.bf16_gemv_rows}")
+
+    @classmethod
+    def of(cls, value: "KernelConfig | dict[str, Any]") -> "KernelConfig":
+        """A KernelConfig, or one from a mapping of its fields (app args, a config that
+        crossed a process as a dict); unknown names raise ValueError."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"kernels must be a mapping of kernel settings, got {value!r}")
+        unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown kernel setting(s) {unknown}; known: "
+                             f"{[f.name for f in dataclasses.fields(cls)]}")
+        return cls(**value)
+
+
+def _gc_freeze_default() -> bool:
+    """Test plumbing, not a serving setting: the test suite (tests/conftest.py) builds
+    hundreds of engines, in its own process and in Ray's, and each start's full collection
+    would cost ~0.2 s on a 2-core box; RADIXSERVE_TEST_NO_GC_FREEZE=1 makes False the
+    default there. A value given in the config always wins."""
+    return os.environ.get("RADIXSERVE_TEST_NO_GC_FREEZE") != "1"
+
+
+def default_cache_root() -> Path:
+    """Where built artifacts (the demo model) are kept: RADIXSERVE_CACHE, a path for test
+    plumbing and read-only homes, else ~/.cache/radixserve."""
+    return Path(os.environ.get("RADIXSERVE_CACHE") or "~/.cache/radixserve").expanduser()
 
 
 @dataclass
@@ -78,12 +139,15 @@ class EngineConfig:
     # pool (engine/kernels/precompile.py): an empty Triton cache costs seconds of start-up, not tens.
     parallel_compile: bool = True
     # Then move every object alive into the garbage collector's permanent generation, so
-    # full collections skip the libraries and weights (engine/runtime/gc_freeze.py).
-    freeze_gc_after_start: bool = True
+    # full collections skip the libraries and weights (engine/runtime/gc_freeze.py). A Serve
+    # app's ingress replicas and engine-process parents follow this setting too.
+    freeze_gc_after_start: bool = field(default_factory=lambda: _gc_freeze_default())
     # Decode attention reads a cached prefix shared by several running requests once for
     # all of them (Triton backend; engine/core/prefix_groups.py), when it is at least this long.
     enable_prefix_grouped_decode: bool = True
     prefix_group_min_tokens: int = 256
+    # Kernel paths to switch off for A/B runs (a mapping of its fields is accepted).
+    kernels: KernelConfig = field(default_factory=KernelConfig)
 
     # Parallelism
     tp_size: int = 1  # tensor-parallel ranks (rank 0 schedules and samples; see engine/executor/distributed.py)
@@ -116,6 +180,7 @@ class EngineConfig:
     speculative_ngram_max_match: int = 3  # longest suffix n-gram looked up (tried first)
 
     def __post_init__(self) -> None:
+        self.kernels = KernelConfig.of(self.kernels)
         _check_field_types(self)
         if self.dtype not in DTYPES + ("auto",):
             raise ValueError(f"dtype must be one of {DTYPES + ('auto',)}, got {self.dtype!r}")
@@ -176,29 +241,29 @@ class EngineConfig:
 _ACCEPTS = {bool: (bool,), int: (numbers.Integral,), float: (numbers.Real,), str: (str,)}
 
 
-def _check_field_types(config: EngineConfig) -> None:
+def _check_field_types(config: EngineConfig | KernelConfig, prefix: str = "") -> None:
     """Raise ValueError naming the first field whose value is not of its declared type
     (bool, int, float or str, optionally None; Literal fields have their own checks)."""
-    for name, declared, optional in _simple_fields():
+    for name, declared, optional in _simple_fields(type(config)):
         value = getattr(config, name)
         if value is None and optional:
             continue
         kinds = _ACCEPTS[declared]
         if not isinstance(value, kinds) or (isinstance(value, bool) and declared is not bool):
             expected = declared.__name__ + (" or None" if optional else "")
-            raise ValueError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+            raise ValueError(f"{prefix}{name} must be {expected}, got {value!r} ({type(value).__name__})")
 
 
 @functools.cache
-def _simple_fields() -> tuple[tuple[str, type, bool], ...]:
-    """(name, declared type, None allowed) of every bool/int/float/str field."""
-    hints = typing.get_type_hints(EngineConfig)
+def _simple_fields(cls: type) -> tuple[tuple[str, type, bool], ...]:
+    """(name, declared type, None allowed) of every bool/int/float/str field of `cls`."""
+    hints = typing.get_type_hints(cls)
     out = []
-    for field in dataclasses.fields(EngineConfig):
-        hint = hints[field.name]
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
         union = typing.get_origin(hint) in (typing.Union, types.UnionType)
         args = typing.get_args(hint) if union else (hint,)
         base = [a for a in args if a is not type(None)]
         if len(base) == 1 and base[0] in _ACCEPTS:
-            out.append((field.name, base[0], type(None) in args))
+            out.append((f.name, base[0], type(None) in args))
     return tuple(out)

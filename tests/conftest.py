@@ -12,9 +12,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `engine` importa
 
 from engine.loading.demo_model import ARCHS, build_tiny_model  # noqa: E402
 
-# engines start without freezing the GC (engine/runtime/gc_freeze.py; tests/test_gc_freeze.py turns
-# it on): its collection at every start would add minutes to a suite of hundreds of engines
-os.environ.setdefault("RADIXSERVE_GC_FREEZE", "0")
+# engines start without freezing the GC unless their config says so (engine/runtime/gc_freeze.py;
+# tests/test_gc_freeze.py does): its collection at every start would add minutes to a suite
+# of hundreds of engines. Ray's workers and engine child processes inherit it.
+os.environ.setdefault("RADIXSERVE_TEST_NO_GC_FREEZE", "1")
 
 
 @pytest.fixture(scope="session")

@@ -16,10 +16,9 @@ def _engine(**kw) -> Engine:
                                max_total_tokens=4096, **kw))
 
 
-def test_frozen_after_start_and_reclaimed_when_dropped(monkeypatch):
-    monkeypatch.setenv("RADIXSERVE_GC_FREEZE", "1")
+def test_frozen_after_start_and_reclaimed_when_dropped():
     gc.unfreeze()
-    engine = _engine()
+    engine = _engine(freeze_gc_after_start=True)
     assert gc.get_freeze_count() > 1000  # the libraries and the engine itself
     model = engine.runner.model
     assert not any(o is model for o in gc.get_objects())  # frozen: collections skip it
@@ -31,9 +30,17 @@ def test_frozen_after_start_and_reclaimed_when_dropped(monkeypatch):
     assert weight() is None  # the weights' cycles were collected, not leaked
 
 
-def test_off_freezes_nothing(monkeypatch):
-    monkeypatch.setenv("RADIXSERVE_GC_FREEZE", "1")
+def test_off_freezes_nothing():
     gc.unfreeze()
     engine = _engine(freeze_gc_after_start=False)
     assert gc.get_freeze_count() == 0
     del engine
+
+
+def test_the_suite_default_is_test_plumbing(monkeypatch):
+    """conftest.py's RADIXSERVE_TEST_NO_GC_FREEZE only moves the default: the field wins."""
+    monkeypatch.delenv("RADIXSERVE_TEST_NO_GC_FREEZE", raising=False)
+    assert EngineConfig().freeze_gc_after_start
+    monkeypatch.setenv("RADIXSERVE_TEST_NO_GC_FREEZE", "1")
+    assert not EngineConfig().freeze_gc_after_start
+    assert EngineConfig(freeze_gc_after_start=True).freeze_gc_after_start

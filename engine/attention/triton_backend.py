@@ -22,9 +22,6 @@ from engine.attention.kv_pool import KVPool
 from engine.kernels.pdl import pdl_launch
 
 _LOG2E = 1.4426950408889634
-# RADIXSERVE_DECODE_STORES_KV=0: a pure decode step stores its new K/V with the store kernel
-# again, a launch of its own per layer, instead of in the decode kernel (to A/B it)
-DECODE_STORES_KV = os.environ.get("RADIXSERVE_DECODE_STORES_KV", "1") != "0"
 
 
 def _interpreting() -> bool:
@@ -79,13 +76,16 @@ class TritonAttentionBackend(TritonLaunchConfigs):
     def __init__(self, kv_pool: KVPool, scale: float, *, max_kv_splits: int = 32,
                  graph_mode: bool = False, num_sms: int | None = None,
                  decode_split_min_tokens: int = 128,
-                 force_num_splits: int | None = None) -> None:
+                 force_num_splits: int | None = None, decode_stores_kv: bool = True) -> None:
         self.kv_pool = kv_pool
         self.scale = float(scale)
         self.max_kv_splits = max(1, int(max_kv_splits))
         self.graph_mode = graph_mode
         self.decode_split_min_tokens = decode_split_min_tokens
         self.force_num_splits = force_num_splits
+        # False (`kernels.decode_stores_kv`): a pure decode step stores its new K/V with the
+        # store kernel, a launch of its own per layer, instead of in the decode kernel.
+        self.decode_stores_kv = decode_stores_kv
         device = kv_pool.k[0].device
         self.device = device
         if num_sms is None:
@@ -214,7 +214,7 @@ class TritonAttentionBackend(TritonLaunchConfigs):
         if batch.is_decode:
             # the decode kernel stores request i's new K/V (row i of k, v) itself, at
             # req_to_token[row, seq_len - 1]: out_slots[i], written there before the step
-            new_kv = (k, v) if DECODE_STORES_KV else None
+            new_kv = (k, v) if self.decode_stores_kv else None
             if new_kv is None:
                 self.store_kv(k, v, k_cache, v_cache, batch.out_slots)
             pg = self._grouped if not window else None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kernels import precompile
+from engine.kernels.settings import apply_kernel_config
 from engine.attention.base import ForwardBatch, leading_decode_rows
 from engine.executor.batch_builder import build_step
 from engine.config import EngineConfig
@@ -63,13 +63,15 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         torch.manual_seed(config.seed)
+        apply_kernel_config(config.kernels)  # before any launch: engine/kernels/settings.py
         self._flashinfer_load = self._start_flashinfer_load()  # beside the weight load
         self.model = load_model(config.model, dtype=self.dtype, device=self.device,
                                 load_format=config.load_format, seed=config.seed, tp=self.tp,
                                 hf_config=self.hf_config, moe_parallel=config.moe_parallel,
                                 quantization=config.quantization)
         set_fast_accum_(self.model, config.fp8_fast_accum)
-        set_fused_kernels(self.model, config.enable_fused_kernels and self.device.type == "cuda")
+        set_fused_kernels(self.model, config.enable_fused_kernels and self.device.type == "cuda",
+                          config.kernels)
         self.startup.mark("load")
         self.vocab_size = self.hf_config.vocab_size
         self.max_context = config.max_model_len or self.hf_config.max_position_embeddings
@@ -97,7 +99,7 @@ class ModelRunner:
             return {}
         from engine.executor.cuda_graph import capture_all
 
-        return capture_all(sets, precompile.enabled(self.config.parallel_compile))
+        return capture_all(sets, self.config.parallel_compile)
 
     def _make_graphs(self):
         if not (self.config.enable_cuda_graph and self.device.type == "cuda"):
@@ -199,7 +201,8 @@ class ModelRunner:
             from engine.attention.triton_backend import TritonAttentionBackend
 
             graphs = self.config.enable_cuda_graph and self.device.type == "cuda"
-            return TritonAttentionBackend(self.kv_pool, scale, graph_mode=graphs)
+            return TritonAttentionBackend(self.kv_pool, scale, graph_mode=graphs,
+                                          decode_stores_kv=self.config.kernels.decode_stores_kv)
         from engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend(self.kv_pool, scale)

@@ -3,7 +3,6 @@ per-request seeds, and log-probabilities of the chosen and the top tokens."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-import os
 
 import torch
 
@@ -11,10 +10,6 @@ from engine.kernels.argmax import argmax_rows
 from engine.core.request import Request
 from engine.executor.penalties import TokenStats, counts_from_lists, penalize
 from engine.executor.staging import take_rows, to_device
-
-# Top-k / top-p / min-p by the sort-free cut (engine/kernels/sampling_cut.py) on GPUs; by
-# sorting elsewhere. RADIXSERVE_SORT_FREE_CUT=0 sorts on GPUs too (A/B runs).
-SORT_FREE_CUT = os.environ.get("RADIXSERVE_SORT_FREE_CUT", "1") != "0"
 
 
 @dataclass
@@ -25,8 +20,12 @@ class SampleOutput:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0, eos_token_ids=()) -> None:
+    def __init__(self, device: torch.device, seed: int = 0, eos_token_ids=(),
+                 sort_free_cut: bool = True) -> None:
         self.device = device
+        # Top-k / top-p / min-p by the sort-free cut (engine/kernels/sampling_cut.py) on GPUs,
+        # by sorting elsewhere; False (`kernels.sort_free_cut`) sorts on GPUs too.
+        self.sort_free_cut = sort_free_cut
         self.eos_token_ids = sorted(eos_token_ids)  # barred before a request's min_tokens
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
@@ -76,7 +75,7 @@ class Sampler:
         temps = to_device([1.0 if p.is_greedy else p.temperature for p in params],
                           logits.dtype, self.device)
         probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
-        return _filter_top_k_top_p_min_p(probs, params, self.device)
+        return _filter_top_k_top_p_min_p(probs, params, self.device, self.sort_free_cut)
 
     def uniform(self, req: Request, n: int) -> torch.Tensor:
         """n draws from U[0, 1), from the request's own generator when it has a seed."""
@@ -162,7 +161,8 @@ class Sampler:
         return chosen.tolist(), top
 
 
-def _filter_top_k_top_p_min_p(probs: torch.Tensor, params, device) -> torch.Tensor:
+def _filter_top_k_top_p_min_p(probs: torch.Tensor, params, device,
+                              sort_free_cut: bool = True) -> torch.Tensor:
     """Zero the probabilities of tokens outside each row's top-k / top-p / min-p set: on a
     GPU by one threshold per row (engine/kernels/sampling_cut.py; ties at the cut all kept),
     else by sorting each row."""
@@ -172,7 +172,7 @@ def _filter_top_k_top_p_min_p(probs: torch.Tensor, params, device) -> torch.Tens
     top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int32, device)
     top_p = to_device([p.top_p for p in params], probs.dtype, device)
     min_p = to_device([p.min_p for p in params], probs.dtype, device)
-    if SORT_FREE_CUT and probs.is_cuda and probs.dtype == torch.float32:
+    if sort_free_cut and probs.is_cuda and probs.dtype == torch.float32:
         from engine.kernels.sampling_cut import sampling_cut
 
         find_k, find_p = any(p.top_k > 0 for p in params), any(p.top_p < 1.0 for p in params)

@@ -12,23 +12,16 @@ slices (`Tiles.split_k`), one program each, summed by a second launch or by the 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from engine.kernels.pdl import pdl_launch, pdl_prologue
+from engine.kernels.settings import kernel_settings
 from engine.kernels.split_sums import SplitSums
 from engine.kernels.tiles import Tiles
 
-# RADIXSERVE_SPLIT_SUMS=0: every GEMV sums its own K slices and the MoE experts their
-# choices (for A/B runs)
-KEEP_SPLITS = os.environ.get("RADIXSERVE_SPLIT_SUMS", "1") != "0"
-# RADIXSERVE_FP8_ROW_DOT=0: one-row float8 GEMVs on the CUDA cores with their earlier tiles
-ROW_DOT = os.environ.get("RADIXSERVE_FP8_ROW_DOT", "1") != "0"
-# RADIXSERVE_GLU_GEMV=0: the SwiGLU MLP's gate_up GEMV and its SiLU-and-mul in two launches
-GLU = os.environ.get("RADIXSERVE_GLU_GEMV", "1") != "0"
 
 
 def gemv_config(rows: int, n: int, k: int, weight_bytes: int = 1) -> Tiles:
@@ -55,7 +48,7 @@ def _bf16_row_tiles(n: int) -> Tiles:
 
 
 def _bf16_rows_tiles(n: int, k: int) -> Tiles:
-    """2-64 rows of bf16 weights, taken only when RADIXSERVE_BF16_GEMV_ROWS raises the rows
+    """2-64 rows of bf16 weights, taken only when `kernels.bf16_gemv_rows` raises the rows
     (engine/layers/__init__.py). Not yet swept on a GPU (`bench_layer_kernels.py --gemv
     --gemv-rows 16,32,64`): 128-wide K steps keep a 64-row activation tile and the weight's
     in shared memory over four stages (96 KB), and K is cut where the output alone leaves
@@ -72,8 +65,9 @@ def _fp8_tiles(rows: int, n: int, k: int) -> Tiles:
     and take short K steps on the CUDA cores; at one row the narrower ones (qkv, o, down)
     multiply on the tensor cores in f16 (`row_dot`; H200, us: qkv 10.6 -> 9.5, o 9.3 -> 7.6,
     down 19.9 -> 17.6, gate_up 33.5 on the CUDA cores vs 35.1); above one row each shape the
-    sweep's fastest for qkv (n > k) and o (n == k)."""
-    if rows == 1 and ROW_DOT and n < 16384:
+    sweep's fastest for qkv (n > k) and o (n == k). `kernels.fp8_row_dot` off: one row on
+    the CUDA cores."""
+    if rows == 1 and kernel_settings().fp8_row_dot and n < 16384:
         return Tiles(block_n=64, block_k=256 if k >= 3 * n else 128, num_stages=4, split_k=4,
                      row_dot=True)
     if k >= 3 * n:
@@ -254,7 +248,9 @@ def sum_splits(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def split_sums_on() -> bool:
-    return KEEP_SPLITS
+    """Off (`kernels.split_sums`): every GEMV sums its own K slices and the MoE experts
+    their choices."""
+    return kernel_settings().split_sums
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,

@@ -14,7 +14,7 @@ a kernel two launches back is complete too, and kernels launched without PDL (cu
 wait for everything before them as usual. Kernels take a `PDL: tl.constexpr` that is False
 unless the launch passes `**pdl_launch(device)`: off on CPUs, under the interpreter (which
 has no grid-dependency instructions), before sm_90, where Triton lacks the launch option,
-and when RADIXSERVE_PDL=0 (to A/B it).
+and when the engine's `kernels.pdl` is off (to A/B it; applied by engine/kernels/settings.py).
 """
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from engine.kernels.settings import kernel_settings
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -52,8 +54,8 @@ def _triton_supports_pdl() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _enabled(device_index: int) -> bool:
-    if os.environ.get("RADIXSERVE_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+def _enabled(device_index: int, wanted: bool = True) -> bool:
+    if not wanted or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9 and _triton_supports_pdl()
 
@@ -64,4 +66,4 @@ def pdl_launch(device: torch.device) -> dict:
     if device.type != "cuda":
         return {}
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _ON if _enabled(index) else {}
+    return _ON if _enabled(index, kernel_settings().pdl) else {}

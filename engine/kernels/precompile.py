@@ -25,8 +25,8 @@ Triton 3.6 API used: `knobs.runtime.jit_cache_hook` (called before every compile
 launch key and `specialization_data`; returning True skips the compile and the launch),
 `JITFunction.preload(specialization_data)` (compiles into the same in-memory cache a launch
 reads) and `CompiledKernel._init_handles()` (loads the binary and builds its C launcher, the
-part a first launch would otherwise do serially). `RADIXSERVE_PARALLEL_COMPILE=0` or
-`EngineConfig.parallel_compile=False` turns it off.
+part a first launch would otherwise do serially). `EngineConfig.parallel_compile=False`
+turns it off.
 """
 from __future__ import annotations
 
@@ -56,10 +56,6 @@ def compile_in_place(*kernels) -> None:
     """Register Triton kernels whose outputs address memory: a deferred pass compiles and
     launches them instead of skipping them."""
     _IN_PLACE.update(kernel_name(k) for k in kernels)
-
-
-def enabled(config_flag: bool = True) -> bool:
-    return config_flag and os.environ.get("RADIXSERVE_PARALLEL_COMPILE", "1") != "0"
 
 
 class _Skipped:

@@ -1,7 +1,7 @@
 """Model building blocks, written once for tensor parallelism (dense at tp size 1)."""
 import functools
-import os
 
+from engine.config import KernelConfig
 from engine.layers.activation import SiluAndMul
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear,
@@ -12,35 +12,22 @@ from engine.layers.rotary import RotaryEmbedding, get_rope
 from engine.quantization.fp8 import takes_quantized_input
 
 
-def bf16_gemv_rows(setting: str | None) -> int:
-    """Rows up to which bf16 linears take the Triton GEMV: 1, or RADIXSERVE_BF16_GEMV_ROWS
-    (2-64), an A/B not yet measured on a GPU: short prompts' extend graphs would chain their
-    linears under PDL instead of draining the GPU around each cuBLAS GEMM (~3.5 us a side
-    on the H200)."""
-    if not setting:
-        return 1
-    if not (setting.strip().isdigit() and 1 <= int(setting) <= 64):
-        raise ValueError(f"RADIXSERVE_BF16_GEMV_ROWS must be a whole number within 1-64, got {setting!r}")
-    return int(setting)
-
-
-# Rows up to which bf16 linears take the Triton GEMV (RADIXSERVE_TRITON_GEMV=0: cuBLAS always).
-GEMV_ROWS = bf16_gemv_rows(os.environ.get("RADIXSERVE_BF16_GEMV_ROWS"))
-
-
-def set_fused_kernels(model, enabled: bool) -> None:
+def set_fused_kernels(model, enabled: bool, kernels: KernelConfig | None = None) -> None:
     """Run every RMSNorm, RoPE and SiLU-and-mul of `model` as one Triton kernel each, and
-    its one-row bf16 linears as the Triton GEMV (on GPUs; CPU tensors always take the torch
-    path). A norm or SiLU-and-mul whose output only an FP8 linear reads (a module's
-    `quantized_input_pairs()`) quantizes that input for it in the same launch
-    (RADIXSERVE_FUSED_FP8_QUANT=0: the linear quantizes it in a launch of its own)."""
-    gemv = enabled and os.environ.get("RADIXSERVE_TRITON_GEMV", "1") != "0"
-    fuse_quantize = enabled and os.environ.get("RADIXSERVE_FUSED_FP8_QUANT", "1") != "0"
+    its bf16 linears of up to `kernels.bf16_gemv_rows` rows as the Triton GEMV (on GPUs; CPU
+    tensors always take the torch path). A norm or SiLU-and-mul whose output only an FP8
+    linear reads (a module's `quantized_input_pairs()`) quantizes that input for it in the
+    same launch (`kernels.fused_fp8_quant` off: the linear quantizes it in a launch of its
+    own); a float8 gate_up GEMV applies SiLU-and-mul itself (`kernels.glu_gemv`)."""
+    kernels = kernels or KernelConfig()
+    gemv_rows = kernels.bf16_gemv_rows if enabled and kernels.triton_gemv else 0
+    fuse_quantize = enabled and kernels.fused_fp8_quant
     for module in model.modules():
         if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):
             module.fused = enabled
         elif isinstance(module, LinearBase):
-            module.gemv_rows = GEMV_ROWS if gemv else 0
+            module.gemv_rows = gemv_rows
+            module.glu_gemv = enabled and kernels.glu_gemv
         for producer, linear in getattr(module, "quantized_input_pairs", lambda: ())():
             fp8 = fuse_quantize and linear.weight_scale is not None
             producer.quantizes_for = functools.partial(takes_quantized_input, linear) if fp8 else None

@@ -45,6 +45,9 @@ class LinearBase(nn.Module):
         # Rows up to which a bf16/fp16 weight multiplies with the Triton GEMV on GPUs (0:
         # never; set by `set_fused_kernels`): it keeps a decode step's PDL chain unbroken.
         self.gemv_rows = 0
+        # [gate, up] layers: a float8 GEMV applies SiLU-and-mul itself (`silu_mul_gemv`; set
+        # by `set_fused_kernels`).
+        self.glu_gemv = False
         # Set by the module that consumes this layer's output when it also takes a GEMV's
         # K-slice partial sums (engine/kernels/split_sums.py) and adds them itself.
         self.split_sums_ok = False
@@ -127,7 +130,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         GEMV keeping more programs in flight than the saved launch is worth."""
         from engine.kernels import gemv as gemv_module
 
-        if (gemv_module.GLU and self.weight_scale is not None and self.bias is None
+        if (self.glu_gemv and self.weight_scale is not None and self.bias is None
                 and isinstance(x, torch.Tensor) and x.dim() == 2 and len(self.local_sizes) == 2
                 and self.local_sizes[0] == self.local_sizes[1]
                 and takes_weight_only_kernel(x, self.weight_scale)):

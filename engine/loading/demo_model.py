@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from engine.config import default_cache_root
+
 BUILD_VERSION = 1  # bump whenever a build's output changes: it names the cache directory
 MARKER = ".radixserve-demo.json"
 ARCHS = ("llama", "llama3", "qwen2", "qwen3", "mistral")
@@ -67,10 +69,6 @@ User: What is the capital of France? Assistant: The capital of France is Paris.
 User: Can you tell me a story? Assistant: Once upon a time, there was a little fox who
 lived in a green forest and loved to watch the stars at night.
 """
-
-
-def default_cache_root() -> Path:
-    return Path(os.environ.get("RADIXSERVE_CACHE") or "~/.cache/radixserve").expanduser()
 
 
 def default_demo_model_dir(arch: str = "llama") -> Path:

@@ -24,7 +24,6 @@ from torch import nn
 from engine.attention.base import AttentionBackend, ForwardBatch
 from engine.layers.activation import SiluAndMul
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.l2_prefetch import prefetch_for
 from engine.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
                                   RowParallelLinear)
 from engine.layers.norm import RMSNorm
@@ -105,7 +104,6 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch
                 ) -> torch.Tensor | SplitSums:
         qkv = self.qkv_proj(x)
-        prefetch_for("o", self.o_proj, positions.shape[0])
         norms = (self.q_norm, self.k_norm) if self.qk_norm else None
         if isinstance(qkv, SplitSums):
             q, k, v = self.rotary_emb.forward_split_sums(
@@ -182,15 +180,12 @@ class LlamaDecoderLayer(nn.Module):
                 residual: torch.Tensor | None, batch: ForwardBatch
                 ) -> tuple[torch.Tensor | SplitSums, torch.Tensor]:
         # The residual stream is carried separately so each add fuses into the next norm.
-        prefetch_for("qkv", self.self_attn.qkv_proj, positions.shape[0])
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, batch)
-        if isinstance(self.mlp, LlamaMLP):
-            prefetch_for("gate_up", self.mlp.gate_up_proj, positions.shape[0])
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 

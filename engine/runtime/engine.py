@@ -46,7 +46,8 @@ class Engine:
         self.cache = RadixCache(allocator, enabled=config.enable_radix_cache,
                                 record_events=config.enable_cache_events)
         self.scheduler = Scheduler(config, allocator, self.cache)
-        self.sampler = Sampler(self.runner.device, config.seed, self.tokenizer.eos_token_ids)
+        self.sampler = Sampler(self.runner.device, config.seed, self.tokenizer.eos_token_ids,
+                               config.kernels.sort_free_cut)
         self.scheduler.release_hooks.append(self.sampler.release)
         self.grammars = Grammars(config.grammar_backend, self.tokenizer.hf, self.runner.vocab_size,
                                  self.tokenizer.eos_token_ids, self.runner.device,

@@ -24,15 +24,13 @@ is freed, and the next collection reclaims them: a process may build and drop en
 from __future__ import annotations
 
 import gc
-import os
 import weakref
 
 
 def freeze_after_start(owner: object, enabled: bool = True) -> None:
-    """Freeze what is alive now; unfreeze when `owner` is freed. RADIXSERVE_GC_FREEZE=0
-    turns it off (the test suite builds hundreds of engines: each start's collection
-    costs ~0.2 s on a 2-core box)."""
-    if not enabled or os.environ.get("RADIXSERVE_GC_FREEZE", "1") == "0":
+    """Freeze what is alive now; unfreeze when `owner` is freed. `enabled` is the engine's
+    `freeze_gc_after_start`."""
+    if not enabled:
         return
     gc.collect()
     gc.freeze()

@@ -91,7 +91,7 @@ def warm_up(engine, force: bool = False) -> dict:
         # all-reduce: the pass would only add its own time. Their graph capture defers on
         # every rank (engine/cuda_graph.capture_all).
         defer = (engine.runner.device.type == "cuda" and engine.config.tp_size == 1
-                 and precompile.enabled(engine.config.parallel_compile))
+                 and engine.config.parallel_compile)
         ahead = precompile.compile_ahead(lambda: _run_waves(engine, waves), defer)
         if ahead:
             _reset(engine)
