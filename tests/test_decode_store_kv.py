@@ -1,6 +1,6 @@
 """Pure decode steps store the new tokens' K/V in the decode kernel (`STORE_KV` in
 engine/kernels/attention/decode.py) instead of a store launch of their own: against the
-separate store (RADIXSERVE_DECODE_STORES_KV=0), the same outputs and the same pool, bit for
+separate store (`kernels.decode_stores_kv` off), the same outputs and the same pool, bit for
 bit. (tests/test_triton_attention.py, test_triton_window.py and test_prefix_groups.py check
 the fused store against the torch reference, as every decode there takes it.)
 
@@ -53,14 +53,14 @@ if DEVICE == "cuda":  # the interpreter's bf16 is wrong
     ]
 
 
-def run(case: Case, fused: bool, monkeypatch, window: int, **kw) -> tuple[torch.Tensor, KVPool]:
+def run(case: Case, fused: bool, window: int, **kw) -> tuple[torch.Tensor, KVPool]:
     """The backend's forward of `case` on a copy of its pool, the new K/V stored by the
     decode kernel (`fused`) or by the store kernel: (output, pool)."""
     from engine.attention import triton_backend
 
-    monkeypatch.setattr(triton_backend, "DECODE_STORES_KV", fused)
     pool = copy.deepcopy(case.pool)
-    be = triton_backend.TritonAttentionBackend(pool, 1.0 / math.sqrt(case.q.shape[-1]), **kw)
+    be = triton_backend.TritonAttentionBackend(pool, 1.0 / math.sqrt(case.q.shape[-1]),
+                                               decode_stores_kv=fused, **kw)
     be.set_sliding_windows({case.layer: window} if window else {})
     out = torch.full(case.q.shape, float("nan"), dtype=case.q.dtype, device=case.q.device)
     be.forward(case.q, case.k, case.v, case.layer, case.batch, out=out)
@@ -81,30 +81,27 @@ def assert_same(case: Case, fused: tuple[torch.Tensor, KVPool],
 @pytest.mark.parametrize("i", range(len(CASES)), ids=[c[0] for c in CASES])
 @kernels[0]
 @kernels[1]
-def test_fused_store_equals_separate_store(i, monkeypatch):
+def test_fused_store_equals_separate_store(i):
     name, (bsz, max_len), hq, hkv, d, dtype, window, pool_kw, kw = CASES[i]
     case = make_case(decode_reqs(bsz, max_len, 900 + i), hq, hkv, d, dtype, DEVICE,
                      seed=900 + i, **pool_kw)
     assert case.batch.is_decode
-    assert_same(case, run(case, True, monkeypatch, window, **kw),
-                run(case, False, monkeypatch, window, **kw))
+    assert_same(case, run(case, True, window, **kw), run(case, False, window, **kw))
 
 
 @kernels[0]
 @kernels[1]
-def test_fused_store_with_prefix_groups(monkeypatch):
+def test_fused_store_with_prefix_groups():
     """Radix-grouped decode (HAS_PREFIX): the new token is always in the suffix the decode
     kernel attends, so it is stored there too."""
-    from engine.attention import triton_backend
-
     name, groups, singles, hq, hkv, d, dtype, splits, kw = tpg.GROUPED[0]
     case, spec = tpg.make_grouped_case(groups, singles, hq, hkv, d, dtype, seed=950)
     results = []
     for fused in (True, False):
-        monkeypatch.setattr(triton_backend, "DECODE_STORES_KV", fused)
         run_case = Case(copy.deepcopy(case.pool), case.batch, case.q, case.k, case.v,
                         case.layer, case.real)
-        results.append((tpg.run_grouped(run_case, spec, splits, **kw)[0], run_case.pool))
+        results.append((tpg.run_grouped(run_case, spec, splits, decode_stores_kv=fused, **kw)[0],
+                        run_case.pool))
     assert_same(case, *results)
 
 

@@ -233,10 +233,11 @@ def test_block_scaled_checkpoint_on_gpu_is_its_dequantized_model(tiny_llama, tmp
 
 
 @cuda_only
-def test_norms_and_silu_quantize_for_the_fp8_linears(tiny_llama, monkeypatch):
+def test_norms_and_silu_quantize_for_the_fp8_linears(tiny_llama):
     """With fused kernels an FP8 model's norms and SiLU-and-mul quantize the next linear's
     input in their own launch (prefill-sized batches): the logits are those of the linears
     quantizing it themselves, bit for bit."""
+    from engine.config import KernelConfig
     from engine.layers import set_fused_kernels
     from engine.models import load_model
     from test_fp8 import _prompt_logits
@@ -248,7 +249,6 @@ def test_norms_and_silu_quantize_for_the_fp8_linears(tiny_llama, monkeypatch):
     layer = model.model.layers[0]
     assert layer.input_layernorm.quantizes_for(41) and not layer.input_layernorm.quantizes_for(16)
     fused = _prompt_logits(model, prompts)
-    monkeypatch.setenv("RADIXSERVE_FUSED_FP8_QUANT", "0")
-    set_fused_kernels(model, True)
+    set_fused_kernels(model, True, KernelConfig(fused_fp8_quant=False))
     assert layer.input_layernorm.quantizes_for is None
     assert torch.equal(fused, _prompt_logits(model, prompts))

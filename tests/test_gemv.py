@@ -72,6 +72,7 @@ def test_fp8_mlp_takes_the_glu_gemv_at_decode_batches():
     (the output equals the dequantized torch MLP's), not above; bf16 stays on two launches."""
     from types import SimpleNamespace
 
+    from engine.config import KernelConfig
     from engine.layers import set_fused_kernels
     from engine.layers.parallel import TPContext
     from engine.models.llama import LlamaMLP
@@ -98,6 +99,8 @@ def test_fp8_mlp_takes_the_glu_gemv_at_decode_batches():
         assert (out.float() - ref).abs().max().item() <= 0.03 * ref.abs().max().item()
     assert mlp.gate_up_proj.silu_mul_gemv(torch.randn(17, 512, device="cuda",
                                                       dtype=torch.bfloat16)) is None
+    set_fused_kernels(mlp, True, KernelConfig(glu_gemv=False))  # two launches again
+    assert mlp.gate_up_proj.silu_mul_gemv(x1) is None
 
 
 @pytest.mark.gpu
@@ -115,7 +118,7 @@ def test_linear_takes_the_gemv_at_one_row():
         ref = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
         layer.gemv_rows = 0
         cublas = layer(x)
-        layer.gemv_rows = gemv_rows  # RADIXSERVE_BF16_GEMV_ROWS raises it past 1
+        layer.gemv_rows = gemv_rows  # kernels.bf16_gemv_rows raises it past 1
         out = layer(x)
         assert (out.float() - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
         if rows > gemv_rows:  # past gemv_rows: cuBLAS either way
@@ -146,13 +149,31 @@ def test_bf16_gemv_compiles_for_hopper():
                          num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
-def test_bf16_gemv_rows_setting():
-    from engine.layers import bf16_gemv_rows
+def test_kernel_settings_reach_the_linears():
+    """`kernels.bf16_gemv_rows` (1-64), `triton_gemv` and `glu_gemv` as `set_fused_kernels`
+    hands them to each linear; fused kernels off, no linear takes the GEMV."""
+    from types import SimpleNamespace
 
-    assert bf16_gemv_rows(None) == 1 and bf16_gemv_rows("32") == 32
-    for bad in ("0", "65", "-1"):
-        with pytest.raises(ValueError, match="RADIXSERVE_BF16_GEMV_ROWS"):
-            bf16_gemv_rows(bad)
+    from engine.config import EngineConfig, KernelConfig
+    from engine.layers import set_fused_kernels
+    from engine.layers.parallel import TPContext
+    from engine.models.llama import LlamaMLP
+
+    config = SimpleNamespace(hidden_size=64, intermediate_size=128, hidden_act="silu")
+    mlp = LlamaMLP(config, TPContext())
+    for kernels, fused, rows, glu in ((KernelConfig(), True, 1, True),
+                                      (KernelConfig(bf16_gemv_rows=32), True, 32, True),
+                                      (KernelConfig(triton_gemv=False, glu_gemv=False), True, 0, False),
+                                      (KernelConfig(bf16_gemv_rows=32), False, 0, False)):
+        set_fused_kernels(mlp, fused, kernels)
+        assert (mlp.gate_up_proj.gemv_rows, mlp.down_proj.gemv_rows) == (rows, rows)
+        assert mlp.gate_up_proj.glu_gemv is glu
+    assert EngineConfig(kernels={"bf16_gemv_rows": 64}).kernels.bf16_gemv_rows == 64
+    for bad in (0, 65, -1):
+        with pytest.raises(ValueError, match="kernels.bf16_gemv_rows"):
+            KernelConfig(bf16_gemv_rows=bad)
+    with pytest.raises(ValueError, match="kernels.bf16_gemv_rows must be int"):
+        EngineConfig(kernels={"bf16_gemv_rows": "32"})
 
 
 def test_glu_gemv_compiles_for_hopper():

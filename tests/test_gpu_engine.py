@@ -225,19 +225,16 @@ def test_extend_graphs_with_decoders_match_eager(tiny_llama):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_split_sums_change_no_token(tiny_model_factory, monkeypatch, arch, quantization):
+def test_split_sums_change_no_token(tiny_model_factory, arch, quantization):
     """Batch-1 linears wide enough for the GEMV to cut K (hidden 512, MLP 1024) hand their
     partial sums to RMSNorm, SiLU-and-mul and RoPE (engine/kernels/split_sums.py): greedy
     tokens and their logprobs equal, bit for bit, those of the GEMV summing them itself."""
-    import engine.kernels.gemv as gemv_module
-
     path = tiny_model_factory(arch, hidden_size=512, intermediate_size=1024)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     results = {}
     for keep in (True, False):
-        monkeypatch.setattr(gemv_module, "KEEP_SPLITS", keep)
         llm = LLM(model=path, dtype="bfloat16", device="cuda", max_total_tokens=4096,
-                  quantization=quantization, cuda_graph_max_bs=4)
+                  quantization=quantization, cuda_graph_max_bs=4, kernels={"split_sums": keep})
         outs = [llm.generate([p], params)[0] for p in prompts(3, 5, 40, seed=2)]  # batch 1
         results[keep] = [(o.token_ids, o.logprobs, o.top_logprobs) for o in outs]
         del llm

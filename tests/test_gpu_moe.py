@@ -74,19 +74,16 @@ def test_gpu_moe_bfloat16_runs_the_triton_path(moe_factory, grouped_gemm_calls, 
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_gpu_moe_split_sums_change_no_token(moe_factory, monkeypatch, arch):
+def test_gpu_moe_split_sums_change_no_token(moe_factory, arch):
     """At batch 1 the router GEMV's K slices go to the router kernel and each token's expert
     choices to the next RMSNorm unsummed (engine/kernels/split_sums.py): greedy tokens and
     logprobs equal, bit for bit, those with every sum in its own launch."""
-    import engine.kernels.gemv as gemv_module
-
     path = moe_factory(arch, hidden_size=512)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     results = {}
     for keep in (True, False):
-        monkeypatch.setattr(gemv_module, "KEEP_SPLITS", keep)
         llm = LLM(model=path, dtype="bfloat16", device="cuda", max_total_tokens=4096,
-                  cuda_graph_max_bs=4)
+                  cuda_graph_max_bs=4, kernels={"split_sums": keep})
         outs = [llm.generate([p], params)[0] for p in prompts(3, 5, 40, seed=3)]  # batch 1
         results[keep] = [(o.token_ids, o.logprobs, o.top_logprobs) for o in outs]
         del llm

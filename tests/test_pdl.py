@@ -78,3 +78,24 @@ def test_pdl_is_off_without_a_hopper_gpu(monkeypatch):
         assert not pdl._enabled(0)
     finally:
         pdl._enabled.cache_clear()
+
+
+def test_an_engine_config_turns_pdl_off(tiny_llama):
+    """`kernels.pdl=False` reaches every launch site through the process's kernel settings
+    (engine/kernels/settings.py), applied when a model runner is built; the next engine's
+    config applies in turn."""
+    from engine.config import EngineConfig
+    from engine.executor.model_runner import ModelRunner
+    from engine.kernels import pdl
+    from engine.kernels.settings import kernel_settings
+
+    try:
+        ModelRunner(EngineConfig(model=tiny_llama, device="cpu", kernels={"pdl": False}))
+        assert not kernel_settings().pdl
+        pdl._enabled.cache_clear()
+        # a Hopper GPU would be asked for its capability only when PDL is wanted
+        assert not pdl._enabled(0, kernel_settings().pdl)
+        ModelRunner(EngineConfig(model=tiny_llama, device="cpu"))
+        assert kernel_settings().pdl
+    finally:
+        pdl._enabled.cache_clear()

@@ -394,6 +394,13 @@ def test_bad_app_args_fail_clearly():
         build_app({"engine": {"enable_cuda_graph": "false"}})
     with pytest.raises(ValueError, match="num_replicas"):
         build_app({"num_replicas": 0})
+    # the kernel settings, `engine: {kernels: {...}}`, checked the same way
+    with pytest.raises(ValueError, match="unknown kernel setting"):
+        build_app({"engine": {"kernels": {"pdl_off": True}}})
+    with pytest.raises(ValueError, match="kernels.pdl must be bool, got 'false'"):
+        build_app({"engine": {"kernels": {"pdl": "false"}}})
+    with pytest.raises(ValueError, match="kernels.bf16_gemv_rows must be within 1-64"):
+        build_app({"engine": {"kernels": {"bf16_gemv_rows": 128}}})
 
 
 def test_engine_process_auto_follows_the_replica_device():
