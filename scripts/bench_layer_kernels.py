@@ -269,7 +269,7 @@ def gemv_configs(quick: bool) -> list[Tiles]:
 
 def bench_gemv(bw: float, quick: bool, batches: list[int]) -> dict:
     """bf16 linears at each row count: cuBLAS against the Triton GEMV's default tiles and
-    the sweep's best (rows > 1: what RADIXSERVE_BF16_GEMV_ROWS would switch on)."""
+    the sweep's best (rows > 1: what `kernels.bf16_gemv_rows` would switch on)."""
     rows, best = [], {}
     for m in batches:
         linears = {**LLAMA_LINEARS, **MOE_LINEARS} if m == 1 else LLAMA_LINEARS

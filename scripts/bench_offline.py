@@ -233,14 +233,17 @@ ENGINE_OVERRIDES: dict = {}  # --engine KEY=VALUE, applied to every engine made 
 
 
 def parse_overrides(items: list[str]) -> dict:
-    """KEY=VALUE strings as EngineConfig kwargs, values read as JSON where they parse."""
-    out = {}
+    """KEY=VALUE strings as EngineConfig kwargs, values read as JSON where they parse;
+    `kernels.pdl=false` sets a field of the kernel settings (EngineConfig.kernels)."""
+    out: dict = {}
     for item in items:
         key, _, value = item.partition("=")
         try:
-            out[key] = json.loads(value)
+            value = json.loads(value)
         except json.JSONDecodeError:
-            out[key] = value
+            pass
+        group, _, field = key.rpartition(".")
+        (out.setdefault(group, {}) if group else out)[field] = value
     return out
 
 
@@ -613,11 +616,11 @@ def unfused_forward_ms(engine: Engine) -> float:
     from engine.layers import set_fused_kernels
 
     runner = engine.runner
-    set_fused_kernels(runner.model, False)
+    set_fused_kernels(runner.model, False, engine.config.kernels)
     graphs = DecodeGraphs(runner.model, runner.attn_backend, runner.req_to_token, 1)
     graphs.capture()
     ms = _time_ms(graphs.graphs[1].replay, reps=50)
-    set_fused_kernels(runner.model, True)
+    set_fused_kernels(runner.model, True, engine.config.kernels)
     return ms
 
 
@@ -730,7 +733,7 @@ def cold_start_child(model: str, lengths, warmup: bool, json_path: str, batch: t
            "phases": dict(engine.runner.startup.phases), "warmup_report": engine.startup,
            "compiled_ahead": dict(precompile.totals),
            "capture_times": engine.runner.capture_times,
-           "parallel_compile": precompile.enabled(engine.config.parallel_compile),
+           "parallel_compile": engine.config.parallel_compile,
            "cold_ttft_ms": cold, "warm_ttft_ms": warm, "cold_batch_s": cold_batch,
            "warm_batch_s": warm_batch,
            "binaries_after_start": sum(compiled_kernels().values()) - before}
@@ -741,7 +744,7 @@ def cold_start_child(model: str, lengths, warmup: bool, json_path: str, batch: t
 
 def bench_cold_start(model: str, lengths, batch: str) -> dict:
     """Each of {with warm-up, the same with the capture's compiles serial
-    (RADIXSERVE_PARALLEL_COMPILE=0), without warm-up} in a fresh Python process with an empty
+    (parallel_compile=False), without warm-up} in a fresh Python process with an empty
     Triton cache (TRITON_CACHE_DIR), so every compile is a real one."""
     import subprocess
 
@@ -755,8 +758,10 @@ def bench_cold_start(model: str, lengths, batch: str) -> dict:
                    "--cold-batch", batch, "--launched-at", repr(time.time())]
             if not warmup:
                 cmd.append("--no-warmup")
-            env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(tmp, "triton-cache"),
-                       RADIXSERVE_PARALLEL_COMPILE="1" if parallel else "0")
+            overrides = {**ENGINE_OVERRIDES, "parallel_compile": parallel}
+            cmd += [arg for key, value in overrides.items()
+                    for arg in ("--engine", f"{key}={json.dumps(value)}")]
+            env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(tmp, "triton-cache"))
             subprocess.run(cmd, env=env, check=True)
             with open(result) as f:
                 row = json.load(f)
@@ -870,7 +875,7 @@ def main() -> None:
     ap.add_argument("--no-warmup", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                     help="an EngineConfig override for every engine this process makes (repeatable), "
-                         "e.g. --engine cuda_graph_max_extend_tokens=0")
+                         "e.g. --engine cuda_graph_max_extend_tokens=0, --engine kernels.pdl=false")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample the W1-W3 requests at this temperature (top_p 0.95) instead of greedy")
     ap.add_argument("--repetition-penalty", type=float, default=1.0,

@@ -11,6 +11,7 @@
 # ENGINE_EXTRA adds engine settings to the served config, e.g.
 # ENGINE_EXTRA="quantization: fp8, kv_cache_dtype: fp8_e4m3" (FP8 weights and KV through HTTP;
 # OFFLINE_ARGS="--quantization fp8 --kv-cache-dtype fp8_e4m3" gives the offline rows the same).
+# ENGINE_EXTRA="kernels: {pdl: false}" switches a kernel path off (A/B; docs/engine.md).
 # PARTS (default "serve,offline,path") picks what runs; "profile" adds py-spy of the engine
 # replica and an ingress during W2 over HTTP; "gil" runs batch-1 and W2 again with the
 # replica's GIL switch interval at 0.5 ms ("sw05": that under "tput"'s mode); "fast" runs them (and batch-1 800/16: a prefill graph past 512 tokens) under Ray's high-throughput mode (the README's, scripts/serve.sh), and with "sampled" W2 again at temperature 1, then also with top_p 0.95 and repetition_penalty 1.05
