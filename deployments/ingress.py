@@ -83,7 +83,10 @@ class OpenAIIngress:
         # (Read off the type: a DeploymentHandle answers any attribute, as a method handle.)
         in_process = getattr(type(engine_handle), "in_process", False)
         self.hub = None if in_process else ChannelHub(self.engine, loads=admission)
-        readiness.follow(None if in_process else admission.replicas, self.control.load.remote)
+        if in_process:  # its engine is built before Serve lets this replica take requests
+            readiness.answered = True
+        else:
+            readiness.follow(admission.replicas, self.control.load.remote)
         self.model_name = served_model_name
         self.tokenizer = Tokenizer(tokenizer or path)  # the engine's `tokenizer` setting wins
         hf_config = load_hf_config(path)

@@ -59,14 +59,10 @@ class EngineReadiness:
         self.answered = False  # an engine replica answered (or the engine is in-process)
         self.refused = 0  # requests refused while no engine replica was ready
 
-    def follow(self, replicas: Callable[[], Iterable[str] | None] | None,
+    def follow(self, replicas: Callable[[], Iterable[str] | None],
                ping: Callable[[], Awaitable]) -> None:
-        """Track the engine deployment behind the ingress's handle: its router's replicas
-        (`replicas`), and one `ping()` answered as the fallback. `replicas` None: the engine
-        runs in this process (`ingress: colocated`), built before the ingress, so ready."""
-        if replicas is None:
-            self.answered = True
-            return
+        """Track the engine deployment behind the ingress's handle: the replicas its router
+        can pick, and, as the fallback signal, one `ping()` answered."""
         self.replicas = replicas
         self._watch = asyncio.ensure_future(self.watch(ping))
 
