@@ -34,7 +34,7 @@ STARTING_MESSAGE = ("The engine is starting: no engine replica can serve yet; re
 STARTING_CODE = "engine_starting"
 STARTING_RETRY_AFTER_S = 1
 WATCH_RETRY_S = 1.0  # after a failed start-up call (e.g. a replica that died answering it)
-# GET routes that need an engine replica, besides the generation requests (`GATED`).
+# Paths (any method) that need an engine replica, besides the generation requests (`GATED`).
 # /v1/models is here so that it agrees with /health: a listed model is one that can serve.
 ENGINE_ROUTES = frozenset({"/health", "/health_generate", "/flush_cache", "/v1/models"})
 

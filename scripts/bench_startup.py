@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -29,6 +29,8 @@ import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from serve_helpers import kill_session  # noqa: E402 - every process of `serve run`'s session
 TIMED_OUT = -1  # the status recorded for a probe that got no answer within its timeout
 
 
@@ -110,18 +112,6 @@ def run(args: argparse.Namespace) -> dict[str, Probes]:
         proc.wait()
     print(f"serve run's log: {tmp / 'serve.log'}")
     return found
-
-
-def kill_session(sid: int) -> None:
-    """Every process of `serve run`'s session: Ray's own start process groups of their own."""
-    out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout
-    for line in out.splitlines():
-        pid, psid = (int(x) for x in line.split())
-        if psid == sid:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def disagreements(found: dict[str, Probes]) -> int:
