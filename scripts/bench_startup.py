@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Probes]:
     model = yaml.safe_load(Path(args.config).read_text())["applications"][0]["args"].get(
         "served_model_name")
     found = {name: Probes() for name in ("/health", "/v1/models", "completion")}
-    t0 = time.monotonic()
+    t0, launched = time.monotonic(), time.time()
     proc, tmp = launch(args.config, args.port, args.plain)
     done = threading.Event()
 
@@ -111,7 +113,29 @@ def run(args: argparse.Namespace) -> dict[str, Probes]:
         kill_session(proc.pid)  # serve run and the Ray cluster it started
         proc.wait()
     print(f"serve run's log: {tmp / 'serve.log'}")
+    for name, seconds in phases(tmp / "serve.log", launched):
+        print(f"{seconds:7.2f} s  {name}")
     return found
+
+
+# Lines of Ray's and Serve's own logs (serve run's output) that mark the launch's phases.
+PHASES = [("Ray started", "Started a local Ray instance"),
+          ("Serve started", "Started Serve in namespace"),
+          ("app build began (imports deployments.app)", "Importing application"),
+          ("replicas created", "Adding ")]
+LOG_TIME = re.compile(r"(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2},\d{3})")
+
+
+def phases(log: Path, launched: float) -> list[tuple[str, float]]:
+    """(phase, seconds after launch) for each of PHASES found in serve run's log."""
+    text = log.read_text(errors="replace").splitlines()
+    out = []
+    for name, marker in PHASES:
+        line = next((line for line in text if marker in line and LOG_TIME.search(line)), None)
+        if line is not None:
+            stamp = datetime.strptime(LOG_TIME.search(line).group(1), "%Y-%m-%d %H:%M:%S,%f")
+            out.append((name, stamp.timestamp() - launched))
+    return out
 
 
 def disagreements(found: dict[str, Probes]) -> int:
