@@ -119,7 +119,8 @@ def run(args: argparse.Namespace) -> dict[str, Probes]:
 
 
 # Lines of Ray's and Serve's own logs (serve run's output) that mark the launch's phases.
-PHASES = [("Ray started", "Started a local Ray instance"),
+PHASES = [("`serve run` started (its imports done)", "Running config file"),
+          ("Ray started", "Started a local Ray instance"),
           ("Serve started", "Started Serve in namespace"),
           ("app build began (imports deployments.app)", "Importing application"),
           ("replicas created", "Adding ")]
