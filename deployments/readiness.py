@@ -7,8 +7,8 @@ first health check has passed; only then do routers get it, and only then is the
 RUNNING. The ingress's handle to the engine deployment hears of every such change from
 Serve's controller (a long poll), so the replicas its router can pick are Serve's own word
 on readiness, and reading them costs a probe nothing: it never waits on an engine, busy or
-starting (a handle call per probe did: /health took ~10 s to say 503 while the engine
-started). Where this Ray does not let the router be read (router/ray_adapter.py), readiness
+starting (a handle call per probe would wait in the router for a replica, until its own
+timeout, while the engine starts). Where this Ray does not let the router be read (router/ray_adapter.py), readiness
 falls back to whether an engine replica has answered the ingress's one call at start-up
 (`EngineReadiness.watch`, which Serve holds until a replica runs).
 
