@@ -24,6 +24,7 @@ from deployments.prompt_encoder import PromptEncoder
 from deployments.sampling_defaults import model_sampling_defaults, with_defaults
 from deployments.request_body import DEFAULT_MAX_BODY_BYTES, read_json_body
 from deployments.metrics import install_http_metrics, record_gc_pauses
+from deployments.scrape import ingress_snapshot, install_prometheus_endpoint
 from deployments.stats import summary
 from deployments.sse_chunks import PlainChunks
 from deployments.protocol import (
@@ -47,6 +48,7 @@ install_error_handlers(api)
 admission = install_admission(api)  # fed by the delta channels (deployments/admission.py)
 auth = install_auth(api)  # keys set by the ingress constructor
 install_http_metrics(api)
+prometheus = install_prometheus_endpoint(api)  # GET /metrics; configured by the constructor
 
 
 # Module helpers come before the class: `serve.ingress` captures globals when applied.
@@ -81,6 +83,7 @@ class OpenAIIngress:
         # (Read off the type: a DeploymentHandle answers any attribute, as a method handle.)
         in_process = getattr(type(engine_handle), "in_process", False)
         self.hub = None if in_process else ChannelHub(self.engine, loads=admission)
+        prometheus.configure(served_model_name, self.metrics_snapshot, None if in_process else self.control)
         self.model_name = served_model_name
         self.tokenizer = Tokenizer(tokenizer or path)  # the engine's `tokenizer` setting wins
         hf_config = load_hf_config(path)
@@ -123,6 +126,9 @@ class OpenAIIngress:
     async def stats(self) -> JSONResponse:
         """Engine counters summed over all replicas, per replica, and the router's."""
         return JSONResponse(await summary(self.control))
+
+    async def metrics_snapshot(self) -> dict:  # this replica's part of GET /metrics
+        return ingress_snapshot(self.control)
 
     @api.post("/flush_cache")
     @api.get("/flush_cache")  # SGLang takes both
@@ -344,14 +350,9 @@ class OpenAIIngress:
     async def _stream(self, calls: list[EngineCall], choices: list[ChoiceState],
                       include_usage: bool, chat: bool, want_lp: bool, echo=None,
                       outputs=None) -> StreamingResponse:
-        stream = self._merged(calls)
-        first = await anext(stream, None)  # errors before any token get a real HTTP status
-        if first is not None and (err := error_of(first[0][1])) is not None:
-            await stream.aclose()
-            raise err
-        events = self._sse(_prepend(first, stream), stream, choices, include_usage, chat,
-                           want_lp, echo, outputs)
-        return StreamingResponse(events, media_type="text/event-stream")
+        batches, stream = await self._open(calls)
+        return StreamingResponse(self._sse(batches, stream, choices, include_usage, chat, want_lp,
+                                           echo, outputs), media_type="text/event-stream")
 
     async def _sse(self, batches, stream, choices, include_usage, chat, want_lp,
                    echo=None, outputs=None) -> AsyncIterator[str]:
