@@ -9,13 +9,21 @@
 #
 # Every machine needs the same radixserve checkout and Python environment (bash
 # scripts/setup.sh) and, for a real model, the model directory at the same path.
-# Environment: RAY_PORT (6379), METRICS_PORT (8080), SERVE_CONFIG (serve_config.yaml).
+# Environment: RAY_PORT (6379), METRICS_PORT (8080), SERVE_CONFIG (serve_config.yaml),
+# RADIXSERVE_PLAIN_SERVE (0: Serve's high-throughput mode, as scripts/serve.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RAY_PORT=${RAY_PORT:-6379}
 METRICS_PORT=${METRICS_PORT:-8080}
 SERVE_CONFIG=${SERVE_CONFIG:-serve_config.yaml}
 export RAY_USAGE_STATS_ENABLED=${RAY_USAGE_STATS_ENABLED:-0}
+# Serve's high-throughput mode, as scripts/serve.sh (docs/deploy.md); read when `ray start`
+# starts this node. RADIXSERVE_PLAIN_SERVE=1 keeps Serve's Python proxy (e.g. two nodes on
+# one machine: each node's HAProxy would want port 8000 and /tmp/haproxy-serve).
+if [ "${RADIXSERVE_PLAIN_SERVE:-0}" != 1 ]; then
+  export RAY_SERVE_THROUGHPUT_OPTIMIZED=${RAY_SERVE_THROUGHPUT_OPTIMIZED:-1}
+  export RAY_SERVE_ENABLE_HA_PROXY=${RAY_SERVE_ENABLE_HA_PROXY:-1}
+fi
 
 case "${1:-}" in
   head)

@@ -117,6 +117,7 @@ SERVED: tuple[Served, ...] = (
               tags=(("endpoint", "endpoint"), ("status", "status"))),
     _recorded("radixserve:http_request_duration_seconds", m.HTTP_REQUEST_DURATION, role=INGRESS,
               tags=(("endpoint", "endpoint"),)),
+    _recorded("radixserve:engine_calls_finished", m.ENGINE_CALLS_FINISHED, role=INGRESS),
     _recorded("radixserve:finished_prompt_tokens", m.PROMPT_TOKENS, role=INGRESS),
     _recorded("radixserve:finished_cached_tokens", m.ACTUAL_CACHED_TOKENS, "Prompt tokens of "
               "finished engine calls that the serving replica found in its radix cache "

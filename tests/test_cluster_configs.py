@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -270,3 +271,63 @@ def test_local_multinode_script_is_valid_bash_and_prints_usage():
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert usage.returncode == 2 and "ray start" not in usage.stderr
     assert "worker HEAD_IP" in usage.stdout
+
+
+# -- Serve's high-throughput mode, as the README's command runs it ------------------------------
+
+
+def serve_sh_mode() -> dict[str, str]:
+    """The variables scripts/serve.sh exports by default (`export X=${X:-1}`)."""
+    text = (ROOT / "scripts" / "serve.sh").read_text()
+    return dict(re.findall(r"export (RAY_SERVE_(?:THROUGHPUT_OPTIMIZED|ENABLE_HA_PROXY))=\$\{\1:-(\w+)\}", text))
+
+
+def test_serve_sh_mode_is_the_tests_throughput_mode():
+    from serve_helpers import THROUGHPUT_MODE_ENV
+
+    assert serve_sh_mode() == THROUGHPUT_MODE_ENV == {
+        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+
+
+@pytest.mark.parametrize("name", RAYSERVICES)
+def test_rayservice_pods_run_serve_in_the_readmes_mode(name):
+    """Serve reads the mode's variables when Ray starts: every pod that runs Ray (head and
+    workers, whose proxies and replicas Serve starts there) has them in its Ray container."""
+    cluster = manifest(name)["spec"]["rayClusterConfig"]
+    templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    for template in templates:
+        env = {e["name"]: e.get("value") for e in template["spec"]["containers"][0]["env"]}
+        assert {k: env.get(k) for k in serve_sh_mode()} == serve_sh_mode()
+
+
+def test_vm_cluster_starts_every_node_in_the_readmes_mode():
+    config = yaml.safe_load((CONFIGS / "ray-cluster-vms.yaml").read_text())
+    mode = " ".join(f"{k}={v}" for k, v in serve_sh_mode().items())
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        starts = [c for c in config[key] if "ray start" in c]
+        assert starts and all(c.startswith(f"{mode} ray start") for c in starts), starts
+
+
+def test_local_multinode_script_starts_nodes_in_the_readmes_mode():
+    """The script exports the mode's variables as scripts/serve.sh does (same lines, under
+    the same RADIXSERVE_PLAIN_SERVE opt-out), before any `ray start`."""
+    script = (CONFIGS / "local_multinode.sh").read_text()
+    serve_sh = (ROOT / "scripts" / "serve.sh").read_text()
+    for var in serve_sh_mode():
+        line = next(x.strip() for x in serve_sh.splitlines() if x.strip().startswith(f"export {var}="))
+        assert line in script and script.index(line) < script.index("    ray start --"), var
+    assert 'if [ "${RADIXSERVE_PLAIN_SERVE:-0}" != 1 ]; then' in script
+
+
+def test_app_metrics_are_scraped_through_the_serve_service_once():
+    """/metrics answers for every replica: one static target, the Serve Service of the
+    RayService (KubeRay names it <name>-serve-svc), never a per-pod monitor."""
+    doc = yaml.safe_load((CONFIGS / "prometheus-scrapeconfig.yaml").read_text())
+    assert doc["apiVersion"] == "monitoring.coreos.com/v1alpha1" and doc["kind"] == "ScrapeConfig"
+    spec = doc["spec"]
+    assert spec["metricsPath"] == "/metrics"
+    [static] = spec["staticConfigs"]
+    [target] = static["targets"]
+    service = manifest("rayservice-gpu.yaml")["metadata"]["name"] + "-serve-svc"
+    port = yaml.safe_load(manifest("rayservice-gpu.yaml")["spec"]["serveConfigV2"])["http_options"]["port"]
+    assert target.split(".")[0] == service and target.endswith(f":{port}")

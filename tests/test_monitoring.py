@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import grafana_dashboard as gd  # noqa: E402
 from deployments import metrics as m  # noqa: E402
+from deployments.served_metrics import BY_SERVED_NAME, RECORDED, ROUTER, SERVED, STAT, served_series  # noqa: E402
 from deployments.stats import aggregate, summary  # noqa: E402
 from prometheus_helpers import (  # noqa: E402
     PROMETHEUS, SKIP_REASON, committed_config, promql, scrape_job, start_prometheus, stop_prometheus,
@@ -353,18 +354,33 @@ def test_committed_dashboard_is_what_the_script_generates():
         "run: python scripts/grafana_dashboard.py"
 
 
-def test_every_query_names_an_exported_metric_and_every_metric_is_shown():
+def test_every_query_names_a_served_metric_and_every_metric_is_shown():
+    """Queries read the app's /metrics (vllm:*, radixserve:*) and, for what only Ray exports,
+    Ray's series; every /metrics family is on the dashboard, and every catalogue metric is,
+    through the /metrics family that serves its numbers or its own Ray series."""
     dashboard = json.loads(gd.DASHBOARD_PATH.read_text())
-    exported = m.exported_series()
+    known = m.exported_series() | served_series()
     used: set[str] = set()
     queries = dashboard_exprs(dashboard) + [
         v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
     for expr in queries:
-        names = set(re.findall(r"\bray_[a-zA-Z0-9_]+", expr))
-        assert names and names <= exported, (expr, names - exported)
+        names = set(re.findall(r"\b(?:ray_|vllm:|radixserve:)[a-zA-Z0-9_:]+", expr))
+        assert names and names <= known, (expr, names - known)
         used |= names
+    shown_served = {s.name for s in SERVED if used & set(s.series())}
+    assert shown_served == set(BY_SERVED_NAME), set(BY_SERVED_NAME) - shown_served
+    stat_keys = {s.key for s in SERVED if s.source == STAT}
+    covered = ({s.key for s in SERVED if s.source == RECORDED}
+               | {router_prefix() + s.key for s in SERVED if s.source == ROUTER}
+               | {name for key, name in {**m._STAT_COUNTERS, **m._STAT_GAUGES}.items() if key in stat_keys})
     shown = {spec.name for spec in m.METRICS if used & set(spec.series())}
-    assert shown == set(m.BY_NAME), set(m.BY_NAME) - shown
+    assert shown | covered == set(m.BY_NAME), set(m.BY_NAME) - shown - covered
+
+
+def router_prefix() -> str:
+    from router import request_router
+
+    return request_router.METRIC_PREFIX
 
 
 def test_dashboard_layout_is_loadable():
@@ -390,8 +406,11 @@ def test_provisioning_files_match_the_dashboard():
 
 
 def test_docs_list_every_metric():
-    assert gd.metrics_table() in (ROOT / "docs/monitoring.md").read_text(), \
+    docs = (ROOT / "docs/monitoring.md").read_text()
+    assert gd.metrics_table() in docs, \
         "paste `python scripts/grafana_dashboard.py --metrics-table` into docs/monitoring.md"
+    assert gd.served_table() in docs, \
+        "paste `python scripts/grafana_dashboard.py --served-table` into docs/monitoring.md"
 
 
 class GrafanaStub(BaseHTTPRequestHandler):
