@@ -22,7 +22,8 @@ from prometheus_client.utils import floatToGoString
 from deployments.local_metrics import process_metrics
 from deployments.stats import router_stats
 from deployments.served_metrics import (
-    INGRESS, RECORDED, ROUTER, SCRAPE_MISSING, SCRAPE_MISSING_HELP, SERVED, STAT, Served,
+    ENGINE, INGRESS, RECORDED, ROUTER, SCRAPE_MISSING, SCRAPE_MISSING_HELP, SCRAPE_REPLICAS,
+    SCRAPE_REPLICAS_HELP, SERVED, STAT, Served,
 )
 
 logger = logging.getLogger(__name__)
@@ -58,19 +59,20 @@ async def broadcast_snapshots(handle: Any) -> tuple[list[Snapshot], int]:
 
 
 async def app_snapshots(own: Callable[[], Awaitable[Snapshot]], peers: Any | None,
-                        engines: Any | None) -> tuple[list[Snapshot], dict[str, int]]:
+                        engines: Any | None) -> tuple[list[Snapshot], dict[str, tuple[int, int]]]:
     """Snapshots of the whole app: `peers` (this deployment's handle, or None: this replica
     alone) and `engines` (the engine deployment's handle; None when the engine lives in
-    these replicas). Returns them and the replicas missing, by role."""
-    missing: dict[str, int] = {}
+    these replicas). Returns them and, by role, (replicas that answered, that did not)."""
     if peers is None:
-        snapshots = [await own()]
+        snapshots, missing = [await own()], 0
     else:
-        snapshots, missing[INGRESS] = await broadcast_snapshots(peers)
+        snapshots, missing = await broadcast_snapshots(peers)
+    counts = {INGRESS: (len(snapshots), missing)}
     if engines is not None:
-        more, missing["engine"] = await broadcast_snapshots(engines)
+        more, missing = await broadcast_snapshots(engines)
         snapshots += more
-    return snapshots, missing
+    counts[ENGINE] = (sum(1 for s in snapshots if s.get("engine") is not None), missing)
+    return snapshots, counts
 
 
 def ingress_snapshot(engine_handle: Any) -> Snapshot:
@@ -98,8 +100,8 @@ class PrometheusEndpoint:
     async def handle(self) -> Response:
         if self._own is None:
             return Response("the ingress is starting\n", status_code=503, media_type=CONTENT_TYPE)
-        snapshots, missing = await app_snapshots(self._own, self._peer_handle(), self._engines)
-        return Response(render(snapshots, self.model_name, missing), media_type=CONTENT_TYPE)
+        snapshots, counts = await app_snapshots(self._own, self._peer_handle(), self._engines)
+        return Response(render(snapshots, self.model_name, counts), media_type=CONTENT_TYPE)
 
     def _peer_handle(self) -> Any | None:
         """A handle to this replica's own deployment (every ingress replica), or None
@@ -122,25 +124,29 @@ def install_prometheus_endpoint(api: Any) -> PrometheusEndpoint:
 # -- Rendering --------------------------------------------------------------------------
 
 
-def render(snapshots: list[Snapshot], model_name: str, missing: dict[str, int]) -> bytes:
+def render(snapshots: list[Snapshot], model_name: str, counts: dict[str, tuple[int, int]]) -> bytes:
+    """`counts`: by role, (replicas that answered, that did not)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(snapshots, model_name, missing))
+    registry.register(_Collector(snapshots, model_name, counts))
     return generate_latest(registry)
 
 
 class _Collector:
-    def __init__(self, snapshots: list[Snapshot], model_name: str, missing: dict[str, int]) -> None:
-        self.snapshots, self.model_name, self.missing = snapshots, model_name, missing
+    def __init__(self, snapshots: list[Snapshot], model_name: str,
+                 counts: dict[str, tuple[int, int]]) -> None:
+        self.snapshots, self.model_name, self.counts = snapshots, model_name, counts
 
     def collect(self):
         for served in SERVED:
             family = _family(served, self.snapshots, self.model_name)
             if family.samples:
                 yield family
-        scrape = GaugeMetricFamily(SCRAPE_MISSING, SCRAPE_MISSING_HELP, labels=["model_name", "role"])
-        for role, count in sorted(self.missing.items()):
-            scrape.add_metric([self.model_name, role], count)
-        yield scrape
+        for name, help_text, column in ((SCRAPE_REPLICAS, SCRAPE_REPLICAS_HELP, 0),
+                                        (SCRAPE_MISSING, SCRAPE_MISSING_HELP, 1)):
+            family = GaugeMetricFamily(name, help_text, labels=["model_name", "role"])
+            for role, pair in sorted(self.counts.items()):
+                family.add_metric([self.model_name, role], pair[column])
+            yield family
 
 
 def _family(served: Served, snapshots: list[Snapshot], model_name: str):

@@ -132,7 +132,9 @@ SERVED: tuple[Served, ...] = (
             "Prompt tokens believed cached at the chosen replica."),
 )
 BY_SERVED_NAME: dict[str, Served] = {s.name: s for s in SERVED}
-# Scrape completeness, made by the scraping ingress itself (deployments/scrape.py).
+# Who answered the scrape, made by the scraping ingress itself (deployments/scrape.py).
+SCRAPE_REPLICAS = "radixserve:scrape_replicas"
+SCRAPE_REPLICAS_HELP = "Replicas whose series this scrape holds, by role (engine, ingress)."
 SCRAPE_MISSING = "radixserve:scrape_replicas_missing"
 SCRAPE_MISSING_HELP = ("Replicas that did not answer this scrape in time (their series are "
                        "absent from it), by role.")
@@ -141,7 +143,7 @@ COUNTER_STATS = tuple(sorted({s.key for s in SERVED if s.source == STAT and s.ki
 
 def served_series() -> set[str]:
     """Every sample name GET /metrics can serve."""
-    return {name for s in SERVED for name in s.series()} | {SCRAPE_MISSING}
+    return {name for s in SERVED for name in s.series()} | {SCRAPE_REPLICAS, SCRAPE_MISSING}
 
 
 class StatHighWater:

@@ -16,8 +16,8 @@ from deployments.auth import KeyCheck
 from deployments.local_metrics import LocalMetrics
 from deployments.scrape import CONTENT_TYPE, render
 from deployments.served_metrics import (
-    BY_SERVED_NAME, ENGINE, INGRESS, RECORDED, ROUTER, SCRAPE_MISSING, SERVED, STAT, StatHighWater,
-    served_series,
+    BY_SERVED_NAME, ENGINE, INGRESS, RECORDED, ROUTER, SCRAPE_MISSING, SCRAPE_REPLICAS, SERVED, STAT,
+    StatHighWater, served_series,
 )
 from prometheus_helpers import (
     PROMETHEUS, SKIP_REASON, committed_config, promql, scalar, scrape_job, start_prometheus,
@@ -131,7 +131,7 @@ def test_render_keeps_each_replica_under_its_label_and_parses_as_prometheus_text
     snaps = [snapshot_of("e1", engine=engine_stats, recorded=recorded),
              snapshot_of("e2", engine={**engine_stats, "running": 0}),
              snapshot_of("i1", router={"routed_with_match": 3, "routed_without_match": 1})]
-    text = render(snaps, "demo", {INGRESS: 0, ENGINE: 1}).decode()
+    text = render(snaps, "demo", {INGRESS: (1, 0), ENGINE: (2, 1)}).decode()
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -148,7 +148,7 @@ def test_render_keeps_each_replica_under_its_label_and_parses_as_prometheus_text
     assert value("vllm:time_to_first_token_seconds_bucket", engine="e1", le="1.0") == 2
     assert value("vllm:time_to_first_token_seconds_count", engine="e1") == 2
     assert value("radixserve:router_routed_with_match_total", ingress="i1") == 3
-    assert value(SCRAPE_MISSING, role="engine") == 1
+    assert value(SCRAPE_MISSING, role="engine") == 1 and value(SCRAPE_REPLICAS, role="engine") == 2
     assert "radixserve:queue_timeouts_total" not in text  # no engine keeps it here
     assert {name for name, _ in samples} <= served_series()
 
@@ -265,6 +265,8 @@ def test_prometheus_scrapes_the_whole_app_from_one_url(scraped_app):
     statuses = promql(prom, 'sum by (status) (radixserve:http_requests_total{endpoint="/v1/completions"})')
     assert {r["metric"]["status"] for r in statuses} == {"200", "400"}
     assert scalar(prom, f"max({SCRAPE_MISSING})") == 0
+    assert scalar(prom, f'{SCRAPE_REPLICAS}{{role="engine"}}') == 2
+    assert scalar(prom, f'{SCRAPE_REPLICAS}{{role="ingress"}}') == 2
     assert scalar(prom, 'up{job="radixserve"}') == 1
 
 
