@@ -10,6 +10,7 @@ a counter reset to Prometheus. PromQL sums them (`sum(rate(vllm:prompt_tokens_to
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -63,15 +64,17 @@ async def app_snapshots(own: Callable[[], Awaitable[Snapshot]], peers: Any | Non
     """Snapshots of the whole app: `peers` (this deployment's handle, or None: this replica
     alone) and `engines` (the engine deployment's handle; None when the engine lives in
     these replicas). Returns them and, by role, (replicas that answered, that did not)."""
-    if peers is None:
-        snapshots, missing = [await own()], 0
-    else:
-        snapshots, missing = await broadcast_snapshots(peers)
-    counts = {INGRESS: (len(snapshots), missing)}
-    if engines is not None:
-        more, missing = await broadcast_snapshots(engines)
-        snapshots += more
-    counts[ENGINE] = (sum(1 for s in snapshots if s.get("engine") is not None), missing)
+    async def ours() -> tuple[list[Snapshot], int]:
+        return ([await own()], 0) if peers is None else await broadcast_snapshots(peers)
+
+    async def nothing() -> tuple[list[Snapshot], int]:
+        return [], 0
+
+    (snapshots, ingress_missing), (more, engine_missing) = await asyncio.gather(
+        ours(), broadcast_snapshots(engines) if engines is not None else nothing())
+    counts = {INGRESS: (len(snapshots), ingress_missing)}
+    snapshots = snapshots + more
+    counts[ENGINE] = (sum(1 for s in snapshots if s.get("engine") is not None), engine_missing)
     return snapshots, counts
 
 

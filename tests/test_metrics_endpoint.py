@@ -3,6 +3,7 @@ it, the Prometheus text it renders, and (slow) a real Prometheus scraping a runn
 engine and two ingress replicas through the one URL clients use."""
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 
@@ -14,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from deployments import metrics as m
 from deployments.auth import KeyCheck
 from deployments.local_metrics import LocalMetrics
-from deployments.scrape import CONTENT_TYPE, render
+from deployments.scrape import CONTENT_TYPE, app_snapshots, render
 from deployments.served_metrics import (
     BY_SERVED_NAME, ENGINE, INGRESS, RECORDED, ROUTER, SCRAPE_MISSING, SCRAPE_REPLICAS, SERVED, STAT,
     StatHighWater, served_series,
@@ -151,6 +152,34 @@ def test_render_keeps_each_replica_under_its_label_and_parses_as_prometheus_text
     assert value(SCRAPE_MISSING, role="engine") == 1 and value(SCRAPE_REPLICAS, role="engine") == 2
     assert "radixserve:queue_timeouts_total" not in text  # no engine keeps it here
     assert {name for name, _ in samples} <= served_series()
+
+
+class Broadcast:
+    """A deployment handle's broadcast, as Serve answers it: one result per replica, an
+    exception for one that failed or timed out."""
+
+    def __init__(self, results: list) -> None:
+        self.results = results
+
+    def broadcast(self, method: str):
+        assert method == "metrics_snapshot"
+        return self
+
+    async def results_async(self, timeout_s=None, return_exceptions=False):
+        assert return_exceptions and timeout_s
+        return self.results
+
+
+def test_app_snapshots_count_who_answered_by_role():
+    async def own():
+        return snapshot_of("me")
+
+    assert asyncio.run(app_snapshots(own, None, None))[1] == {INGRESS: (1, 0), ENGINE: (0, 0)}
+    peers = Broadcast([snapshot_of("i1"), snapshot_of("i2"), TimeoutError()])
+    engines = Broadcast([snapshot_of("e1", engine={}), RuntimeError("replica died")])
+    snaps, counts = asyncio.run(app_snapshots(own, peers, engines))
+    assert [s["replica"] for s in snaps] == ["i1", "i2", "e1"]
+    assert counts == {INGRESS: (2, 1), ENGINE: (1, 1)}
 
 
 # -- A real Prometheus scraping a running app ---------------------------------------------------
