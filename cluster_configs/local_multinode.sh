@@ -9,21 +9,17 @@
 #
 # Every machine needs the same radixserve checkout and Python environment (bash
 # scripts/setup.sh) and, for a real model, the model directory at the same path.
-# Environment: RAY_PORT (6379), METRICS_PORT (8080), SERVE_CONFIG (serve_config.yaml),
-# RADIXSERVE_PLAIN_SERVE (0: Serve's high-throughput mode, as scripts/serve.sh).
+# Environment: RAY_PORT (6379), METRICS_PORT (8080), SERVE_CONFIG (serve_config.yaml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RAY_PORT=${RAY_PORT:-6379}
 METRICS_PORT=${METRICS_PORT:-8080}
 SERVE_CONFIG=${SERVE_CONFIG:-serve_config.yaml}
 export RAY_USAGE_STATS_ENABLED=${RAY_USAGE_STATS_ENABLED:-0}
-# Serve's high-throughput mode, as scripts/serve.sh (docs/deploy.md); read when `ray start`
-# starts this node. RADIXSERVE_PLAIN_SERVE=1 keeps Serve's Python proxy (e.g. two nodes on
-# one machine: each node's HAProxy would want port 8000 and /tmp/haproxy-serve).
-if [ "${RADIXSERVE_PLAIN_SERVE:-0}" != 1 ]; then
-  export RAY_SERVE_THROUGHPUT_OPTIMIZED=${RAY_SERVE_THROUGHPUT_OPTIMIZED:-1}
-  export RAY_SERVE_ENABLE_HA_PROXY=${RAY_SERVE_ENABLE_HA_PROXY:-1}
-fi
+# Serve's high-throughput mode, as scripts/serve.sh (docs/deploy.md), read when `ray start`
+# starts this node. Set RAY_SERVE_ENABLE_HA_PROXY=0 RAY_SERVE_THROUGHPUT_OPTIMIZED=0 first for
+# Serve's default mode (e.g. two nodes on one machine: each node's HAProxy wants port 8000).
+source scripts/serve_mode.sh
 
 case "${1:-}" in
   head)
@@ -42,7 +38,7 @@ case "${1:-}" in
     ray stop
     ;;
   *)
-    sed -n '2,13p' "$0"
+    sed -n '2,12p' "$0"
     exit 2
     ;;
 esac

@@ -146,10 +146,13 @@ def test_metrics_behind_haproxy_answer_for_the_whole_app(app):
     for _ in range(3):
         client.completions.create(model=model, prompt="The metrics of", max_tokens=4)
     e2e, replicas = "vllm:e2e_request_latency_seconds_count", "radixserve:scrape_replicas"
+    ingress = f"{replicas}[('model_name', '{model}'), ('role', 'ingress')]"
+    # (The app answers once one ingress replica runs; the second may still be starting.)
+    assert wait_until(lambda: _scrape()[ingress] == 2, timeout=60, interval=1)
     totals = set()
     for _ in range(6):
         samples = _scrape()
-        assert samples[f"{replicas}[('model_name', '{model}'), ('role', 'ingress')]"] == 2
+        assert samples[ingress] == 2
         assert samples[f"{replicas}[('model_name', '{model}'), ('role', 'engine')]"] == 1
         totals.add(sum(v for k, v in samples.items() if k.startswith(e2e + "[")))
     assert len(totals) == 1 and totals.pop() >= 3
