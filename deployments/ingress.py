@@ -4,7 +4,6 @@ It validates and tokenizes (so the router can hash token prefixes), fans each re
 into one engine call per (prompt, choice), and streams or gathers the results.
 """
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -21,9 +20,11 @@ from deployments.chat_request import ChatFeatures
 from deployments.engine_replica import EngineCall, resolve_model
 from deployments.errors import APIError, as_api_error, install_error_handlers
 from deployments.prompt_encoder import PromptEncoder
+from deployments.readiness import install_readiness
 from deployments.sampling_defaults import model_sampling_defaults, with_defaults
 from deployments.request_body import DEFAULT_MAX_BODY_BYTES, read_json_body
 from deployments.metrics import install_http_metrics, record_gc_pauses
+from deployments.scrape import ingress_snapshot, install_prometheus_endpoint
 from deployments.stats import summary
 from deployments.sse_chunks import PlainChunks
 from deployments.protocol import (
@@ -43,10 +44,12 @@ from engine import (
 
 api = FastAPI(title="radixserve", description="OpenAI-compatible API over radixserve engines")
 install_error_handlers(api)
-# Middleware added last runs first: metrics, then the key check, then admission.
+# Middleware added last runs first: metrics, the key check, readiness, then admission.
 admission = install_admission(api)  # fed by the delta channels (deployments/admission.py)
+readiness = install_readiness(api)  # Serve's running engine replicas (deployments/readiness.py)
 auth = install_auth(api)  # keys set by the ingress constructor
 install_http_metrics(api)
+prometheus = install_prometheus_endpoint(api)  # GET /metrics; configured by the constructor
 
 
 # Module helpers come before the class: `serve.ingress` captures globals when applied.
@@ -81,6 +84,12 @@ class OpenAIIngress:
         # (Read off the type: a DeploymentHandle answers any attribute, as a method handle.)
         in_process = getattr(type(engine_handle), "in_process", False)
         self.hub = None if in_process else ChannelHub(self.engine, loads=admission)
+        if in_process:  # its engine is built before Serve lets this replica take requests
+            readiness.answered = True
+        else:
+            readiness.follow(admission.replicas, self.control.load.remote)
+        prometheus.configure(served_model_name, self.metrics_snapshot,
+                             None if in_process else self.control)
         self.model_name = served_model_name
         self.tokenizer = Tokenizer(tokenizer or path)  # the engine's `tokenizer` setting wins
         hf_config = load_hf_config(path)
@@ -105,10 +114,8 @@ class OpenAIIngress:
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
-        try:
-            await asyncio.wait_for(self.control.stats.remote(), timeout=10)
-        except Exception as e:  # noqa: BLE001
-            raise APIError.unavailable(f"engine not ready: {type(e).__name__}") from None
+        """200 once an engine replica can serve; until then the readiness middleware
+        answers 503 (deployments/readiness.py), as it does for /v1/models."""
         return JSONResponse({"status": "ok"})
 
     @api.get("/v1/models")
@@ -124,6 +131,9 @@ class OpenAIIngress:
     async def stats(self) -> JSONResponse:
         """Engine counters summed over all replicas, per replica, and the router's."""
         return JSONResponse(await summary(self.control))
+
+    async def metrics_snapshot(self) -> dict:  # this replica's part of GET /metrics
+        return ingress_snapshot(self.control)
 
     @api.post("/flush_cache")
     @api.get("/flush_cache")  # SGLang takes both
@@ -345,13 +355,8 @@ class OpenAIIngress:
     async def _stream(self, calls: list[EngineCall], choices: list[ChoiceState],
                       include_usage: bool, chat: bool, want_lp: bool, echo=None,
                       outputs=None) -> StreamingResponse:
-        stream = self._merged(calls)
-        first = await anext(stream, None)  # errors before any token get a real HTTP status
-        if first is not None and (err := error_of(first[0][1])) is not None:
-            await stream.aclose()
-            raise err
-        events = self._sse(_prepend(first, stream), stream, choices, include_usage, chat,
-                           want_lp, echo, outputs)
+        batches, stream = await self._open(calls)  # errors before any token: a real status
+        events = self._sse(batches, stream, choices, include_usage, chat, want_lp, echo, outputs)
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def _sse(self, batches, stream, choices, include_usage, chat, want_lp,

@@ -12,6 +12,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `engine` importa
 
 from engine.loading.demo_model import ARCHS, build_tiny_model  # noqa: E402
 
+# Under pytest-xdist (scripts/test.sh runs two workers) each worker serves on a port of its
+# own; the files that serve on serve_config.yaml's port 8000 or run HAProxy (fixed stats ports,
+# one admin socket directory) share one group, so one worker runs them one after another.
+SHARED_PORT_FILES = {"test_real_model_serve.py", "test_serve_cli.py",
+                     "test_serve_throughput_mode.py", "test_serve_edge.py"}
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _worker.startswith("gw"):
+    if "RADIXSERVE_TEST_PORT" not in os.environ:
+        os.environ["RADIXSERVE_TEST_PORT"] = str(8100 + 10 * int(_worker[2:]))
+    import torch  # the workers share the machine's cores
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
+
+def pytest_collection_modifyitems(config, items):
+    """One xdist group per file (its module-scoped servers start once, on one worker), and
+    one for every file that needs port 8000 or HAProxy's fixed ports."""
+    for item in items:
+        name = item.path.name
+        group = "shared-ports" if name in SHARED_PORT_FILES else name
+        item.add_marker(pytest.mark.xdist_group(group))
+
 # engines start without freezing the GC unless their config says so (engine/runtime/gc_freeze.py;
 # tests/test_gc_freeze.py does): its collection at every start would add minutes to a suite
 # of hundreds of engines. Ray's workers and engine child processes inherit it.

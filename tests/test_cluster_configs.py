@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -85,20 +87,20 @@ def test_rayservice_has_the_fields_kuberay_requires(name):
     head = cluster["headGroupSpec"]
     assert isinstance(head["rayStartParams"], dict)
     assert head["rayStartParams"].get("num-gpus") == "0"
-    check_pod_template(head["template"], gpus=0)
+    check_pod_template(head["template"], gpus=0, worker=False)
     assert cluster["workerGroupSpecs"]
     for group in cluster["workerGroupSpecs"]:
         assert group["groupName"] and isinstance(group["rayStartParams"], dict)
         replicas = group.get("replicas", group["minReplicas"])
         assert 0 <= group["minReplicas"] <= replicas <= group["maxReplicas"]
         tp = yaml.safe_load(spec["serveConfigV2"])["applications"][0]["args"]["engine"].get("tp_size", 1)
-        check_pod_template(group["template"], gpus=tp)  # a replica's ranks share one pod
+        check_pod_template(group["template"], gpus=tp, worker=True)  # a replica's ranks share one pod
     # rayStartParams values are strings in the CRD (map[string]string).
     for params in [head["rayStartParams"]] + [g["rayStartParams"] for g in cluster["workerGroupSpecs"]]:
         assert all(isinstance(v, str) for v in params.values()), params
 
 
-def check_pod_template(template: dict[str, Any], gpus: int) -> None:
+def check_pod_template(template: dict[str, Any], gpus: int, worker: bool) -> None:
     containers = template["spec"]["containers"]
     assert containers
     ray = containers[0]  # KubeRay runs Ray in the first container
@@ -106,9 +108,40 @@ def check_pod_template(template: dict[str, Any], gpus: int) -> None:
     limits, requests = ray["resources"]["limits"], ray["resources"]["requests"]
     assert limits.get("nvidia.com/gpu", 0) == gpus and requests.get("nvidia.com/gpu", 0) == gpus
     assert limits["cpu"] and limits["memory"]
-    # KubeRay injects its own probes only where the container has none; its Serve readiness
-    # probe on workers (failureThreshold 1) takes a pod out of the Service at once.
-    assert "readinessProbe" not in ray and "livenessProbe" not in ray
+    # KubeRay injects a probe only where the container has none of that kind: liveness (the
+    # raylet) stays KubeRay's everywhere, so a starting engine never gets a pod restarted;
+    # the head's readiness is KubeRay's too (it does not take Serve traffic through it).
+    assert "livenessProbe" not in ray
+    if not worker:
+        assert "readinessProbe" not in ray
+
+
+# KubeRay's own readiness checks of a RayService worker (ray-operator's BaseWgetHealthCommand
+# on the dashboard agent's raylet health and the Serve proxy's /-/healthz), which a probe of
+# ours replaces and so must repeat.
+KUBERAY_WORKER_CHECKS = ("http://localhost:52365/api/local_raylet_healthz | grep success",
+                         "/-/healthz | grep success")
+
+
+@pytest.mark.parametrize("name", RAYSERVICES)
+def test_worker_readiness_probe_is_kuberays_plus_the_apps_health(name):
+    """A worker pod is ready when KubeRay's checks pass and the app's /health (the endpoint
+    that agrees with /v1/models: 503 while no engine replica can serve) answers 200 on the
+    Serve port; one failure takes it out of the Service, as KubeRay's own probe does."""
+    from deployments.auth import OPEN_PATHS
+    from deployments.readiness import needs_engine
+
+    port = serve_config(name)["http_options"]["port"]
+    for group in manifest(name)["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        probe = group["template"]["spec"]["containers"][0]["readinessProbe"]
+        assert probe["exec"]["command"][:2] == ["bash", "-c"]
+        checks = [c.strip() for c in probe["exec"]["command"][2].split("&&")]
+        assert [k for k in KUBERAY_WORKER_CHECKS if not any(k in c for c in checks)] == []
+        assert any(f"localhost:{port}/-/healthz" in c for c in checks)
+        app = [c for c in checks if c.split()[-1].endswith("/health")]
+        assert app == [f"wget --tries 1 -T 2 -q -O /dev/null http://localhost:{port}/health"]
+        assert probe["failureThreshold"] == 1 and probe["timeoutSeconds"] >= 3 * 2
+    assert needs_engine("GET", "/health") and "/health" in OPEN_PATHS  # no API key needed
 
 
 def strict(schema: Any) -> Any:
@@ -270,3 +303,69 @@ def test_local_multinode_script_is_valid_bash_and_prints_usage():
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert usage.returncode == 2 and "ray start" not in usage.stderr
     assert "worker HEAD_IP" in usage.stdout
+
+
+# -- Serve's high-throughput mode, as the README's command runs it ------------------------------
+
+
+def serve_mode() -> dict[str, str]:
+    """The RAY_SERVE_* variables scripts/serve_mode.sh exports (sourced in a clean bash),
+    with the HAProxy wrapper's path relative to the repository."""
+    out = subprocess.run(["bash", "-c", "source scripts/serve_mode.sh && env -0"], cwd=ROOT,
+                         env={"PATH": os.environ["PATH"]}, capture_output=True, text=True, check=True).stdout
+    env = dict(item.split("=", 1) for item in out.split("\0") if item.startswith("RAY_SERVE_"))
+    env["RAY_SERVE_HAPROXY_BINARY_PATH"] = str(Path(env["RAY_SERVE_HAPROXY_BINARY_PATH"]).relative_to(ROOT))
+    return env
+
+
+def test_serve_sh_runs_the_mode_the_cluster_configs_run():
+    from serve_helpers import THROUGHPUT_MODE_ENV
+
+    mode = serve_mode()
+    assert THROUGHPUT_MODE_ENV.items() <= mode.items()
+    assert mode["RAY_SERVE_HAPROXY_BINARY_PATH"] == "scripts/haproxy_hardened.sh"
+    assert 'source "$(dirname "${BASH_SOURCE[0]}")/serve_mode.sh"' in (ROOT / "scripts/serve.sh").read_text()
+
+
+@pytest.mark.parametrize("name", RAYSERVICES)
+def test_rayservice_pods_run_serve_in_the_readmes_mode(name):
+    """Serve reads the mode's variables when Ray starts: every pod that runs Ray (head and
+    workers, whose proxies and replicas Serve starts there) has them in its Ray container,
+    the HAProxy wrapper at its path in the image (cluster_configs/Dockerfile's WORKDIR)."""
+    workdir = re.search(r"^WORKDIR (\S+)$", (CONFIGS / "Dockerfile").read_text(), re.M).group(1)
+    want = serve_mode()
+    want["RAY_SERVE_HAPROXY_BINARY_PATH"] = f"{workdir}/{want['RAY_SERVE_HAPROXY_BINARY_PATH']}"
+    cluster = manifest(name)["spec"]["rayClusterConfig"]
+    templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    for template in templates:
+        env = template["spec"]["containers"][0]["env"]
+        assert {e["name"]: e["value"] for e in env if e["name"].startswith("RAY_SERVE_")} == want
+
+
+def test_vm_cluster_starts_every_node_in_the_readmes_mode():
+    config = yaml.safe_load((CONFIGS / "ray-cluster-vms.yaml").read_text())
+    [(remote, local)] = config["file_mounts"].items()
+    assert local == "."  # this checkout, where scripts/serve_mode.sh is
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        starts = [c for c in config[key] if "ray start" in c]
+        assert starts and all(c.startswith(f"source {remote}/scripts/serve_mode.sh && ray start")
+                              for c in starts), starts
+
+
+def test_local_multinode_script_starts_nodes_in_the_readmes_mode():
+    script = (CONFIGS / "local_multinode.sh").read_text()
+    assert script.index("\nsource scripts/serve_mode.sh\n") < script.index("    ray start --")
+
+
+def test_app_metrics_are_scraped_through_the_serve_service_once():
+    """/metrics answers for every replica: one static target, the Serve Service of the
+    RayService (KubeRay names it <name>-serve-svc), never a per-pod monitor."""
+    doc = yaml.safe_load((CONFIGS / "prometheus-scrapeconfig.yaml").read_text())
+    assert doc["apiVersion"] == "monitoring.coreos.com/v1alpha1" and doc["kind"] == "ScrapeConfig"
+    spec = doc["spec"]
+    assert spec["metricsPath"] == "/metrics"
+    [static] = spec["staticConfigs"]
+    [target] = static["targets"]
+    service = manifest("rayservice-gpu.yaml")["metadata"]["name"] + "-serve-svc"
+    port = yaml.safe_load(manifest("rayservice-gpu.yaml")["spec"]["serveConfigV2"])["http_options"]["port"]
+    assert target.split(".")[0] == service and target.endswith(f":{port}")

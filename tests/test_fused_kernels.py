@@ -138,8 +138,9 @@ def test_qk_norm_then_rope(shape, dt):
 
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk_norm_rope"])
 def test_rope_head_blocks_give_the_same_values(qk_norm):
-    """Prefill-sized launches take blocks of 16 heads, decode-sized ones blocks of 4: the
-    same values, bit for bit (70 tokens at once against each token alone)."""
+    """Prefill-sized launches take blocks of 16 heads (4 with the per-head norm, whose sums
+    the block shape would reorder), decode-sized ones blocks of 4: the same values, bit for
+    bit (70 tokens at once against each token alone)."""
     from engine.kernels.fused import rope
 
     torch.manual_seed(4)

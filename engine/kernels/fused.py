@@ -236,8 +236,11 @@ def _rope(positions, q, k, v, cos_sin_cache, qk_norm, splits: int, stride_split:
     half = d // 2
     # Blocks of 4 heads while a few tokens would leave most multiprocessors idle (batch-1
     # decode on the H200: 4.39 ms a step, 4.48 with one program per token, in two calls);
-    # 16 for prefill
-    block_h = min(4 if t < 64 else 16, triton.next_power_of_2(hq + hkv))
+    # 16 for prefill. With the per-head RMSNorm, 4 always: its sum over a head's row is
+    # laid out by the tile's shape, and one shape for every launch keeps a token's q and k
+    # bit for bit the same in a prefill and a decode (prefix reuse is exact).
+    wide = t >= 64 and qk_norm is None
+    block_h = min(16 if wide else 4, triton.next_power_of_2(hq + hkv))
     q_weight, k_weight, eps = qk_norm or (q, k, 0.0)  # unread without the norm
     v_in, v_dst = (v, v_out) if splits else (k, k_out)  # unread without splits
     _rope_kernel[(t, triton.cdiv(hq + hkv, block_h))](

@@ -91,7 +91,7 @@ def start(config: EngineConfig) -> tuple[BaseProcess, Connection, Connection]:
     child_commands, commands = ctx.Pipe(duplex=False)
     out, child_out = ctx.Pipe(duplex=False)
     process = ctx.Process(target=run, name="radixserve-engine", daemon=True,
-                          args=(config, child_commands, child_out, os.getpid()))
+                          args=(config, child_commands, child_out, os.getpid(), process_age_s()))
     process.start()
     # Only the child holds these ends now: its death is EOF for the parent, and the
     # parent's is EOF for it.
@@ -123,11 +123,13 @@ def kill(process: BaseProcess) -> None:
         process.join(5)
 
 
-def run(config: EngineConfig, commands: Connection, out: Connection, parent_pid: int) -> None:
+def run(config: EngineConfig, commands: Connection, out: Connection, parent_pid: int,
+        parent_age_s: float = 0.0) -> None:
     """The child's entry point (multiprocessing "spawn")."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C of `serve run` reaches the parent
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-process %(levelname)s %(message)s")
-    logger.info("engine process up: imports took %.1fs", process_age_s())
+    logger.info("engine process up: imports took %.1fs; its parent was %.1fs old when it "
+                "started it", process_age_s(), parent_age_s)
     try:
         engine = Engine(config)
     except BaseException as e:  # noqa: BLE001 - the parent re-raises it
