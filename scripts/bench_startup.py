@@ -70,10 +70,9 @@ def launch(config: str, port: int, plain: bool) -> tuple[subprocess.Popen, Path]
     tmp = Path(tempfile.mkdtemp(prefix="bench_startup_"))
     (tmp / "config.yaml").write_text(yaml.safe_dump(doc))
     env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
-    if plain:
-        env["RADIXSERVE_PLAIN_SERVE"] = "1"
     log = open(tmp / "serve.log", "wb")
-    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "serve.sh"), str(tmp / "config.yaml")],
+    command = ["serve", "run"] if plain else ["bash", str(ROOT / "scripts" / "serve.sh")]
+    proc = subprocess.Popen([*command, str(tmp / "config.yaml")],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     return proc, tmp
