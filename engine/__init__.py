@@ -13,6 +13,7 @@ from engine.gc_freeze import freeze_after_start
 from engine.models import load_hf_config, resolve_device
 from engine.outputs import RequestOutput, StreamDelta, WireDelta, wire_dict, wire_of
 from engine.process_engine import EngineProcessError, ProcessAsyncEngine
+from engine.queue_deadlines import QueueTimeoutError
 from engine.request import validate_request
 from engine.sampling_params import SamplingParams
 from engine.step_report import StepReport
@@ -22,6 +23,7 @@ from engine.tp_worker import run_worker
 __all__ = [
     # running the engine
     "LLM", "AsyncEngine", "Engine", "EngineConfig", "EngineStepError", "QueueFullError",
+    "QueueTimeoutError",
     "ensure_demo_model",
     # the engine in a process of its own, for a server (deployments/engine_replica.py)
     "ProcessAsyncEngine", "EngineProcessError", "StepReport",
