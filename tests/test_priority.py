@@ -4,11 +4,15 @@ seeded sampling, sync and overlapped steps), no KV slot leaked; how priorities c
 `schedule_policy`; the settings' validation."""
 from __future__ import annotations
 
+import time
+
 import pytest
+import torch
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.admission import AdmissionOrder
 from engine.engine import Engine
+from engine.overlap import OverlapStepper
 from engine.request import Request
 from test_engine import assert_slots_accounted, random_prompts
 from test_overlap import overlapped
@@ -37,9 +41,9 @@ def run_recording_admissions(eng: Engine) -> list[str]:
     return order
 
 
-def reference(path: str, prompts, params) -> list[list[int]]:
-    """Each request alone in a roomy engine: never preempted."""
-    llm = LLM(model=path, dtype="float32", max_total_tokens=4096)
+def reference(path: str, prompts, params, device: str = "cpu") -> list[list[int]]:
+    """The requests in a roomy engine: never preempted."""
+    llm = LLM(model=path, dtype="float32", max_total_tokens=4096, device=device)
     return [o.token_ids for o in llm.generate(prompts, params)]
 
 
@@ -117,18 +121,27 @@ def test_off_mode_refuses_priorities(tiny_llama):
     eng.add_request("b", [5, 6], SamplingParams(max_tokens=2, priority=0))  # the default is fine
 
 
-def test_overlapped_steps_preempt_with_tokens_in_flight(tiny_llama):
-    """The overlap scheduler's loop (on CPU): running requests have a token in flight
-    when a high-priority arrival retracts them; outputs still equal an unpreempted run."""
-    eng = engine(tiny_llama, max_total_tokens=1024, max_running_requests=3)
-    overlapped(eng)
-    prompts = random_prompts(6, 6, 24, seed=23)
-    params = [SamplingParams(max_tokens=10, priority=4 if i < 3 else i - 5,
+def high_priority_arrivals(eng: Engine, seed: int, max_tokens: int
+                           ) -> tuple[list[Request], list[list[int]], list[SamplingParams]]:
+    """Three requests of priority 4 fill a batch of three; a few steps later three of
+    priorities -2, -1 and 0 arrive (greedy and seeded sampling alternate). Returns the
+    requests, prompts and params."""
+    prompts = random_prompts(6, 6, 24, seed=seed)
+    params = [SamplingParams(max_tokens=max_tokens, priority=4 if i < 3 else i - 5,
                              **(GREEDY if i % 2 else seeded(i))) for i in range(6)]
     reqs = [eng.add_request(f"low{i}", prompts[i], params[i]) for i in range(3)]
     for _ in range(3):
         eng.step()
     reqs += [eng.add_request(f"high{i}", prompts[i], params[i]) for i in range(3, 6)]
+    return reqs, prompts, params
+
+
+def test_overlapped_steps_preempt_with_tokens_in_flight(tiny_llama):
+    """The overlap scheduler's loop (on CPU): running requests have a token in flight
+    when a high-priority arrival retracts them; outputs still equal an unpreempted run."""
+    eng = engine(tiny_llama, max_total_tokens=1024, max_running_requests=3)
+    overlapped(eng)
+    reqs, prompts, params = high_priority_arrivals(eng, seed=23, max_tokens=10)
     order = run_recording_admissions(eng)
     assert order == ["high3", "high4", "high5", "low0", "low1", "low2"]
     assert eng.stats()["priority_preemptions"] == 3
@@ -180,3 +193,25 @@ def test_priority_must_be_an_integer(bad):
 def test_priority_scheduling_setting_is_checked():
     with pytest.raises(ValueError, match="priority_scheduling"):
         EngineConfig(priority_scheduling="lowest")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_overlap_scheduler_preempts_and_times_out(tiny_llama):
+    """On CUDA the engine steps with the overlap scheduler and CUDA graphs: high-priority
+    arrivals retract running requests with tokens in flight, whose outputs stay unchanged
+    (greedy and seeded), and a queued request past its deadline ends unrun."""
+    eng = engine(tiny_llama, device="cuda", max_total_tokens=2048, max_running_requests=3,
+                 cuda_graph_max_bs=8)
+    assert isinstance(eng.stepper, OverlapStepper)
+    reqs, prompts, params = high_priority_arrivals(eng, seed=26, max_tokens=24)
+    late = eng.add_request("late", [5, 6, 7], SamplingParams(max_tokens=4, priority=9,
+                                                             queue_timeout_s=0.05))
+    eng.step()
+    time.sleep(0.1)
+    order = run_recording_admissions(eng)
+    assert order == ["high3", "high4", "high5", "low0", "low1", "low2"]
+    assert late.finish_reason == "queue_timeout" and not late.admitted_once
+    stats = eng.stats()
+    assert stats["priority_preemptions"] == 3 and stats["queue_timeouts"] == 1
+    assert [r.output_ids for r in reqs] == reference(tiny_llama, prompts, params, "cuda")
