@@ -49,7 +49,7 @@ def engine_deployment(args: AppArgs, replica_class: type = EngineReplica):
     block_size = args.router.request_router_kwargs.get("block_size", 16)
     return serve.deployment(replica_class).options(**options).bind(
         args.model, args.engine, block_size, args.gil_switch_interval_ms,
-        args.engine_process)
+        args.use_engine_process)
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
@@ -77,7 +77,7 @@ def build_app_with(args: dict[str, Any] | None, replica_class: type = EngineRepl
         options = {**engine_options(app_args), "max_queued_requests": -1}
         return serve.deployment(EngineIngress).options(name="EngineIngress", **options).bind(
             app_args.model, app_args.engine, app_args.gil_switch_interval_ms,
-            app_args.engine_process, app_args.model_name(), **ingress_kwargs)
+            app_args.use_engine_process, app_args.model_name(), **ingress_kwargs)
     engine = engine_deployment(app_args, replica_class)
     ingress = serve.deployment(OpenAIIngress).options(
         name="OpenAIIngress", max_ongoing_requests=app_args.ingress_max_ongoing_requests,

@@ -3,7 +3,7 @@
 Split (the default): HTTP -> an ingress replica -> Serve's router and a gRPC call -> the
 engine replica, whose deltas come back on a delta channel. Colocated: HTTP -> the engine
 replica's own FastAPI app -> its engine, in the same process. Traced on one H200 (8B
-model, `scripts/serve.sh`'s mode; benchmarks/RESULTS.md, session 20), the router, the
+model, `scripts/serve.sh`'s mode; benchmarks/history.md), the router, the
 gRPC hop and the channel were ~3.2 ms of a request's ~8 ms outside the engine.
 
 What it gives up: prefix-aware routing between engine replicas (HTTP reaches a replica
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -73,8 +74,8 @@ class LocalEngineHandle:
 
     in_process = True
 
-    def __init__(self, replica: EngineReplica) -> None:
-        self.replica = replica
+    def __init__(self, replica: EngineReplica | None) -> None:
+        self.replica = replica  # None until built: the ingress only keeps the handle meanwhile
 
     def options(self, **_: Any) -> LocalEngineHandle:
         return self
@@ -95,10 +96,17 @@ class EngineIngress(OpenAIIngress):
     async def __init__(self, model: str | None, engine_kwargs: dict[str, Any],
                        gil_switch_interval_ms: float | None, engine_process: bool,
                        served_model_name: str, **ingress_kwargs: Any) -> None:
-        self.replica = EngineReplica(model, engine_kwargs, gil_switch_interval_ms=gil_switch_interval_ms,
-                                     engine_process=engine_process)
-        await super().__init__(LocalEngineHandle(self.replica), model, served_model_name,
-                               **ingress_kwargs)
+        # The engine builds on a thread while the ingress half (tokenizer, model config, chat
+        # features) loads on this replica's event loop: start-up takes the longer of the two,
+        # not their sum. Serve routes nothing here before both are done.
+        handle = LocalEngineHandle(None)
+        build = asyncio.get_running_loop().run_in_executor(None, functools.partial(
+            EngineReplica, model, engine_kwargs, gil_switch_interval_ms=gil_switch_interval_ms,
+            engine_process=engine_process))
+        try:
+            await super().__init__(handle, model, served_model_name, **ingress_kwargs)
+        finally:
+            self.replica = handle.replica = await build
 
     def check_health(self) -> None:
         self.replica.check_health()

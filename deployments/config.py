@@ -78,10 +78,12 @@ class AppArgs(BaseModel):
     # shares the GIL with the event loop that streams deltas; a thread that wants the GIL
     # waits up to this long for the holder to let go. None: Python's default (5 ms).
     gil_switch_interval_ms: float | None = None
-    # Run the engine's step loop in a child process of the replica (engine/process_engine.py):
+    # Run the engine's step loop in a child process of the replica (engine/runtime/process_engine.py):
     # its own GIL, so request intake and delta sends no longer slow the steps. One more
     # process per replica (it holds the model; the replica keeps a tokenizer); tp_size 1 only.
-    engine_process: bool = False
+    # "auto": on for replicas given a GPU at tp_size 1, where sharing the GIL with the
+    # Serve side slowed a steady stream's decode steps by half (docs/deploy.md); off on CPUs.
+    engine_process: bool | Literal["auto"] = "auto"
     # Serve health-checks each engine replica (`EngineReplica.check_health`: the engine loop
     # and, at tp_size > 1, every rank); after 3 failures in a row it restarts the replica.
     health_check_period_s: float = 10.0
@@ -143,7 +145,7 @@ class AppArgs(BaseModel):
 
     @model_validator(mode="after")
     def _engine_process_at_tp_1(self) -> AppArgs:
-        if self.engine_process and self.tp_size > 1:
+        if self.engine_process is True and self.tp_size > 1:
             raise ValueError("engine_process: true does not support engine.tp_size > 1 yet; "
                              "leave engine_process unset at tensor parallelism")
         return self
@@ -229,6 +231,13 @@ class AppArgs(BaseModel):
     @property
     def tp_size(self) -> int:
         return int(self.engine.get("tp_size", 1))
+
+    @property
+    def use_engine_process(self) -> bool:
+        """`engine_process` resolved: "auto" means a GPU replica at tp_size 1."""
+        if self.engine_process != "auto":
+            return bool(self.engine_process)
+        return self.tp_size == 1 and float(self.ray_actor_options.get("num_gpus") or 0) > 0
 
     def model_name(self) -> str:
         if self.served_model_name:

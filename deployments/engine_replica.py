@@ -21,7 +21,7 @@ from deployments.tp_workers import TPWorkers
 from engine import (
     AsyncEngine, Engine, EngineConfig, ProcessAsyncEngine, QueueFullError, QueueTimeoutError,
     SamplingParams, StepReport, StreamDelta, WireDelta, ensure_demo_model, freeze_after_start,
-    wire_dict, wire_of,
+    process_age_s, wire_dict, wire_of,
 )
 from router.cache_digest import CacheDigest
 
@@ -53,6 +53,7 @@ class EngineReplica:
     def __init__(self, model: str | None, engine_kwargs: dict[str, Any],
                  digest_block_size: int = 16, gil_switch_interval_ms: float | None = None,
                  engine_process: bool = False) -> None:
+        logger.info("engine replica starting, %.1fs after its process started", process_age_s())
         if gil_switch_interval_ms is not None:
             sys.setswitchinterval(gil_switch_interval_ms / 1e3)
         config = EngineConfig(model=resolve_model(model), enable_cache_events=True, **engine_kwargs)
@@ -71,11 +72,12 @@ class EngineReplica:
         self.engine.add_step_listener(self._after_step)
         # With the engine in this process its start-up froze the GC already; with it in a
         # child, this process forwards every delta and must not stop for full collections
-        # either (engine/gc_freeze.py).
+        # either (engine/runtime/gc_freeze.py).
         if self.engine_process:
             freeze_after_start(self)
         record_gc_pauses()  # this process's (the engine's too, unless a child's)
-        logger.info("engine replica ready: %s", config.model)
+        logger.info("engine replica ready: %s, %.1fs after its process started", config.model,
+                    process_age_s())
 
     def _start_engine(self, config: EngineConfig) -> AsyncEngine | ProcessAsyncEngine:
         """The engine, streaming token ids only: the ingress decodes text, off this process."""

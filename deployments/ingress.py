@@ -4,7 +4,6 @@ It validates and tokenizes (so the router can hash token prefixes), fans each re
 into one engine call per (prompt, choice), and streams or gathers the results.
 """
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -20,8 +19,8 @@ from deployments.channel import ChannelHub
 from deployments.chat_request import ChatFeatures
 from deployments.engine_replica import EngineCall, resolve_model
 from deployments.errors import APIError, as_api_error, install_error_handlers
-from deployments.keepalive import behind_haproxy, respond
 from deployments.prompt_encoder import PromptEncoder
+from deployments.readiness import install_readiness
 from deployments.sampling_defaults import model_sampling_defaults, with_defaults
 from deployments.request_body import DEFAULT_MAX_BODY_BYTES, read_json_body
 from deployments.metrics import install_http_metrics, record_gc_pauses
@@ -44,8 +43,9 @@ from engine import (
 
 api = FastAPI(title="radixserve", description="OpenAI-compatible API over radixserve engines")
 install_error_handlers(api)
-# Middleware added last runs first: metrics, then the key check, then admission.
+# Middleware added last runs first: metrics, the key check, readiness, then admission.
 admission = install_admission(api)  # fed by the delta channels (deployments/admission.py)
+readiness = install_readiness(api)  # Serve's running engine replicas (deployments/readiness.py)
 auth = install_auth(api)  # keys set by the ingress constructor
 install_http_metrics(api)
 
@@ -82,6 +82,10 @@ class OpenAIIngress:
         # (Read off the type: a DeploymentHandle answers any attribute, as a method handle.)
         in_process = getattr(type(engine_handle), "in_process", False)
         self.hub = None if in_process else ChannelHub(self.engine, loads=admission)
+        if in_process:  # its engine is built before Serve lets this replica take requests
+            readiness.answered = True
+        else:
+            readiness.follow(admission.replicas, self.control.load.remote)
         self.model_name = served_model_name
         self.tokenizer = Tokenizer(tokenizer or path)  # the engine's `tokenizer` setting wins
         hf_config = load_hf_config(path)
@@ -90,9 +94,6 @@ class OpenAIIngress:
         self.name_token = TokenNamer(self.tokenizer)
         self.encoder = PromptEncoder(self.tokenizer, self.max_context)
         self.max_body_bytes = max_body_bytes
-        # Behind HAProxy a client leaving a non-streamed request is noticed only on a write
-        # (deployments/keepalive.py).
-        self.keepalives = behind_haproxy()
         # Ray's PrefixCacheAffinityRouter reads prompt text; ours hashes token ids, and
         # decoding every prompt again for nothing costs the event loop ~1 ms per 2k tokens.
         self.router_reads_text = router_reads_text
@@ -108,10 +109,8 @@ class OpenAIIngress:
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
-        try:
-            await asyncio.wait_for(self.control.stats.remote(), timeout=10)
-        except Exception as e:  # noqa: BLE001
-            raise APIError.unavailable(f"engine not ready: {type(e).__name__}") from None
+        """200 once an engine replica can serve; until then the readiness middleware
+        answers 503 (deployments/readiness.py), as it does for /v1/models."""
         return JSONResponse({"status": "ok"})
 
     @api.get("/v1/models")
@@ -338,24 +337,18 @@ class OpenAIIngress:
 
     async def _answer(self, calls: list[EngineCall], choices: list[ChoiceState],
                       build: Callable[[], Any]) -> Any:
-        """A non-streamed answer: every choice gathered, then `build()`; behind HAProxy with
-        keep-alives (deployments/keepalive.py)."""
-        async def whole():
-            await self._gather(calls, choices)
-            return build()
-
-        return await respond(whole(), self.keepalives)
+        """A non-streamed answer: every choice gathered, then `build()`. Nothing is written
+        before it is whole, so an error at any point keeps its own status. A client that
+        leaves meanwhile is seen on the receive channel (HAProxy resets the replica's
+        connection, Serve's proxy forwards the disconnect), and Serve cancels this call."""
+        await self._gather(calls, choices)
+        return build()
 
     async def _stream(self, calls: list[EngineCall], choices: list[ChoiceState],
                       include_usage: bool, chat: bool, want_lp: bool, echo=None,
                       outputs=None) -> StreamingResponse:
-        stream = self._merged(calls)
-        first = await anext(stream, None)  # errors before any token get a real HTTP status
-        if first is not None and (err := error_of(first[0][1])) is not None:
-            await stream.aclose()
-            raise err
-        events = self._sse(_prepend(first, stream), stream, choices, include_usage, chat,
-                           want_lp, echo, outputs)
+        batches, stream = await self._open(calls)  # errors before any token: a real status
+        events = self._sse(batches, stream, choices, include_usage, chat, want_lp, echo, outputs)
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def _sse(self, batches, stream, choices, include_usage, chat, want_lp,

@@ -399,7 +399,7 @@ class RequestTimer:
     Inter-token latency is one sample per `itl_window_s` of a stream (the mean gap over the
     window), not one per delta: a Ray Histogram.observe costs tens of microseconds under
     the GIL the engine loop needs, and per delta it took 12% of a loaded replica's
-    samples (py-spy, W2 on the H200, 2026-12-01)."""
+    samples (py-spy, W2 on the H200)."""
 
     def __init__(self, metrics: MetricSet, clock: Callable[[], float], itl_window_s: float = 0.25) -> None:
         self._metrics = metrics
@@ -522,7 +522,7 @@ class GCPauseMetrics:
     `gc.callbacks` hook. (Generation 0 runs hundreds of times a second in well under a
     millisecond: not worth a metric call each.) A full collection stops every thread of the
     process, so its pause is a stall of the engine's steps or of the ingress's streams; the
-    replicas freeze the GC after start-up to keep them short (engine/gc_freeze.py). A
+    replicas freeze the GC after start-up to keep them short (engine/runtime/gc_freeze.py). A
     replica takes its process's one recorder from `record_gc_pauses()`; `close()` removes
     the hook."""
 

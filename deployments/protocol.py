@@ -111,8 +111,8 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, Any] | None = None  # token id -> bias in [-100, 100]
     min_tokens: int | None = None  # no EOS / stop_token_ids before this many tokens (vLLM's)
     include_stop_str_in_output: bool | None = None  # the text keeps the stop string it hit
-    # Scheduling (vLLM's `priority`: lower is served first; engine/admission.py), and the
-    # longest this request may wait for admission (engine/queue_deadlines.py): past it, a 408.
+    # Scheduling (vLLM's `priority`: lower is served first; engine/core/admission.py), and the
+    # longest this request may wait for admission (engine/core/queue_deadlines.py): past it, a 408.
     priority: int | None = None
     queue_timeout_s: float | None = None
     # Fields other servers take that radixserve does not honour: a 400 when set to anything

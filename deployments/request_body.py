@@ -3,7 +3,8 @@
 A body over the limit is refused (413) from its Content-Length before it is read, or as
 soon as the bytes read pass the limit. JSON may escape lone UTF-16 surrogates ("\\ud800"),
 which json.loads accepts but no tokenizer can encode: those bodies are 400s here, not 500s
-later.
+later. So are bodies nested deeper than Python's recursion limit (about a thousand "["),
+which json.loads refuses with a RecursionError.
 """
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ def parse_json(body: bytes) -> Any:
         value = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError.bad_request(f"Invalid JSON body: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError.bad_request("Invalid JSON body: nested too deeply",
+                                   code="invalid_json") from None
     if b"\\u" not in body and b"\xed" not in body:
         return value  # neither a \u escape nor a surrogate's UTF-8 lead byte: nothing to check
     try:  # a lone surrogate survives json.loads but not UTF-8 encoding

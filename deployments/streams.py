@@ -53,7 +53,7 @@ class ChoiceState:
         if delta.get("prompt_logprobs") is not None:
             self.prompt_logprobs = delta["prompt_logprobs"]
             self.prompt_top_logprobs = delta.get("prompt_top_logprobs")
-        # (a channel's middle deltas leave out what does not change: engine/outputs.py)
+        # (a channel's middle deltas leave out what does not change: engine/core/outputs.py)
         self.prompt_tokens = delta.get("prompt_tokens", self.prompt_tokens)
         self.cached_tokens = delta.get("cached_tokens", self.cached_tokens)
         self.completion_tokens = delta["completion_tokens"]

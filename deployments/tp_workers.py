@@ -5,7 +5,7 @@ Serve reserves one bundle per rank (`placement_options`): bundle 0 holds the rep
 (rank 0: scheduler, sampler and its slice of the model), bundles 1..tp-1 one worker actor
 each. The placement group strategy decides whether ranks may cross nodes (STRICT_PACK: one
 node; PACK or SPREAD: across nodes). Rank 0 opens the rendezvous on its node's IP and a free
-port; the actors join it and run `engine.tp_worker.run_worker` on a thread, so they still
+port; the actors join it and run `engine.runtime.tp_worker.run_worker` on a thread, so they still
 answer the replica's health pings.
 """
 from __future__ import annotations

@@ -4,21 +4,22 @@
 as `from engine import <name>` (tests/test_layering.py checks it). Everything else in the
 package is internal to the engine.
 """
-from engine.async_engine import AsyncEngine, EngineStepError
+from engine.runtime.async_engine import AsyncEngine, EngineStepError
 from engine.config import EngineConfig
-from engine.demo_model import ensure_demo_model
-from engine.distributed import init_tp, open_rendezvous
-from engine.engine import LLM, Engine, QueueFullError
-from engine.gc_freeze import freeze_after_start
+from engine.loading.demo_model import ensure_demo_model
+from engine.executor.distributed import init_tp, open_rendezvous
+from engine.runtime.engine import LLM, Engine, QueueFullError
+from engine.runtime.gc_freeze import freeze_after_start
 from engine.models import load_hf_config, resolve_device
-from engine.outputs import RequestOutput, StreamDelta, WireDelta, wire_dict, wire_of
-from engine.process_engine import EngineProcessError, ProcessAsyncEngine
-from engine.queue_deadlines import QueueTimeoutError
-from engine.request import validate_request
-from engine.sampling_params import SamplingParams
-from engine.step_report import StepReport
-from engine.tokenizer import ChatPrompt, IncrementalDetokenizer, Tokenizer
-from engine.tp_worker import run_worker
+from engine.core.outputs import RequestOutput, StreamDelta, WireDelta, wire_dict, wire_of
+from engine.runtime.process_engine import EngineProcessError, ProcessAsyncEngine
+from engine.core.queue_deadlines import QueueTimeoutError
+from engine.core.request import validate_request
+from engine.core.sampling_params import SamplingParams
+from engine.runtime.step_report import StepReport
+from engine.loading.tokenizer import ChatPrompt, IncrementalDetokenizer, Tokenizer
+from engine.runtime.tp_worker import run_worker
+from engine.executor.startup_timer import process_age_s
 
 __all__ = [
     # running the engine
@@ -37,4 +38,6 @@ __all__ = [
     "init_tp", "open_rendezvous", "resolve_device", "run_worker",
     # a server process's own start-up: full garbage collections skip what is alive by then
     "freeze_after_start",
+    # start-up logs: seconds since this process started (imports included)
+    "process_age_s",
 ]

@@ -33,14 +33,14 @@ class EngineConfig:
     max_prefill_tokens: int = 16384  # token budget of one step's prefill part
     max_queued_requests: int = 0  # 0 = unbounded; above it `add_request` raises QueueFullError
     enable_radix_cache: bool = True
-    schedule_policy: Literal["fcfs", "lpm"] = "fcfs"  # admission order: engine/admission.py
-    # Requests' `priority` (lower first; engine/admission.py): "preempt" admits by priority
+    schedule_policy: Literal["fcfs", "lpm"] = "fcfs"  # admission order: engine/core/admission.py
+    # Requests' `priority` (lower first; engine/core/admission.py): "preempt" admits by priority
     # and, when the batch is full, retracts running requests of a lower priority for a
     # waiting higher one; "order" only admits by priority; "off" refuses any priority but 0
     # (a server whose clients should not be able to jump the queue).
     priority_scheduling: Literal["preempt", "order", "off"] = "preempt"
     # The longest a request may wait for its first admission (seconds; None: no limit).
-    # Past it the request ends with QueueTimeoutError (engine/queue_deadlines.py).
+    # Past it the request ends with QueueTimeoutError (engine/core/queue_deadlines.py).
     max_queue_time_s: float | None = None
 
     # Memory
@@ -54,7 +54,7 @@ class EngineConfig:
     quantization: Literal["fp8"] | None = None
     # FP8 GEMMs above decode-sized batches (`torch._scaled_mm`): accumulate in the tensor
     # cores' own precision (True, as vLLM's and SGLang's CUTLASS FP8 kernels do on Hopper), or
-    # promote partial sums to float32 along K (False: slower; benchmarks/RESULTS.md, session 22).
+    # promote partial sums to float32 along K (False: 2-22% slower GEMMs).
     fp8_fast_accum: bool = True
     # "fp8_e4m3": the KV pool stores float8 (half of bf16's bytes, so twice the tokens).
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
@@ -73,28 +73,28 @@ class EngineConfig:
     enable_fused_kernels: bool = True
     cuda_graph_max_bs: int = 256
     # Prefill/extend steps of at most this many new tokens over at most _bs requests replay
-    # a CUDA graph (engine/extend_graphs.py): short prompts are launch-bound. 0 disables.
+    # a CUDA graph (engine/executor/extend_graphs.py): short prompts are launch-bound. 0 disables.
     # None = 16 requests, or 64 with speculative decoding (its verify steps are extends of
     # k + 1 tokens per decoding request, and drafts are only made for steps a graph covers).
     cuda_graph_max_extend_tokens: int = 1024
     cuda_graph_max_extend_bs: int | None = None
     enable_overlap_schedule: bool = True
     # Before the engine reports ready, run a few requests that compile every Triton kernel
-    # specialization serving can reach (engine/warmup.py; CUDA only).
+    # specialization serving can reach (engine/runtime/warmup.py; CUDA only).
     enable_warmup: bool = True
     # Graph capture first finds the Triton kernels it needs, then compiles them on a thread
-    # pool (engine/precompile.py): an empty Triton cache costs seconds of start-up, not tens.
+    # pool (engine/kernels/precompile.py): an empty Triton cache costs seconds of start-up, not tens.
     parallel_compile: bool = True
     # Then move every object alive into the garbage collector's permanent generation, so
-    # full collections skip the libraries and weights (engine/gc_freeze.py).
+    # full collections skip the libraries and weights (engine/runtime/gc_freeze.py).
     freeze_gc_after_start: bool = True
     # Decode attention reads a cached prefix shared by several running requests once for
-    # all of them (Triton backend; engine/prefix_groups.py), when it is at least this long.
+    # all of them (Triton backend; engine/core/prefix_groups.py), when it is at least this long.
     enable_prefix_grouped_decode: bool = True
     prefix_group_min_tokens: int = 256
 
     # Parallelism
-    tp_size: int = 1  # tensor-parallel ranks (rank 0 schedules and samples; see engine/distributed.py)
+    tp_size: int = 1  # tensor-parallel ranks (rank 0 schedules and samples; see engine/executor/distributed.py)
     dist_timeout_s: float = 300.0  # a collective or rank start-up taking longer fails (dead/hung rank)
     # MoE models at tp > 1: "tp" gives every rank a slice of each expert's width, "ep" gives
     # each rank whole experts (engine/layers/moe.py); either way one all-reduce per layer.

@@ -1,6 +1,6 @@
 """The replica's side of prefix routing: the block hashes its radix cache really holds.
 
-`CacheDigest` consumes the engine's radix-cache events (`engine.radix_cache.CacheEvent`,
+`CacheDigest` consumes the engine's radix-cache events (`engine.core.radix_cache.CacheEvent`,
 matched structurally by `CacheEventLike` so this module does not import the engine) and
 keeps the set of chained block hashes (see `router.hashing.block_hashes`) of every
 full block the cache holds. `encode()` turns it into compact bytes that the replica
@@ -43,7 +43,7 @@ DEFAULT_MAX_HASHES = 1 << 14
 
 
 class CacheEventLike(Protocol):
-    """Any object shaped like `engine.radix_cache.CacheEvent`."""
+    """Any object shaped like `engine.core.radix_cache.CacheEvent`."""
 
     @property
     def kind(self) -> str: ...  # "insert" | "evict"

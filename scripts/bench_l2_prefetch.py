@@ -32,8 +32,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from engine.layers import l2_prefetch  # noqa: E402
-from engine.layers.gemv import gemv  # noqa: E402
-from engine.layers.pdl import pdl_launch, pdl_prologue  # noqa: E402
+from engine.kernels.gemv import gemv  # noqa: E402
+from engine.kernels.pdl import pdl_launch, pdl_prologue  # noqa: E402
 from bench_layer_kernels import graph_us  # noqa: E402
 
 # Llama-3-8B's linears that sit after a stretch of small kernels (N, K)

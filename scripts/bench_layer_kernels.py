@@ -7,11 +7,11 @@ MoE (Qwen3-30B-A3B's expert shapes: 128 experts, top-8, hidden 2048, width 768, 
 batch size, the router (torch vs the Triton kernel), the per-pair path and the grouped
 path per tile config (each GEMM alone, and the whole layer: routing + experts), against the
 floor (bytes of the experts the batch touches, at the measured copy rate) and, at batch
-256, a dense GEMM of the same FLOPs (issue 18's goal). FP8 (Llama-3-8B's linear shapes):
+256, a dense GEMM of the same FLOPs (the MoE goal's yardstick). FP8 (Llama-3-8B's linear shapes):
 the weight-only kernel per tile config, `torch._scaled_mm` with the activations quantized by
 torch and by the Triton kernel, and the bf16 GEMM, against the float8 weight bytes. GEMV
 (`--gemv`: Llama-3-8B's and Qwen3-30B-A3B's attention and router linears, bf16, one row):
-cuBLAS against the Triton GEMV (engine/layers/gemv.py) per tile config, against the weight
+cuBLAS against the Triton GEMV (engine/kernels/gemv.py) per tile config, against the weight
 bytes; launched as the engine launches it (under PDL where available). FP8 accumulation
 (`--fp8-accum`, Llama-3-8B's linears at prefill-sized batches): `torch._scaled_mm` with
 float32 promotion of the partial sums and with the tensor cores' own accumulation
@@ -41,17 +41,17 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_offline import measure_ceilings  # noqa: E402
 
-from engine.layers import moe_pair_kernels  # noqa: E402
-from engine.layers.fused_kernels import silu_and_mul  # noqa: E402
-from engine.layers.gemv import gemv, gemv_glu, glu_config  # noqa: E402
+from engine.kernels.moe import pairs as moe_pair_kernels  # noqa: E402
+from engine.kernels.fused import silu_and_mul  # noqa: E402
+from engine.kernels.gemv import gemv, gemv_glu, glu_config  # noqa: E402
 from engine.layers.moe import experts_triton  # noqa: E402
-from engine.layers.moe_align_kernel import group_by_expert_kernel  # noqa: E402
-from engine.layers.moe_kernels import grouped_gemm  # noqa: E402
-from engine.layers.moe_kernels import tiles_for as moe_tiles_for  # noqa: E402
-from engine.layers.moe_pair_kernels import tiles_for  # noqa: E402
-from engine.layers.tiles import Tiles  # noqa: E402
-from engine.layers.moe_router_kernel import softmax_topk  # noqa: E402
-from engine.layers.moe_routing import group_by_expert  # noqa: E402
+from engine.kernels.moe.align import group_by_expert_kernel  # noqa: E402
+from engine.kernels.moe.grouped_gemm import grouped_gemm  # noqa: E402
+from engine.kernels.moe.grouped_gemm import tiles_for as moe_tiles_for  # noqa: E402
+from engine.kernels.moe.pairs import tiles_for  # noqa: E402
+from engine.kernels.tiles import Tiles  # noqa: E402
+from engine.kernels.moe.router import softmax_topk  # noqa: E402
+from engine.kernels.moe.routing import group_by_expert  # noqa: E402
 from engine.quantization import fp8, fp8_kernels  # noqa: E402
 
 E, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
@@ -157,7 +157,7 @@ def bench_moe(bw: float, batches: list[int], quick: bool) -> dict:
         moe_pair_kernels.MAX_PAIRS = 0
         row["layer_grouped_default_us"] = graph_us(lambda: experts_triton(x, *next(turn), weights, ids))
         moe_pair_kernels.MAX_PAIRS = saved
-        if t == 256:  # issue 18's goal: the same FLOPs as one dense GEMM pair
+        if t == 256:  # the MoE goal's yardstick: the same FLOPs as one dense GEMM pair
             a1 = torch.randn(t * TOP_K, HIDDEN, device="cuda").bfloat16()
             a2 = torch.randn(t * TOP_K, INTER, device="cuda").bfloat16()
             row["dense_same_flops_us"] = graph_us(lambda: (a1 @ w13[0].t(), a2 @ w2[0].t()))

@@ -9,7 +9,8 @@ Hugging Face transformers peer.
                                     [--ttft-sweep] [--cold-start] [--long-prefill] [--w4] [--decode-batch N]
                                     [--quantization fp8] [--kv-cache-dtype fp8_e4m3] [--engine KEY=VALUE]
 
-Issue 14's rows, each by its flag (when any is given, W1-W3 run only if --workloads names them):
+The latency and start-up rows, each by its flag (when any is given, W1-W3 run only if
+--workloads names them):
 - `--ttft-sweep`: warm time to first token at batch 1 for 1 ... 8,192 prompt tokens (median).
 - `--cold-start`: a fresh process with an empty TRITON_CACHE_DIR, with the start-up warm-up,
   the same with the graph capture's compiles serial, and without warm-up: engine start time
@@ -26,9 +27,9 @@ with `--kv-cache-dtype fp8_e4m3` the KV floors count the pool's float8 bytes.
 For an MoE model the floors count only the experts a step touches: at batch 1 the top-k of
 each layer (W3), at batch B the expected number of distinct experts under uniform routing
 (W1's decode steps, at their mean batch). W1's MoE decode row gives two floors: those weights
-alone, and with every context token's K/V read once per step (issue 18's floor counts
+alone, and with every context token's K/V read once per step (the MoE goal's floor counts
 attention). `--decode-batch N[,PROMPT,OUT]` times the decode steps that ran exactly N requests
-(issue 18's batch-256 goal) against that second floor.
+(the MoE batch-256 goal) against that second floor.
 
 W1 and W2 also report where their time goes: GPU time of decode steps vs steps with
 prefill chunks (CUDA events), and the rest (host work the GPU waited for).
@@ -51,9 +52,9 @@ import torch  # noqa: E402
 
 from engine import SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.demo_model import ensure_demo_model  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.kv_pool import KVPool  # noqa: E402
+from engine.loading.demo_model import ensure_demo_model  # noqa: E402
+from engine.runtime.engine import Engine  # noqa: E402
+from engine.attention.kv_pool import KVPool  # noqa: E402
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -77,7 +78,7 @@ QWEN3_30B_A3B = {
 LLAMA32_1B = dict(LLAMA3_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                   head_dim=64, tie_word_embeddings=True)
 MODELS = {"llama3-8b": LLAMA3_8B, "moe": QWEN3_30B_A3B, "llama3.2-1b": LLAMA32_1B}
-DEMO = "demo"  # the tiny demo model (engine/demo_model.py): real tiny weights, any device
+DEMO = "demo"  # the tiny demo model (engine/loading/demo_model.py): real tiny weights, any device
 H200_BF16_TFLOPS = 790.0  # dense bf16 peak the long-prefill floor is quoted against
 
 GPU = torch.cuda.is_available()
@@ -505,7 +506,7 @@ def decode_floor_s(engine: Engine, decode_ctx: list[tuple[int, int]], ceilings: 
 def moe_decode_floor(engine: Engine, res: dict, ceilings: dict) -> dict:
     """W1's mean decode step against the bytes it must read: at its mean batch, the weights
     of the experts touched + the rest; and per step, those + the K/V of every context token
-    (the floor as issue 18 defines it: experts touched + attention + embeddings)."""
+    (the MoE goal's floor: experts touched + attention + embeddings)."""
     decode = res["phases"]["decode"]
     batch = max(1, round(decode["mean_batch"]))
     floor_ms = 1e3 * decode_weight_bytes(engine.runner.model, batch) / (ceilings["copy_tb_s"] * 1e12)
@@ -516,7 +517,7 @@ def moe_decode_floor(engine: Engine, res: dict, ceilings: dict) -> dict:
 
 def bench_decode_batch(path: str, ceilings: dict, batch: int, prompt: int = 512,
                        out: int = 128) -> dict:
-    """The decode step at a fixed batch (issue 18's batch-256 goal): `batch` requests of
+    """The decode step at a fixed batch (the MoE batch-256 goal): `batch` requests of
     `prompt` random tokens and `out` output tokens, all at once; the decode steps that ran
     the whole batch, against their floor (weights touched + K/V read)."""
     engine = make_engine(path, max_running_requests=max(batch, 8), cuda_graph_max_bs=max(batch, 8))
@@ -539,7 +540,7 @@ W2_MODES = {"cache_on": (True, True), "plain_decode": (True, False), "cache_off"
 
 
 def bench_w2(path: str, modes: list[str], profile_steps: tuple[int, int] | None = None) -> dict:
-    """Radix cache on with grouped decode (engine/prefix_groups.py), on with the plain
+    """Radix cache on with grouped decode (engine/core/prefix_groups.py), on with the plain
     decode kernel, and off. KV bytes per decode step are counted by the grouper."""
     out = {}
     for key in modes:
@@ -608,7 +609,7 @@ def bench_w3(path: str, ceilings: dict, profile_steps: tuple[int, int] | None = 
 
 def unfused_forward_ms(engine: Engine) -> float:
     """The batch-1 decode graph re-captured with the torch RMSNorm / RoPE / SiLU-mul path."""
-    from engine.cuda_graph import DecodeGraphs
+    from engine.executor.cuda_graph import DecodeGraphs
     from engine.layers import set_fused_kernels
 
     runner = engine.runner
@@ -652,7 +653,7 @@ def bench_hf(path: str) -> dict:
     release_memory()
     return {"hf_step_ms": step_ms, "hf_output_tok_s": batch_tok_s}
 
-# -- issue 14: time to first token, cold start, long prefill, multi-turn (W4) ------------
+# -- time to first token, cold start, long prefill, multi-turn (W4) ----------------------
 
 TTFT_LENGTHS = (1, 32, 128, 512, 2048, 8192)
 LONG_MAX_POSITIONS = 16384  # the dummy's context for the TTFT, cold-start and long-prefill rows
@@ -702,8 +703,8 @@ def cold_start_child(model: str, lengths, warmup: bool, json_path: str, batch: t
     every shape's first-request TTFT and the first mixed batch, then the same warm, and how
     many Triton binaries serving added after the start. `launched_at`: the parent's
     time.time() when it started this process (so imports count in ready_s)."""
-    from engine import precompile
-    from engine.warmup import compiled_kernels
+    from engine.kernels import precompile
+    from engine.runtime.warmup import compiled_kernels
 
     imports_s = time.time() - launched_at  # interpreter start and this script's imports
     path = model_dir(model, None if model == DEMO else LONG_MAX_POSITIONS)
@@ -837,7 +838,7 @@ def main() -> None:
                     help="the dummy model's shape: Llama-3-8B, or Qwen3-30B-A3B (moe); "
                          "demo: the tiny demo model (CPU smoke runs)")
     ap.add_argument("--workloads", default=None,
-                    help="W1,W2,W3 (the default unless an issue-14 row is asked for)")
+                    help="W1,W2,W3 (the default unless a latency row is asked for)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--skip-check", action="store_true", help="skip the kernel check")
@@ -876,7 +877,7 @@ def main() -> None:
                     help="every request's (1.05: Qwen2.5-Instruct's generation_config, which the "
                          "app applies by default)")
     ap.add_argument("--quantization", choices=["fp8"], default=None,
-                    help="FP8 weights (issue 19): the same as --engine quantization=fp8")
+                    help="FP8 weights: the same as --engine quantization=fp8")
     ap.add_argument("--kv-cache-dtype", choices=["fp8_e4m3"], default=None,
                     help="an FP8 KV pool: the same as --engine kv_cache_dtype=fp8_e4m3")
     args = ap.parse_args()
@@ -894,8 +895,8 @@ def main() -> None:
         cold_start_child(args.model, lengths, not args.no_warmup, args.json, batch,
                          args.launched_at or time.time())
         return
-    issue14 = args.ttft_sweep or args.cold_start or args.long_prefill or args.w4
-    work = (args.workloads or ("" if issue14 or args.decode_batch else "W1,W2,W3")).split(",")
+    latency_rows = args.ttft_sweep or args.cold_start or args.long_prefill or args.w4
+    work = (args.workloads or ("" if latency_rows or args.decode_batch else "W1,W2,W3")).split(",")
     profile = tuple(int(x) for x in args.profile_w2.split(":")) if args.profile_w2 else None
     profile3 = tuple(int(x) for x in args.profile_w3.split(":")) if args.profile_w3 else None
     profile1 = tuple(int(x) for x in args.profile_w1.split(":")) if args.profile_w1 else None
@@ -906,8 +907,8 @@ def main() -> None:
     path = model_dir(args.model)
     ceilings = measure_ceilings()
     results: dict = {"ceilings": ceilings, "engine_overrides": dict(ENGINE_OVERRIDES)}
-    if issue14:
-        run_issue14(args, lengths, ceilings, results)
+    if latency_rows:
+        run_latency_rows(args, lengths, ceilings, results)
     for name, bench in (("W3", lambda: bench_w3(path, ceilings, profile3)),
                         ("W2", lambda: bench_w2(path, args.w2_modes.split(","), profile)),
                         ("W1", lambda: bench_w1(path, ceilings, args.w1_plain, MODELS[args.model],
@@ -932,7 +933,7 @@ def main() -> None:
     print_table(results)
 
 
-def run_issue14(args, lengths: list[int], ceilings: dict, results: dict) -> None:
+def run_latency_rows(args, lengths: list[int], ceilings: dict, results: dict) -> None:
     """The TTFT sweep, long prefill and W4 share one engine (the dummy with a 16k context);
     the cold start runs in its own processes first, before this one holds the GPU."""
     if args.cold_start:
@@ -1037,10 +1038,10 @@ def print_table(r: dict) -> None:
               f"{w['unfused_forward_ms'] / w['floor_ms']:>7.2f}")
         print(f"{'W3 host overhead ms (sync)':<34} {w['host_overhead_ms']:>10.2f}")
         print(f"{'W3 TTFT ms (512 tokens)':<34} {w['ttft_ms']:>10.1f}")
-    print_issue14(r)
+    print_latency_rows(r)
 
 
-def print_issue14(r: dict) -> None:
+def print_latency_rows(r: dict) -> None:
     if "engine_start" in r:
         e = r["engine_start"]
         print(f"\nengine start {e['total_s']:.1f} s: "

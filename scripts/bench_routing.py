@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_model(name: str) -> str:
-    from engine.demo_model import build_tiny_model, default_cache_root, ensure_demo_model
+    from engine.loading.demo_model import build_tiny_model, default_cache_root, ensure_demo_model
 
     if name == "demo":
         return ensure_demo_model()

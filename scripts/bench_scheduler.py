@@ -26,9 +26,9 @@ import torch  # noqa: E402
 
 from engine import SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.demo_model import ensure_demo_model  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.prompt_logprobs import PromptScores  # noqa: E402
+from engine.loading.demo_model import ensure_demo_model  # noqa: E402
+from engine.runtime.engine import Engine  # noqa: E402
+from engine.executor.prompt_logprobs import PromptScores  # noqa: E402
 
 
 def null_forward(runner, vocab: int, max_batch: int):

@@ -43,10 +43,10 @@ sys.path.insert(0, ROOT)
 
 from deployments.engine_replica import EngineReplica  # noqa: E402
 from engine import AsyncEngine, EngineConfig, SamplingParams  # noqa: E402
-from engine.demo_model import ensure_demo_model  # noqa: E402
-from engine.engine import TokenUpdate  # noqa: E402
-from engine.request import Request, Status  # noqa: E402
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
+from engine.loading.demo_model import ensure_demo_model  # noqa: E402
+from engine.runtime.engine import TokenUpdate  # noqa: E402
+from engine.core.request import Request, Status  # noqa: E402
+from engine.loading.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
 
 PORT = int(os.environ.get("RADIXSERVE_TEST_PORT", "8000"))  # the Serve proxy's port
 PROMPT = list(range(20, 52))

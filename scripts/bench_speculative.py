@@ -33,7 +33,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.demo_model import build_tiny_model  # noqa: E402
+from engine.loading.demo_model import build_tiny_model  # noqa: E402
 
 CODE = '''def mean(values):
     total = 0

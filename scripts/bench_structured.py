@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import torch  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.demo_model import ensure_demo_model  # noqa: E402
+from engine.loading.demo_model import ensure_demo_model  # noqa: E402
 
 ITEM = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 10},

@@ -30,7 +30,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from engine.attention.base import ForwardBatch  # noqa: E402
 from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from engine.kv_pool import KVPool  # noqa: E402
+from engine.attention.kv_pool import KVPool  # noqa: E402
 
 HQ, HKV, D, DT = 32, 8, 128, torch.bfloat16
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
@@ -38,7 +38,7 @@ KV_DT = DT  # the pool's dtype: --kv-dtype
 # (480, 800): a W1 decode step (about 480 running, contexts of about 800 tokens)
 DECODE_SHAPES = [(1, 768), (64, 1024), (256, 2048), (480, 800), (512, 2300)]
 EXTEND_SHAPES = [("8x512_p0", [(0, 512)] * 8), ("1x128_p2048", [(2048, 128)])]
-# Long prompts' chunks (issue 14's long prefill): --extend-shapes long
+# Long prompts' chunks (the long-prefill benchmark's): --extend-shapes long
 LONG_EXTEND_SHAPES = [("1x8192_p0", [(0, 8192)]), ("1x8192_p8192", [(8192, 8192)]),
                       ("2x8192_p0", [(0, 8192)] * 2), ("8x2048_p0", [(0, 2048)] * 8)]
 DECODE_CFGS = [dict(BLOCK_N=n, num_warps=w, num_stages=s)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Wheels for FlashInfer on the GPU machine (Python 3.12; it has torch, nvcc 13.0, ninja, numpy,
 # einops, click, tabulate, tqdm, requests, nvidia-ml-py, but not flashinfer or the packages
-# below), for the engine's FlashInfer prefill (engine/attention/flashinfer_prefill.py), its GPU
-# tests and scripts/bench_flash_extend.py. Run from the project root:  bash scripts/flashinfer_wheels.sh
+# below), for the engine's FlashInfer prefill (engine/attention/flashinfer_prefill.py) and its GPU
+# tests. Run from the project root:  bash scripts/flashinfer_wheels.sh
 # It fills .whl_fi/c1 and .whl_fi/c2 with at most 59 MB each (a device call carries 64 MiB with
 # the tree). Then chain two calls, the second within ~30 s of the first (the machine stays warm
 # that long):
@@ -11,8 +11,8 @@
 #     cp .whl_fi/c2/* /tmp/fi/ && cat /tmp/fi/flashinfer.part.* > /tmp/$(cat /tmp/fi/flashinfer.name) &&
 #     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/flashinfer_python-*.whl /tmp/fi/*.whl &&
 #     export PYTHONPATH=$PWD:/tmp/site FLASHINFER_WORKSPACE_BASE=/tmp/fiws FLASHINFER_CUDA_ARCH_LIST=9.0a && ...
-# FlashInfer compiles its kernel with nvcc at first use: 110 s on the H200 machine's 16 cores
-# (2026-12-04). To skip that in later sessions, bring the whole build back once
+# FlashInfer compiles its kernel with nvcc at first use: 110 s on the H200 machine's 16 cores.
+# To skip that on later machines, bring the whole build back once
 # (cd /tmp/fiws && tar czf $OUT/fi_jit_full.tgz .: 3.7 MB for the one module the engine uses)
 # and carry it beside c1 (.carry/fijit_full/; c1 + it + the tree ~65 MB, just under the limit;
 # unpack with tar xzf ... -C /tmp/fiws, then `find /tmp/fiws -type f -exec touch {} +` after
@@ -20,7 +20,7 @@
 # objects and ninja's log are part of it: FlashInfer runs ninja before every load, and a
 # library without them is rebuilt (the engine's "auto" then stays on Triton: kernel_is_built).
 # Not fetched: nccl-extensions (22 MB), which flashinfer-python lists but neither
-# `import flashinfer` nor the prefill needs (checked on the device, 2026-12-04).
+# `import flashinfer` nor the prefill needs (checked on the device).
 set -euo pipefail
 mkdir -p .git/info && (grep -qx '/.whl_fi/' .git/info/exclude 2>/dev/null || echo '/.whl_fi/' >> .git/info/exclude)
 rm -rf .whl_fi && mkdir -p .whl_fi/all

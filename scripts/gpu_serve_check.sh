@@ -18,8 +18,7 @@
 # "colo" runs fast's rows (same seeds, a fresh server) with `ingress: colocated` ("cproc": the
 # same with `engine_process: true` as well); "tput" under the first of
 # those alone (no HAProxy: none of its caveats, docs/deploy.md); "process" runs batch-1 and W2
-# with the engine's step loop in a child process of the replica (engine_process: true), and
-# with ASYNC_PATH=1 bench_async_path's offline / AsyncEngine / ProcessAsyncEngine rows; "hproc" runs
+# with the engine's step loop in a child process of the replica (engine_process: true); "hproc" runs
 # those two with the engine process under Ray's high-throughput mode ("fast"'s); "admission" measures the bound, request intake
 # and a 10 MB body with the stand-in engine. PATH_ARGS overrides the path bench's options; "ceiling"
 # runs the path bench's HTTP hop at 512 streams under default Serve and under the high-throughput
@@ -84,7 +83,7 @@ EOF
 }
 
 bench() {  # name, then bench_serving options (batch-1 and Poisson runs take seeds of their own:
-  # with the warm-up's seed their first prompts were the warm-up's, radix hits, 2026-12-04)
+  # with the warm-up's seed their first prompts would be the warm-up's, radix hits)
   local name=$1; shift
   python3 scripts/bench_serving.py --quiet --prompt-format tokens --token-id-low 100 \
     --token-id-high 120000 --json "$RES/http_$name.json" "$@" 2>&1 | tail -3
@@ -117,18 +116,18 @@ print(f"\n{'run':<16} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT mean':>9} {'ITL p
 for name in ("batch1", "batch1short", "w2", "poisson4", "poisson16", "poisson64", "gil_batch1", "gil_w2",
              "fast_batch1", "fast_batch1short", "fast_batch1mid", "fast_w2", "fast_poisson64",
              "colo_batch1", "colo_batch1short", "colo_batch1mid", "colo_w2", "colo_poisson64", "fast_w2_t1", "fast_w2_sampled", "tput_batch1",
-             "tput_batch1short", "tput_w2", "sw05_batch1", "sw05_w2", "proc_batch1", "proc_w2", "hproc_batch1", "hproc_w2", "cproc_batch1", "cproc_batch1short", "cproc_batch1mid", "cproc_w2", "cproc_poisson64"):
+             "tput_batch1short", "tput_w2", "sw05_batch1", "sw05_w2", "proc_batch1", "proc_w2", "hproc_batch1", "hproc_w2", "cproc_batch1", "cproc_batch1short", "cproc_batch1mid", "cproc_w2", "cproc_poisson64", "default_w2", "proc_w2", "custom_w2"):
     m = load(f"http_{name}.json")
     if m:
         m = m.get("metrics", m)
         print(f"{name:<16} {m['output_throughput']:>10.0f} {m['ttft_ms_p50']:>9.1f} {m['ttft_ms_mean']:>9.1f} "
               f"{m['itl_ms_p50']:>8.2f} {m['itl_ms_mean']:>8.2f} {m['tpot_ms_mean']:>7.2f} {m['completed']:>5} {m['failed']:>5}")
 off = load("offline.json")
-if off:
+if off and "W2" in off:
     w2, w3 = off.get("W2", {}), off.get("W3", {})
     print(f"offline W2 cache_on: {w2.get('cache_on_output_tok_s', 0):.0f} tok/s; "
           f"W3: TTFT {w3.get('ttft_ms', 0):.1f} ms, step {w3.get('step_ms', 0):.2f} ms")
-for name in ("path.txt", "ceiling.txt", "admission.txt", "intake.txt", "async_path.txt"):
+for name in ("online.txt", "online_table.txt", "path.txt", "ceiling.txt", "admission.txt", "intake.txt"):
     path = os.path.join(out, name)
     if os.path.exists(path):
         print(f"\n{name}:\n" + open(path).read().rstrip())
@@ -140,6 +139,62 @@ checkpoint() {  # after each part, so a run cut short still brings back what it 
   cp "$RES/summary.txt" "$OUT/summary.txt"
   tar -czf "$OUT/results.tgz" -C "$RES" . 2>/dev/null  # one file: $OUT brings back eight at most
 }
+
+online_http() {  # name, extra app args: O1 through HTTP in the README's mode (scripts/serve.sh's
+  # variables), one rate at a time, with py-spy of the engine replica and an ingress at the top rate
+  local name=$1 top=${ONLINE_RATES##*,}
+  SECONDS=0
+  if RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 SERVE_EXTRA="$2" serve_up; then
+    local models_at=$SECONDS body='{"model": "llama3-8b-dummy", "prompt": "w1 w2", "max_tokens": 1}'
+    until curl -sf -o /dev/null http://127.0.0.1:8000/v1/completions -H 'content-type: application/json' -d "$body"; do
+      sleep 0.2; [ $SECONDS -lt 300 ] || break
+    done
+    echo "$name: /v1/models answered ${models_at}s after launch, the first completion ${SECONDS}s" >> "$RES/online.txt"
+    for rate in ${ONLINE_RATES//,/ }; do
+      if [ "$rate" = "$top" ]; then
+        for who in EngineReplica OpenAIIngress; do
+          pid=$(pgrep -f "ServeReplica:radixserve:$who" | head -1)
+          (sleep 8; py-spy record -d 6 -r 200 --subprocesses --nonblocking -f raw \
+             -o "$RES/pyspy_${name}_$who.txt" --pid "$pid" > /dev/null 2>&1) &
+        done
+      fi
+      python3 scripts/bench_online.py http --rates "$rate" --mixes "$ONLINE_MIXES" \
+        --duration "$ONLINE_SECONDS" --json "$RES/online_${name}_$rate.json" 2>&1 | grep -v "^[-m]"
+    done
+    [[ $PARTS != *w2* ]] || bench "${name}_w2" --dataset shared-prefix --num-groups 32 --prompts-per-group 16 \
+      --system-len 2048 --question-len 128 --output-len 256
+    sleep 2
+    for who in EngineReplica OpenAIIngress; do
+      echo "== py-spy $name $who"; python3 scripts/pyspy_top.py "$RES/pyspy_${name}_$who.txt" 12 2>&1 | cut -c1-180
+    done
+    python3 - "$RES" "$name" <<'PY'
+import glob, json, sys
+res, name = sys.argv[1], sys.argv[2]
+rows = [r for f in sorted(glob.glob(f"{res}/online_{name}_*.json")) for r in json.load(open(f))["rows"]]
+json.dump({"target": name, "rows": rows}, open(f"{res}/{name}.json", "w"))
+PY
+  fi
+  serve shutdown -y > /dev/null 2>&1; ray stop --force > /dev/null 2>&1; pkill -f haproxy > /dev/null 2>&1
+}
+
+# "online": O1 (BENCHMARKS.md), the offline engine and then HTTP with the same arrivals;
+# ONLINE_MODES lists app-arg variants to serve ("default" = the app as configured)
+ONLINE_RATES=${ONLINE_RATES:-16,32} ONLINE_MIXES=${ONLINE_MIXES:-fixed} ONLINE_SECONDS=${ONLINE_SECONDS:-20}
+if [[ $PARTS == *online* ]]; then
+  python3 scripts/bench_online.py offline --rates "$ONLINE_RATES" --mixes "$ONLINE_MIXES" \
+    --duration "$ONLINE_SECONDS" --reference --json "$RES/online_offline.json" ${ONLINE_ENGINE:+--engine $ONLINE_ENGINE} 2>&1 | grep -v "^[-m]"
+  names=""
+  for mode in ${ONLINE_MODES:-default}; do
+    case $mode in
+      default) extra="" ;;
+      proc) extra="engine_process: true" ;;
+      *) extra=$mode; mode=custom ;;
+    esac
+    online_http "$mode" "$extra"; names="$names $RES/$mode.json"
+  done
+  python3 scripts/bench_online.py report "$RES/online_offline.json" $names | tee "$RES/online_table.txt"
+fi
+checkpoint
 
 if [[ $PARTS == *profile* ]]; then
   SECONDS=0
@@ -255,11 +310,6 @@ if [[ $PARTS == *hproc* ]]; then  # "process" under Ray's high-throughput mode (
 fi
 if [[ $PARTS == *process* ]]; then  # the engine's step loop in a child process of the replica
   variant proc "engine_process: true"
-  if [ "${ASYNC_PATH:-0}" = 1 ]; then  # (up to 300 s more)
-    # Without Ray: W2 offline, through AsyncEngine (thread) and ProcessAsyncEngine (child process).
-    timeout 300 python3 scripts/bench_async_path.py --switch-ms 5 --process 2>&1 | tee "$RES/async_path.log" \
-      | grep -E "^(path|offline|AsyncEngine|ProcessAsyncEngine|parent GPU|[0-9]+ requests)" > "$RES/async_path.txt"
-  fi
 fi
 checkpoint
 

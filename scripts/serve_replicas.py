@@ -1,6 +1,6 @@
 """Look inside one Serve deployment's replicas, one by one (tests, benchmarks, debugging).
 
-Tooling, not part of the shipped package (it was router/replicas.py): tests import it as
+Tooling, not part of the shipped package: tests import it as
 `scripts.serve_replicas`, scripts as `serve_replicas`. Its hand-built Serve request uses
 a Ray internal (RequestMetadata); tests/test_ray_adapter.py checks it with the adapter's.
 

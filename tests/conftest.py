@@ -10,9 +10,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `engine` importable from any cwd
 
-from engine.demo_model import ARCHS, build_tiny_model  # noqa: E402
+from engine.loading.demo_model import ARCHS, build_tiny_model  # noqa: E402
 
-# engines start without freezing the GC (engine/gc_freeze.py; tests/test_gc_freeze.py turns
+# engines start without freezing the GC (engine/runtime/gc_freeze.py; tests/test_gc_freeze.py turns
 # it on): its collection at every start would add minutes to a suite of hundreds of engines
 os.environ.setdefault("RADIXSERVE_GC_FREEZE", "0")
 

@@ -217,19 +217,21 @@ def stats() -> dict:
     return httpx.get(f"{BASE}/v1/stats", timeout=30).json()
 
 
-def leave_a_non_streamed_request(base: str, model: str, n: int, max_tokens: int) -> None:
+def leave_a_non_streamed_request(base: str, model: str, n: int, max_tokens: int,
+                                 headers: dict | None = None) -> None:
     """Send a non-streamed completion of `n` choices x `max_tokens` (seconds of work on a test
     box), leave it after 0.3 s, and check that the engine aborts all `n` and frees their KV."""
     import pytest
 
     def read_stats() -> dict:
-        return httpx.get(f"{base}/v1/stats", timeout=30).json()
+        return httpx.get(f"{base}/v1/stats", timeout=30, headers=headers).json()
 
     before = read_stats()["aborted_requests"]
     body = {"model": model, "prompt": "Never ending either", "max_tokens": max_tokens, "n": n,
             "ignore_eos": True, "temperature": 1.0}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{base}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+        httpx.post(f"{base}/v1/completions", json=body, headers=headers,
+                   timeout=httpx.Timeout(30, read=0.3))
     after = wait_until(lambda: (s := read_stats())["aborted_requests"] >= before + n
                        and s["running"] == 0 and s, timeout=30)
     if not after:

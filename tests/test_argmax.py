@@ -1,4 +1,4 @@
-"""`argmax_rows` (engine/layers/argmax.py): the two-launch argmax of a few rows of logits
+"""`argmax_rows` (engine/kernels/argmax.py): the two-launch argmax of a few rows of logits
 gives exactly torch.argmax's index, ties to the lowest index included.
 
 The `gpu` tests also run on the CPU under TRITON_INTERPRET=1 (the last test here), and the
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers.argmax import BLOCK, argmax_rows
+from engine.kernels.argmax import BLOCK, argmax_rows
 from test_triton_attention import DEVICE
 
 
@@ -73,7 +73,7 @@ def test_compiles_for_hopper():
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
     from triton_on_cpu import compile_for_sm90
 
-    from engine.layers.argmax import _block_argmax_kernel, _row_argmax_kernel
+    from engine.kernels.argmax import _block_argmax_kernel, _row_argmax_kernel
 
     compile_for_sm90(_block_argmax_kernel, dict(X="*fp32", BestValue="*fp32", BestIndex="*i32", V="i32"),
                      dict(BLOCK=BLOCK))

@@ -193,7 +193,7 @@ def test_a_slow_consumer_gets_merged_deltas(engine, tiny_llama):
 
 
 def test_a_failed_step_ends_its_requests_and_the_engine_lives_on(tiny_llama):
-    from engine.async_engine import EngineStepError
+    from engine.runtime.async_engine import EngineStepError
 
     eng = AsyncEngine(EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=512))
     runner = eng.engine.runner
@@ -259,7 +259,7 @@ def test_wire_deltas_equal_stream_deltas(engine):
 def test_a_step_failing_before_admission_ends_the_waiting_requests(tiny_llama):
     """A failure that recurs on every step before any request runs (here: every step
     raises) ends the waiting requests with EngineStepError instead of spinning forever."""
-    from engine.async_engine import EngineStepError
+    from engine.runtime.async_engine import EngineStepError
 
     eng = AsyncEngine(EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=256))
 
@@ -283,9 +283,9 @@ def test_a_step_failing_before_admission_ends_the_waiting_requests(tiny_llama):
 
 def test_engine_is_built_on_the_thread_that_steps_it(tiny_llama):
     """A CPU model's OpenMP regions run fastest from the one thread that loaded it
-    (engine/async_engine.py; scripts/bench_engine_thread.py): AsyncEngine builds its engine
+    (engine/runtime/async_engine.py): AsyncEngine builds its engine
     on its step thread, and that thread runs every step."""
-    from engine.engine import Engine
+    from engine.runtime.engine import Engine
 
     config = EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=512)
     threads = {}

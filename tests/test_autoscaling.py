@@ -309,7 +309,7 @@ def test_scale_out_and_in_under_streaming_load(base):
         rise = time.monotonic()
         load.set_clients(HIGH)
         # Two replicas start while the first one keeps 2 cores busy: 97 s on an AVX2-only
-        # EPYC box (2026-12-03), under 90 on earlier ones.
+        # EPYC box, under 90 on faster ones.
         assert wait_until(lambda: len(running()) == 3, timeout=180, interval=0.5), replica_states()
         scaled_out = time.monotonic()
         new = running() - {first}

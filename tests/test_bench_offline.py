@@ -1,4 +1,4 @@
-"""scripts/bench_offline.py's issue-14 rows (TTFT sweep, cold start, long prefill, W4) on the
+"""scripts/bench_offline.py's latency rows (TTFT sweep, cold start, long prefill, W4) on the
 tiny demo model, so they keep running between GPU sessions: one run of the script with every
 row at toy sizes, then the JSON it wrote and the table it printed."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
-def test_issue14_rows_on_demo_model(tmp_path):
+def test_latency_rows_on_demo_model(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_offline.py"), "--model", "demo",
            "--ttft-sweep", "--ttft-lengths", "1,16", "--ttft-reps", "1",
@@ -56,7 +56,7 @@ def test_issue14_rows_on_demo_model(tmp_path):
 
 
 def test_fp8_flags_reach_the_engine(tmp_path):
-    """--quantization / --kv-cache-dtype (issue 19's rows) build FP8 engines: the TTFT sweep
+    """--quantization / --kv-cache-dtype (the FP8 rows) build FP8 engines: the TTFT sweep
     runs on the demo model with both, and the JSON records what the engines were given."""
     out = tmp_path / "bench.json"
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_offline.py"), "--model", "demo",
@@ -71,7 +71,7 @@ def test_fp8_flags_reach_the_engine(tmp_path):
 
 
 def test_decode_step_at_a_fixed_batch(tmp_path):
-    """--decode-batch (issue 18's batch-256 row): only steps that ran the whole batch count,
+    """--decode-batch (the MoE batch-256 row): only steps that ran the whole batch count,
     against a floor of weights + K/V that grows with the context."""
     out = tmp_path / "bench.json"
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_offline.py"), "--model", "demo",

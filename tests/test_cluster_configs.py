@@ -85,20 +85,20 @@ def test_rayservice_has_the_fields_kuberay_requires(name):
     head = cluster["headGroupSpec"]
     assert isinstance(head["rayStartParams"], dict)
     assert head["rayStartParams"].get("num-gpus") == "0"
-    check_pod_template(head["template"], gpus=0)
+    check_pod_template(head["template"], gpus=0, worker=False)
     assert cluster["workerGroupSpecs"]
     for group in cluster["workerGroupSpecs"]:
         assert group["groupName"] and isinstance(group["rayStartParams"], dict)
         replicas = group.get("replicas", group["minReplicas"])
         assert 0 <= group["minReplicas"] <= replicas <= group["maxReplicas"]
         tp = yaml.safe_load(spec["serveConfigV2"])["applications"][0]["args"]["engine"].get("tp_size", 1)
-        check_pod_template(group["template"], gpus=tp)  # a replica's ranks share one pod
+        check_pod_template(group["template"], gpus=tp, worker=True)  # a replica's ranks share one pod
     # rayStartParams values are strings in the CRD (map[string]string).
     for params in [head["rayStartParams"]] + [g["rayStartParams"] for g in cluster["workerGroupSpecs"]]:
         assert all(isinstance(v, str) for v in params.values()), params
 
 
-def check_pod_template(template: dict[str, Any], gpus: int) -> None:
+def check_pod_template(template: dict[str, Any], gpus: int, worker: bool) -> None:
     containers = template["spec"]["containers"]
     assert containers
     ray = containers[0]  # KubeRay runs Ray in the first container
@@ -106,9 +106,40 @@ def check_pod_template(template: dict[str, Any], gpus: int) -> None:
     limits, requests = ray["resources"]["limits"], ray["resources"]["requests"]
     assert limits.get("nvidia.com/gpu", 0) == gpus and requests.get("nvidia.com/gpu", 0) == gpus
     assert limits["cpu"] and limits["memory"]
-    # KubeRay injects its own probes only where the container has none; its Serve readiness
-    # probe on workers (failureThreshold 1) takes a pod out of the Service at once.
-    assert "readinessProbe" not in ray and "livenessProbe" not in ray
+    # KubeRay injects a probe only where the container has none of that kind: liveness (the
+    # raylet) stays KubeRay's everywhere, so a starting engine never gets a pod restarted;
+    # the head's readiness is KubeRay's too (it does not take Serve traffic through it).
+    assert "livenessProbe" not in ray
+    if not worker:
+        assert "readinessProbe" not in ray
+
+
+# KubeRay's own readiness checks of a RayService worker (ray-operator's BaseWgetHealthCommand
+# on the dashboard agent's raylet health and the Serve proxy's /-/healthz), which a probe of
+# ours replaces and so must repeat.
+KUBERAY_WORKER_CHECKS = ("http://localhost:52365/api/local_raylet_healthz | grep success",
+                         "/-/healthz | grep success")
+
+
+@pytest.mark.parametrize("name", RAYSERVICES)
+def test_worker_readiness_probe_is_kuberays_plus_the_apps_health(name):
+    """A worker pod is ready when KubeRay's checks pass and the app's /health (the endpoint
+    that agrees with /v1/models: 503 while no engine replica can serve) answers 200 on the
+    Serve port; one failure takes it out of the Service, as KubeRay's own probe does."""
+    from deployments.auth import OPEN_PATHS
+    from deployments.readiness import needs_engine
+
+    port = serve_config(name)["http_options"]["port"]
+    for group in manifest(name)["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        probe = group["template"]["spec"]["containers"][0]["readinessProbe"]
+        assert probe["exec"]["command"][:2] == ["bash", "-c"]
+        checks = [c.strip() for c in probe["exec"]["command"][2].split("&&")]
+        assert [k for k in KUBERAY_WORKER_CHECKS if not any(k in c for c in checks)] == []
+        assert any(f"localhost:{port}/-/healthz" in c for c in checks)
+        app = [c for c in checks if c.split()[-1].endswith("/health")]
+        assert app == [f"wget --tries 1 -T 2 -q -O /dev/null http://localhost:{port}/health"]
+        assert probe["failureThreshold"] == 1 and probe["timeoutSeconds"] >= 3 * 2
+    assert needs_engine("GET", "/health") and "/health" in OPEN_PATHS  # no API key needed
 
 
 def strict(schema: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Cold start (issue 14): after the engine starts (graph capture + engine/warmup.py), serving
+"""Cold start: after the engine starts (graph capture + engine/runtime/warmup.py), serving
 compiles no Triton kernel, and a fresh replica's first request of each prompt shape takes
 at most twice the warm time to its first token.
 
@@ -25,8 +25,8 @@ import torch
 
 from engine import SamplingParams
 from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.warmup import compiled_kernels, warm_up, warmup_waves
+from engine.runtime.engine import Engine
+from engine.runtime.warmup import compiled_kernels, warm_up, warmup_waves
 
 # Prompt lengths around every boundary the kernels' launch configs and the graphs care
 # about: 1 token, odd/even token counts (the flat upload's field offsets), BLOCK_M (64),
@@ -74,7 +74,7 @@ def test_no_compile_after_start_and_first_ttft_within_2x(tmp_path, monkeypatch, 
 
     import triton
 
-    from engine.demo_model import ensure_demo_model
+    from engine.loading.demo_model import ensure_demo_model
 
     gc.collect()  # the other parametrization's engine must give its GPU memory back first
     torch.cuda.empty_cache()
@@ -149,10 +149,10 @@ def test_no_compile_after_start_and_first_ttft_within_2x(tmp_path, monkeypatch, 
         for bs in (20, 64):
             _run_all(engine, [(system + prompt(rng.randint(5, 200)), g(12)) for _ in range(bs)],
                      f"grouped{bs}")
-        # the sampler's cut (engine/layers/sampling_cut.py): rows past this engine's 64
+        # the sampler's cut (engine/kernels/sampling_cut.py): rows past this engine's 64
         # running requests, as a larger engine would sample, and few rows
-        from engine.layers.sampling_cut import MANY_ROWS
-        from engine.request import Request
+        from engine.kernels.sampling_cut import MANY_ROWS
+        from engine.core.request import Request
 
         for rows, kw in ((MANY_ROWS + 5, dict(top_p=0.9)), (MANY_ROWS + 16, dict(top_k=40)),
                          (MANY_ROWS * 2, dict(top_p=0.9, top_k=40)), (1, dict(min_p=0.1)),

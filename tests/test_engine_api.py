@@ -1,4 +1,4 @@
-"""The engine's public seams for the serving layer (issue 22): cache flush and events,
+"""The engine's public seams for the serving layer: cache flush and events,
 grammar compile times, request validation, and the one chat rendering."""
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ def test_a_flashinfer_that_cannot_build_leaves_auto_on_triton(tiny_llama, monkey
     monkeypatch.setattr(flashinfer_prefill, "kernel_is_built", lambda dtype, head_dim: True)
     kw = dict(model=tiny_llama, dtype="float32", device="cpu", attention_backend="triton",
               max_total_tokens=256)
-    with caplog.at_level("WARNING", logger="engine.model_runner"):
+    with caplog.at_level("WARNING", logger="engine.executor.model_runner"):
         llm = LLM(**kw)
     assert llm.engine.runner.attn_backend.flashinfer is None
     assert "could not be built (ModuleNotFoundError" in caplog.text
@@ -85,7 +85,7 @@ def test_auto_takes_flashinfer_only_when_its_kernel_is_built(tiny_llama, monkeyp
     asked = []
     monkeypatch.setattr(flashinfer_prefill, "kernel_is_built",
                         lambda dtype, head_dim: asked.append((dtype, head_dim)) or False)
-    with caplog.at_level("INFO", logger="engine.model_runner"):
+    with caplog.at_level("INFO", logger="engine.executor.model_runner"):
         llm = LLM(model=tiny_llama, dtype="float32", device="cpu", attention_backend="triton",
                   max_total_tokens=256)
     assert llm.engine.runner.attn_backend.flashinfer is None
@@ -194,7 +194,7 @@ def test_engine_with_flashinfer_is_as_close_to_float32_as_triton(tiny_model_fact
     copies must not wait for the GPU)."""
     from engine_steps import never_syncing
 
-    from engine.overlap import OverlapStepper
+    from engine.runtime.overlap import OverlapStepper
 
     # init_std 0.1: bf16 against float32 moves a prompt logprob by ~0.08 on average (on the
     # CPU, 600-token prompts); at the default 0.3 the model is chaotic (~0.8-1.0)

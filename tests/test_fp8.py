@@ -1,4 +1,4 @@
-"""FP8 on CPU (issue 19): pre-quantized checkpoints, on-the-fly quantization, the FP8 KV cache.
+"""FP8 on CPU: pre-quantized checkpoints, on-the-fly quantization, the FP8 KV cache.
 
 The FP8 GEMM runs through torch._scaled_mm, which PyTorch's CPU build implements, so these
 tests exercise the same code path as the GPU. Tolerances:
@@ -8,10 +8,10 @@ tests exercise the same code path as the GPU. Tolerances:
 - FP8 vs full precision: e4m3 keeps 3 mantissa bits, so one rounding has a relative RMS error
   of ~2.5%; a GEMM rounding both operands ~3.5% (`test_fp8_gemm_error_is_fp8_rounding` checks
   < 5%). The tiny random demo model (init std 0.3) amplifies perturbations through its
-  layers: we measured 9-14% relative L2 logit error on 2026-12-01, and allow 20%;
+  layers: we measured 9-14% relative L2 logit error, and allow 20%;
 - FP8 KV cache: only K and V are rounded (one rounding each, ~2.5%), but the same random
   model amplifies it: we measured 12.5% relative L2 logit error and 82% top-1 agreement
-  (teacher-forced prefill + 4 decode steps, 2026-12-01) and allow 20% / 70%.
+  (teacher-forced prefill + 4 decode steps) and allow 20% / 70%.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from test_models import MiniRunner, random_sequences
 from triton_on_cpu import compile_for_sm90, run_under_interpreter
 
-from engine.kv_pool import KVPool
+from engine.attention.kv_pool import KVPool
 from engine.layers.linear import LinearBase
 from engine.models import load_model
 from engine.quantization.fp8 import FP8, dequantize, fp8_linear, quantize_rows
@@ -146,8 +146,8 @@ def test_fp8_checkpoint_loads_exactly_and_matches_dequantized_greedy(checkpoints
 
 
 def test_on_the_fly_fp8_stays_close_and_generates(tiny_llama):
-    from engine.engine import LLM
-    from engine.sampling_params import SamplingParams
+    from engine.runtime.engine import LLM
+    from engine.core.sampling_params import SamplingParams
 
     model = load_model(tiny_llama, dtype="float32", device="cpu", quantization="fp8")
     ref = load_model(tiny_llama, dtype="float32", device="cpu")
@@ -258,7 +258,7 @@ def test_fp8_kv_pool_holds_more_tokens_per_byte():
 
 def test_runner_builds_fp8_kv_pool(tiny_llama):
     from engine.config import EngineConfig
-    from engine.model_runner import ModelRunner
+    from engine.executor.model_runner import ModelRunner
 
     runner = ModelRunner(EngineConfig(model=tiny_llama, device="cpu", kv_cache_dtype="fp8_e4m3",
                                       max_total_tokens=64))
@@ -273,8 +273,8 @@ def test_block_scaled_weights_take_the_weight_only_kernel_when_it_can_step_their
     """Which FP8 weights decode through the weight-only GEMV (GPU, <= 16 rows): per-channel
     scales, and block scales whose K-width is a power of two of at least 16 (checkpoints'
     128); other widths dequantize (fp8_linear's slow path), as every block scale did before."""
-    from engine.layers.gemv import fit_scale_groups, scale_group
-    from engine.layers.tiles import Tiles
+    from engine.kernels.gemv import fit_scale_groups, scale_group
+    from engine.kernels.tiles import Tiles
 
     k = 4096
     assert scale_group(k, None) == 0 and scale_group(k, torch.ones(8, 1)) == 0
@@ -290,7 +290,7 @@ def test_fast_accumulation_setting_reaches_scaled_mm(tiny_llama, monkeypatch, fa
     """`EngineConfig.fp8_fast_accum` (default True) is what every FP8 layer's
     `torch._scaled_mm` gets as use_fast_accum (the GPU test measures what it changes)."""
     from engine.config import EngineConfig
-    from engine.model_runner import ModelRunner
+    from engine.executor.model_runner import ModelRunner
 
     assert EngineConfig().fp8_fast_accum is True
     calls = []
@@ -322,8 +322,8 @@ def test_fp8_weight_kernels_compile_for_hopper():
     """Every variant the GPU path launches compiles for sm_90, and the activations' cast to
     float8 is the hardware's saturating round-to-nearest (the interpreter's is not exact)."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
-    from engine.layers.gemv import _gemv_kernel, _sum_splits_kernel
-    from engine.quantization.fp8_kernels import _quantize_rows_kernel
+    from engine.kernels.gemv import _gemv_kernel, _sum_splits_kernel
+    from engine.kernels.fp8 import _quantize_rows_kernel
 
     gemv = dict(X="*bf16", W="*fp8e4nv", Scale="*fp32", Out="*bf16", M="i32", N="i32", K="i32",
                 k_per_split="i32", row_scale="fp32")

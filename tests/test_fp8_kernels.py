@@ -1,4 +1,4 @@
-"""The FP8 weight kernels (engine/quantization/fp8_kernels.py) against torch references.
+"""The FP8 weight kernels (engine/kernels/fp8.py) against torch references.
 
 Marked `gpu` and skipped without CUDA; tests/test_fp8.py runs the weight-only GEMM cases
 through TRITON_INTERPRET=1 on the CPU (float32 activations: the interpreter's bf16 `tl.dot`
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from engine.quantization import fp8
-from engine.layers.tiles import Tiles
-from engine.quantization.fp8_kernels import quantize_rows, w8a16_linear
+from engine.kernels.tiles import Tiles
+from engine.kernels.fp8 import quantize_rows, w8a16_linear
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if INTERPRET else None)
@@ -82,7 +82,7 @@ def test_block_scaled_weights_in_the_weight_only_kernel(shape, dtype, config):
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
     assert (out.double() - ref).abs().max().item() <= tol * (1 + ref.abs().max().item())
     if config is None and n % 2 == 0:  # [gate; up] halves: silu(gate) * up in one launch
-        from engine.layers.gemv import gemv_glu
+        from engine.kernels.gemv import gemv_glu
 
         h = (x.double() @ dense.t()).to(dtype)
         glu = torch.nn.functional.silu(h[:, : n // 2]) * h[:, n // 2:]
@@ -121,7 +121,7 @@ def test_one_row_on_the_tensor_cores(shape, config):
 def test_glu_gemv_matches_the_dequantized_mlp_middle(shape, dtype):
     """`gemv_glu` on float8 [gate; up] weights: silu(x gate^T) * (x up^T) as the dequantized
     torch path computes it (the gate_up linear, then SiluAndMul)."""
-    from engine.layers.gemv import gemv_glu
+    from engine.kernels.gemv import gemv_glu
 
     m, n, k = shape
     weight, scale = random_fp8_weight(2 * n, k, seed=n + m)
@@ -155,7 +155,7 @@ def test_fast_accumulation_error_is_small_beside_fp8_rounding(k):
     """`_scaled_mm` with use_fast_accum (`EngineConfig.fp8_fast_accum`, the default): the
     product of the float8 operands stays within 5e-3 relative (Frobenius) of its float32
     value; float32 promotion within 2.5e-3 (the bf16 output's own rounding is ~1.7e-3).
-    Measured on an H200 (2026-12-04, scripts/bench_layer_kernels.py --fp8-accum): 2.1e-3 at
+    Measured on an H200 (scripts/bench_layer_kernels.py --fp8-accum): 2.1e-3 at
     K 4,096, 3.3e-3 at 14,336, against ~3.7e-2 that rounding the operands to float8 costs."""
     torch.backends.cuda.matmul.allow_tf32 = False
     weight, scale = random_fp8_weight(1024, k, seed=5)

@@ -1,4 +1,4 @@
-"""FP8 KV pool (kv_cache_dtype="fp8_e4m3", issue 19) on the Triton attention backend.
+"""FP8 KV pool (kv_cache_dtype="fp8_e4m3") on the Triton attention backend.
 
 Decode, extend and store kernels: tests/test_triton_attention.py (`fp8` cases). Here:
 - every fp8 kernel variant compiled for sm_90 on any machine (CPU test; Triton's NVIDIA
@@ -13,7 +13,7 @@ Decode, extend and store kernels: tests/test_triton_attention.py (`fp8` cases). 
 
 Tolerance of the last check: the tiny random demo model amplifies KV rounding (see
 tests/test_fp8.py). With the torch backend on a CPU (bf16 model, 8 prompts x 16 greedy
-tokens, teacher-forced against the bf16 pool; 2026-12-01) the fp8 pool moved the chosen
+tokens, teacher-forced against the bf16 pool) the fp8 pool moved the chosen
 tokens' logprobs by 0.26 on average (max 2.0; mean |logprob| 1.8); decode against prefill
 scoring on one bf16 pool differs by 0.001. We allow a mean of 0.5.
 """
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 import test_prefix_groups as tpg
-from engine.attention.triton_common import kv_decode
+from engine.kernels.attention.common import kv_decode
 from engine.quantization.fp8 import FP8
 from test_triton_attention import DEVICE, make_case
 
@@ -101,9 +101,9 @@ def test_fp8_kernels_compile_for_hopper(kv_scale):
     e.g. about types across branches): compile every fp8 variant for sm_90 here, and check
     the store really uses the hardware's saturating round-to-nearest cast."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
-    from engine.attention.triton_common import store_kv_kernel
-    from engine.attention.triton_decode import decode_partial_kernel, prefix_attn_kernel
-    from engine.attention.triton_extend import extend_kernel
+    from engine.kernels.attention.common import store_kv_kernel
+    from engine.kernels.attention.decode import decode_partial_kernel, prefix_attn_kernel
+    from engine.kernels.attention.extend import extend_kernel
 
     io = dict(Q="bf16", K="bf16", V="bf16", Out="bf16", KC="fp8e4nv", VC="fp8e4nv",
               MidO="fp32", MidLse="fp32", PfxO="fp32", PfxLse="fp32")

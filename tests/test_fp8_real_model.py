@@ -2,10 +2,10 @@
 the quantized model's next-token predictions against the unquantized model's, teacher-forced
 over scripts/fp8_accuracy.py's passages (prose, code, a list, a dialogue; ~320 positions).
 
-Tolerances, from the first measurement (2026-12-02, CPU): FP8 weights (W8A8 in prefill)
+Tolerances, from a measurement on a CPU: FP8 weights (W8A8 in prefill)
 agreed on 93.8% of the top-1 tokens with perplexity 9.99 against 9.66; the FP8 KV cache
 96.9%, perplexity 9.67. Every weight scale 3% off (checked by hand) gives perplexity 10.21:
-past the weights' bound. The same code on another CPU (2026-12-03, an AVX2-only AMD EPYC,
+past the weights' bound. The same code on another CPU (an AVX2-only AMD EPYC,
 whose GEMM kernels round differently) gave 91.9% / 9.975 and 96.6% / 9.673: top-1 agreement
 over 322 positions moves by a few tokens with the host's arithmetic (its binomial spread alone
 is 1.4 points), so its bound sits at 90%; the perplexity bounds are the sharper check."""

@@ -7,8 +7,8 @@ import httpx
 import pytest
 
 import frontend as sgl
-from engine.demo_model import ensure_demo_model
-from engine.tokenizer import Tokenizer
+from engine.loading.demo_model import ensure_demo_model
+from engine.loading.tokenizer import Tokenizer
 from hf_reference import hf_next_logprobs
 from serve_helpers import BASE, run_app, serve_config_args, start_ray, stats, stop_ray
 

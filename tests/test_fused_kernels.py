@@ -54,13 +54,13 @@ def check_rmsnorm(rows: int, hidden: int, dtype: torch.dtype, seed: int) -> dict
 
 
 def _fused(norm: RMSNorm, x: torch.Tensor, r: torch.Tensor | None = None):
-    from engine.layers.fused_kernels import rmsnorm
+    from engine.kernels.fused import rmsnorm
 
     return rmsnorm(x, norm.weight, norm.eps, r)
 
 
 def check_silu_and_mul(rows: int, d: int, dtype: torch.dtype, seed: int) -> dict:
-    from engine.layers.fused_kernels import silu_and_mul
+    from engine.kernels.fused import silu_and_mul
 
     torch.manual_seed(seed)
     x = torch.randn(_small(rows), 2 * d, dtype=dtype, device=DEVICE) * 3
@@ -71,7 +71,7 @@ def check_rope(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int,
                qk_norm: bool = False) -> dict:
     """q and k as the attention layer has them: strided views into one fused QKV output;
     with `qk_norm`, Qwen3's per-head q and k RMSNorms first (fused into the same kernel)."""
-    from engine.layers.fused_kernels import rope
+    from engine.kernels.fused import rope
 
     torch.manual_seed(seed)
     t = _small(t)
@@ -138,9 +138,10 @@ def test_qk_norm_then_rope(shape, dt):
 
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk_norm_rope"])
 def test_rope_head_blocks_give_the_same_values(qk_norm):
-    """Prefill-sized launches take blocks of 16 heads, decode-sized ones blocks of 4: the
-    same values, bit for bit (70 tokens at once against each token alone)."""
-    from engine.layers.fused_kernels import rope
+    """Prefill-sized launches take blocks of 16 heads (4 with the per-head norm, whose sums
+    the block shape would reorder), decode-sized ones blocks of 4: the same values, bit for
+    bit (70 tokens at once against each token alone)."""
+    from engine.kernels.fused import rope
 
     torch.manual_seed(4)
     t, hq, hkv, d = 70, 12, 4, 64
@@ -161,8 +162,8 @@ def _same_quantized(got, ref: torch.Tensor) -> None:
     rows only to within float32 rounding: on the H200 a fused norm's float32 output differed
     from the stored one in the last bit on a few rows (their scales 1 ulp apart, no float8
     code changed); bf16 and fp16 rows, what FP8 models serve in, are checked bit for bit."""
-    from engine.quantization.fp8_format import Fp8Rows
-    from engine.quantization.fp8_kernels import quantize_rows
+    from engine.kernels.fp8_format import Fp8Rows
+    from engine.kernels.fp8 import quantize_rows
 
     assert isinstance(got, Fp8Rows) and got.dtype == ref.dtype
     q, scale = quantize_rows(ref.reshape(-1, ref.shape[-1]))
@@ -182,7 +183,7 @@ def test_rmsnorm_quantizing_gives_the_linears_bits(rows, hidden, dt):
     """With `quantize` the norm hands an FP8 linear its input as float8 rows + scales: the
     same bits as the unquantized norm's output through the linear's own quantizer, and the
     same residual stream."""
-    from engine.layers.fused_kernels import rmsnorm
+    from engine.kernels.fused import rmsnorm
 
     torch.manual_seed(5)
     rows, dtype = _small(rows), DT[dt]
@@ -200,7 +201,7 @@ def test_rmsnorm_quantizing_gives_the_linears_bits(rows, hidden, dt):
 @pytest.mark.parametrize("dt", ["bf16", "fp32"])
 @pytest.mark.parametrize("rows, d", [(17, 14336), (40, 96), (300, 2000)])
 def test_silu_and_mul_quantizing_gives_the_linears_bits(rows, d, dt):
-    from engine.layers.fused_kernels import QUANTIZE_MAX_WIDTH, silu_and_mul
+    from engine.kernels.fused import QUANTIZE_MAX_WIDTH, silu_and_mul
 
     torch.manual_seed(6)
     x = torch.randn(_small(rows), 2 * d, device=DEVICE).to(DT[dt]) * 3

@@ -1,4 +1,4 @@
-"""The fused element-wise kernels (engine/layers/fused_kernels.py) checked without a GPU:
+"""The fused element-wise kernels (engine/kernels/fused.py) checked without a GPU:
 tests/test_fused_kernels.py through Triton's interpreter, and every variant compiled for sm_90."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def test_fused_kernels_under_the_interpreter():
 
 def test_rope_kernel_compiles_for_hopper():
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
-    from engine.layers.fused_kernels import _rope_kernel
+    from engine.kernels.fused import _rope_kernel
 
     types = dict(Q="*bf16", K="*bf16", V="*bf16", Cache="*fp32", QOut="*bf16", KOut="*bf16",
                  VOut="*bf16", QNormW="*bf16", KNormW="*bf16", eps="fp32")
@@ -26,7 +26,7 @@ def test_quantizing_norm_and_silu_compile_for_hopper():
     """The FP8-quantizing variants (engine/quantization/fp8_kernels.store_quantized_row) at
     Llama-3-8B's widths: float8 stores with the e4m3 conversion, IEEE divisions."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
-    from engine.layers.fused_kernels import _rmsnorm_kernel, _silu_and_mul_kernel
+    from engine.kernels.fused import _rmsnorm_kernel, _silu_and_mul_kernel
 
     fp8 = dict(Out="*fp8e4nv", Scale="*fp32", eps="fp32", fp8_max="fp32", min_scale="fp32")
     for residual in (False, True):

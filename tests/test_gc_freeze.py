@@ -1,4 +1,4 @@
-"""engine/gc_freeze.py: the engine freezes what is alive after start-up (full collections
+"""engine/runtime/gc_freeze.py: the engine freezes what is alive after start-up (full collections
 skip it) and unfreezes when it is freed, so a dropped engine's weights, which sit in
 reference cycles, are still reclaimed."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import gc
 import weakref
 
 from engine.config import EngineConfig
-from engine.demo_model import ensure_demo_model
-from engine.engine import Engine
+from engine.loading.demo_model import ensure_demo_model
+from engine.runtime.engine import Engine
 
 
 def _engine(**kw) -> Engine:

@@ -1,4 +1,4 @@
-"""The decode GEMV (engine/layers/gemv.py) with unscaled weights (bf16 on GPUs; the FP8 path
+"""The decode GEMV (engine/kernels/gemv.py) with unscaled weights (bf16 on GPUs; the FP8 path
 is tests/test_fp8_kernels.py) against torch, the SwiGLU form (`gemv_glu`) against the
 GEMV + SiLU-and-mul it replaces, and the one-row dispatch of `LinearBase`.
 
@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from engine.layers.gemv import gemv, gemv_glu
-from engine.layers.tiles import Tiles
+from engine.kernels.gemv import gemv, gemv_glu
+from engine.kernels.tiles import Tiles
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if INTERPRET else None)
@@ -76,7 +76,7 @@ def test_fp8_mlp_takes_the_glu_gemv_at_decode_batches():
     from engine.layers.parallel import TPContext
     from engine.models.llama import LlamaMLP
     from engine.quantization import fp8
-    from engine.quantization.fp8_layers import quantize_linears_
+    from engine.layers.fp8 import quantize_linears_
 
     torch.manual_seed(0)
     config = SimpleNamespace(hidden_size=512, intermediate_size=1408, hidden_act="silu")
@@ -133,7 +133,7 @@ def test_bf16_gemv_compiles_for_hopper():
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
     from triton_on_cpu import compile_for_sm90
 
-    from engine.layers.gemv import _gemv_kernel, gemv_config
+    from engine.kernels.gemv import _gemv_kernel, gemv_config
 
     io = dict(X="*bf16", W="*bf16", Scale="*bf16", M="i32", N="i32", K="i32", k_per_split="i32",
               row_scale="fp32")
@@ -160,7 +160,7 @@ def test_glu_gemv_compiles_for_hopper():
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
     from triton_on_cpu import compile_for_sm90
 
-    from engine.layers.gemv import _gemv_kernel, glu_config
+    from engine.kernels.gemv import _gemv_kernel, glu_config
 
     for weight, scale, row_dot in (("*bf16", False, False), ("*fp8e4nv", True, False),
                                    ("*fp8e4nv", True, True)):

@@ -1,6 +1,6 @@
 """GGUF loading on tiny demo models written out as GGUF files here, in llama.cpp's layout
 (tensor names, dimension order, q/k row order), in every tensor type we claim; and model
-specs resolved through engine/model_source.py (package:, Hub cache, offline mode)."""
+specs resolved through engine/loading/model_source.py (package:, Hub cache, offline mode)."""
 from __future__ import annotations
 
 import json
@@ -16,10 +16,10 @@ from gguf.quants import quantize
 from safetensors.torch import load_file
 
 from engine import LLM, SamplingParams
-from engine.model_source import resolve_model_path
+from engine.loading.model_source import resolve_model_path
 from engine.models import load_hf_config, load_model
 
-# Our (HF) names -> GGUF's, written independently of engine/models/gguf.py's table.
+# Our (HF) names -> GGUF's, written independently of engine/loading/gguf.py's table.
 _TO_GGUF = [("model.embed_tokens.", "token_embd."), ("model.norm.", "output_norm."),
             ("lm_head.", "output."), ("model.layers.", "blk."), ("input_layernorm", "attn_norm"),
             ("post_attention_layernorm", "ffn_norm"), ("self_attn.q_proj", "attn_q"),
@@ -121,7 +121,7 @@ def test_unsupported_tensor_type_is_a_clear_error(tmp_path):
     writer.add_tensor("token_embd.weight", np.ones((4, 32), dtype=np.int8))
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
     writer.close()
-    from engine.models.gguf import iterate_gguf
+    from engine.loading.gguf import iterate_gguf
 
     with pytest.raises(ValueError, match=r"token_embd\.weight has GGUF type I8.*supported: F32"):
         next(iterate_gguf(str(tmp_path / "i8.gguf"), None))

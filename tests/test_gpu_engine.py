@@ -71,7 +71,7 @@ def test_overlap_launches_a_step_without_waiting_for_the_gpu(tiny_llama, monkeyp
     Mixed steps with chunks that do not sample, greedy and sampled rows, seeded or not,
     top-k/top-p/min-p, penalties, logit_bias, min_tokens, logprobs, prompt logprobs: every launch and sampling call runs under torch's sync debug mode,
     which raises on any synchronizing call."""
-    from engine.overlap import OverlapStepper
+    from engine.runtime.overlap import OverlapStepper
 
     for name in ("_forward", "_sample"):
         monkeypatch.setattr(OverlapStepper, name, never_syncing(getattr(OverlapStepper, name)))
@@ -227,9 +227,9 @@ def test_extend_graphs_with_decoders_match_eager(tiny_llama):
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_split_sums_change_no_token(tiny_model_factory, monkeypatch, arch, quantization):
     """Batch-1 linears wide enough for the GEMV to cut K (hidden 512, MLP 1024) hand their
-    partial sums to RMSNorm, SiLU-and-mul and RoPE (engine/layers/split_sums.py): greedy
+    partial sums to RMSNorm, SiLU-and-mul and RoPE (engine/kernels/split_sums.py): greedy
     tokens and their logprobs equal, bit for bit, those of the GEMV summing them itself."""
-    import engine.layers.gemv as gemv_module
+    import engine.kernels.gemv as gemv_module
 
     path = tiny_model_factory(arch, hidden_size=512, intermediate_size=1024)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)

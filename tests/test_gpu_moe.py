@@ -76,9 +76,9 @@ def test_gpu_moe_bfloat16_runs_the_triton_path(moe_factory, grouped_gemm_calls, 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
 def test_gpu_moe_split_sums_change_no_token(moe_factory, monkeypatch, arch):
     """At batch 1 the router GEMV's K slices go to the router kernel and each token's expert
-    choices to the next RMSNorm unsummed (engine/layers/split_sums.py): greedy tokens and
+    choices to the next RMSNorm unsummed (engine/kernels/split_sums.py): greedy tokens and
     logprobs equal, bit for bit, those with every sum in its own launch."""
-    import engine.layers.gemv as gemv_module
+    import engine.kernels.gemv as gemv_module
 
     path = moe_factory(arch, hidden_size=512)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)

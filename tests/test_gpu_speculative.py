@@ -17,7 +17,7 @@ KW = dict(dtype="float32", device="cuda", max_total_tokens=8192, cuda_graph_max_
 
 def record_runs(graphs) -> list[tuple[int, int]]:
     """(logits rows, requests) of each step the graphs run, as they happen: `run`, and for
-    decode graphs `run_packed` too (a packed decode step, engine/graph_inputs.py, since
+    decode graphs `run_packed` too (a packed decode step, engine/executor/graph_inputs.py, since
     c670303: recording `run` alone missed every draft decode step)."""
     seen: list[tuple[int, int]] = []
     run = graphs.run

@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from engine.demo_model import ensure_demo_model
+from engine.loading.demo_model import ensure_demo_model
 from engine.grammar import Grammars
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.loading.tokenizer import Tokenizer
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 

@@ -1,4 +1,4 @@
-"""`write_decode_inputs` (engine/graph_inputs.py): one launch writes a packed decode step
+"""`write_decode_inputs` (engine/executor/graph_inputs.py): one launch writes a packed decode step
 into the decode graph's static inputs exactly as the unpacked path does (the fields, the
 dummy rows up to the padded size, req_to_token's entries, the in-flight tokens).
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.graph_inputs import takes_packed, write_decode_inputs
-from engine.step_input import StepInput
+from engine.executor.graph_inputs import takes_packed, write_decode_inputs
+from engine.executor.step_input import StepInput
 from test_triton_attention import DEVICE
 
 
@@ -79,7 +79,7 @@ def test_matches_the_unpacked_path(bs, padded, inflight):
 def test_capture_time_call_writes_only_dummy_rows(padded):
     """compile_decode_inputs (run once per graph size at capture) leaves the static inputs
     as a padded size of dummy rows and req_to_token untouched."""
-    from engine.graph_inputs import compile_decode_inputs
+    from engine.executor.graph_inputs import compile_decode_inputs
 
     r2t = torch.randint(0, 9, (64, 16), generator=torch.Generator().manual_seed(2),
                         dtype=torch.int32).to(DEVICE)
@@ -114,7 +114,7 @@ def test_compiles_for_hopper():
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
     from triton_on_cpu import compile_for_sm90
 
-    from engine.graph_inputs import _decode_inputs_kernel
+    from engine.executor.graph_inputs import _decode_inputs_kernel
 
     compile_for_sm90(_decode_inputs_kernel, dict(ReqToToken="*i32", SeqLens="*i32"), dict(BLOCK=16))
 
@@ -124,7 +124,7 @@ def test_step_sizes_do_not_select_binaries():
     compile on a fresh replica in the middle of serving); only the graph's padded size and
     req_to_token's stride, fixed per captured graph, may."""
     pytest.importorskip("triton")
-    from engine.graph_inputs import _decode_inputs_kernel
+    from engine.executor.graph_inputs import _decode_inputs_kernel
 
     params = _decode_inputs_kernel.params
     scalars = {p.name for p in params if not p.is_constexpr and p.name[0].islower()}

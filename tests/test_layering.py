@@ -1,4 +1,4 @@
-"""The code's shape, checked statically (issue 22): no import cycles, no reaching into
+"""The code's shape, checked statically: no import cycles, no reaching into
 another module's private names, and each package imports only what its layer allows.
 
 Read from the source with `ast` (nothing is imported), over the shipped packages
@@ -26,6 +26,8 @@ Rules:
    imports only the standard library, msgpack, Ray and itself; deployments/ imports from
    engine/ only `from engine import <name>` with the name in `engine.__all__`; frontend/
    (a client over HTTP) imports none of the other packages.
+4. The engine's rooms (`ENGINE_ROOMS`): each room of engine/ imports only the rooms listed
+   for it (below it in the step's story); `core` imports neither `executor` nor `kernels`.
 """
 from __future__ import annotations
 
@@ -46,10 +48,26 @@ ALLOWED_PRIVATE = {  # `obj._x` as written -> why it is allowed
     "torch._scaled_mm": "torch's FP8 GEMM has no public name (torch 2.11); used in "
                         "engine/quantization/fp8.py only",
     "kernel._init_handles": "Triton's CompiledKernel loads its binary and launcher only "
-                            "through it (3.6); engine/precompile.py only, a failure falls "
+                            "through it (3.6); engine/kernels/precompile.py only, a failure falls "
                             "back to the first launch",
 }
 ROUTER_MAY_IMPORT = {"msgpack", "ray", "router"}
+# engine/<room> -> the rooms it may import (besides itself); `config` is engine/config.py.
+_MODEL_SIDE = {"config", "core", "kernels", "quantization", "layers", "loading", "attention"}
+ENGINE_ROOMS = {
+    "config": set(),
+    "core": {"config"},
+    "grammar": {"config", "core"},
+    "kernels": {"config"},
+    "quantization": {"config", "kernels"},
+    "layers": {"config", "kernels", "quantization"},
+    "loading": {"config", "core", "kernels", "quantization", "layers"},
+    "attention": {"config", "core", "kernels", "quantization"},
+    "models": _MODEL_SIDE,
+    "executor": _MODEL_SIDE | {"grammar", "models"},
+    "speculative": _MODEL_SIDE | {"grammar", "models", "executor"},
+    "runtime": _MODEL_SIDE | {"grammar", "models", "executor", "speculative"},
+}
 
 
 @dataclass(frozen=True)
@@ -270,6 +288,30 @@ def layering(package: str) -> list[str]:
     return found
 
 
+def room_of(name: str) -> str | None:
+    """engine.<room>[.x] -> <room>; None for the engine package itself."""
+    parts = name.split(".")
+    return parts[1] if parts[0] == "engine" and len(parts) > 1 else None
+
+
+def room_violations(modules: dict[str, Module] = MODULES) -> list[str]:
+    """Rule 4's violations: an engine module importing a room its own room may not."""
+    found = []
+    for module in modules.values():
+        room = room_of(module.name)
+        if room is None:
+            continue
+        allowed = ENGINE_ROOMS.get(room)
+        if allowed is None:
+            found.append(f"{module.where}: engine/{room} is not a known room (ENGINE_ROOMS)")
+            continue
+        for dep in dependencies(module, MODULES):
+            other = room_of(dep)
+            if dep == "engine" or (other is not None and other != room and other not in allowed):
+                found.append(f"{module.where}: engine/{room} imports {dep}")
+    return found
+
+
 # -- the tests --------------------------------------------------------------------------
 
 def test_no_import_cycles():
@@ -291,11 +333,24 @@ def test_layering(package):
     assert not found, "\n  ".join(["layering:"] + found)
 
 
+def test_engine_rooms():
+    found = room_violations()
+    assert not found, "\n  ".join(["rooms:"] + found)
+
+
+def test_the_room_checker_sees_violations():
+    source = "from engine.executor.sampler import Sampler\nfrom engine.core.request import Request\n"
+    fake = {"engine.core.fake": Module("engine.core.fake", ROOT / "engine/core/fake.py",
+                                       ast.parse(source))}
+    found = room_violations(fake)
+    assert len(found) == 1 and "engine/core imports engine.executor.sampler" in found[0]
+
+
 def test_the_checker_sees_violations():
     """The rules catch what they are for (a checker that never fails checks nothing)."""
     source = """
 from ray.serve._private.common import RequestMetadata
-from engine.request import validate_request
+from engine.core.request import validate_request
 from engine import _hidden
 import deployments.app
 
@@ -311,7 +366,7 @@ class Router(Base):
                  "self._inherited", "other._theirs", "other._x"):
         assert what in found
     assert "_mine" not in found
-    assert dependencies(module, MODULES) >= {"engine.request", "engine", "deployments.app"}
+    assert dependencies(module, MODULES) >= {"engine.core.request", "engine", "deployments.app"}
 
 
 def test_the_checker_sees_a_cycle():

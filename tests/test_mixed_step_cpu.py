@@ -32,7 +32,7 @@ def _launch_key(backend, batch: int, splits: int) -> tuple:
 
 @pytest.mark.parametrize("kv_fp8", [False, True])
 def test_warmup_reaches_every_mixed_decode_launch(kv_fp8):
-    """The start-up warm-up's mixed steps (engine/warmup.py) reach every decode launch a mixed
+    """The start-up warm-up's mixed steps (engine/runtime/warmup.py) reach every decode launch a mixed
     step's decoders can make, for any decoder count and context length, so a fresh replica
     compiles nothing when its first mixed steps arrive (tests/test_cold_start.py checks the
     same on a GPU); and they cost the warm-up little (a handful of one-request waves)."""
@@ -40,8 +40,8 @@ def test_warmup_reaches_every_mixed_decode_launch(kv_fp8):
 
     import torch
 
-    from engine.attention.triton_configs import TritonLaunchConfigs
-    from engine.warmup import eager_decode_shapes
+    from engine.kernels.attention.configs import TritonLaunchConfigs
+    from engine.runtime.warmup import eager_decode_shapes
 
     backend = TritonLaunchConfigs()  # the launch heuristics alone, as on an H200 with 8B shapes
     backend.__dict__.update(decode_cfg=None, dot_dtype=torch.bfloat16, kv_fp8=kv_fp8, block_d=128,
@@ -70,8 +70,8 @@ def test_attention_kernels_compile_for_hopper():
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
     from triton_on_cpu import compile_for_sm90
 
-    from engine.attention.triton_decode import decode_partial_kernel, decode_reduce_kernel
-    from engine.attention.triton_extend import extend_kernel
+    from engine.kernels.attention.decode import decode_partial_kernel, decode_reduce_kernel
+    from engine.kernels.attention.extend import extend_kernel
 
     types = dict(Q="*bf16", K="*bf16", V="*bf16", Out="*bf16", KC="*bf16", VC="*bf16",
                  MidO="*fp32", MidLse="*fp32", PfxO="*fp32", PfxLse="*fp32", SeqLens="*i32",

@@ -12,8 +12,8 @@ from safetensors.torch import save_file
 
 from engine.attention.base import ForwardBatch
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.demo_model import MARKER, build_tiny_model, default_demo_model_dir, ensure_demo_model
-from engine.kv_pool import KVPool
+from engine.loading.demo_model import MARKER, build_tiny_model, default_demo_model_dir, ensure_demo_model
+from engine.attention.kv_pool import KVPool
 from engine.layers import (ParallelLMHead, QKVParallelLinear, RMSNorm, RowParallelLinear, TPContext,
                            VocabParallelEmbedding)
 from engine.models import get_model_class, load_hf_config, load_model, resolve_dtype

@@ -12,7 +12,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.layers.moe import FusedMoE, experts_torch
-from engine.layers.moe_routing import group_by_expert, max_blocks, select_experts
+from engine.kernels.moe.routing import group_by_expert, max_blocks, select_experts
 from engine.layers.parallel import TPContext
 from engine.models import load_model
 from hf_reference import hf_greedy
@@ -69,7 +69,7 @@ def test_fp8_moe_is_its_dequantized_model(moe_factory, arch):
     logits = _prompt_logits(model, prompts)
     torch.testing.assert_close(logits, _prompt_logits(ref, prompts), atol=1e-4, rtol=1e-4)
     full = _prompt_logits(load_model(path, dtype="float32"), prompts)
-    # Measured 2026-12-04 (CPU): Mixtral 0.45, Qwen2-MoE 0.38, Qwen3-MoE 0.24. Larger than a
+    # Measured on a CPU: Mixtral 0.45, Qwen2-MoE 0.38, Qwen3-MoE 0.24. Larger than a
     # dense tiny model's 0.09-0.14 (test_fp8.py): rounding flips some tokens' expert choices.
     # The equality above is the exact check; this one catches a scale gone wrong (x 2^k).
     assert _rel(logits, full) < 0.6
@@ -331,11 +331,11 @@ def test_moe_kernels_compile_for_hopper():
     """The interpreter runs the kernels' Python, not Triton's compiler: every MoE kernel
     variant the GPU path launches compiles for sm_90 too."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
-    from engine.layers.moe_align_kernel import _count_kernel, _offsets_kernel, _scatter_kernel
-    from engine.layers.moe_kernels import _grouped_gemm_kernel, _sum_choices_kernel
-    from engine.layers.moe_kernels import tiles_for as grouped_tiles_for
-    from engine.layers.moe_pair_kernels import _down_kernel, _gate_up_kernel, tiles_for
-    from engine.layers.moe_router_kernel import _softmax_topk_kernel
+    from engine.kernels.moe.align import _count_kernel, _offsets_kernel, _scatter_kernel
+    from engine.kernels.moe.grouped_gemm import _grouped_gemm_kernel, _sum_choices_kernel
+    from engine.kernels.moe.grouped_gemm import tiles_for as grouped_tiles_for
+    from engine.kernels.moe.pairs import _down_kernel, _gate_up_kernel, tiles_for
+    from engine.kernels.moe.router import _softmax_topk_kernel
 
     bf16 = dict(X="*bf16", W13="*bf16", W2="*bf16", Act="*bf16", Out="*bf16", TopkWeights="*fp32",
                 K="i32", N="i32")

@@ -10,13 +10,13 @@ import os
 import pytest
 import torch
 
-from engine.layers import moe_pair_kernels
+from engine.kernels.moe import pairs as moe_pair_kernels
 from engine.layers.moe import experts_torch, experts_triton
-from engine.layers.moe_pair_kernels import experts_per_pair
-from engine.layers.tiles import Tiles
-from engine.layers.moe_router_kernel import softmax_topk
-from engine.layers.moe_align_kernel import group_by_expert_kernel
-from engine.layers.moe_routing import group_by_expert, select_experts
+from engine.kernels.moe.pairs import experts_per_pair
+from engine.kernels.tiles import Tiles
+from engine.kernels.moe.router import softmax_topk
+from engine.kernels.moe.align import group_by_expert_kernel
+from engine.kernels.moe.routing import group_by_expert, select_experts
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if INTERPRET else None)
@@ -138,7 +138,7 @@ def test_softmax_topk_kernel_matches_select_experts(tokens, experts, top_k, reno
 
 @pytest.mark.parametrize("experts", [8, 60])
 def test_softmax_topk_ids_stay_in_range_on_nan_logits(experts):
-    """NaN router logits (a deferred compile pass's unwritten buffer, engine/precompile.py,
+    """NaN router logits (a deferred compile pass's unwritten buffer, engine/kernels/precompile.py,
     or an overflowing model) must still give expert ids below the expert count: they index
     the experts' weights."""
     logits = torch.full((3, experts), float("nan"), device=DEVICE)

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
-from engine.overlap import OverlapStepper
+from engine.runtime.overlap import OverlapStepper
 
 
 def overlapped(llm_or_engine):
@@ -206,7 +206,7 @@ def test_random_arrivals_aborts_and_preemption(tiny_llama, overlap, jump_forward
     """Requests arrive and are aborted at random steps in a pool small enough to retract:
     every request that finishes has exactly the output it has alone in a roomy engine, an
     aborted one a prefix of it, and no KV slot leaks."""
-    from engine.engine import Engine
+    from engine.runtime.engine import Engine
 
     prompts, params = mixed_batch(seed=5, with_sync_requests=True)
     r = random.Random(6)

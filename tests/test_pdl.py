@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (engine/layers/pdl.py), checked without a GPU: every Triton
+"""Programmatic dependent launch (engine/kernels/pdl.py), checked without a GPU: every Triton
 kernel the engine launches takes the `PDL` switch, each waits for the previous kernel
 before it touches memory (compiled for sm_90: here for the element-wise kernels, and in
 every other `compile_for_sm90` test through `assert_waits_before_memory`), and PDL stays off
@@ -14,7 +14,7 @@ import torch
 import triton
 
 import engine
-from engine.layers.pdl import pdl_launch
+from engine.kernels.pdl import pdl_launch
 
 
 def engine_kernels() -> dict[str, triton.JITFunction]:
@@ -42,7 +42,7 @@ def test_elementwise_kernels_wait_before_memory_on_hopper():
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
     from triton_on_cpu import compile_for_sm90
 
-    from engine.layers.fused_kernels import _rmsnorm_kernel, _silu_and_mul_kernel
+    from engine.kernels.fused import _rmsnorm_kernel, _silu_and_mul_kernel
 
     for residual in (False, True):
         compile_for_sm90(_rmsnorm_kernel, dict(X="*bf16", R="*bf16", W="*bf16", Out="*bf16",
@@ -56,7 +56,7 @@ def test_the_check_catches_a_kernel_that_reads_first():
     import triton.language as tl
     from triton_on_cpu import compile_for_sm90
 
-    from engine.layers.pdl import pdl_prologue
+    from engine.kernels.pdl import pdl_prologue
 
     @triton.jit
     def reads_first_kernel(X, Y, PDL: tl.constexpr = False):
@@ -71,7 +71,7 @@ def test_the_check_catches_a_kernel_that_reads_first():
 def test_pdl_is_off_without_a_hopper_gpu(monkeypatch):
     assert pdl_launch(torch.device("cpu")) == {}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from engine.layers import pdl
+    from engine.kernels import pdl
 
     pdl._enabled.cache_clear()
     try:

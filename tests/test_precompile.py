@@ -1,4 +1,4 @@
-"""Parallel Triton compilation at start-up (engine/precompile.py).
+"""Parallel Triton compilation at start-up (engine/kernels/precompile.py).
 
 CPU: the deferral hook through Triton's own hook call (the installed Triton builds its
 arguments), the stand-ins it leaves and removes, the hook's install and restore, and the
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import precompile
+from engine.kernels import precompile
 from moe_models import moe_factory  # noqa: F401 (a fixture)
 
 
@@ -35,8 +35,8 @@ def _triton_hook_call(jit_function, hook, key: str, is_warmup: bool):
 
 
 def test_hook_defers_launches_and_passes_preloads_and_in_place_kernels():
-    from engine.attention.triton_common import store_kv_kernel
-    from engine.layers.moe_router_kernel import _softmax_topk_kernel
+    from engine.kernels.attention.common import store_kv_kernel
+    from engine.kernels.moe.router import _softmax_topk_kernel
 
     deferred = precompile.Deferred()
     kernel_cache: dict = {}
@@ -54,7 +54,7 @@ def test_hook_defers_launches_and_passes_preloads_and_in_place_kernels():
     finally:
         store_kv_kernel.device_caches.pop(0, None)
     assert len(deferred.specs) == 2  # one per launch key
-    fn, spec = deferred.specs[("engine.attention.triton_common.store_kv_kernel", "k1")]
+    fn, spec = deferred.specs[("engine.kernels.attention.common.store_kv_kernel", "k1")]
     assert fn is store_kv_kernel and json.loads(spec)["name"].endswith("store_kv_kernel")
     # a preload (what compile_deferred calls) compiles; so does a kernel whose outputs index
     # memory (MoE's expert ids)
@@ -95,7 +95,7 @@ def test_switches(monkeypatch):
 # ------------------------------------------------------------------ GPU: whole engines
 def _forget_compiled_kernels() -> None:
     """Drop the engine kernels' in-memory binaries, which a fresh process would not have."""
-    from engine.warmup import engine_kernels
+    from engine.runtime.warmup import engine_kernels
 
     for fn in engine_kernels():
         fn.device_caches.clear()
@@ -178,7 +178,7 @@ def test_a_failed_compile_ahead_leaves_the_kernel_to_its_first_launch(monkeypatc
 
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     deferred = precompile.Deferred({("tests.unbuildable", "k"): (Unbuildable(), "{}")})
-    with caplog.at_level("WARNING", logger="engine.precompile"):
+    with caplog.at_level("WARNING", logger="engine.kernels.precompile"):
         precompile.compile_deferred(deferred, torch.device("cuda", 0))
     assert calls == ["{}"] and "tests.unbuildable" in caplog.text
 
@@ -187,7 +187,7 @@ def test_capture_all_compiles_every_set_ahead_in_one_round_then_captures_in_orde
     """engine/cuda_graph.capture_all: one deferred pass over every graph set's work (so one
     compile round), then each set captured in order into the pool the previous one returned,
     with one warm-up run per graph after the pass and two without it."""
-    from engine import cuda_graph
+    from engine.executor import cuda_graph
 
     events = []
 

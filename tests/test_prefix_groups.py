@@ -1,4 +1,4 @@
-"""Radix-grouped decode (engine/prefix_groups.py + the Triton prefix / suffix kernels).
+"""Radix-grouped decode (engine/core/prefix_groups.py + the Triton prefix / suffix kernels).
 
 CPU tests: the groups computed from a real radix tree and scheduler. Kernel tests (marked
 `gpu`, like tests/test_triton_attention.py) compare the grouped decode with the plain
@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_pool import SlotAllocator
-from engine.prefix_group_batch import PrefixGroupBatch, packed_len
-from engine.prefix_groups import Group, PrefixGrouper, build_plan
-from engine.radix_cache import RadixCache
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.slot_allocator import SlotAllocator
+from engine.executor.prefix_group_batch import PrefixGroupBatch, packed_len
+from engine.core.prefix_groups import Group, PrefixGrouper, build_plan
+from engine.core.radix_cache import RadixCache
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
 from test_triton_attention import DEVICE, Case, compare, make_case, reference
 
 gpu = [pytest.mark.gpu,

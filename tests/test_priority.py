@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.admission import AdmissionOrder
-from engine.engine import Engine
-from engine.overlap import OverlapStepper
-from engine.request import Request
+from engine.core.admission import AdmissionOrder
+from engine.runtime.engine import Engine
+from engine.runtime.overlap import OverlapStepper
+from engine.core.request import Request
 from test_engine import assert_slots_accounted, random_prompts
 from test_overlap import overlapped
 

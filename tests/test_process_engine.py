@@ -1,4 +1,4 @@
-"""ProcessAsyncEngine: the engine's step loop in a child process (engine/process_engine.py).
+"""ProcessAsyncEngine: the engine's step loop in a child process (engine/runtime/process_engine.py).
 
 Same outputs as AsyncEngine, aborts free KV (with AsyncEngine's own abort tests, which
 run against both: tests/test_async_engine.py), errors keep their types (400/503 at the
@@ -232,7 +232,7 @@ def test_a_failed_step_ends_its_requests_with_an_error(tiny_llama):
     import threading
 
     from engine import Engine, EngineStepError
-    from engine.engine_process_main import STOP, Add, EngineProcess
+    from engine.runtime.engine_process_main import STOP, Add, EngineProcess
 
     engine = Engine(config(tiny_llama))
     real_step, calls = engine.step, []

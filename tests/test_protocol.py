@@ -244,7 +244,7 @@ def test_chat_mapping() -> None:
 
 
 def test_kwargs_build_sampling_params() -> None:
-    sp_module = pytest.importorskip("engine.sampling_params")
+    sp_module = pytest.importorskip("engine.core.sampling_params")
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
     sp_module.SamplingParams(**completion_sampling_kwargs(completion(logprobs=2, stop="x", top_k=0)))
     for req in (chat(response_format=fmt, logprobs=True),

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from engine import AsyncEngine, EngineConfig, ProcessAsyncEngine, QueueTimeoutError, SamplingParams
-from engine.engine import Engine
+from engine.runtime.engine import Engine
 from test_engine import assert_slots_accounted
 from test_overlap import overlapped
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.kv_pool import SlotAllocator
-from engine.radix_cache import RadixCache, TreeNode
+from engine.core.slot_allocator import SlotAllocator
+from engine.core.radix_cache import RadixCache, TreeNode
 
 
 def make_cache(slots: int = 64, events: bool = False) -> RadixCache:

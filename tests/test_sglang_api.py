@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.demo_model import ensure_demo_model
+from engine.loading.demo_model import ensure_demo_model
 from serve_helpers import BASE, run_app, serve_config_args, start_ray, stop_ray
 
 pytestmark = pytest.mark.slow

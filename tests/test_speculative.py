@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.engine import Engine, overlap_enabled
-from engine.request import Request
+from engine.runtime.engine import Engine, overlap_enabled
+from engine.core.request import Request
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.proposer import Proposer
 from engine.speculative.verify import rejection_sample, verify_greedy

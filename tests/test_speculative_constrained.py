@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.request import Request
+from engine.core.request import Request
 from engine.speculative.constrained import cut_to_grammar, verify_masks
 from engine.speculative.proposer import Proposer
-from engine.step_plan import Chunk
+from engine.core.step_plan import Chunk
 from test_overlap import assert_no_leak
 from test_speculative import SPEC
 

@@ -13,7 +13,7 @@ import re
 import pytest
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.engine import Engine, overlap_enabled
+from engine.runtime.engine import Engine, overlap_enabled
 from hf_reference import hf_top_k_tree
 from test_overlap import assert_no_leak, drive_random_traffic
 from test_speculative import GREEDY, assert_outputs_follow, copy_prompts, traffic_batch
@@ -323,7 +323,7 @@ def test_memory_reserve_for_the_draft(tiny_model_factory, target, monkeypatch):
     loaded) once, and its KV per slot beside the target's, for as many slots."""
     from types import SimpleNamespace
 
-    from engine.model_runner import MemoryReserve, ModelRunner
+    from engine.executor.model_runner import MemoryReserve, ModelRunner
     from engine.speculative.draft_model import draft_memory_reserve
 
     for arch in ("llama", "qwen3"):

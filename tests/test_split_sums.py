@@ -1,5 +1,5 @@
 """A GEMV's K-slice partial sums added by the kernel that consumes them
-(engine/layers/split_sums.py): RMSNorm (+ residual), SiLU-and-mul, RoPE (with Qwen3's q/k
+(engine/kernels/split_sums.py): RMSNorm (+ residual), SiLU-and-mul, RoPE (with Qwen3's q/k
 norms; v summed too) and the MoE router give exactly what they give on the GEMV's own
 summed output; an RMSNorm adds the MoE experts' choices as `sum_choices` does.
 
@@ -14,7 +14,7 @@ import torch
 from engine.layers.activation import SiluAndMul
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.layers.split_sums import SplitSums
+from engine.kernels.split_sums import SplitSums
 from test_triton_attention import DEVICE
 
 # The interpreter's bf16 rounding is not torch's, so on the CPU both sides of a comparison
@@ -35,7 +35,7 @@ def _split_sums(splits: int, rows: int, n: int, dtype: torch.dtype, seed: int,
 
 
 def _summed(s: SplitSums) -> torch.Tensor:
-    from engine.layers.gemv import sum_splits
+    from engine.kernels.gemv import sum_splits
 
     return sum_splits(s.parts, s.dtype)
 
@@ -44,8 +44,8 @@ def _summed(s: SplitSums) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("splits", [2, 4, 6])
 def test_gemv_hands_back_its_splits(splits, dtype):
-    from engine.layers.gemv import gemv
-    from engine.layers.tiles import Tiles
+    from engine.kernels.gemv import gemv
+    from engine.kernels.tiles import Tiles
 
     g = torch.Generator().manual_seed(splits)
     x = torch.randn(1, 768, generator=g).to(DEVICE, dtype)
@@ -61,7 +61,7 @@ def test_gemv_hands_back_its_splits(splits, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows, n", [(1, 4096), (3, 96)])
 def test_rmsnorm_adds_the_splits(rows, n, dtype):
-    from engine.layers.fused_kernels import rmsnorm
+    from engine.kernels.fused import rmsnorm
 
     s = _split_sums(4, rows, n, dtype, seed=n)
     g = torch.Generator().manual_seed(1)
@@ -77,7 +77,7 @@ def test_rmsnorm_adds_the_splits(rows, n, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows, d", [(1, 14336), (3, 96)])
 def test_silu_and_mul_adds_the_splits(rows, d, dtype):
-    from engine.layers.fused_kernels import silu_and_mul
+    from engine.kernels.fused import silu_and_mul
 
     s = _split_sums(3, rows, 2 * d, dtype, seed=d)
     assert torch.equal(silu_and_mul(s), silu_and_mul(_summed(s)))
@@ -88,7 +88,7 @@ def test_silu_and_mul_adds_the_splits(rows, d, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", ROPE, ids=lambda s: "x".join(map(str, s)))
 def test_rope_adds_the_splits(shape, dtype, qk_norm):
-    from engine.layers.fused_kernels import rope, rope_split_sums
+    from engine.kernels.fused import rope, rope_split_sums
 
     t, hq, hkv, d = shape
     with torch.device(DEVICE):
@@ -109,7 +109,7 @@ def test_rope_adds_the_splits(shape, dtype, qk_norm):
 @on_device
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_router_adds_the_splits(dtype):
-    from engine.layers.moe_router_kernel import softmax_topk
+    from engine.kernels.moe.router import softmax_topk
 
     s = _split_sums(4, 3, 128, dtype, seed=5)
     for renormalize in (False, True):
@@ -124,9 +124,9 @@ def test_router_adds_the_splits(dtype):
 def test_rmsnorm_adds_the_expert_choices(tokens, dtype):
     """The MoE experts' k weighted outputs per token, left unsummed for the next RMSNorm,
     give what `sum_choices` and then the norm give."""
-    from engine.layers.fused_kernels import rmsnorm
-    from engine.layers.moe_pair_kernels import experts_per_pair
-    from engine.layers.moe_router_kernel import softmax_topk
+    from engine.kernels.fused import rmsnorm
+    from engine.kernels.moe.pairs import experts_per_pair
+    from engine.kernels.moe.router import softmax_topk
 
     g = torch.Generator().manual_seed(tokens)
     experts, hidden, inter, top_k = 16, 256, 96, 4

@@ -17,8 +17,8 @@ def test_split_sum_consumers_compile_for_hopper():
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
     import triton.language as tl
 
-    from engine.layers.fused_kernels import _rmsnorm_kernel, _rope_kernel, _silu_and_mul_kernel
-    from engine.layers.moe_router_kernel import _softmax_topk_kernel
+    from engine.kernels.fused import _rmsnorm_kernel, _rope_kernel, _silu_and_mul_kernel
+    from engine.kernels.moe.router import _softmax_topk_kernel
 
     compile_for_sm90(_rmsnorm_kernel, dict(X="*fp32", R="*bf16", W="*bf16", Out="*bf16",
                                            ResOut="*bf16", eps="fp32"),

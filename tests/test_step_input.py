@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.step_input import FIELD_NAMES, PackedStep, StepInput
+from engine.executor.step_input import FIELD_NAMES, PackedStep, StepInput
 
 
 def test_pack_and_unpack_follow_the_fields():

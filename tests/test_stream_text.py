@@ -12,8 +12,8 @@ from deployments.errors import APIError
 from deployments.request_body import parse_json
 from deployments.prompt_encoder import PromptEncoder
 from deployments.streams import ChoiceState, merge_deltas
-from engine.demo_model import ensure_demo_model
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.loading.demo_model import ensure_demo_model
+from engine.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXT = "héllo wörld — 世界 says 🙂🎉 to the naïve café, and stops at STOP here. 日本語もね。"
 

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.engine import Engine
+from engine.runtime.engine import Engine
 
 NAME = {"type": "string", "minLength": 1, "maxLength": 8}
 SMALL_INT = {"type": "integer", "minimum": 0, "maximum": 99}

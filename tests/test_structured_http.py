@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.demo_model import ensure_demo_model
+from engine.loading.demo_model import ensure_demo_model
 from engine.grammar import Grammars
 from engine.models import load_hf_config
-from engine.tokenizer import Tokenizer
+from engine.loading.tokenizer import Tokenizer
 from serve_helpers import BASE, run_app, serve_config_args, start_ray, stop_ray
 from test_structured import PROMPTS, REGEXES, SCHEMAS
 

@@ -314,8 +314,8 @@ def mistral_tokenizer(tmp_path_factory):
     markers are special tokens (skip_special_tokens drops them), with a template using them."""
     from transformers import AutoTokenizer
 
-    from engine.demo_model import ensure_demo_model
-    from engine.tokenizer import Tokenizer
+    from engine.loading.demo_model import ensure_demo_model
+    from engine.loading.tokenizer import Tokenizer
 
     hf = AutoTokenizer.from_pretrained(ensure_demo_model())
     hf.add_special_tokens({"additional_special_tokens": MISTRAL_SPECIALS})
@@ -346,7 +346,7 @@ def test_mistral_tool_calls_marker_survives_skip_special_tokens(mistral_tokenize
     from deployments.protocol import ChatCompletionRequest
     from deployments.responses import TokenNamer, chat_chunk, chat_response
     from deployments.streams import ChoiceState
-    from engine.tokenizer import IncrementalDetokenizer
+    from engine.loading.tokenizer import IncrementalDetokenizer
 
     tok = mistral_tokenizer
     features = ChatFeatures(tok.hf, "mistral", None, None)

@@ -18,8 +18,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.demo_model import ARCHS
-from engine.engine import Engine
+from engine.loading.demo_model import ARCHS
+from engine.runtime.engine import Engine
 from engine.layers.parallel import TPContext
 from engine.models import LlamaForCausalLM, load_hf_config
 
@@ -187,7 +187,7 @@ def test_tp_needs_started_ranks(tiny_llama):
 def test_gloo_interface_is_the_route_to_rank0(monkeypatch):
     import socket
 
-    from engine.distributed import _pick_gloo_interface, interface_towards
+    from engine.executor.distributed import _pick_gloo_interface, interface_towards
 
     loopback = interface_towards("127.0.0.1")
     assert loopback in [name for _, name in socket.if_nameindex()]

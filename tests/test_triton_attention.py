@@ -17,7 +17,7 @@ import torch
 
 from engine.attention.base import ForwardBatch, leading_decode_rows
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.kv_pool import KVPool
+from engine.attention.kv_pool import KVPool
 from engine.quantization.fp8 import FP8
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -557,7 +557,7 @@ def test_no_triton_import_from_engine():
     import sys
 
     code = ("import sys; import engine.attention.base, engine.attention.torch_backend, "
-            "engine.kv_pool; bad = [m for m in sys.modules "
+            "engine.attention.kv_pool; bad = [m for m in sys.modules "
             "if m.startswith('engine.attention.triton')]; assert not bad, bad")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)

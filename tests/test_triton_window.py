@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.kv_pool import KVPool
+from engine.attention.kv_pool import KVPool
 from engine.quantization.fp8 import FP8
 from test_triton_attention import DEVICE, DT, compare, decode_reqs, extend_reqs, make_case
 

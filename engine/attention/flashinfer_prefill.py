@@ -1,6 +1,6 @@
 """Large extend steps through FlashInfer's Hopper prefill kernel (its "fa3" backend).
 
-Measured on the H200 (benchmarks/attention_notes.md, sessions 23-24), per layer, over our
+Measured on the H200 (benchmarks/attention_notes.md), per layer, over our
 page-size-1 pool read in place (every slot a page of one token), this module's path against
 `extend_kernel`: 1.34-1.36x faster on long prompts' chunks (1 x 16,000 new tokens: 3.69 against
 4.94 ms; 1 x 8,192 over an 8,192-token prefix: 3.17 against 4.31), 1.43x on 4 x 1,024 over

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import ForwardBatch
-from engine.kv_pool import KVPool
+from engine.attention.kv_pool import KVPool
 
 
 class TorchAttentionBackend:

@@ -13,13 +13,13 @@ import triton
 
 from engine.attention.base import ForwardBatch
 from engine.attention.flashinfer_prefill import FlashInferPrefill, worth_it
-from engine.attention.triton_common import store_kv_kernel
-from engine.attention.triton_configs import PREFIX_MAX_SPLITS, TritonLaunchConfigs, smem_limit_of
-from engine.attention.triton_decode import (decode_partial_kernel, decode_reduce_kernel,
+from engine.kernels.attention.common import store_kv_kernel
+from engine.kernels.attention.configs import PREFIX_MAX_SPLITS, TritonLaunchConfigs, smem_limit_of
+from engine.kernels.attention.decode import (decode_partial_kernel, decode_reduce_kernel,
                                             prefix_attn_kernel)
-from engine.attention.triton_extend import extend_kernel
-from engine.kv_pool import KVPool
-from engine.layers.pdl import pdl_launch
+from engine.kernels.attention.extend import extend_kernel
+from engine.attention.kv_pool import KVPool
+from engine.kernels.pdl import pdl_launch
 
 _LOG2E = 1.4426950408889634
 # RADIXSERVE_DECODE_STORES_KV=0: a pure decode step stores its new K/V with the store kernel
@@ -113,7 +113,7 @@ class TritonAttentionBackend(TritonLaunchConfigs):
         # fp32 models use IEEE fp32 dots; the CPU interpreter's bf16/fp16 dot is broken,
         # so it upcasts too.
         self.f32_dot = self.dot_dtype == torch.float32 or _interpreting()
-        self._pdl = pdl_launch(device)  # every launch below: see engine/layers/pdl.py
+        self._pdl = pdl_launch(device)  # every launch below: see engine/kernels/pdl.py
         self.smem_limit = smem_limit_of(device)
         # Kernel launch configs: None = heuristics below; a dict overrides them (the
         # benchmark script sweeps these).
@@ -128,7 +128,7 @@ class TritonAttentionBackend(TritonLaunchConfigs):
         # the backend lives (a captured CUDA graph may still point at an older one).
         self._retired: list[torch.Tensor] = []
         self._mid = _Partials(self.block_d, self.device, self._retired)  # split-KV decode
-        # Radix-grouped decode (engine/prefix_groups.py): the prefix kernel's partials.
+        # Radix-grouped decode (engine/core/prefix_groups.py): the prefix kernel's partials.
         self.prefix_cfg: dict | None = None
         self._grouped = None  # the step's PrefixGroupBatch when it runs grouped
         self._pfx = _Partials(self.block_d, self.device, self._retired)

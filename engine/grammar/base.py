@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 # JSON comes out compact: models need not (and a random model would never stop to) choose
 # whitespace, and more of the text is forced, which jump-forward skips.

@@ -17,8 +17,8 @@ from engine.grammar.after_text import AfterText
 from engine.grammar.base import CompiledGrammar, GrammarBackend, GrammarSpec, Matcher
 from engine.grammar.llguidance_backend import LLGuidanceBackend
 from engine.grammar.xgrammar_backend import XGrammarBackend, xgrammar_tokenizer_info
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ def bf16_gemv_rows(setting: str | None) -> int:
     """Rows up to which bf16 linears take the Triton GEMV: 1, or RADIXSERVE_BF16_GEMV_ROWS
     (2-64), an A/B not yet measured on a GPU: short prompts' extend graphs would chain their
     linears under PDL instead of draining the GPU around each cuBLAS GEMM (~3.5 us a side
-    on the H200: benchmarks/RESULTS.md, session 11)."""
+    on the H200)."""
     if not setting:
         return 1
     if not (setting.strip().isdigit() and 1 <= int(setting) <= 64):

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.split_sums import SplitSums
-from engine.quantization.fp8_format import Fp8Rows
+from engine.kernels.split_sums import SplitSums
+from engine.kernels.fp8_format import Fp8Rows
 
 
 class SiluAndMul(nn.Module):
@@ -16,15 +16,15 @@ class SiluAndMul(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.fused = False  # one Triton kernel on GPUs (engine/layers/fused_kernels.py)
+        self.fused = False  # one Triton kernel on GPUs (engine/kernels/fused.py)
         # As RMSNorm's: set when an FP8 linear alone reads the output (engine/layers/norm.py).
         self.quantizes_for: Callable[[int], bool] | None = None
 
     def forward(self, x: torch.Tensor | SplitSums) -> torch.Tensor | Fp8Rows:
-        """x may be a linear's partial sums (engine/layers/split_sums.py); the output may
+        """x may be a linear's partial sums (engine/kernels/split_sums.py); the output may
         come back quantized (`Fp8Rows`) for the FP8 linear after it."""
         if self.fused and x.is_cuda:
-            from engine.layers.fused_kernels import silu_and_mul
+            from engine.kernels.fused import silu_and_mul
 
             quantize = (self.quantizes_for is not None and isinstance(x, torch.Tensor)
                         and self.quantizes_for(x.numel() // x.shape[-1]))

@@ -4,10 +4,10 @@ A batch-1 decode step reads every weight once, and its floor is those bytes at t
 rate. Between a layer's GEMVs run kernels that read almost nothing (RoPE, attention over
 one token's context, its reduce, the RMSNorms): about 10 us a layer on the H200, in which
 the bus carries nearly nothing, while each small GEMV after them pays ~3 us of ramp before
-its reads flow (qkv and o run at 57-75% of the copy rate; benchmarks/RESULTS.md, sessions
-10-12). `prefetch_l2` asks the copy engine of the SM (`cp.async.bulk.prefetch.L2`, one
-instruction per chunk) to bring a weight's first bytes into L2 and returns at once; the
-GEMV that comes later reads them from L2.
+its reads flow (qkv and o run at 57-75% of the copy rate on the H200). `prefetch_l2` asks
+the copy engine of the SM (`cp.async.bulk.prefetch.L2`, one instruction per chunk) to
+bring a weight's first bytes into L2 and returns at once; the GEMV that comes later reads
+them from L2.
 
 Which weights and how much (`RADIXSERVE_L2_PREFETCH`, a comma-separated list of
 `target:megabytes`; unset or "0": off), each asked for at the start of the stretch of small
@@ -16,8 +16,8 @@ qkv (during RoPE, attention and its reduce), `gate_up` after o (during the secon
 A GEMV's first programs read its weight's first bytes, so a budget smaller than the weight
 still takes its ramp away. Only steps of at most `MAX_ROWS` tokens prefetch: above that the
 linears are GEMMs that reuse each weight tile across rows. Not yet measured on a GPU:
-`scripts/bench_l2_prefetch.py` (the kernel alone) and `scripts/bench_pdl.py --settings -
-RADIXSERVE_L2_PREFETCH=o:64` (the step) decide whether it stays.
+`scripts/bench_l2_prefetch.py` (the kernel alone) and the W3 step with and without it
+decide whether it stays.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.layers.pdl import pdl_launch, pdl_prologue
+from engine.kernels.pdl import pdl_launch, pdl_prologue
 
 MAX_ROWS = 16
 CHUNK_BYTES = 16 << 10  # one bulk prefetch; 16-byte multiples, as the instruction requires

@@ -5,8 +5,8 @@ row parallel splits the input features (each rank computes a partial sum, all-re
 Parameters are created with the ambient default dtype and device, and each parameter
 carries a `weight_loader` that copies this rank's shard out of a full checkpoint tensor.
 At tp size 1 every layer is one `F.linear` call, or at one row on a GPU our Triton GEMV
-(`gemv_rows`, engine/layers/gemv.py), whose K-slice partial sums go unsummed to a consumer
-that adds them (`split_sums_ok`, engine/layers/split_sums.py); an FP8 layer
+(`gemv_rows`, engine/kernels/gemv.py), whose K-slice partial sums go unsummed to a consumer
+that adds them (`split_sums_ok`, engine/kernels/split_sums.py); an FP8 layer
 (engine/quantization/) holds a float8 `weight` and its `weight_scale`, and `matmul` runs the
 FP8 GEMM instead.
 """
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.parallel import Loadable, TPContext, copy_into, divide, materialize, narrow
-from engine.layers.split_sums import SplitSums
+from engine.kernels.split_sums import SplitSums
 from engine.quantization.fp8 import fp8_linear, takes_weight_only_kernel
 
 
@@ -46,7 +46,7 @@ class LinearBase(nn.Module):
         # never; set by `set_fused_kernels`): it keeps a decode step's PDL chain unbroken.
         self.gemv_rows = 0
         # Set by the module that consumes this layer's output when it also takes a GEMV's
-        # K-slice partial sums (engine/layers/split_sums.py) and adds them itself.
+        # K-slice partial sums (engine/kernels/split_sums.py) and adds them itself.
         self.split_sums_ok = False
 
     def weight_loader(self, param: nn.Parameter, loaded: Loadable) -> None:
@@ -58,7 +58,7 @@ class LinearBase(nn.Module):
         keep_splits = keep_splits and bias is None
         if self.weight_scale is None:
             if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= self.gemv_rows:
-                from engine.layers.gemv import gemv
+                from engine.kernels.gemv import gemv
 
                 y = gemv(x, self.weight, keep_splits=keep_splits)
                 return y + bias if bias is not None else y
@@ -121,11 +121,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def silu_mul_gemv(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of a [gate, up] layer in its GEMV's own launch (`gemv_glu`,
-        engine/layers/gemv.py), when its matmul is the float8 weight-only GEMV: one launch
+        engine/kernels/gemv.py), when its matmul is the float8 weight-only GEMV: one launch
         fewer per MLP. None otherwise, and the caller applies the activation itself. Not for
         bf16: at one row it measured slower fused (H200 W3 4.449 vs 4.341 ms), the split-K
         GEMV keeping more programs in flight than the saved launch is worth."""
-        from engine.layers import gemv as gemv_module
+        from engine.kernels import gemv as gemv_module
 
         if (gemv_module.GLU and self.weight_scale is not None and self.bias is None
                 and isinstance(x, torch.Tensor) and x.dim() == 2 and len(self.local_sizes) == 2

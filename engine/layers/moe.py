@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.parallel import Loadable, TPContext, copy_into, divide, narrow
-from engine.layers.split_sums import SplitSums
+from engine.kernels.split_sums import SplitSums
 
 MoEParallel = Literal["tp", "ep"]
 MOE_PARALLEL_MODES = ("tp", "ep")
@@ -90,10 +90,10 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     for decode-sized batches, two grouped GEMMs over expert blocks above. With
     `keep_choices` each token's k weighted outputs may come back unsummed (a SplitSums).
     Float8 weights are read as they are and scaled per output row (W8A16)."""
-    from engine.layers.fused_kernels import silu_and_mul as silu_and_mul_kernel
-    from engine.layers.moe_align_kernel import group_by_expert_kernel
-    from engine.layers.moe_kernels import choices_or_sum, grouped_gemm, tiles_for
-    from engine.layers.moe_pair_kernels import MAX_PAIRS, experts_per_pair
+    from engine.kernels.fused import silu_and_mul as silu_and_mul_kernel
+    from engine.kernels.moe.align import group_by_expert_kernel
+    from engine.kernels.moe.grouped_gemm import choices_or_sum, grouped_gemm, tiles_for
+    from engine.kernels.moe.pairs import MAX_PAIRS, experts_per_pair
 
     t, k = topk_ids.shape
     num_pairs = t * k
@@ -181,7 +181,7 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 keep_choices: bool = False) -> torch.Tensor | SplitSums:
         """This rank's experts' output; with `keep_choices` (tp size 1 only) possibly each
-        token's choices unsummed, for an RMSNorm to add (engine/layers/split_sums.py)."""
+        token's choices unsummed, for an RMSNorm to add (engine/kernels/split_sums.py)."""
         scales = dict(w13_scale=self.w13_scale, w2_scale=self.w2_scale)
         if not x.is_cuda:
             out = experts_torch(x, self.w13, self.w2, topk_weights, topk_ids, self.first_expert,

@@ -6,7 +6,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from engine.layers.split_sums import SplitSums
+from engine.kernels.split_sums import SplitSums
 
 
 class RMSNorm(nn.Module):
@@ -14,7 +14,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.fused = False  # one Triton kernel on GPUs (engine/layers/fused_kernels.py)
+        self.fused = False  # one Triton kernel on GPUs (engine/kernels/fused.py)
         # Set by `set_fused_kernels` when an FP8 linear alone reads this norm's output: given a
         # row count, whether that linear wants its input quantized (then the kernel does it).
         self.quantizes_for: Callable[[int], bool] | None = None
@@ -29,10 +29,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor | SplitSums, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with a residual: (norm(x + residual), x + residual). x may be a
-        linear's partial sums (engine/layers/split_sums.py); norm(x) may come back quantized
+        linear's partial sums (engine/kernels/split_sums.py); norm(x) may come back quantized
         (`Fp8Rows`) for the FP8 linear after it."""
         if self.fused and x.is_cuda:
-            from engine.layers.fused_kernels import rmsnorm
+            from engine.kernels.fused import rmsnorm
 
             quantize = (self.quantizes_for is not None and isinstance(x, torch.Tensor)
                         and self.quantizes_for(x.numel() // x.shape[-1]))

@@ -1,7 +1,7 @@
 """Tensor-parallel context: which rank this process is, and its collectives.
 
 At size 1 the collectives are the identity, and the layers do not even call them, so a
-single-GPU model is a plain dense model. Across processes, `engine.distributed.DistributedTP`
+single-GPU model is a plain dense model. Across processes, `engine.executor.distributed.DistributedTP`
 backs them with torch.distributed (a process group in `group`).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ Loadable = Union[torch.Tensor, Any]
 class TPContext:
     rank: int = 0
     size: int = 1
-    group: Any = None  # torch.distributed process group (see engine/distributed.py)
+    group: Any = None  # torch.distributed process group (see engine/executor/distributed.py)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:

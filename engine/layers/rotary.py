@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.layers.split_sums import SplitSums
+from engine.kernels.split_sums import SplitSums
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -136,14 +136,14 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor(params)
         self.register_buffer("cos_sin_cache", cache.to(device=torch.get_default_device()),
                              persistent=False)
-        self.fused = False  # one Triton kernel on GPUs (engine/layers/fused_kernels.py)
+        self.fused = False  # one Triton kernel on GPUs (engine/kernels/fused.py)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 norms: tuple[nn.Module, nn.Module] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hkv, D] rotated by their tokens' positions [T]; with `norms`
         (per-head RMSNorms of q and of k, Qwen3) normalised first."""
         if self.fused and q.is_cuda and self.rotary_dim == self.head_dim:
-            from engine.layers.fused_kernels import rope
+            from engine.kernels.fused import rope
 
             return rope(positions, q, k, self.cos_sin_cache, _qk_norm(norms))
         if norms is not None:
@@ -154,12 +154,12 @@ class RotaryEmbedding(nn.Module):
     def forward_split_sums(self, positions: torch.Tensor, qkv: SplitSums, heads: tuple[int, int, int],
                            norms: tuple[nn.Module, nn.Module] | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q, k, v) of a qkv projection left as partial sums (engine/layers/split_sums.py),
+        """(q, k, v) of a qkv projection left as partial sums (engine/kernels/split_sums.py),
         `heads` = (Hq, Hkv, D): q and k rotated as `forward` does, the sums added in the
         same launch when it is fused."""
         hq, hkv, d = heads
         if self.fused and qkv.is_cuda and self.rotary_dim == self.head_dim:
-            from engine.layers.fused_kernels import rope_split_sums
+            from engine.kernels.fused import rope_split_sums
 
             return rope_split_sums(positions, qkv, heads, self.cos_sin_cache, _qk_norm(norms))
         q, k, v = qkv.total().split([hq * d, hkv * d, hkv * d], dim=-1)

@@ -41,11 +41,11 @@ def get_model_class(hf_config: Any) -> type[nn.Module]:
 
 
 def load_hf_config(model_dir: str) -> Any:
-    """`model_dir` may be any spelling engine/model_source.py resolves, a .gguf file included."""
+    """`model_dir` may be any spelling engine/loading/model_source.py resolves, a .gguf file included."""
     from transformers import AutoConfig
 
-    from engine.model_source import resolve_model_path
-    from engine.models.gguf import gguf_config, is_gguf
+    from engine.loading.model_source import resolve_model_path
+    from engine.loading.gguf import gguf_config, is_gguf
 
     path = resolve_model_path(model_dir)
     if is_gguf(path):
@@ -96,8 +96,8 @@ def load_model(model_dir: str, *, dtype: str | torch.dtype = "auto", device: str
     `moe_parallel` ("tp" or "ep") splits an MoE model's experts across TP ranks (see
     engine/layers/moe.py). FP8: a checkpoint's `quantization_config`, or `quantization="fp8"`
     (quantize after loading); see engine/quantization/."""
-    from engine.quantization.checkpoint_formats import fp8_scheme
-    from engine.weights import dummy_init_
+    from engine.loading.checkpoint_formats import fp8_scheme
+    from engine.loading.weights import dummy_init_
 
     tp = tp or TPContext()
     hf_config = hf_config if hf_config is not None else load_hf_config(model_dir)
@@ -118,7 +118,7 @@ def load_model(model_dir: str, *, dtype: str | torch.dtype = "auto", device: str
     else:
         raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {load_format!r}")
     if scheme is not None and not (scheme.prequantized and load_format == "safetensors"):
-        from engine.quantization.fp8_layers import quantize_linears_
+        from engine.layers.fp8 import quantize_linears_
 
         quantize_linears_(model)  # on-the-fly (or dummy weights standing in for an FP8 checkpoint)
     logger.info("loaded %s (%s, %s) from %s", model_cls.__name__, torch_dtype, device, model_dir)
@@ -127,9 +127,9 @@ def load_model(model_dir: str, *, dtype: str | torch.dtype = "auto", device: str
 
 def _load_checkpoint(model: nn.Module, model_dir: str, hf_config: Any, tp: TPContext,
                      scheme: Any) -> None:
-    from engine.quantization.checkpoint_formats import read_fp8_checkpoint, reject_float8
-    from engine.quantization.fp8_layers import make_fp8_linears_
-    from engine.weights import checkpoint_weights, tensor_shapes
+    from engine.loading.checkpoint_formats import read_fp8_checkpoint, reject_float8
+    from engine.layers.fp8 import make_fp8_linears_
+    from engine.loading.weights import checkpoint_weights, tensor_shapes
 
     weights = checkpoint_weights(model_dir, hf_config, lazy=tp.size > 1)
     if scheme is not None and scheme.prequantized:

@@ -30,7 +30,7 @@ from engine.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVPar
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import Loadable, TPContext, copy_into, materialize
 from engine.layers.rotary import RotaryEmbedding, get_rope
-from engine.layers.split_sums import SplitSums
+from engine.kernels.split_sums import SplitSums
 
 # checkpoint name piece -> (our fused parameter piece, shard id)
 _STACKED = [
@@ -166,7 +166,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         # Outputs only RMSNorms read (this layer's second, the next layer's first, the final
-        # one) may stay a GEMV's partial sums: the norms add them (engine/layers/split_sums.py).
+        # one) may stay a GEMV's partial sums: the norms add them (engine/kernels/split_sums.py).
         self.self_attn.o_proj.split_sums_ok = True
         self.mlp.split_sums_ok = True
 

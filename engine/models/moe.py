@@ -22,9 +22,9 @@ from torch import nn
 
 from engine.layers.linear import ReplicatedLinear
 from engine.layers.moe import FusedMoE, MoEParallel
-from engine.layers.moe_routing import select_experts
+from engine.kernels.moe.routing import select_experts
 from engine.layers.parallel import Loadable, TPContext
-from engine.layers.split_sums import SplitSums
+from engine.kernels.split_sums import SplitSums
 from engine.models.llama import LlamaForCausalLM, LlamaMLP
 
 _EXPERT_WEIGHT = re.compile(
@@ -48,7 +48,7 @@ class SparseMoeBlock(nn.Module):
         self.gate.split_sums_ok = True  # the router kernel adds a GEMV's partial sums
         self.gate.keep_dtype = True  # FP8 models keep the router in the model dtype
         # Set by the decoder layer: its output goes only to an RMSNorm, which can add each
-        # token's expert outputs itself (engine/layers/split_sums.py).
+        # token's expert outputs itself (engine/kernels/split_sums.py).
         self.split_sums_ok = False
         self.experts = FusedMoE(num_experts, hidden, moe_intermediate_size, tp, parallel,
                                 reduce_results=False)

@@ -4,7 +4,7 @@ A quantized weight is `weight` [out, in] in float8 plus `weight_scale` [out, G] 
 row r's input features fall in G equal groups, group g dequantizes as
 `weight[r, group g] * weight_scale[r, g]`. G = 1 is a per-output-channel scale (what
 on-the-fly quantization and per-tensor/per-channel checkpoints give); G > 1 holds a
-checkpoint's block scales expanded along the rows (engine/quantization/checkpoint_formats.py).
+checkpoint's block scales expanded along the rows (engine/loading/checkpoint_formats.py).
 
 Activations get a dynamic scale per token (row), computed in the forward, so the GEMM is
 `(x_q * sx) @ (w_q * sw)^T = sx * (x_q @ w_q^T) * sw^T`: one `torch._scaled_mm` with
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.quantization.fp8_format import FP8, FP8_MAX, MIN_SCALE, Fp8Rows
+from engine.kernels.fp8_format import FP8, FP8_MAX, MIN_SCALE, Fp8Rows
 
 
 def to_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -49,8 +49,8 @@ def takes_weight_only_kernel(x: torch.Tensor, weight_scale: torch.Tensor) -> boo
     steps through (a power-of-two width, like checkpoints' 128)."""
     if not x.is_cuda:
         return False
-    from engine.layers.gemv import scale_group
-    from engine.quantization.fp8_kernels import W8A16_MAX_ROWS
+    from engine.kernels.gemv import scale_group
+    from engine.kernels.fp8 import W8A16_MAX_ROWS
 
     return scale_group(x.shape[-1], weight_scale) >= 0 and x.numel() // x.shape[-1] <= W8A16_MAX_ROWS
 
@@ -59,7 +59,7 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
                bias: torch.Tensor | None, quantize_input: bool = True,
                keep_splits: bool = False, fast_accum: bool = False) -> torch.Tensor:
     """y = x W^T (+ bias) for an FP8 weight; output in x's dtype. With `keep_splits` the
-    weight-only kernel may return a `SplitSums` (engine/layers/split_sums.py) instead. x may
+    weight-only kernel may return a `SplitSums` (engine/kernels/split_sums.py) instead. x may
     come quantized already (`Fp8Rows`, from the kernel before the linear).
 
     On the GPU, decode-sized batches run the weight-only kernel (`fp8_kernels.w8a16_linear`:
@@ -76,7 +76,7 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     if takes_weight_only_kernel(x, weight_scale):
-        from engine.quantization import fp8_kernels
+        from engine.kernels import fp8 as fp8_kernels
         y = fp8_kernels.w8a16_linear(rows, weight, weight_scale,
                                      keep_splits=keep_splits and bias is None and x.dim() == 2)
         if not isinstance(y, torch.Tensor):
@@ -86,7 +86,7 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
     if not (quantize_input and scaled_mm_ok(weight, weight_scale)):
         return F.linear(x, dequantize(weight, weight_scale, x.dtype), bias)
     if x.is_cuda:
-        from engine.quantization.fp8_kernels import quantize_rows as quantize_rows_kernel
+        from engine.kernels.fp8 import quantize_rows as quantize_rows_kernel
         x_q, x_scale = quantize_rows_kernel(rows)
     else:
         x_q, x_scale = quantize_rows(rows)
@@ -105,7 +105,7 @@ def _scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
 def takes_quantized_input(layer: torch.nn.Module, rows: int) -> bool:
     """Whether an FP8 `layer` (a LinearBase) would quantize an input of `rows` rows itself
     for `torch._scaled_mm`, so the kernel before it may hand it `Fp8Rows` instead."""
-    from engine.quantization.fp8_kernels import W8A16_MAX_ROWS
+    from engine.kernels.fp8 import W8A16_MAX_ROWS
 
     return (layer.weight_scale is not None and layer.quantize_input and rows > W8A16_MAX_ROWS
             and scaled_mm_ok(layer.weight, layer.weight_scale))

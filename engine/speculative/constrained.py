@@ -17,8 +17,8 @@ import torch
 
 from engine.grammar import Grammars
 from engine.grammar.base import Matcher
-from engine.request import Request
-from engine.step_plan import Chunk
+from engine.core.request import Request
+from engine.core.step_plan import Chunk
 
 
 def matcher_or_none(grammars: Grammars, req: Request) -> Matcher | None:

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.kv_pool import SlotAllocator
-from engine.radix_cache import RadixCache
-from engine.request import KVRecord, Request
-from engine.step_plan import Chunk
+from engine.core.slot_allocator import SlotAllocator
+from engine.core.radix_cache import RadixCache
+from engine.core.request import KVRecord, Request
+from engine.core.step_plan import Chunk
 
 
 @dataclass(eq=False)

@@ -25,18 +25,18 @@ import torch
 
 from engine.config import EngineConfig
 from engine.grammar import Grammars
-from engine.kv_pool import KVPool
-from engine.layers.argmax import argmax_rows
-from engine.model_runner import MemoryReserve, ModelRunner, kv_shape
+from engine.attention.kv_pool import KVPool
+from engine.kernels.argmax import argmax_rows
+from engine.executor.model_runner import MemoryReserve, ModelRunner, kv_shape
 from engine.models import load_hf_config, resolve_device, resolve_dtype
 from engine.quantization.fp8 import FP8
-from engine.request import Request
-from engine.sampler import Sampler
+from engine.core.request import Request
+from engine.executor.sampler import Sampler
 from engine.speculative.constrained import matcher_or_none
 from engine.speculative.draft_kv import DraftKV, DraftSeq
 from engine.speculative.proposer import Proposer
-from engine.step_input import PendingTokens
-from engine.step_plan import Chunk, StepPlan
+from engine.executor.step_input import PendingTokens
+from engine.core.step_plan import Chunk, StepPlan
 
 
 def load_draft_config(config: EngineConfig):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 
-from engine.request import Request
+from engine.core.request import Request
 from engine.speculative.proposer import Proposer
 
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.step_plan import Chunk
+from engine.executor.sampler import Sampler
+from engine.core.sampling_params import SamplingParams
+from engine.core.step_plan import Chunk
 
 
 @dataclass

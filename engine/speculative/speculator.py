@@ -8,17 +8,17 @@ import torch
 
 from engine.config import EngineConfig
 from engine.grammar import Grammars
-from engine.model_runner import ModelRunner
-from engine.output_processor import OutputProcessor, TokenUpdate
-from engine.request import Request
-from engine.sampler import Sampler
-from engine.step_plan import Chunk, StepPlan
+from engine.executor.model_runner import ModelRunner
+from engine.executor.output_processor import OutputProcessor, TokenUpdate
+from engine.core.request import Request
+from engine.executor.sampler import Sampler
+from engine.core.step_plan import Chunk, StepPlan
 from engine.speculative.constrained import cut_to_grammar, verify_masks
 from engine.speculative.draft_model import DraftModelProposer
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.positions import TokenLogprobs, penalized, token_logprobs
 from engine.speculative.proposer import Proposer
-from engine.speculative.stats import SpecStats
+from engine.core.spec_stats import SpecStats
 from engine.speculative.verify import verify_chunks
 
 

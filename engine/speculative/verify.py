@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import torch
 
-from engine.layers.argmax import argmax_rows
-from engine.sampler import Sampler
-from engine.step_plan import Chunk
+from engine.kernels.argmax import argmax_rows
+from engine.executor.sampler import Sampler
+from engine.core.step_plan import Chunk
 
 
 def verify_greedy(target_ids: list[int], draft: list[int]) -> list[int]:

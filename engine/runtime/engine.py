@@ -1,0 +1,271 @@
+"""The engine (`Engine`: requests in, one step at a time through its stepper, outputs and
+stats out) and the offline facade (`LLM`)."""
+from __future__ import annotations
+
+import logging
+import time
+
+from engine.core.admission import check_priority
+from engine.config import EngineConfig
+from engine.runtime.gc_freeze import freeze_after_start
+from engine.grammar import Grammars
+from engine.layers.parallel import TPContext
+from engine.executor.model_runner import ModelRunner
+from engine.executor.output_processor import OutputProcessor, TokenUpdate, feed_detokenizer
+from engine.core.outputs import RequestOutput
+from engine.runtime.overlap import OverlapStepper
+from engine.core.queue_deadlines import QueueTimeoutError, timeout_error
+from engine.core.radix_cache import RadixCache
+from engine.core.request import Request, validate_request
+from engine.executor.sampler import Sampler
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.speculative.draft_model import draft_memory_reserve
+from engine.speculative.speculator import Speculator
+from engine.runtime.sync_step import SyncStepper
+from engine.loading.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.runtime.warmup import warm_up
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The engine's waiting queue is over `max_queued_requests`; retry later."""
+
+
+class Engine:
+    """Single-threaded core: add requests, call `step()` until they finish."""
+
+    def __init__(self, config: EngineConfig, tp: TPContext | None = None) -> None:
+        """At tp_size > 1 this is rank 0: `tp` is its context, already joined with the other
+        ranks (engine/runtime/tp_worker.py starts them locally, deployments/tp_workers.py on Ray)."""
+        self.config = config
+        self.tokenizer = Tokenizer(config.tokenizer or config.model)
+        # A draft model's weights and KV pool share the memory the target's pool is sized from.
+        reserve = draft_memory_reserve(config) if config.speculative_algorithm == "draft_model" else None
+        self.runner = ModelRunner(config, tp=tp, reserve=reserve)
+        self.max_context = self.runner.max_context
+        allocator = self.runner.kv_pool.allocator
+        self.cache = RadixCache(allocator, enabled=config.enable_radix_cache,
+                                record_events=config.enable_cache_events)
+        self.scheduler = Scheduler(config, allocator, self.cache)
+        self.sampler = Sampler(self.runner.device, config.seed, self.tokenizer.eos_token_ids)
+        self.scheduler.release_hooks.append(self.sampler.release)
+        self.grammars = Grammars(config.grammar_backend, self.tokenizer.hf, self.runner.vocab_size,
+                                 self.tokenizer.eos_token_ids, self.runner.device,
+                                 jump_forward=config.enable_jump_forward)
+        self.processor = OutputProcessor(self.scheduler, self.grammars,
+                                         self.tokenizer.eos_token_ids, self.max_context)
+        self.requests: dict[str, Request] = {}
+        self.speculator = None
+        if config.speculative_algorithm:
+            self.speculator = Speculator(config, self.sampler, self.grammars, target=self.runner)
+            self.scheduler.release_hooks.append(self.speculator.release)
+        self.stepper: SyncStepper | OverlapStepper = SyncStepper(
+            self.scheduler, self.runner, self.sampler, self.processor, self.speculator)
+        if overlap_enabled(config, self.runner.device.type, self.runner.tp.size):
+            self.stepper = OverlapStepper(self.stepper, config.max_running_requests)
+        # Compile every Triton specialization before serving; logs the start-up phases.
+        self.startup = warm_up(self)
+        freeze_after_start(self, config.freeze_gc_after_start)
+
+    def close(self) -> None:
+        """At tp > 1: stop the other ranks (call once the step loop has stopped)."""
+        self.runner.close()
+
+    # -- requests -----------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams,
+                 compile_grammar: bool = True) -> None:
+        """Raise ValueError for a request that can never run; touches no engine state.
+        A constraint is compiled here (in the caller's thread, or waiting for the pool's
+        compile), so a bad regex or schema fails before anything is queued; the compiled
+        grammar is cached for `add_request`."""
+        validate_request(prompt_ids, params, self.runner.vocab_size, self.max_context,
+                         self.runner.kv_pool.num_slots)
+        check_priority(params, self.config.priority_scheduling)
+        if compile_grammar:
+            self.grammars.check(params)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+        prompt_ids = self.tokenize_prompt(prompt)
+        self.validate(prompt_ids, params, compile_grammar=False)
+        # Not waited for here (the step loop may be calling): the engine waits only when the
+        # request first samples, after its prefill. Callers that validate() first (LLM,
+        # AsyncEngine) find it compiled already.
+        grammar = self.grammars.submit(params) if params.has_constraint else None
+        if grammar is not None and grammar.done() and grammar.exception() is not None:
+            raise grammar.exception()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        limit = self.config.max_queued_requests
+        if limit:
+            # Requests that arrive between two steps all wait until the next one admits them:
+            # the batch's free places count too, so the engine takes what its callers count
+            # as its capacity (max_running_requests + max_queued_requests).
+            free = max(0, self.config.max_running_requests - len(self.scheduler.running))
+            if len(self.scheduler.waiting) >= limit + free:
+                raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting "
+                                     f"(limit {limit} + {free} free places in the batch)")
+        req = Request(request_id, prompt_ids, params, grammar=grammar)
+        req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop,
+                                           params.skip_special_tokens, params.include_stop_str_in_output)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.is_finished:
+            self.scheduler.abort(req)
+        return req
+
+    def abort_after_failed_step(self) -> list[Request]:
+        """End the requests a failed step leaves in doubt: those running, or, when none
+        ran (the step failed before admitting any), the waiting ones, so that a failure
+        that recurs on every step cannot spin the loop forever. Returns them."""
+        doomed = list(self.scheduler.running) or list(self.scheduler.waiting)
+        for req in doomed:
+            self.abort(req.request_id)
+        return doomed
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or self.stepper.busy
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def step(self) -> list[TokenUpdate]:
+        """One step; requests that waited past their queue deadline come first, finished
+        with reason "queue_timeout" and no tokens (`queue_timeout_error` says why)."""
+        expired = self.scheduler.expire_queued(time.monotonic())
+        updates = self.stepper.step()
+        return [TokenUpdate(r, [], True) for r in expired] + updates if expired else updates
+
+    def queue_timeout_error(self, req: Request) -> QueueTimeoutError:
+        return timeout_error(req, self.config.max_queue_time_s)
+
+    # -- reporting ----------------------------------------------------------------------
+
+    def output_of(self, req: Request) -> RequestOutput:
+        feed_detokenizer(req)
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_ids, token_ids=req.output_ids,
+            text=req.detok.text, finish_reason=req.finish_reason, cached_tokens=req.cached_tokens,
+            logprobs=req.output_logprobs if req.params.logprobs else None,
+            prompt_logprobs=req.prompt_logprobs, prompt_top_logprobs=req.prompt_top_logprobs,
+            top_logprobs=req.output_top_logprobs if req.params.top_logprobs else None,
+            speculative=req.spec_stats.as_dict() if self.speculator else None)
+
+    @property
+    def num_jump_forward_tokens(self) -> int:
+        """Output tokens appended by jump-forward (structured output), not decoded."""
+        return self.processor.num_jump_forward_tokens
+
+    def stats(self) -> dict:
+        s = self.scheduler.stats
+        pool = self.runner.kv_pool
+        return {
+            "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
+            "generated_tokens": s.generated_tokens, "preemptions": s.preemptions,
+            "priority_preemptions": s.priority_preemptions, "queue_timeouts": s.queue_timeouts,
+            "cache_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+            "free_slots": pool.allocator.num_free, "total_slots": pool.num_slots,
+            "cached_slots": self.cache.total_size, "evictable_slots": self.cache.evictable_size,
+            "kv_usage": 1.0 - (pool.allocator.num_free + self.cache.evictable_size) / pool.num_slots,
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "finished_requests": s.finished_requests, "aborted_requests": s.aborted_requests,
+            "steps": s.steps,
+            **(self.speculator.stats_dict() if self.speculator else {}),
+        }
+
+    # -- for the serving layer (deployments/ reads the engine only through these) ---------
+
+    def flush_cache(self) -> None:
+        """Drop every cached prefix (the radix tree), as SGLang's /flush_cache."""
+        self.cache.reset()
+        if self.speculator is not None:
+            self.speculator.proposer.flush_cache()  # a draft model's own tree
+
+    def drain_cache_events(self) -> list:
+        """The radix cache's insert/evict events since the last call, oldest first (with
+        `enable_cache_events`; the replica folds them into its routing digest)."""
+        return self.cache.drain_events()
+
+    def drain_grammar_compile_times(self) -> list[float]:
+        """Seconds each structured-output grammar compile took since the last call."""
+        return self.grammars.drain_compile_times()
+
+
+def overlap_enabled(config: EngineConfig, device_type: str, tp_size: int) -> bool:
+    """Overlap scheduling runs on CUDA at tp 1 (the next step reads its in-flight input
+    tokens from the device tensor rank 0 sampled; other ranks never see it), and not with
+    speculative decoding (a step's drafts come from the previous step's tokens)."""
+    return (config.enable_overlap_schedule and device_type == "cuda" and tp_size == 1
+            and config.speculative_algorithm is None)
+
+
+class LLM:
+    """Offline batch generation: `LLM(model=...).generate(prompts, params)`."""
+
+    def __init__(self, model: str = "", **kwargs) -> None:
+        config = EngineConfig.from_kwargs(model=model, **kwargs)
+        self._workers = None
+        if config.tp_size > 1:  # ranks 1..tp-1 as local processes; this process is rank 0
+            from engine.runtime.tp_worker import LocalWorkers, rank_config
+
+            self._workers = LocalWorkers(config)
+            config = rank_config(config, 0)
+        try:
+            self.engine = Engine(config, tp=self._workers.tp if self._workers else None)
+        except BaseException:
+            self.close()
+            raise
+        self._next_id = 0
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (also at exit and on garbage collection)."""
+        workers, self._workers = getattr(self, "_workers", None), None
+        if workers is not None:
+            workers.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def generate(self, prompts: list[str] | list[list[int]] | str,
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        all_params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(all_params) != len(prompts):
+            raise ValueError("need one SamplingParams per prompt")
+        ids = [self._tokenize_and_check(p, sp) for p, sp in zip(prompts, all_params)]
+        reqs = []
+        for prompt_ids, sp in zip(ids, all_params):
+            self._next_id += 1
+            reqs.append(self.engine.add_request(f"offline-{self._next_id}", prompt_ids, sp))
+        while self.engine.has_work:
+            self.engine.step()
+        outputs = [self.engine.output_of(r) for r in reqs]
+        for r in reqs:
+            self.engine.requests.pop(r.request_id, None)
+        return outputs
+
+    def _tokenize_and_check(self, prompt, params: SamplingParams) -> list[int]:
+        # Validate the whole batch before queueing any of it.
+        ids = self.engine.tokenize_prompt(prompt)
+        self.engine.validate(ids, params)
+        return ids
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer

@@ -1,0 +1,183 @@
+"""Launch to first token: `serve run` of a config, probed from the moment it starts.
+
+    python scripts/bench_startup.py serve_config.yaml            # scripts/serve.sh's mode
+    python scripts/bench_startup.py CONFIG --plain --port 8104   # plain `serve run`, another port
+
+Starts `scripts/serve.sh CONFIG` (its `http_options.port` replaced by --port) and, every
+--interval seconds until a completion succeeds, sends GET /health and GET /v1/models; a
+completion of one token is sent in a loop of its own (one at a time, so a server that holds
+it while starting does not hide the probes). Prints, per endpoint, when it first answered
+at all and when it first answered 200 (seconds after launch), the latency of its probes
+while the engine was starting, and how many probe rounds saw /health and /v1/models
+disagree. No timing is asserted: it is a table for the GPU machine's launch-to-first-token
+figure (docs/deploy.md, "Start-up and readiness").
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from serve_helpers import kill_session  # noqa: E402 - every process of `serve run`'s session
+TIMED_OUT = -1  # the status recorded for a probe that got no answer within its timeout
+
+
+@dataclass
+class Probes:
+    """One endpoint's answers: (seconds from launch to the answer, status, latency in s)."""
+
+    answers: list[tuple[float, int, float]] = field(default_factory=list)
+
+    def first(self, ok_only: bool = False) -> float | None:
+        return next((t for t, status, _ in self.answers if not ok_only or status == 200), None)
+
+    def starting_latencies(self) -> list[float]:
+        """Latencies of the answers before the first 200."""
+        ready = self.first(ok_only=True)
+        return [lat for t, _, lat in self.answers if ready is None or t < ready]
+
+
+def probe(client: httpx.Client, method: str, url: str, t0: float, probes: Probes, **kw) -> int:
+    start = time.monotonic()
+    try:
+        status = client.request(method, url, **kw).status_code
+    except httpx.TimeoutException:
+        status = TIMED_OUT
+    except httpx.HTTPError:
+        return 0  # nothing listening yet: not an answer
+    end = time.monotonic()
+    probes.answers.append((end - t0, status, end - start))
+    return status
+
+
+def launch(config: str, port: int, plain: bool) -> tuple[subprocess.Popen, Path]:
+    doc = yaml.safe_load(Path(config).read_text())
+    doc.setdefault("http_options", {})["port"] = port
+    tmp = Path(tempfile.mkdtemp(prefix="bench_startup_"))
+    (tmp / "config.yaml").write_text(yaml.safe_dump(doc))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
+    if plain:
+        env["RADIXSERVE_PLAIN_SERVE"] = "1"
+    log = open(tmp / "serve.log", "wb")
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "serve.sh"), str(tmp / "config.yaml")],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    return proc, tmp
+
+
+def run(args: argparse.Namespace) -> dict[str, Probes]:
+    base = f"http://127.0.0.1:{args.port}"
+    model = yaml.safe_load(Path(args.config).read_text())["applications"][0]["args"].get(
+        "served_model_name")
+    found = {name: Probes() for name in ("/health", "/v1/models", "completion")}
+    t0, launched = time.monotonic(), time.time()
+    proc, tmp = launch(args.config, args.port, args.plain)
+    done = threading.Event()
+
+    def complete() -> None:
+        body = {"prompt": "Hello", "max_tokens": 1, **({"model": model} if model else {})}
+        with httpx.Client(timeout=args.timeout) as client:
+            while not done.is_set() and time.monotonic() - t0 < args.timeout:
+                if probe(client, "POST", f"{base}/v1/completions", t0, found["completion"],
+                         json=body) == 200:
+                    done.set()
+                else:
+                    time.sleep(args.interval)
+
+    worker = threading.Thread(target=complete, daemon=True)
+    worker.start()
+    try:
+        with httpx.Client(timeout=2.0) as client:
+            while not done.is_set() and time.monotonic() - t0 < args.timeout:
+                if proc.poll() is not None:
+                    raise SystemExit(f"serve run exited; its log: {tmp / 'serve.log'}")
+                for path in ("/health", "/v1/models"):
+                    probe(client, "GET", base + path, t0, found[path])
+                time.sleep(args.interval)
+    finally:
+        done.set()
+        kill_session(proc.pid)  # serve run and the Ray cluster it started
+        proc.wait()
+    print(f"serve run's log: {tmp / 'serve.log'}")
+    for name, seconds in phases(tmp / "serve.log", launched):
+        print(f"{seconds:7.2f} s  {name}")
+    return found
+
+
+# Lines of Ray's and Serve's own logs (serve run's output) that mark the launch's phases.
+PHASES = [("`serve run` started (its imports done)", "Running config file"),
+          ("Ray started", "Started a local Ray instance"),
+          ("Serve started", "Started Serve in namespace"),
+          ("app build began (imports deployments.app)", "Importing application"),
+          ("replicas created", "Adding ")]
+LOG_TIME = re.compile(r"(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2},\d{3})")
+
+
+def phases(log: Path, launched: float) -> list[tuple[str, float]]:
+    """(phase, seconds after launch) for each of PHASES found in serve run's log."""
+    text = log.read_text(errors="replace").splitlines()
+    out = []
+    for name, marker in PHASES:
+        line = next((line for line in text if marker in line and LOG_TIME.search(line)), None)
+        if line is not None:
+            stamp = datetime.strptime(LOG_TIME.search(line).group(1), "%Y-%m-%d %H:%M:%S,%f")
+            out.append((name, stamp.timestamp() - launched))
+    return out
+
+
+def disagreements(found: dict[str, Probes]) -> int:
+    """Probe rounds in which /health and /v1/models gave different statuses."""
+    health, models = found["/health"].answers, found["/v1/models"].answers
+    return sum(1 for a, b in zip(health, models) if (a[1] == 200) != (b[1] == 200))
+
+
+def report(found: dict[str, Probes]) -> None:
+    print(f"\n{'endpoint':<12} {'first answer s':>15} {'first 200 s':>12} {'probes':>7} "
+          f"{'starting p50 ms':>16} {'starting max ms':>16}")
+    for name, probes in found.items():
+        lat = probes.starting_latencies()
+        first, ok = probes.first(), probes.first(ok_only=True)
+        print(f"{name:<12} {first if first is not None else float('nan'):>15.2f} "
+              f"{ok if ok is not None else float('nan'):>12.2f} {len(probes.answers):>7} "
+              f"{statistics.median(lat) * 1e3 if lat else float('nan'):>16.1f} "
+              f"{max(lat) * 1e3 if lat else float('nan'):>16.1f}")
+    print(f"rounds where /health and /v1/models disagreed: {disagreements(found)}")
+    for name, probes in found.items():
+        print(f"{name}: " + ", ".join(f"{status} from {t:.1f} s" for t, status in transitions(probes)))
+
+
+def transitions(probes: Probes) -> list[tuple[float, int]]:
+    """(when, status) each time the endpoint's answer changed (-1: timed out)."""
+    out: list[tuple[float, int]] = []
+    for t, status, _ in probes.answers:
+        if not out or out[-1][1] != status:
+            out.append((t, status))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("config", nargs="?", default=str(ROOT / "serve_config.yaml"))
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--plain", action="store_true", help="plain `serve run` (no HAProxy)")
+    parser.add_argument("--interval", type=float, default=0.1, help="seconds between probe rounds")
+    parser.add_argument("--timeout", type=float, default=300.0, help="give up after this long")
+    report(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

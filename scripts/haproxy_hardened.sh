@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# HAProxy for Ray Serve's high-throughput mode, with the settings Ray 2.60 renders but does not
+# let us choose. scripts/serve.sh points RAY_SERVE_HAPROXY_BINARY_PATH here; Ray runs this as
+#   haproxy_hardened.sh -db -f <config> [-dR] [-sf PIDS] [-x SOCKET]
+# at start-up and at every reload, after writing <config> from its template. This edits that
+# file in place, then execs the real binary with Ray's arguments unchanged (Ray finds its
+# workers by the config path in their command line, and signals the pid it started).
+#
+# What it changes (docs/deploy.md, "Ray Serve's high-throughput mode"):
+# - `listen stats` (RAY_SERVE_HAPROXY_STATS_PORT) and `frontend prometheus`
+#   (RAY_SERVE_HAPROXY_METRICS_PORT) bind 127.0.0.1 instead of every
+#   interface: neither has authentication (reach them through an SSH tunnel);
+# - the admin socket is `mode 600` instead of 666, in a directory only its owner can enter
+#   (it takes `level admin` commands: disable servers, shut sessions);
+# - `timeout http-request 10s` in the defaults: a client sending its headers slowly is cut
+#   (Ray has a field for it but reads no variable into it).
+# Ray's own variables cover the rest (serve.sh sets RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S).
+# The binary is RADIXSERVE_HAPROXY_BINARY (serve.sh sets it: the one Ray would have used).
+set -euo pipefail
+
+real=${RADIXSERVE_HAPROXY_BINARY:?scripts/serve.sh sets RADIXSERVE_HAPROXY_BINARY}
+stats_host=127.0.0.1
+
+config=""
+args=("$@")
+for ((i = 0; i < ${#args[@]} - 1; i++)); do
+  if [ "${args[i]}" = "-f" ]; then config=${args[i + 1]}; fi
+done
+if [ -z "$config" ] || [ ! -f "$config" ]; then
+  echo "haproxy_hardened.sh: no config file among the arguments: $*" >&2
+  exit 2
+fi
+
+fail() {
+  echo "haproxy_hardened.sh: Ray's HAProxy config no longer has $1; update this script" >&2
+  exit 2
+}
+grep -qE '^listen stats$' "$config" || fail "'listen stats'"
+grep -qE '^frontend prometheus$' "$config" || fail "'frontend prometheus'"
+grep -qE '^    stats socket .* mode (666|600) ' "$config" || fail "'stats socket ... mode 666'"
+grep -qE '^defaults$' "$config" || fail "'defaults'"
+
+# Under Ray's own lock on the file; the edits are idempotent, in case Ray starts a process
+# on a file it has not rewritten. Each bind is the line after its section's header.
+timeout='    timeout http-request 10s'
+add_timeout=()
+grep -qxF "$timeout" "$config" || add_timeout=(-e "/^defaults\$/a\\$timeout")
+flock "$config.lock" sed -i -E \
+  -e "/^listen stats$/{n;s/^( *bind )[^ ]*:([0-9]+)$/\1${stats_host}:\2/}" \
+  -e "/^frontend prometheus$/{n;s/^( *bind )[^ ]*:([0-9]+)$/\1${stats_host}:\2/}" \
+  -e '/^    stats socket /s/ mode 666 / mode 600 /' \
+  "${add_timeout[@]}" "$config"
+chmod 700 "$(dirname "$config")"
+exec "$real" "$@"
