@@ -14,7 +14,7 @@ import pytest
 
 import frontend as sgl
 from engine import LLM, SamplingParams
-from engine.demo_model import ensure_demo_model
+from engine import ensure_demo_model
 from serve_helpers import BASE, run_app, serve_config_args, start_ray, stop_ray, wait_until
 
 pytestmark = pytest.mark.slow
