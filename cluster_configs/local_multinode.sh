@@ -16,6 +16,10 @@ RAY_PORT=${RAY_PORT:-6379}
 METRICS_PORT=${METRICS_PORT:-8080}
 SERVE_CONFIG=${SERVE_CONFIG:-serve_config.yaml}
 export RAY_USAGE_STATS_ENABLED=${RAY_USAGE_STATS_ENABLED:-0}
+# Serve's high-throughput mode, as scripts/serve.sh (docs/deploy.md), read when `ray start`
+# starts this node. Set RAY_SERVE_ENABLE_HA_PROXY=0 RAY_SERVE_THROUGHPUT_OPTIMIZED=0 first for
+# Serve's default mode (e.g. two nodes on one machine: each node's HAProxy wants port 8000).
+source scripts/serve_mode.sh
 
 case "${1:-}" in
   head)
@@ -34,7 +38,7 @@ case "${1:-}" in
     ray stop
     ;;
   *)
-    sed -n '2,13p' "$0"
+    sed -n '2,12p' "$0"
     exit 2
     ;;
 esac

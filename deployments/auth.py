@@ -1,4 +1,4 @@
-"""API keys: `Authorization: Bearer <key>` on every endpoint but /health.
+"""API keys: `Authorization: Bearer <key>` on every endpoint but /health and /metrics.
 
 Keys come from the app args (`api_key`, `admin_api_key`) or, for a Kubernetes secret, the
 environment of the ingress replicas (RADIXSERVE_API_KEY, RADIXSERVE_ADMIN_API_KEY); an arg
@@ -14,7 +14,9 @@ from fastapi import FastAPI
 
 from deployments.errors import APIError
 
-OPEN_PATHS = frozenset({"/health"})  # probes (Kubernetes, load balancers) carry no key
+# Probes (Kubernetes, load balancers) and Prometheus carry no key: vLLM leaves /metrics
+# open too (docs/monitoring.md says what it shows and how to fence it).
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 ADMIN_PATHS = frozenset({"/flush_cache"})
 API_KEY_ENV = "RADIXSERVE_API_KEY"
 ADMIN_API_KEY_ENV = "RADIXSERVE_ADMIN_API_KEY"

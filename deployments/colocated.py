@@ -111,6 +111,10 @@ class EngineIngress(OpenAIIngress):
     def check_health(self) -> None:
         self.replica.check_health()
 
+    async def metrics_snapshot(self) -> dict:
+        """Both roles of this replica for /metrics: its engine's and its ingress's."""
+        return {**await self.replica.metrics_snapshot(), **await super().metrics_snapshot()}
+
     def tp_info(self) -> dict[str, Any]:
         """Where this replica's tensor-parallel ranks run (EngineReplica.tp_info)."""
         return self.replica.tp_info()

@@ -16,7 +16,9 @@ from deployments.channel import (
     ON_CHANNEL, ChannelOpen, Outbox, end_idle_channels_when_draining, serve_channel,
 )
 from deployments.errors import OVERLOADED_MESSAGE
+from deployments.local_metrics import process_metrics
 from deployments.metrics import EngineMetrics, record_gc_pauses
+from deployments.served_metrics import StatHighWater
 from deployments.tp_workers import TPWorkers
 from engine import (
     AsyncEngine, Engine, EngineConfig, ProcessAsyncEngine, QueueFullError, QueueTimeoutError,
@@ -68,6 +70,7 @@ class EngineReplica:
         self._stats: dict[str, Any] = {}
         self._stats_lock = threading.Lock()
         self.metrics = EngineMetrics()  # here, not at import: metrics belong to the replica
+        self._stat_high_water = StatHighWater()
         self.replica_id = _replica_id()
         self.engine.add_step_listener(self._after_step)
         # With the engine in this process its start-up froze the GC already; with it in a
@@ -190,6 +193,11 @@ class EngineReplica:
         """Serve's custom autoscaling metrics: the open delta channels, which Serve counts as
         ongoing requests and deployments/autoscaling.py takes back out."""
         return {"open_channels": float(len(self.outboxes))}
+
+    async def metrics_snapshot(self) -> dict:
+        """This replica's part of the app's /metrics (deployments/scrape.py)."""
+        return {"replica": self.replica_id, "engine": self._stat_high_water(await self.engine.stats()),
+                "recorded": process_metrics().snapshot()}
 
     async def replica_stats(self) -> dict:
         """This replica's id and stats (the ingress broadcasts it for /v1/stats)."""

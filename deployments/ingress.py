@@ -24,6 +24,7 @@ from deployments.readiness import install_readiness
 from deployments.sampling_defaults import model_sampling_defaults, with_defaults
 from deployments.request_body import DEFAULT_MAX_BODY_BYTES, read_json_body
 from deployments.metrics import install_http_metrics, record_gc_pauses
+from deployments.scrape import ingress_snapshot, install_prometheus_endpoint
 from deployments.stats import summary
 from deployments.sse_chunks import PlainChunks
 from deployments.protocol import (
@@ -48,6 +49,7 @@ admission = install_admission(api)  # fed by the delta channels (deployments/adm
 readiness = install_readiness(api)  # Serve's running engine replicas (deployments/readiness.py)
 auth = install_auth(api)  # keys set by the ingress constructor
 install_http_metrics(api)
+prometheus = install_prometheus_endpoint(api)  # GET /metrics; configured by the constructor
 
 
 # Module helpers come before the class: `serve.ingress` captures globals when applied.
@@ -86,6 +88,8 @@ class OpenAIIngress:
             readiness.answered = True
         else:
             readiness.follow(admission.replicas, self.control.load.remote)
+        prometheus.configure(served_model_name, self.metrics_snapshot,
+                             None if in_process else self.control)
         self.model_name = served_model_name
         self.tokenizer = Tokenizer(tokenizer or path)  # the engine's `tokenizer` setting wins
         hf_config = load_hf_config(path)
@@ -126,6 +130,9 @@ class OpenAIIngress:
     async def stats(self) -> JSONResponse:
         """Engine counters summed over all replicas, per replica, and the router's."""
         return JSONResponse(await summary(self.control))
+
+    async def metrics_snapshot(self) -> dict:  # this replica's part of GET /metrics
+        return ingress_snapshot(self.control)
 
     @api.post("/flush_cache")
     @api.get("/flush_cache")  # SGLang takes both

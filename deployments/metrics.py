@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from deployments.local_metrics import LocalMetrics, process_metrics
+
 logger = logging.getLogger(__name__)
 
 ENGINE_CALLS_FINISHED = "radixserve_engine_calls_finished"
@@ -74,9 +76,11 @@ def _inc(name: str, value: float) -> None:
 
 def record_finished_engine_call(delta: dict) -> None:
     """Record one engine call's final delta (a `StreamDelta` as a dict, `finished` true)."""
-    _inc(ENGINE_CALLS_FINISHED, 1)
-    _inc(PROMPT_TOKENS, delta.get("prompt_tokens") or 0)
-    _inc(ACTUAL_CACHED_TOKENS, delta.get("cached_tokens") or 0)
+    for name, value in ((ENGINE_CALLS_FINISHED, 1), (PROMPT_TOKENS, delta.get("prompt_tokens") or 0),
+                        (ACTUAL_CACHED_TOKENS, delta.get("cached_tokens") or 0)):
+        if value > 0:
+            process_metrics().inc(name, value)
+        _inc(name, value)
 
 
 # -- The catalogue: every metric radixserve exports ---------------------------------------
@@ -269,13 +273,17 @@ def ray_metric(spec: MetricSpec) -> Any:
 class MetricSet:
     """Some of the catalogue's metrics, made in the process that records them.
 
-    Best effort, like the rest of this module: a metric that cannot be made (not in a Ray
-    worker) is skipped, and a failed record is logged once, never raised.
+    Every record also goes to `local` (the process's own copy, which the app's `/metrics`
+    serves: deployments/local_metrics.py). Best effort, like the rest of this module: a
+    Ray metric that cannot be made (not in a Ray worker) is skipped, and a failed record is
+    logged once, never raised.
     """
 
-    def __init__(self, names: Iterable[str], factory: MetricFactory = ray_metric) -> None:
+    def __init__(self, names: Iterable[str], factory: MetricFactory = ray_metric,
+                 local: LocalMetrics | None = None) -> None:
         self._metrics: dict[str, Any] = {}
         self._warned = False
+        self.local = local if local is not None else process_metrics()
         for name in names:
             try:
                 self._metrics[name] = factory(BY_NAME[name])
@@ -284,12 +292,18 @@ class MetricSet:
 
     def inc(self, name: str, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
         if value > 0:
+            self.local.inc(name, value, tags)
             self._record(name, "inc", value, tags)
 
     def set(self, name: str, value: float) -> None:
+        self.local.set(name, value)
         self._record(name, "set", value, None)
 
-    def observe(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
+    def observe(self, name: str, value: float, tags: dict[str, str] | None = None,
+                local: bool = True) -> None:
+        """`local=False`: Ray's metric only (the local copy is recorded otherwise)."""
+        if local:
+            self.local.observe(name, value, BY_NAME[name].boundaries, tags)
         self._record(name, "observe", value, tags)
 
     def _record(self, name: str, method: str, value: float, tags: dict[str, str] | None) -> None:
@@ -325,6 +339,7 @@ _STAT_GAUGES = {  # engine.stats() key -> gauge
     "kv_usage": KV_CACHE_USAGE,
     "cached_slots": RADIX_CACHE_TOKENS,
 }
+_ITL_BOUNDS = BY_NAME[INTER_TOKEN_LATENCY].boundaries
 _REQUEST_METRICS = (ENGINE_REQUESTS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY,
                     QUEUE_TIME, PREFILL_TIME, DECODE_TIME, TIME_PER_OUTPUT_TOKEN,
                     REQUEST_PROMPT_LENGTH, REQUEST_GENERATION_LENGTH)
@@ -399,16 +414,19 @@ class RequestTimer:
     Inter-token latency is one sample per `itl_window_s` of a stream (the mean gap over the
     window), not one per delta: a Ray Histogram.observe costs tens of microseconds under
     the GIL the engine loop needs, and per delta it took 12% of a loaded replica's
-    samples (py-spy, W2 on the H200)."""
+    samples (py-spy, W2 on the H200). The process's local copy, which /metrics serves, takes
+    every delta (a histogram update, ~0.4 us): vLLM's inter-token latency is per token, and
+    a window's mean would hide its tail."""
 
     def __init__(self, metrics: MetricSet, clock: Callable[[], float], itl_window_s: float = 0.25) -> None:
         self._metrics = metrics
+        self._token_gaps = metrics.local.histogram(INTER_TOKEN_LATENCY, _ITL_BOUNDS)
         self._clock = clock
         self._start = self._window_start = clock()
         self._window_tokens = 0
         self._itl_window_s = itl_window_s
         self._got_tokens = False
-        self._first_token_at = 0.0
+        self._first_token_at = self._last_delta_at = 0.0
         self._done = False
 
     def on_delta(self, num_tokens: int, finished: bool, finish_reason: str | None,
@@ -419,11 +437,14 @@ class RequestTimer:
             if not self._got_tokens:
                 self._first_token(now, queue_time)
             else:
+                # /metrics: every token after the first, its delta's gap shared among them.
+                self._token_gaps.observe((now - self._last_delta_at) / num_tokens, num_tokens)
                 self._window_tokens += num_tokens
                 if now - self._window_start >= self._itl_window_s or finished:
                     self._metrics.observe(INTER_TOKEN_LATENCY,
-                                          (now - self._window_start) / self._window_tokens)
+                                          (now - self._window_start) / self._window_tokens, local=False)
                     self._window_start, self._window_tokens = now, 0
+            self._last_delta_at = now
         if finished:
             self._metrics.observe(E2E_REQUEST_LATENCY, now - self._start)
             if self._got_tokens:

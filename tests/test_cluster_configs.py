@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -301,3 +303,69 @@ def test_local_multinode_script_is_valid_bash_and_prints_usage():
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert usage.returncode == 2 and "ray start" not in usage.stderr
     assert "worker HEAD_IP" in usage.stdout
+
+
+# -- Serve's high-throughput mode, as the README's command runs it ------------------------------
+
+
+def serve_mode() -> dict[str, str]:
+    """The RAY_SERVE_* variables scripts/serve_mode.sh exports (sourced in a clean bash),
+    with the HAProxy wrapper's path relative to the repository."""
+    out = subprocess.run(["bash", "-c", "source scripts/serve_mode.sh && env -0"], cwd=ROOT,
+                         env={"PATH": os.environ["PATH"]}, capture_output=True, text=True, check=True).stdout
+    env = dict(item.split("=", 1) for item in out.split("\0") if item.startswith("RAY_SERVE_"))
+    env["RAY_SERVE_HAPROXY_BINARY_PATH"] = str(Path(env["RAY_SERVE_HAPROXY_BINARY_PATH"]).relative_to(ROOT))
+    return env
+
+
+def test_serve_sh_runs_the_mode_the_cluster_configs_run():
+    from serve_helpers import THROUGHPUT_MODE_ENV
+
+    mode = serve_mode()
+    assert THROUGHPUT_MODE_ENV.items() <= mode.items()
+    assert mode["RAY_SERVE_HAPROXY_BINARY_PATH"] == "scripts/haproxy_hardened.sh"
+    assert 'source "$(dirname "${BASH_SOURCE[0]}")/serve_mode.sh"' in (ROOT / "scripts/serve.sh").read_text()
+
+
+@pytest.mark.parametrize("name", RAYSERVICES)
+def test_rayservice_pods_run_serve_in_the_readmes_mode(name):
+    """Serve reads the mode's variables when Ray starts: every pod that runs Ray (head and
+    workers, whose proxies and replicas Serve starts there) has them in its Ray container,
+    the HAProxy wrapper at its path in the image (cluster_configs/Dockerfile's WORKDIR)."""
+    workdir = re.search(r"^WORKDIR (\S+)$", (CONFIGS / "Dockerfile").read_text(), re.M).group(1)
+    want = serve_mode()
+    want["RAY_SERVE_HAPROXY_BINARY_PATH"] = f"{workdir}/{want['RAY_SERVE_HAPROXY_BINARY_PATH']}"
+    cluster = manifest(name)["spec"]["rayClusterConfig"]
+    templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    for template in templates:
+        env = template["spec"]["containers"][0]["env"]
+        assert {e["name"]: e["value"] for e in env if e["name"].startswith("RAY_SERVE_")} == want
+
+
+def test_vm_cluster_starts_every_node_in_the_readmes_mode():
+    config = yaml.safe_load((CONFIGS / "ray-cluster-vms.yaml").read_text())
+    [(remote, local)] = config["file_mounts"].items()
+    assert local == "."  # this checkout, where scripts/serve_mode.sh is
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        starts = [c for c in config[key] if "ray start" in c]
+        assert starts and all(c.startswith(f"source {remote}/scripts/serve_mode.sh && ray start")
+                              for c in starts), starts
+
+
+def test_local_multinode_script_starts_nodes_in_the_readmes_mode():
+    script = (CONFIGS / "local_multinode.sh").read_text()
+    assert script.index("\nsource scripts/serve_mode.sh\n") < script.index("    ray start --")
+
+
+def test_app_metrics_are_scraped_through_the_serve_service_once():
+    """/metrics answers for every replica: one static target, the Serve Service of the
+    RayService (KubeRay names it <name>-serve-svc), never a per-pod monitor."""
+    doc = yaml.safe_load((CONFIGS / "prometheus-scrapeconfig.yaml").read_text())
+    assert doc["apiVersion"] == "monitoring.coreos.com/v1alpha1" and doc["kind"] == "ScrapeConfig"
+    spec = doc["spec"]
+    assert spec["metricsPath"] == "/metrics"
+    [static] = spec["staticConfigs"]
+    [target] = static["targets"]
+    service = manifest("rayservice-gpu.yaml")["metadata"]["name"] + "-serve-svc"
+    port = yaml.safe_load(manifest("rayservice-gpu.yaml")["spec"]["serveConfigV2"])["http_options"]["port"]
+    assert target.split(".")[0] == service and target.endswith(f":{port}")

@@ -1,7 +1,7 @@
 """The Serve app with `ingress: colocated` (deployments/colocated.py): one deployment that
 serves HTTP and runs the engine. Greedy text equals the offline engine's through the official
 openai client (whole, streamed, chat), bad input is a 400, the engine's bound a 503, a client
-that leaves aborts its request, and nothing leaks a KV slot."""
+that leaves aborts its request, nothing leaks a KV slot, and /metrics reports both roles."""
 from __future__ import annotations
 
 import asyncio
@@ -47,6 +47,24 @@ def test_one_deployment_serves_http(server):
     assert set(deployments) == {"EngineIngress"}
     assert httpx.get(f"{URL}/health", timeout=30).json() == {"status": "ok"}
     assert httpx.get(f"{URL}/v1/models", timeout=30).json()["data"][0]["id"] == MODEL
+
+
+def test_metrics_report_the_engine_and_the_ingress_of_each_replica(server):
+    """/metrics of a colocated replica: its engine's series (under `engine=`) and its HTTP
+    counters (under `ingress=`), the same Serve replica id, none missing."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    httpx.post(f"{URL}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=60)
+    text = httpx.get(f"{URL}/metrics", timeout=30).text
+    families = {f.name: f.samples for f in text_string_to_metric_families(text)}
+    engines = {s.labels["engine"] for s in families["vllm:num_requests_running"]}
+    ingresses = {s.labels["ingress"] for s in families["radixserve:http_requests"]}
+    assert len(engines) == 1 and engines == ingresses
+    assert sum(s.value for s in families["vllm:e2e_request_latency_seconds"]
+               if s.name.endswith("_count")) >= 1
+    replicas = {s.labels["role"]: s.value for s in families["radixserve:scrape_replicas"]}
+    missing = {s.labels["role"]: s.value for s in families["radixserve:scrape_replicas_missing"]}
+    assert replicas == {"engine": 1, "ingress": 1} and set(missing.values()) == {0}
 
 
 def test_greedy_text_matches_offline(server):

@@ -7,8 +7,6 @@ import asyncio
 import json
 import os
 import re
-import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -24,8 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import grafana_dashboard as gd  # noqa: E402
 from deployments import metrics as m  # noqa: E402
+from deployments.served_metrics import BY_SERVED_NAME, RECORDED, ROUTER, SERVED, STAT, served_series  # noqa: E402
 from deployments.stats import aggregate, summary  # noqa: E402
-from serve_helpers import ROOT, serve_config_args, wait_until  # noqa: E402
+from prometheus_helpers import (  # noqa: E402
+    PROMETHEUS, SKIP_REASON, committed_config, promql, scrape_job, start_prometheus, stop_prometheus,
+)
+from serve_helpers import ROOT, free_port, serve_config_args, wait_until  # noqa: E402
 
 # -- The catalogue ----------------------------------------------------------------------
 
@@ -352,18 +354,33 @@ def test_committed_dashboard_is_what_the_script_generates():
         "run: python scripts/grafana_dashboard.py"
 
 
-def test_every_query_names_an_exported_metric_and_every_metric_is_shown():
+def test_every_query_names_a_served_metric_and_every_metric_is_shown():
+    """Queries read the app's /metrics (vllm:*, radixserve:*) and, for what only Ray exports,
+    Ray's series; every /metrics family is on the dashboard, and every catalogue metric is,
+    through the /metrics family that serves its numbers or its own Ray series."""
     dashboard = json.loads(gd.DASHBOARD_PATH.read_text())
-    exported = m.exported_series()
+    known = m.exported_series() | served_series()
     used: set[str] = set()
     queries = dashboard_exprs(dashboard) + [
         v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
     for expr in queries:
-        names = set(re.findall(r"\bray_[a-zA-Z0-9_]+", expr))
-        assert names and names <= exported, (expr, names - exported)
+        names = set(re.findall(r"\b(?:ray_|vllm:|radixserve:)[a-zA-Z0-9_:]+", expr))
+        assert names and names <= known, (expr, names - known)
         used |= names
+    shown_served = {s.name for s in SERVED if used & set(s.series())}
+    assert shown_served == set(BY_SERVED_NAME), set(BY_SERVED_NAME) - shown_served
+    stat_keys = {s.key for s in SERVED if s.source == STAT}
+    covered = ({s.key for s in SERVED if s.source == RECORDED}
+               | {router_prefix() + s.key for s in SERVED if s.source == ROUTER}
+               | {name for key, name in {**m._STAT_COUNTERS, **m._STAT_GAUGES}.items() if key in stat_keys})
     shown = {spec.name for spec in m.METRICS if used & set(spec.series())}
-    assert shown == set(m.BY_NAME), set(m.BY_NAME) - shown
+    assert shown | covered == set(m.BY_NAME), set(m.BY_NAME) - shown - covered
+
+
+def router_prefix() -> str:
+    from router import request_router
+
+    return request_router.METRIC_PREFIX
 
 
 def test_dashboard_layout_is_loadable():
@@ -389,8 +406,11 @@ def test_provisioning_files_match_the_dashboard():
 
 
 def test_docs_list_every_metric():
-    assert gd.metrics_table() in (ROOT / "docs/monitoring.md").read_text(), \
+    docs = (ROOT / "docs/monitoring.md").read_text()
+    assert gd.metrics_table() in docs, \
         "paste `python scripts/grafana_dashboard.py --metrics-table` into docs/monitoring.md"
+    assert gd.served_table() in docs, \
+        "paste `python scripts/grafana_dashboard.py --served-table` into docs/monitoring.md"
 
 
 class GrafanaStub(BaseHTTPRequestHandler):
@@ -428,47 +448,26 @@ def test_push_to_grafana_with_grafana_client(tmp_path):
 
 # -- A real Prometheus scraping a running app ---------------------------------------------
 
-PROMETHEUS = shutil.which("prometheus")
 CACHE_HIT_RATE = (f"sum({m.BY_NAME[m.ENGINE_CACHED_TOKENS].series()[0]}) / "
                   f"sum({m.BY_NAME[m.ENGINE_PROMPT_TOKENS].series()[0]})")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_prometheus(tmp: Path, metrics_port: int) -> tuple[subprocess.Popen, str]:
-    """Prometheus with the committed config, its file_sd pointed at this test's Ray node (the
-    shared /tmp/ray file may name another cluster running on this machine)."""
+def start_ray_prometheus(tmp: Path, metrics_port: int) -> tuple[subprocess.Popen, str]:
+    """Prometheus with the committed config's Ray job, its file_sd pointed at this test's Ray
+    node (the shared /tmp/ray file may name another cluster running on this machine)."""
     targets = tmp / "targets.json"
     targets.write_text(json.dumps([{"labels": {"job": "ray"}, "targets": [f"127.0.0.1:{metrics_port}"]}]))
-    config = yaml.safe_load((ROOT / "dashboards/prometheus.yml").read_text())
-    config["global"]["scrape_interval"] = config["global"]["evaluation_interval"] = "1s"
-    config["scrape_configs"][0]["file_sd_configs"][0]["files"] = [str(targets)]
-    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
-    proc = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=(tmp / "prometheus.log").open("w"))
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def promql(base: str, query: str) -> list[dict]:
-    try:
-        reply = httpx.get(f"{base}/api/v1/query", params={"query": query}, timeout=5).json()
-    except httpx.HTTPError:
-        return []
-    return reply.get("data", {}).get("result", []) if reply.get("status") == "success" else []
+    config = committed_config()
+    job = scrape_job(config, "ray")
+    job["file_sd_configs"][0]["files"] = [str(targets)]
+    config["scrape_configs"] = [job]
+    return start_prometheus(tmp, config)
 
 
 @pytest.fixture(scope="module")
 def monitored_app(tmp_path_factory):
     if PROMETHEUS is None:
-        pytest.skip("prometheus binary not found: `apt-get install -y prometheus` "
-                    "(scripts/setup.sh does it where apt-get is available)")
+        pytest.skip(SKIP_REASON)
     import ray
     from ray import serve
 
@@ -488,12 +487,11 @@ def monitored_app(tmp_path_factory):
         args = serve_config_args(num_replicas=2, ingress_replicas=1, ray_actor_options={"num_cpus": 0.1})
         args["router"]["request_routing_stats_period_s"] = 0.5
         serve.run(build_app(args), name="radixserve", route_prefix="/")
-        prometheus, prom_url = start_prometheus(tmp_path_factory.mktemp("prometheus"), metrics_port)
+        prometheus, prom_url = start_ray_prometheus(tmp_path_factory.mktemp("prometheus"), metrics_port)
         yield f"http://127.0.0.1:{http_port}", prom_url
     finally:
         if prometheus is not None:
-            prometheus.terminate()
-            prometheus.wait(timeout=30)
+            stop_prometheus(prometheus)
         serve.shutdown()
         ray.shutdown()
         for key, value in saved.items():

@@ -7,7 +7,7 @@ Two checks, each in subprocesses (Serve reads these variables when the cluster a
 its processes start, so they cannot be switched inside one test process):
 - the README's command, `serve run serve_config.yaml`, with the two variables: streaming,
   the openai client, our prefix router's counters in /v1/stats, the delta channels, a 400,
-  and a client leaving a stream aborting its request;
+  a client leaving a stream aborting its request, and /metrics from any ingress replica;
 - whole Serve test files under the mode, by default tests/test_serve_path.py (delta channels
   under 300 concurrent streams, 503 at the engine's bound, 413/400 bodies),
   tests/test_colocated_serve.py (`ingress: colocated` behind HAProxy) and
@@ -130,3 +130,33 @@ def test_a_long_non_streamed_answer_is_whole_json(app):
                                           messages=[{"role": "user", "content": "Count to 100."}],
                                           extra_body={"ignore_eos": True})
     assert chat.usage.completion_tokens == 200 and chat.choices[0].message.content
+
+
+def _scrape() -> dict[str, float]:
+    """GET /metrics through HAProxy: {sample name + sorted labels: value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    reply = httpx.get(f"{URL}/metrics", timeout=30)
+    assert reply.status_code == 200, reply.text[:300]
+    return {f"{s.name}{sorted(s.labels.items())}": s.value
+            for family in text_string_to_metric_families(reply.text) for s in family.samples}
+
+
+def test_metrics_behind_haproxy_answer_for_the_whole_app(app):
+    """HAProxy sends each scrape to any ingress replica; every one reports both ingress
+    replicas and the engine replica, and the same engine totals."""
+    model = served_model_name()
+    client = openai.OpenAI(base_url=f"{URL}/v1", api_key="unused", max_retries=0, timeout=60)
+    for _ in range(3):
+        client.completions.create(model=model, prompt="The metrics of", max_tokens=4)
+    e2e, replicas = "vllm:e2e_request_latency_seconds_count", "radixserve:scrape_replicas"
+    ingress = f"{replicas}[('model_name', '{model}'), ('role', 'ingress')]"
+    # (The app answers once one ingress replica runs; the second may still be starting.)
+    assert wait_until(lambda: _scrape()[ingress] == 2, timeout=60, interval=1)
+    totals = set()
+    for _ in range(6):
+        samples = _scrape()
+        assert samples[ingress] == 2
+        assert samples[f"{replicas}[('model_name', '{model}'), ('role', 'engine')]"] == 1
+        totals.add(sum(v for k, v in samples.items() if k.startswith(e2e + "[")))
+    assert len(totals) == 1 and totals.pop() >= 3

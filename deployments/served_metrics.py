@@ -1,0 +1,162 @@
+"""Every metric family the app's `GET /metrics` serves: one table, vLLM's names for what
+both systems measure, `radixserve:` names for what is ours.
+
+vLLM's names (`vllm:*`, with vLLM's `model_name` label) are what Grafana dashboards, KEDA and
+HPA autoscalers and gateways read; a radixserve app answers them with the same meaning. Each
+row says where its numbers come from in a replica's snapshot (deployments/scrape.py):
+
+    stat      a key of the engine's `stats()` (counters and gauges, per engine replica)
+    recorded  a catalogue metric of deployments/metrics.py, from the process's local copy
+              (deployments/local_metrics.py): the same records as Ray's `ray_radixserve_*`
+    router    a key of the prefix router's `router_stats()` (per ingress replica)
+
+and which label names the replica: `engine` (vLLM's label for one engine of several) or
+`ingress`. A row whose source a replica lacks (a stat the engine does not keep, speculative
+decoding off) has no sample from it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from deployments import metrics as m
+
+ENGINE, INGRESS = "engine", "ingress"
+STAT, RECORDED, ROUTER = "stat", "recorded", "router"
+# vLLM's FinishReason values; our other outcomes (invalid, rejected, cancelled) are not
+# successes and are counted by radixserve:engine_requests only.
+VLLM_FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True)
+class Served:
+    name: str  # as exposed; a counter's samples get `_total`
+    kind: str  # "counter" | "gauge" | "histogram"
+    help: str
+    source: str  # STAT | RECORDED | ROUTER
+    key: str  # the stat key, catalogue name or router counter
+    role: str = ENGINE  # the label naming the replica: ENGINE or INGRESS
+    tags: tuple[tuple[str, str], ...] = ()  # (recorded tag, exposed label)
+    only: tuple[str, ...] = ()  # kept values of the first tag (empty: all)
+
+    def series(self) -> tuple[str, ...]:
+        """The sample names Prometheus stores for this family."""
+        if self.kind == "counter":
+            return (self.name + "_total",)
+        if self.kind == "histogram":
+            return tuple(self.name + s for s in ("_bucket", "_sum", "_count"))
+        return (self.name,)
+
+
+def _stat(name: str, kind: str, key: str, help: str) -> Served:
+    return Served(name, kind, help, STAT, key)
+
+
+def _recorded(name: str, key: str, help: str = "", role: str = ENGINE,
+              tags: tuple[tuple[str, str], ...] = (), only: tuple[str, ...] = ()) -> Served:
+    spec = m.BY_NAME[key]
+    return Served(name, spec.kind, help or spec.description, RECORDED, key, role, tags, only)
+
+
+def _router(name: str, key: str, help: str) -> Served:
+    return Served(name, "counter", help, ROUTER, key, INGRESS)
+
+
+SERVED: tuple[Served, ...] = (
+    # -- vLLM's names -----------------------------------------------------------------------
+    _stat("vllm:num_requests_running", "gauge", "running",
+          "Number of requests in model execution batches."),
+    _stat("vllm:num_requests_waiting", "gauge", "waiting",
+          "Number of requests waiting to be processed."),
+    _stat("vllm:kv_cache_usage_perc", "gauge", "kv_usage",
+          "KV-cache usage. 1 means 100 percent usage (slots held by running requests, the "
+          "cached prefixes they lock included)."),
+    _stat("vllm:prompt_tokens", "counter", "prompt_tokens",
+          "Number of prefill tokens processed (admitted prompt tokens, cached ones included)."),
+    _stat("vllm:generation_tokens", "counter", "generated_tokens",
+          "Number of generation tokens processed."),
+    _stat("vllm:prefix_cache_queries", "counter", "prompt_tokens",
+          "Prefix cache queries, in terms of number of queried tokens."),
+    _stat("vllm:prefix_cache_hits", "counter", "cached_tokens",
+          "Prefix cache hits, in terms of number of cached tokens (found in the radix tree)."),
+    _stat("vllm:num_preemptions", "counter", "preemptions",
+          "Cumulative number of preemption from the engine (running requests retracted)."),
+    _stat("vllm:spec_decode_num_drafts", "counter", "spec_steps",
+          "Number of spec decoding drafts (request verifications that carried drafts)."),
+    _stat("vllm:spec_decode_num_draft_tokens", "counter", "spec_drafted_tokens",
+          "Number of draft tokens."),
+    _stat("vllm:spec_decode_num_accepted_tokens", "counter", "spec_accepted_tokens",
+          "Number of accepted tokens."),
+    _recorded("vllm:request_success", m.ENGINE_REQUESTS, "Count of successfully processed "
+              "requests (engine calls: one per prompt and choice).",
+              tags=(("finish_reason", "finished_reason"),), only=VLLM_FINISH_REASONS),
+    _recorded("vllm:time_to_first_token_seconds", m.TIME_TO_FIRST_TOKEN),
+    _recorded("vllm:inter_token_latency_seconds", m.INTER_TOKEN_LATENCY, "Inter-token latency "
+              "in seconds: every token after the first, a delta's gap shared among its tokens."),
+    _recorded("vllm:request_time_per_output_token_seconds", m.TIME_PER_OUTPUT_TOKEN),
+    _recorded("vllm:e2e_request_latency_seconds", m.E2E_REQUEST_LATENCY),
+    _recorded("vllm:request_queue_time_seconds", m.QUEUE_TIME),
+    _recorded("vllm:request_prefill_time_seconds", m.PREFILL_TIME),
+    _recorded("vllm:request_decode_time_seconds", m.DECODE_TIME),
+    _recorded("vllm:request_prompt_tokens", m.REQUEST_PROMPT_LENGTH),
+    _recorded("vllm:request_generation_tokens", m.REQUEST_GENERATION_LENGTH),
+    # -- ours -----------------------------------------------------------------------------
+    _stat("radixserve:radix_cache_tokens", "gauge", "cached_slots",
+          "Tokens held by the radix cache (shared prefixes kept for later requests)."),
+    _stat("radixserve:radix_cache_evictable_tokens", "gauge", "evictable_slots",
+          "Radix cache tokens no running request locks (evicted first when KV runs short)."),
+    _stat("radixserve:kv_cache_slots", "gauge", "total_slots", "KV slots of the engine's pool."),
+    _stat("radixserve:engine_steps", "counter", "steps", "Engine steps (forward passes)."),
+    _stat("radixserve:queue_timeouts", "counter", "queue_timeouts",
+          "Requests that waited in the engine's queue past their deadline and were ended "
+          "unrun (present when the engine keeps deadlines)."),
+    _recorded("radixserve:engine_requests", m.ENGINE_REQUESTS, tags=(("finish_reason", "finish_reason"),)),
+    _recorded("radixserve:batch_size", m.BATCH_SIZE),
+    _recorded("radixserve:grammar_compile_seconds", m.GRAMMAR_COMPILE_TIME),
+    _recorded("radixserve:http_requests", m.HTTP_REQUESTS, role=INGRESS,
+              tags=(("endpoint", "endpoint"), ("status", "status"))),
+    _recorded("radixserve:http_request_duration_seconds", m.HTTP_REQUEST_DURATION, role=INGRESS,
+              tags=(("endpoint", "endpoint"),)),
+    _recorded("radixserve:engine_calls_finished", m.ENGINE_CALLS_FINISHED, role=INGRESS),
+    _recorded("radixserve:finished_prompt_tokens", m.PROMPT_TOKENS, role=INGRESS),
+    _recorded("radixserve:finished_cached_tokens", m.ACTUAL_CACHED_TOKENS, "Prompt tokens of "
+              "finished engine calls that the serving replica found in its radix cache "
+              "(compare radixserve:router_predicted_matched_tokens).", role=INGRESS),
+    _router("radixserve:router_routed_with_match", "routed_with_match",
+            "Engine calls routed to a replica believed to hold >= 1 block of the prompt."),
+    _router("radixserve:router_routed_without_match", "routed_without_match",
+            "Engine calls routed where no block was believed cached."),
+    _router("radixserve:router_load_fallbacks", "load_fallbacks",
+            "Routing decisions where load overrode prefix affinity."),
+    _router("radixserve:router_predicted_matched_tokens", "predicted_matched_tokens",
+            "Prompt tokens believed cached at the chosen replica."),
+)
+BY_SERVED_NAME: dict[str, Served] = {s.name: s for s in SERVED}
+# Who answered the scrape, made by the scraping ingress itself (deployments/scrape.py).
+SCRAPE_REPLICAS = "radixserve:scrape_replicas"
+SCRAPE_REPLICAS_HELP = "Replicas whose series this scrape holds, by role (engine, ingress)."
+SCRAPE_MISSING = "radixserve:scrape_replicas_missing"
+SCRAPE_MISSING_HELP = ("Replicas that did not answer this scrape in time (their series are "
+                       "absent from it), by role.")
+COUNTER_STATS = tuple(sorted({s.key for s in SERVED if s.source == STAT and s.kind == "counter"}))
+
+
+def served_series() -> set[str]:
+    """Every sample name GET /metrics can serve."""
+    return {name for s in SERVED for name in s.series()} | {SCRAPE_REPLICAS, SCRAPE_MISSING}
+
+
+class StatHighWater:
+    """Per replica: the engine's counters as never-decreasing numbers. The engine can take
+    back an admission within a step, and a Prometheus counter that goes down reads as a
+    restart (its whole value counted again by rate())."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, float] = {}
+
+    def __call__(self, stats: dict[str, Any]) -> dict[str, Any]:
+        out = dict(stats)
+        for key in COUNTER_STATS:
+            if key in out:
+                out[key] = self._seen[key] = max(self._seen.get(key, 0), out[key])
+        return out
