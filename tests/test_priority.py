@@ -163,10 +163,15 @@ def test_priority_comes_before_the_schedule_policy():
     reqs = {name: Request(name, tokens, SamplingParams(priority=p)) for name, tokens, p in [
         ("a", [2, 2], 1), ("b", [1, 1, 2], 1), ("c", [1, 2], 0), ("d", [2], 0), ("e", [1, 1, 1], 1)]}
     queue = list(reqs.values())
-    names = lambda order: [r.request_id for r in order]  # noqa: E731
-    assert names(AdmissionOrder("fcfs", _Cache())(queue)) == ["c", "d", "a", "b", "e"]
-    assert names(AdmissionOrder("lpm", _Cache())(queue)) == ["c", "d", "e", "b", "a"]
-    assert names(AdmissionOrder("fcfs", _Cache(), by_priority=False)(queue)) == list("abcde")
+
+    def names(policy: str, by_priority: bool = True) -> list[str]:
+        order = AdmissionOrder(policy, _Cache(), by_priority=by_priority)
+        order.saw_priority = True  # (the scheduler sets it when such a request is queued)
+        return [r.request_id for r in order(queue)]
+
+    assert names("fcfs") == ["c", "d", "a", "b", "e"]
+    assert names("lpm") == ["c", "d", "e", "b", "a"]
+    assert names("fcfs", by_priority=False) == list("abcde")
 
 
 def test_lpm_with_priorities_matches_unpreempted_outputs(tiny_llama):

@@ -75,6 +75,8 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
         self.deadlines.add(req)
+        if req.params.priority:
+            self.admission_order.saw_priority = True
 
     def expire_queued(self, now: float) -> list[Request]:
         """End the requests past their queue deadline (never admitted: nothing to free)."""
