@@ -21,9 +21,9 @@ from deployments.metrics import EngineMetrics, record_gc_pauses
 from deployments.served_metrics import StatHighWater
 from deployments.tp_workers import TPWorkers
 from engine import (
-    AsyncEngine, Engine, EngineConfig, ProcessAsyncEngine, QueueFullError, SamplingParams,
-    StepReport, StreamDelta, WireDelta, ensure_demo_model, freeze_after_start, process_age_s, wire_dict,
-    wire_of,
+    AsyncEngine, Engine, EngineConfig, ProcessAsyncEngine, QueueFullError, QueueTimeoutError,
+    SamplingParams, StepReport, StreamDelta, WireDelta, ensure_demo_model, freeze_after_start,
+    process_age_s, wire_dict, wire_of,
 )
 from router.cache_digest import CacheDigest
 
@@ -132,6 +132,10 @@ class EngineReplica:
         except ValueError as e:
             timer.close("invalid")
             yield {"error": str(e), "status": 400}
+        except QueueTimeoutError as e:
+            timer.close("queue_timeout")
+            # The request's own limit: 408; the server's: 503, as when the queue is full.
+            yield {"error": str(e), "status": 408 if e.by_request else 503, "code": "queue_timeout"}
         except QueueFullError:
             timer.close("rejected")
             # with this replica's load: the ingress's admission gate (deployments/admission.py)

@@ -23,6 +23,7 @@ _TYPE_BY_STATUS = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "timeout_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",

@@ -111,6 +111,10 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, Any] | None = None  # token id -> bias in [-100, 100]
     min_tokens: int | None = None  # no EOS / stop_token_ids before this many tokens (vLLM's)
     include_stop_str_in_output: bool | None = None  # the text keeps the stop string it hit
+    # Scheduling (vLLM's `priority`: lower is served first; engine/core/admission.py), and the
+    # longest this request may wait for admission (engine/core/queue_deadlines.py): past it, a 408.
+    priority: int | None = None
+    queue_timeout_s: float | None = None
     # Fields other servers take that radixserve does not honour: a 400 when set to anything
     # but their "off" value, never a silent 200 (vLLM refuses what it does not support).
     best_of: int | None = None
@@ -152,6 +156,7 @@ _PASSTHROUGH = (
     "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k",
     "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "regex", "json_schema",
     "ebnf", "skip_special_tokens", "logit_bias", "min_tokens", "include_stop_str_in_output",
+    "priority", "queue_timeout_s",
 )
 
 

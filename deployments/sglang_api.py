@@ -101,6 +101,11 @@ class GenerateRequest(_Lenient):
     stream: bool = False
     rid: str | list[str] | None = None
     model: str | None = None
+    # SGLang's request priority, served LOWER first as everywhere in radixserve (vLLM's
+    # order; SGLang's with --schedule-low-priority-values-first), and radixserve's queue
+    # deadline in seconds; each one value for all prompts or one per prompt.
+    priority: int | list[int] | None = None
+    queue_timeout_s: float | list[float] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
@@ -148,6 +153,9 @@ def plan_prompt(req: GenerateRequest, i: int, prompt_len: int) -> PromptPlan:
     """SamplingParams kwargs and reporting choices for prompt `i` (of `prompt_len` tokens)."""
     params = SGLSamplingParams.model_validate(req.per_prompt("sampling_params", i) or {})
     kwargs = params.to_kwargs()
+    for name in ("priority", "queue_timeout_s"):
+        if (value := req.per_prompt(name, i)) is not None:
+            kwargs[name] = value
     score_only = kwargs["max_tokens"] == 0
     if score_only:  # the engine always samples one token: run one, report none
         kwargs.update(max_tokens=1, ignore_eos=True)

@@ -66,9 +66,9 @@ def error_of(item: dict) -> APIError | None:
     if "error" not in item:
         return None
     status = item.get("status", 500)
-    if status == 503:
-        return APIError.unavailable(item["error"])
-    return APIError(item["error"], status=status)
+    error = APIError.unavailable(item["error"]) if status == 503 else APIError(item["error"], status=status)
+    error.code = item.get("code")
+    return error
 
 
 async def merged_stream(handle, calls: list[EngineCall], hub: ChannelHub | None = None,

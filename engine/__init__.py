@@ -13,6 +13,7 @@ from engine.runtime.gc_freeze import freeze_after_start
 from engine.models import load_hf_config, resolve_device
 from engine.core.outputs import RequestOutput, StreamDelta, WireDelta, wire_dict, wire_of
 from engine.runtime.process_engine import EngineProcessError, ProcessAsyncEngine
+from engine.core.queue_deadlines import QueueTimeoutError
 from engine.core.request import validate_request
 from engine.core.sampling_params import SamplingParams
 from engine.runtime.step_report import StepReport
@@ -23,6 +24,7 @@ from engine.executor.startup_timer import process_age_s
 __all__ = [
     # running the engine
     "LLM", "AsyncEngine", "Engine", "EngineConfig", "EngineStepError", "QueueFullError",
+    "QueueTimeoutError",
     "ensure_demo_model",
     # the engine in a process of its own, for a server (deployments/engine_replica.py)
     "ProcessAsyncEngine", "EngineProcessError", "StepReport",

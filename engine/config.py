@@ -95,6 +95,14 @@ class EngineConfig:
     max_queued_requests: int = 0  # 0 = unbounded; above it `add_request` raises QueueFullError
     enable_radix_cache: bool = True
     schedule_policy: Literal["fcfs", "lpm"] = "fcfs"  # admission order: engine/core/admission.py
+    # Requests' `priority` (lower first; engine/core/admission.py): "preempt" admits by priority
+    # and, when the batch is full, retracts running requests of a lower priority for a
+    # waiting higher one; "order" only admits by priority; "off" refuses any priority but 0
+    # (a server whose clients should not be able to jump the queue).
+    priority_scheduling: Literal["preempt", "order", "off"] = "preempt"
+    # The longest a request may wait for its first admission (seconds; None: no limit).
+    # Past it the request ends with QueueTimeoutError (engine/core/queue_deadlines.py).
+    max_queue_time_s: float | None = None
 
     # Memory
     max_total_tokens: int | None = None  # KV slots in the pool
@@ -209,6 +217,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
         if self.moe_parallel not in ("tp", "ep"):
             raise ValueError(f"moe_parallel must be 'tp' or 'ep', got {self.moe_parallel!r}")
+        if self.priority_scheduling not in ("preempt", "order", "off"):
+            raise ValueError("priority_scheduling must be 'preempt', 'order' or 'off', "
+                             f"got {self.priority_scheduling!r}")
+        if self.max_queue_time_s is not None and not 0 < self.max_queue_time_s < float("inf"):
+            raise ValueError(f"max_queue_time_s must be a positive number or None, got {self.max_queue_time_s!r}")
         if self.prefill_attention_backend not in ("auto", "triton", "flashinfer"):
             raise ValueError("prefill_attention_backend must be 'auto', 'triton' or 'flashinfer', "
                              f"got {self.prefill_attention_backend!r}")

@@ -103,17 +103,19 @@ class RuntimeEndpoint:
         """Have the server prefill `prompt` (one token generated) so later requests reuse it."""
         return self.generate(prompt, {"max_tokens": 1, "temperature": 0}).usage
 
-    def score_choices(self, prefix: str, choices: list[str]) -> ChoiceScores:
+    def score_choices(self, prefix: str, choices: list[str],
+                      scheduling: dict[str, Any] | None = None) -> ChoiceScores:
         """Log-probabilities of each choice's tokens after `prefix`, in one batched request.
 
         Prompts go as token ids, so the server scores exactly the tokens counted here. Where
-        a choice merges with the prefix's last token, that token is scored as the choice's."""
+        a choice merges with the prefix's last token, that token is scored as the choice's.
+        `scheduling`: the request's priority and queue_timeout_s, if set."""
         prefix_ids, *full = self.tokenize([prefix] + [prefix + c for c in choices])
         # token 0 has no logprob
         starts = [max(1, len(os.path.commonprefix([prefix_ids, ids]))) for ids in full]
         body = self._post("/v1/completions", {
             "prompt": full, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 0,
-            "prompt_logprobs_start": min(starts)})
+            "prompt_logprobs_start": min(starts), **(scheduling or {})})
         by_index = sorted(body["choices"], key=lambda c: c["index"])
         scores = [c["logprobs"]["token_logprobs"][start:len(ids)]
                   for c, start, ids in zip(by_index, starts, full)]

@@ -14,7 +14,11 @@ ROLES = ("system", "user", "assistant")
 SAMPLING_FIELDS = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
     "presence_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "seed",
+    "priority", "queue_timeout_s",
 )
+# Scheduling, not sampling (a lower priority value is served first; the most seconds the
+# request may wait in the server's queue): a select's scoring request takes them from the run.
+SCHEDULING_FIELDS = ("priority", "queue_timeout_s")
 DEFAULT_MAX_TOKENS = 128  # what a gen gets when neither it nor the run says (as in SGLang)
 
 
@@ -102,6 +106,8 @@ def gen(
     stop_token_ids: list[int] | None = None,
     ignore_eos: bool | None = None,
     seed: int | None = None,
+    priority: int | None = None,
+    queue_timeout_s: float | None = None,
     regex: str | None = None,
     json_schema: str | dict[str, Any] | None = None,
     choices: list[str] | None = None,
@@ -115,7 +121,8 @@ def gen(
         max_new_tokens, max_tokens=max_tokens, stop=stop, temperature=temperature, top_p=top_p,
         top_k=top_k, min_p=min_p, frequency_penalty=frequency_penalty,
         presence_penalty=presence_penalty, repetition_penalty=repetition_penalty,
-        stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, seed=seed)
+        stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, seed=seed, priority=priority,
+        queue_timeout_s=queue_timeout_s)
     if regex is not None and json_schema is not None:
         raise ValueError("give regex or json_schema, not both")
     if regex is not None:

@@ -14,7 +14,9 @@ from dataclasses import replace
 from typing import Any
 
 from frontend.backend import Completion, RuntimeEndpoint, Usage
-from frontend.ir import DEFAULT_MAX_TOKENS, Concat, Gen, Item, RoleBegin, RoleEnd, Select, check_item
+from frontend.ir import (
+    DEFAULT_MAX_TOKENS, SCHEDULING_FIELDS, Concat, Gen, Item, RoleBegin, RoleEnd, Select, check_item,
+)
 
 
 class ProgramState:
@@ -246,7 +248,8 @@ class ProgramState:
         raise RuntimeError("the stream ended without a final result")
 
     def _select(self, sel: Select) -> None:
-        scores = self.backend.score_choices(self._text, sel.choices)
+        scheduling = {k: v for k, v in self._defaults.items() if k in SCHEDULING_FIELDS}
+        scores = self.backend.score_choices(self._text, sel.choices, scheduling)
         self._add_usage(scores.usage)
         choice = sel.choices[scores.best]
         self._append(choice, sel.name)

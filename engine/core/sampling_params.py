@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from dataclasses import dataclass, field
 
 _MAX_TOP_LOGPROBS = 20
@@ -38,6 +40,11 @@ class SamplingParams:
     # The constraint starts once the output has written this text (e.g. "</think>": the
     # model reasons freely, its answer is constrained); None: from the first token.
     grammar_after: str | None = None
+    # Scheduling, not sampling; they travel with the request's other settings.
+    # Lower values are admitted first (as vLLM's); engine/core/admission.py.
+    priority: int = 0
+    # Seconds the request may wait for its first admission (engine/core/queue_deadlines.py).
+    queue_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,6 +93,12 @@ class SamplingParams:
         need(self.prompt_logprobs_start is None
              or (isinstance(self.prompt_logprobs_start, int) and self.prompt_logprobs_start >= 0),
              f"prompt_logprobs_start must be a non-negative integer, got {self.prompt_logprobs_start!r}")
+        need(isinstance(self.priority, numbers.Integral) and not isinstance(self.priority, bool),
+             f"priority must be an integer, got {self.priority!r}")
+        timeout = self.queue_timeout_s
+        need(timeout is None or (isinstance(timeout, numbers.Real) and not isinstance(timeout, bool)
+                                 and math.isfinite(timeout) and timeout > 0),
+             f"queue_timeout_s must be a positive number of seconds, got {timeout!r}")
         constraints = [c for c in (self.regex, self.json_schema, self.ebnf) if c is not None]
         need(len(constraints) + int(self.json_object) <= 1,
              "at most one of regex, json_schema, ebnf, json_object may be set")

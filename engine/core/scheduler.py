@@ -4,8 +4,15 @@ Every step is one forward over a ragged batch: each running request that is deco
 one new token, then prefill work (new requests, or the next chunk of a long prompt) fills a
 token budget (`chunked_prefill_size`), so a long prompt never stalls the decoders for more
 than one chunk. When the KV pool runs dry, the radix cache evicts unlocked leaves first;
-if that is not enough, the newest running requests are retracted (their KV freed, their
-tokens kept) and re-queued at the front, so they later finish with the same output.
+if that is not enough, running requests are retracted (their KV freed, their tokens kept;
+the lowest priority first, the newest first among equals) and re-queued at the front, so
+they later finish with the same output.
+
+Priorities (`priority_scheduling`): waiting requests are admitted in priority order, and
+with "preempt" a waiting request that finds the batch full (no free row, or not enough KV
+for its first chunk) retracts running requests of a strictly lower priority, as memory
+pressure retracts them, until it fits. Requests still waiting for their first admission
+past their queue deadline end before each step's plan (engine/core/queue_deadlines.py).
 
 The scheduler owns each running request's KV record (`Request.kv`, engine/core/request.py): it
 alone allocates, caches, moves and frees slots; the runner only reads the records.
@@ -21,6 +28,7 @@ from dataclasses import dataclass
 from engine.core.admission import AdmissionOrder
 from engine.config import EngineConfig
 from engine.core.slot_allocator import SlotAllocator
+from engine.core.queue_deadlines import QUEUE_TIMEOUT, QueueDeadlines
 from engine.core.radix_cache import RadixCache
 from engine.core.request import KVRecord, Request, Status
 from engine.core.step_plan import Chunk, StepPlan
@@ -37,7 +45,9 @@ class SchedulerStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generated_tokens: int = 0
-    preemptions: int = 0
+    preemptions: int = 0  # retractions, for memory or for priority
+    priority_preemptions: int = 0  # of them, those for a waiting higher-priority request
+    queue_timeouts: int = 0
     finished_requests: int = 0
     aborted_requests: int = 0
     steps: int = 0  # plans handed out
@@ -52,7 +62,9 @@ class Scheduler:
         self.running: list[Request] = []
         # Row 0 of req_to_token is the padding row; running requests use 1..max_running.
         self.free_rows = list(range(config.max_running_requests, 0, -1))
-        self.admission_order = AdmissionOrder(config.schedule_policy, cache)
+        self.admission_order = AdmissionOrder(config.schedule_policy, cache,
+                                              by_priority=config.priority_scheduling != "off")
+        self.deadlines = QueueDeadlines(config.max_queue_time_s)
         self.stats = SchedulerStats()
         # Called with each request whose KV is released (finish, abort, retraction), e.g.
         # so a speculative draft model frees that request's KV in its own pool.
@@ -62,6 +74,19 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        self.deadlines.add(req)
+        if req.params.priority:
+            self.admission_order.saw_priority = True
+
+    def expire_queued(self, now: float) -> list[Request]:
+        """End the requests past their queue deadline (never admitted: nothing to free)."""
+        expired = self.deadlines.expired(now)
+        for req in expired:
+            self.waiting.remove(req)
+            req.status = Status.FINISHED
+            req.finish_reason = QUEUE_TIMEOUT
+            self.stats.queue_timeouts += 1
+        return expired
 
     def abort(self, req: Request) -> None:
         if req.status is Status.RUNNING:
@@ -83,13 +108,14 @@ class Scheduler:
     def schedule(self, drafts: dict[Request, list[int]] | None = None) -> StepPlan | None:
         """`drafts`: speculative tokens to verify after some decoding requests' last token
         (engine/speculative/); they get KV slots only when memory allows."""
-        chunks = self._decode_chunks(drafts)
-        chunks += self._prefill_chunks(reserve=len(chunks))
+        decode = self._decode_chunks(drafts)
+        prefill = self._prefill_chunks(decode)  # (may retract requests of `decode`)
+        chunks = decode + prefill
         while not chunks and self.running:
             # Every running request needs KV for several tokens (a prompt chunk, or text
-            # appended by jump-forward) and none fits: retract the newest, as decode does.
-            self._retract(max(self.running, key=lambda r: r.arrival))
-            chunks = self._prefill_chunks(reserve=0)
+            # appended by jump-forward) and none fits: retract one, as decode does.
+            self._retract(max(self.running, key=_victim_order))
+            chunks = self._prefill_chunks([])
         if not chunks:
             return None
         for chunk in chunks:  # the step writes each request's new row entries
@@ -124,41 +150,78 @@ class Scheduler:
 
     def _make_room_for_decode(self, decoders: list[Request]) -> list[Request]:
         while self._available() < len(decoders) and self.running:
-            victim = max(self.running, key=lambda r: r.arrival)
+            victim = max(self.running, key=_victim_order)
             self._retract(victim)
             if victim in decoders:
                 decoders.remove(victim)
         return decoders
 
-    def _prefill_chunks(self, reserve: int) -> list[Chunk]:
+    def _prefill_chunks(self, decode: list[Chunk]) -> list[Chunk]:
         """Continue chunked prompts first, then admit waiting requests (in the policy's
         order: engine/core/admission.py), within the token budget and the free memory (keeping
-        `reserve` slots for this step's decoders)."""
-        chunking = self.config.chunked_prefill_size > 0
-        budget = self.config.chunked_prefill_size if chunking else self.config.max_prefill_tokens
+        a slot for each of this step's `decode` chunks). Priority preemption may take
+        chunks out of `decode`."""
         chunks: list[Chunk] = []
         for req in [r for r in self.running if r.pending_len > 1]:
-            n = self._fit(req.pending_len, budget, bool(chunks), reserve) if budget > 0 else None
+            left = self._budget_left(chunks)
+            n = self._fit(req.pending_len, left, bool(chunks), len(decode)) if left > 0 else None
             if n is None:
                 return chunks
             chunks.append(self._extend(req, n))
-            budget -= n
         step_prefixes: set[tuple[int, ...]] = set()
         for req in self.admission_order(self.waiting):
-            if budget <= 0:
+            if self._budget_left(chunks) <= 0:
                 break
             if req.inflight:
                 continue  # retracted while its last token was in flight (overlap scheduling)
-            if len(self.running) >= self.config.max_running_requests:
-                break
             if self._shares_prefix_in_step(req, step_prefixes):
                 continue  # next step it hits the KV this step computes
-            chunk = self._admit(req, budget, bool(chunks), reserve)
+            chunk = self._admit_preempting(req, decode, chunks)
             if chunk is None:
                 break
             chunks.append(chunk)
-            budget -= chunk.num_tokens
         return chunks
+
+    def _budget_left(self, prefill: list[Chunk]) -> int:
+        """New prompt tokens this step may still take, after the `prefill` chunks."""
+        chunking = self.config.chunked_prefill_size > 0
+        budget = self.config.chunked_prefill_size if chunking else self.config.max_prefill_tokens
+        return budget - sum(c.num_tokens for c in prefill)
+
+    def _admit_preempting(self, req: Request, decode: list[Chunk],
+                          prefill: list[Chunk]) -> Chunk | None:
+        """Admit `req` within the step's budget; while the batch is full, retract a running
+        request of lower priority (dropping its chunk from this step) and retry."""
+        while True:
+            if len(self.running) < self.config.max_running_requests:
+                left = self._budget_left(prefill)
+                chunk = self._admit(req, left, bool(prefill), len(decode))
+                if chunk is not None:
+                    return chunk
+            victim = self._priority_victim(req)
+            if victim is None:
+                return None
+            self._retract(victim)
+            self.stats.priority_preemptions += 1
+            for chunks in (decode, prefill):
+                chunks[:] = [c for c in chunks if c.req is not victim]
+
+    def _priority_victim(self, req: Request) -> Request | None:
+        """The running request `req` may retract: of those with a lower priority, the
+        lowest, newest first. None when preemption is off or would not make room (the
+        memory all lower-priority requests hold would still be short of `req`'s)."""
+        if self.config.priority_scheduling != "preempt":
+            return None
+        lower = [r for r in self.running if r.params.priority > req.params.priority]
+        if not lower:
+            return None
+        if len(self.running) < self.config.max_running_requests:  # short of memory, not rows
+            need = len(req.token_ids) - self.cache.match_len(req.token_ids)
+            if self.config.chunked_prefill_size > 0:
+                need = min(need, self.config.chunked_prefill_size)
+            if self._available() + sum(len(r.kv.slots) for r in lower) < need:
+                return None
+        return max(lower, key=_victim_order)
 
     def _fit(self, pending: int, budget: int, others: bool, reserve: int) -> int | None:
         """How many of a request's `pending` tokens get KV this step (None: it does not
@@ -293,3 +356,8 @@ class Scheduler:
         req.num_preemptions += 1
         self.stats.preemptions += 1
         self.waiting.appendleft(req)
+
+
+def _victim_order(req: Request) -> tuple[int, float]:
+    """Retraction order (the max goes first): the lowest priority, then the newest."""
+    return req.params.priority, req.arrival

@@ -21,6 +21,7 @@ from engine.runtime.engine import Engine, QueueFullError
 from engine.runtime.loop_handoff import deliver, set_exception, set_result
 from engine.executor.output_processor import TokenUpdate
 from engine.core.outputs import StreamDelta, WireDelta
+from engine.core.queue_deadlines import QUEUE_TIMEOUT
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.runtime.step_report import StepReport, step_report
@@ -288,19 +289,23 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(stream.put, item)
 
 
-def step_for_streams(engine: Engine
-                     ) -> tuple[list[TokenUpdate], list[tuple[Request, EngineStepError]]]:
+def step_for_streams(engine: Engine) -> tuple[list[TokenUpdate], list[tuple[Request, Exception]]]:
     """One engine step for a server that streams (AsyncEngine, the engine process): finished
-    requests leave `engine.requests` (their streams have what they need), and a step that
-    raises ends the requests it leaves in doubt, each with an EngineStepError, instead of
-    killing the loop."""
+    requests leave `engine.requests` (their streams have what they need), a request timed
+    out in the queue ends with its QueueTimeoutError, and a step that raises ends the
+    requests it leaves in doubt, each with an EngineStepError, instead of killing the loop."""
     try:
         updates = engine.step()
     except Exception as e:  # noqa: BLE001 - a bad step must not kill the engine
         logger.exception("engine step failed")
         return [], [(req, EngineStepError(f"engine step failed: {e}"))
                     for req in engine.abort_after_failed_step()]
+    failed = []
     for update in updates:
         if update.finished:
             engine.requests.pop(update.req.request_id, None)
-    return updates, []
+            if update.req.finish_reason == QUEUE_TIMEOUT:
+                failed.append((update.req, engine.queue_timeout_error(update.req)))
+    if failed:
+        updates = [u for u in updates if u.req.finish_reason != QUEUE_TIMEOUT]
+    return updates, failed

@@ -3,7 +3,9 @@ stats out) and the offline facade (`LLM`)."""
 from __future__ import annotations
 
 import logging
+import time
 
+from engine.core.admission import check_priority
 from engine.config import EngineConfig
 from engine.runtime.gc_freeze import freeze_after_start
 from engine.grammar import Grammars
@@ -12,6 +14,7 @@ from engine.executor.model_runner import ModelRunner
 from engine.executor.output_processor import OutputProcessor, TokenUpdate, feed_detokenizer
 from engine.core.outputs import RequestOutput
 from engine.runtime.overlap import OverlapStepper
+from engine.core.queue_deadlines import QueueTimeoutError, timeout_error
 from engine.core.radix_cache import RadixCache
 from engine.core.request import Request, validate_request
 from engine.executor.sampler import Sampler
@@ -86,6 +89,7 @@ class Engine:
         grammar is cached for `add_request`."""
         validate_request(prompt_ids, params, self.runner.vocab_size, self.max_context,
                          self.runner.kv_pool.num_slots)
+        check_priority(params, self.config.priority_scheduling)
         if compile_grammar:
             self.grammars.check(params)
 
@@ -138,7 +142,14 @@ class Engine:
     # -- the loop -----------------------------------------------------------------------
 
     def step(self) -> list[TokenUpdate]:
-        return self.stepper.step()
+        """One step; requests that waited past their queue deadline come first, finished
+        with reason "queue_timeout" and no tokens (`queue_timeout_error` says why)."""
+        expired = self.scheduler.expire_queued(time.monotonic())
+        updates = self.stepper.step()
+        return [TokenUpdate(r, [], True) for r in expired] + updates if expired else updates
+
+    def queue_timeout_error(self, req: Request) -> QueueTimeoutError:
+        return timeout_error(req, self.config.max_queue_time_s)
 
     # -- reporting ----------------------------------------------------------------------
 
@@ -163,6 +174,7 @@ class Engine:
         return {
             "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
             "generated_tokens": s.generated_tokens, "preemptions": s.preemptions,
+            "priority_preemptions": s.priority_preemptions, "queue_timeouts": s.queue_timeouts,
             "cache_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
             "free_slots": pool.allocator.num_free, "total_slots": pool.num_slots,
             "cached_slots": self.cache.total_size, "evictable_slots": self.cache.evictable_size,

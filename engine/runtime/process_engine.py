@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.core.admission import check_priority
 from engine.runtime import engine_process_main as child
 from engine.runtime.engine_process_main import EngineProcessError
 from engine.config import EngineConfig
@@ -149,6 +150,7 @@ class ProcessAsyncEngine:
                 await asyncio.wrap_future(self.grammars.submit(params))
         validate_request(prompt_ids, params, self.limits.vocab_size, self.limits.max_context,
                          self.limits.kv_slots)
+        check_priority(params, self.config.priority_scheduling)
         self.grammars.check(params)
         self.check_capacity()
         if request_id in self._streams:
