@@ -109,7 +109,10 @@ SERVED: tuple[Served, ...] = (
     _stat("radixserve:engine_steps", "counter", "steps", "Engine steps (forward passes)."),
     _stat("radixserve:queue_timeouts", "counter", "queue_timeouts",
           "Requests that waited in the engine's queue past their deadline and were ended "
-          "unrun (present when the engine keeps deadlines)."),
+          "unrun."),
+    _stat("radixserve:priority_preemptions", "counter", "priority_preemptions",
+          "Running requests retracted so that a waiting request of a higher priority (a lower "
+          "value) could run; they resume later with unchanged outputs."),
     _recorded("radixserve:engine_requests", m.ENGINE_REQUESTS, tags=(("finish_reason", "finish_reason"),)),
     _recorded("radixserve:batch_size", m.BATCH_SIZE),
     _recorded("radixserve:grammar_compile_seconds", m.GRAMMAR_COMPILE_TIME),

@@ -34,8 +34,8 @@ VLLM_NAMES = {
     "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
     "vllm:request_queue_time_seconds",
 }
-# Engine stats that only some engines keep (speculative decoding, queue deadlines).
-OPTIONAL_STATS = {"spec_steps", "spec_drafted_tokens", "spec_accepted_tokens", "queue_timeouts"}
+# Engine stats that only some engines keep (speculative decoding).
+OPTIONAL_STATS = {"spec_steps", "spec_drafted_tokens", "spec_accepted_tokens"}
 
 
 # -- The table ------------------------------------------------------------------------------
