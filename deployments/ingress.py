@@ -25,7 +25,7 @@ from deployments.prompt_encoder import PromptEncoder
 from deployments.sampling_defaults import model_sampling_defaults, with_defaults
 from deployments.request_body import DEFAULT_MAX_BODY_BYTES, read_json_body
 from deployments.metrics import install_http_metrics, record_gc_pauses
-from deployments.stats import summary
+from deployments.stats import FleetStats
 from deployments.sse_chunks import PlainChunks
 from deployments.protocol import (
     SSE_DONE, ChatCompletionRequest, ChatCompletionStreamResponse, CompletionRequest,
@@ -77,11 +77,11 @@ class OpenAIIngress:
         self.engine = engine_handle.options(stream=True)
         self.control = engine_handle
         admission.replicas = lambda: engine_replica_ids(self.engine)
-        # An engine in this process (deployments/colocated.py) streams each call's deltas on
-        # its own iterator: no channel, and its 503s cost no hop to learn.
-        # (Read off the type: a DeploymentHandle answers any attribute, as a method handle.)
+        # An engine in this process (deployments/colocated.py): deltas on each call's own iterator, no
+        # channel, 503s without a hop (read off the type: a handle answers any attribute).
         in_process = getattr(type(engine_handle), "in_process", False)
         self.hub = None if in_process else ChannelHub(self.engine, loads=admission)
+        self.fleet = FleetStats(engine_handle, in_process)  # /v1/stats
         self.model_name = served_model_name
         self.tokenizer = Tokenizer(tokenizer or path)  # the engine's `tokenizer` setting wins
         hf_config = load_hf_config(path)
@@ -90,17 +90,15 @@ class OpenAIIngress:
         self.name_token = TokenNamer(self.tokenizer)
         self.encoder = PromptEncoder(self.tokenizer, self.max_context)
         self.max_body_bytes = max_body_bytes
-        # Behind HAProxy a client leaving a non-streamed request is noticed only on a write
-        # (deployments/keepalive.py).
+        # Behind HAProxy a client leaving is noticed only on a write (deployments/keepalive.py).
         self.keepalives = behind_haproxy()
-        # Ray's PrefixCacheAffinityRouter reads prompt text; ours hashes token ids, and
-        # decoding every prompt again for nothing costs the event loop ~1 ms per 2k tokens.
+        # Ray's PrefixCacheAffinityRouter reads prompt text; ours hashes token ids (decoding
+        # every prompt again for nothing costs the event loop ~1 ms per 2k tokens).
         self.router_reads_text = router_reads_text
         # Tools in the template, tool_choice grammars, tool-call and reasoning parsing.
         self.chat_features = ChatFeatures(self.tokenizer.hf, hf_config.model_type,
                                           tool_call_parser, reasoning_parser)
-        # Every stream through this replica waits out a full garbage collection: ~300 ms
-        # over the libraries and tokenizer loaded by now (2-core box), unless frozen.
+        # Unfrozen, every stream waits out full collections of all loaded by now (~300 ms, 2 cores).
         freeze_after_start(self)
         record_gc_pauses()  # (after the freeze: serving's pauses only)
 
@@ -126,7 +124,10 @@ class OpenAIIngress:
     @api.get("/v1/stats")
     async def stats(self) -> JSONResponse:
         """Engine counters summed over all replicas, per replica, and the router's."""
-        return JSONResponse(await summary(self.control))
+        return JSONResponse(await self.fleet.summary())
+
+    def router_counters(self) -> dict | None:  # /v1/stats asks every ingress replica
+        return self.fleet.router_counters()
 
     @api.post("/flush_cache")
     @api.get("/flush_cache")  # SGLang takes both
@@ -210,7 +211,7 @@ class OpenAIIngress:
     async def sglang_server_info(self) -> JSONResponse:
         info = {"model_path": self.model_path, "served_model_name": self.model_name,
                 "context_length": self.max_context}
-        return JSONResponse(sglang_api.server_info(info, await summary(self.control)))
+        return JSONResponse(sglang_api.server_info(info, await self.fleet.summary()))
 
     @api.get("/health_generate")
     async def health_generate(self) -> JSONResponse:
