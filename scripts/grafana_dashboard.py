@@ -179,15 +179,18 @@ def routing_panels() -> list[dict[str, Any]]:
         timeseries("Routing decisions", [
             target(hits, "affinity hit"),
             target(misses, "miss"),
+            target(rate(m.ROUTER_OVERFLOWS), "overflow"),
             target(rate(m.ROUTER_LOAD_FALLBACKS), "load fallback"),
-        ], "reqps", "Prefix-aware router decisions per second."),
+            target(rate(m.ROUTER_MISROUTES), "misroute"),
+            target(rate(m.ROUTER_DIGEST_CORRECTIONS), "digest correction"),
+        ], "reqps", "Prefix-aware router decisions per second, summed over every ingress replica."),
         timeseries("Affinity hit ratio", [
             target(f"{hits} / ({hits} + {misses})", "affinity hits / routed"),
-        ], "percentunit", "Share of routed engine calls sent where >= 1 prompt block was believed cached."),
+        ], "percentunit", "Share of routed engine calls sent where the replica's digest held >= 1 prompt block."),
         timeseries("Predicted vs actual cached tokens", [
             target(rate(m.ROUTER_PREDICTED_MATCHED_TOKENS), "predicted by the router"),
             target(rate(m.ACTUAL_CACHED_TOKENS), "found by the replicas"),
-        ], "short", "Tokens per second: what the router's index predicted vs what the radix caches held."),
+        ], "short", "Tokens per second: what the replicas' digests showed at routing vs what the radix caches held."),
     ]
 
 
