@@ -24,7 +24,7 @@ from serve_helpers import free_port, start_ray, stop_ray, wait_until
 
 APP, MODEL = "radixserve", "radixserve-demo"
 BLOCK = 16
-GROUPS, PER_GROUP = 8, 8
+GROUPS, PER_GROUP = 16, 4
 PREFIX_LEN, QUESTION_LEN = 12 * BLOCK, 16
 ARGS = {
     # Product defaults but for the size of a 2-core test machine: no ingress_replicas, the
