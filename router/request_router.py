@@ -209,7 +209,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         if target is not None:  # a delta channel goes to the one replica it was opened for
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
         routing = self._routing_for(pending_request)
-        choice = self.rank(candidate_replicas, routing)
+        choice = self.decide(candidate_replicas, routing)
         routing.choice = choice
         routing.pick = choice.ranks[0][0]
         if pending_request is not None:
@@ -218,7 +218,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         by_id = {r.replica_id: r for r in candidate_replicas}
         return [[by_id[rid] for rid in rank] for rank in choice.ranks]
 
-    def rank(self, replicas: Sequence[RunningReplica], routing: _Routing) -> policy.Choice:
+    def decide(self, replicas: Sequence[RunningReplica], routing: _Routing) -> policy.Choice:
         """The policy's choice over `replicas` for one request (no side effects)."""
         hashes = routing.hashes or []
         ranked = rendezvous.rank(routing.key, replicas, name=lambda r: r.replica_id.unique_id)

@@ -345,6 +345,28 @@ def test_a_leaving_replica_moves_only_its_prefixes_through_the_router():
     asyncio.run(scenario())
 
 
+def test_a_joining_replica_takes_new_prefixes_only_while_digests_hold_the_cached_ones():
+    async def scenario():
+        router = make_router()
+        replicas = fleet()
+        router.update_replicas(replicas)
+        ps = prompts(120, seed=4)
+        before = [await route_done(router, replicas, p) for p in ps]
+        digests = {r.replica_id.unique_id: CacheDigest(block_size=BS) for r in replicas}
+        for p, home in zip(ps, before):  # each replica caches what it served
+            digests[home].insert(p)
+        for r in replicas:
+            r.routing_stats = {"cache_digest": digests[r.replica_id.unique_id].encode()}
+        new = FakeReplica(NAMES[4])
+        grown = replicas + [new]
+        router.update_replicas(grown)
+        assert [await route_done(router, grown, p) for p in ps] == before  # nothing moved
+        fresh = [await route_done(router, grown, p) for p in prompts(120, seed=5)]
+        assert 10 < fresh.count(NAMES[4]) < 45  # about a fifth of the new prefixes
+        assert router.router_stats()["digest_corrections"] > 0
+    asyncio.run(scenario())
+
+
 def test_requests_without_tokens_spread_and_load_without_a_timestamp():
     async def scenario():
         router = make_router()
