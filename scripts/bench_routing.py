@@ -32,10 +32,11 @@ Workloads (`--workload`; explicit --groups/--per-group/--max-total-tokens win):
     python scripts/bench_routing.py                       # 4 replicas, 16 x 8 requests
     python scripts/bench_routing.py --workload many-small-groups
     python scripts/bench_routing.py --model demo --runs pow2,ours --json out.json
-    # W2's shape on one GPU, two engine replicas at half a GPU each:
-    python scripts/bench_routing.py --model /models/llama-8b --replicas 2 --replica-gpus 0.5 \
-        --groups 32 --per-group 16 --system-len 2048 --question-len 128 --output-len 256 \
-        --max-total-tokens 0 --max-running-requests 256 --runs ours,ours_one_ingress
+    # W2's shape on one GPU, two engine replicas at half a GPU each. Give the KV pool in
+    # tokens: mem_fraction_static counts what the other replica on the card took as used.
+    python scripts/bench_routing.py --model /models/llama-8b --replicas 2 --replica-gpus 0.5 \\
+        --groups 32 --per-group 16 --system-len 2048 --question-len 128 --output-len 256 \\
+        --max-total-tokens 150000 --max-running-requests 256 --runs ours,ours_one_ingress
 """
 from __future__ import annotations
 
