@@ -178,9 +178,10 @@ class AppArgs(BaseModel):
         """Under autoscaling, the prefix router's imbalance threshold stays below the target.
 
         Serve adds a replica when the replicas average more than `target_ongoing_requests`;
-        the router moves a request off its cached prefix only when loads differ by more than
-        `abs_threshold` requests. With the threshold at or above the target, a hot replica
-        keeps every request of the prefixes it holds and the new, empty replicas get none
+        the router moves a request off its prefix's replica only when that replica is more
+        than `abs_threshold` requests over the fair share (router/policy.py). With the
+        threshold at or above the target, a hot replica keeps every request of the prefixes
+        it holds and the new, empty replicas get none
         (tests/test_autoscaling.py saw 0 of 102 requests reach two new replicas with the
         default 16 against a target of 2)."""
         if self.autoscaling_config is None or self.router.request_router_class != "prefix":

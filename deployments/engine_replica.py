@@ -8,6 +8,7 @@ import asyncio
 import logging
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -218,10 +219,13 @@ class EngineReplica:
         await self.engine.flush_cache()
 
     def record_routing_stats(self) -> dict[str, Any]:
+        """Load and cache digest for every ingress's router (router/request_router.py); `ts`
+        lets a router tell which of its own sends this load cannot show yet."""
         with self._stats_lock:
             stats = dict(self._stats)
         return {"cache_digest": self.digest.encode(), "num_running": stats.get("running", 0),
-                "num_waiting": stats.get("waiting", 0), "kv_usage": stats.get("kv_usage", 0.0)}
+                "num_waiting": stats.get("waiting", 0), "kv_usage": stats.get("kv_usage", 0.0),
+                "ts": time.time()}
 
     def check_health(self) -> None:
         if not self.engine.is_alive():

@@ -1,8 +1,6 @@
-"""The OpenAI-compatible HTTP ingress (FastAPI under `@serve.ingress`).
-
-It validates and tokenizes (so the router can hash token prefixes), fans each request out
-into one engine call per (prompt, choice), and streams or gathers the results.
-"""
+"""The OpenAI-compatible HTTP ingress (FastAPI under `@serve.ingress`): validates and
+tokenizes (the router hashes token prefixes), fans each request out into one engine call per
+(prompt, choice), and streams or gathers the results."""
 
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -25,7 +23,7 @@ from deployments.sampling_defaults import model_sampling_defaults, with_defaults
 from deployments.request_body import DEFAULT_MAX_BODY_BYTES, read_json_body
 from deployments.metrics import install_http_metrics, record_gc_pauses
 from deployments.scrape import ingress_snapshot, install_prometheus_endpoint
-from deployments.stats import summary
+from deployments.stats import FleetStats
 from deployments.sse_chunks import PlainChunks
 from deployments.protocol import (
     SSE_DONE, ChatCompletionRequest, ChatCompletionStreamResponse, CompletionRequest,
@@ -79,17 +77,16 @@ class OpenAIIngress:
         self.engine = engine_handle.options(stream=True)
         self.control = engine_handle
         admission.replicas = lambda: engine_replica_ids(self.engine)
-        # An engine in this process (deployments/colocated.py) streams each call's deltas on
-        # its own iterator: no channel, and its 503s cost no hop to learn.
-        # (Read off the type: a DeploymentHandle answers any attribute, as a method handle.)
+        # An engine in this process (deployments/colocated.py): deltas on each call's own iterator, no
+        # channel, 503s without a hop (read off the type: a handle answers any attribute).
         in_process = getattr(type(engine_handle), "in_process", False)
         self.hub = None if in_process else ChannelHub(self.engine, loads=admission)
         if in_process:  # its engine is built before Serve lets this replica take requests
             readiness.answered = True
         else:
             readiness.follow(admission.replicas, self.control.load.remote)
-        prometheus.configure(served_model_name, self.metrics_snapshot,
-                             None if in_process else self.control)
+        prometheus.configure(served_model_name, self.metrics_snapshot, None if in_process else self.control)
+        self.fleet = FleetStats(engine_handle, in_process)  # /v1/stats
         self.model_name = served_model_name
         self.tokenizer = Tokenizer(tokenizer or path)  # the engine's `tokenizer` setting wins
         hf_config = load_hf_config(path)
@@ -130,7 +127,10 @@ class OpenAIIngress:
     @api.get("/v1/stats")
     async def stats(self) -> JSONResponse:
         """Engine counters summed over all replicas, per replica, and the router's."""
-        return JSONResponse(await summary(self.control))
+        return JSONResponse(await self.fleet.summary())
+
+    def router_counters(self) -> dict | None:  # /v1/stats asks every ingress replica
+        return self.fleet.router_counters()
 
     async def metrics_snapshot(self) -> dict:  # this replica's part of GET /metrics
         return ingress_snapshot(self.control)
@@ -217,7 +217,7 @@ class OpenAIIngress:
     async def sglang_server_info(self) -> JSONResponse:
         info = {"model_path": self.model_path, "served_model_name": self.model_name,
                 "context_length": self.max_context}
-        return JSONResponse(sglang_api.server_info(info, await summary(self.control)))
+        return JSONResponse(sglang_api.server_info(info, await self.fleet.summary()))
 
     @api.get("/health_generate")
     async def health_generate(self) -> JSONResponse:

@@ -122,6 +122,9 @@ GC_PAUSE = "radixserve_gc_pause_seconds"
 ROUTER_ROUTED_WITH_MATCH = "radixserve_router_routed_with_match"
 ROUTER_ROUTED_WITHOUT_MATCH = "radixserve_router_routed_without_match"
 ROUTER_LOAD_FALLBACKS = "radixserve_router_load_fallbacks"
+ROUTER_OVERFLOWS = "radixserve_router_overflows"
+ROUTER_MISROUTES = "radixserve_router_misroutes"
+ROUTER_DIGEST_CORRECTIONS = "radixserve_router_digest_corrections"
 ROUTER_PREDICTED_MATCHED_TOKENS = "radixserve_router_predicted_matched_tokens"
 
 INGRESS, REPLICA, ROUTER = "ingress", "engine replica", "router (in the ingress)"
@@ -234,14 +237,21 @@ METRICS: tuple[MetricSpec, ...] = (
     _counter(PROMPT_TOKENS, _DESCRIPTIONS[PROMPT_TOKENS], INGRESS),
     _counter(ACTUAL_CACHED_TOKENS, _DESCRIPTIONS[ACTUAL_CACHED_TOKENS], INGRESS),
     # Routing decisions.
-    _counter(ROUTER_ROUTED_WITH_MATCH, "Engine calls routed to a replica believed to hold "
-             ">= 1 block of the prompt (affinity hit).", ROUTER, "target_deployment"),
-    _counter(ROUTER_ROUTED_WITHOUT_MATCH, "Engine calls routed where no block was believed "
-             "cached (miss).", ROUTER, "target_deployment"),
-    _counter(ROUTER_LOAD_FALLBACKS, "Routing decisions where load overrode prefix affinity.",
-             ROUTER, "target_deployment"),
-    _counter(ROUTER_PREDICTED_MATCHED_TOKENS, "Prompt tokens believed cached at the chosen "
-             "replica.", ROUTER, "target_deployment"),
+    _counter(ROUTER_ROUTED_WITH_MATCH, "Engine calls routed to a replica whose last cache "
+             "digest held >= 1 block of the prompt.", ROUTER, "target_deployment"),
+    _counter(ROUTER_ROUTED_WITHOUT_MATCH, "Engine calls routed where the replica's last digest "
+             "held no block of the prompt.", ROUTER, "target_deployment"),
+    _counter(ROUTER_OVERFLOWS, "Engine calls handed from the prefix's first choice, past its "
+             "load bound, to the next replica in the prefix's ranking.", ROUTER, "target_deployment"),
+    _counter(ROUTER_LOAD_FALLBACKS, "Engine calls sent to the least loaded replica because "
+             "every replica was past its load bound.", ROUTER, "target_deployment"),
+    _counter(ROUTER_MISROUTES, "Engine calls Serve sent to another replica than the router "
+             "picked (the pick was full).", ROUTER, "target_deployment"),
+    _counter(ROUTER_DIGEST_CORRECTIONS, "Engine calls moved off the prefix's rendezvous first "
+             "choice to where a replica's digest showed the prefix lives.", ROUTER,
+             "target_deployment"),
+    _counter(ROUTER_PREDICTED_MATCHED_TOKENS, "Prompt tokens the chosen replica's last digest "
+             "held.", ROUTER, "target_deployment"),
 )
 BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
 

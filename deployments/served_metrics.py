@@ -129,10 +129,18 @@ SERVED: tuple[Served, ...] = (
             "Engine calls routed to a replica believed to hold >= 1 block of the prompt."),
     _router("radixserve:router_routed_without_match", "routed_without_match",
             "Engine calls routed where no block was believed cached."),
+    _router("radixserve:router_overflows", "overflows",
+            "Engine calls whose prefix's first replica was past its load bound: sent to the "
+            "next in the prefix's own ranking (every ingress computes the same)."),
     _router("radixserve:router_load_fallbacks", "load_fallbacks",
-            "Routing decisions where load overrode prefix affinity."),
+            "Routing decisions where every replica was past its bound: the least loaded."),
+    _router("radixserve:router_misroutes", "misroutes",
+            "Engine calls Serve sent elsewhere than the router's pick (the pick was full)."),
+    _router("radixserve:router_digest_corrections", "digest_corrections",
+            "Engine calls a replica's cache digest moved off the prefix's rendezvous first "
+            "choice."),
     _router("radixserve:router_predicted_matched_tokens", "predicted_matched_tokens",
-            "Prompt tokens believed cached at the chosen replica."),
+            "Prompt tokens the chosen replica's digest held at routing time."),
 )
 BY_SERVED_NAME: dict[str, Served] = {s.name: s for s in SERVED}
 # Who answered the scrape, made by the scraping ingress itself (deployments/scrape.py).

@@ -1,21 +1,23 @@
-"""The routing decision as a pure function: prefix affinity unless load says otherwise.
+"""The routing decision as a pure function of what every ingress sees alike.
 
-Inputs per candidate: how many leading blocks of the request it is believed to hold, its
-load (ongoing requests: running + waiting) and its KV-cache usage fraction. Output: the
-candidates' ids in ranks, best first, the shape Serve's `choose_replicas` returns (Serve
-picks the replica with the shortest queue inside a rank, and moves to the next rank when
-every replica of a rank is full).
+Inputs: the candidates in the prefix's own rendezvous order (`router.rendezvous`), each with
+how many leading blocks of the request its last cache digest holds, its load and its KV
+usage. Output: one replica per rank, best first (Serve sends to the first rank unless that
+replica is full, then tries the next).
 
-Rules, in the spirit of sgl-router's cache-aware policy:
-1. A replica whose KV usage is above `kv_high_water` counts as loaded: it would have to
-   evict to take more, so it only appears in the last rank (unless every replica is).
-2. Load is imbalanced when max - min > `abs_threshold` AND max > `rel_threshold` * min.
-   Then the least loaded replica wins, whatever it caches (LOAD_FALLBACK).
-3. Otherwise the longest match wins, ties broken by load (AFFINITY), provided it covers at
-   least `min_match_ratio` of the request's blocks: a tiny shared prefix is not worth
-   piling onto one replica.
-4. Without a worthwhile match the least loaded replica wins (NO_MATCH), or LOAD_FALLBACK
-   when the only worthwhile match sits on a replica excluded by rule 1.
+Rules:
+1. Digest correction: a replica whose digest holds a worthwhile number of blocks *more*
+   than the prefix's first choice (at least `min_match_ratio` of the request, and one
+   block) moves ahead of it, longest match first; equal matches keep the rendezvous order,
+   so a prefix cached on two replicas does not flap between them.
+2. A replica whose KV usage is above `kv_high_water` would have to evict to take more: it
+   moves to the back (unless every replica is that full).
+3. Bounded load: with fair = (total load + 1) / replicas, a replica is past its bound when
+   its load + 1 exceeds both fair + `abs_threshold` and `rel_threshold` * fair. The first
+   replica in the order that is not past its bound wins (OVERFLOW when that is not the
+   first); when all are, the least loaded (LOAD_FALLBACK).
+Every input is shared (rendezvous scores, digests, the replicas' reported load), so router
+instances that saw different traffic decide alike; see docs/architecture.md.
 """
 from __future__ import annotations
 
@@ -25,9 +27,10 @@ from enum import Enum
 
 
 class Decision(str, Enum):
-    AFFINITY = "affinity"
-    NO_MATCH = "no_match"
-    LOAD_FALLBACK = "load_fallback"
+    AFFINITY = "affinity"  # the first choice, holding a worthwhile match
+    NO_MATCH = "no_match"  # the first choice, holding nothing worth steering by
+    OVERFLOW = "overflow"  # the first choice was past its bound: a later one in the order
+    LOAD_FALLBACK = "load_fallback"  # every replica past its bound: the least loaded
 
 
 @dataclass(frozen=True)
@@ -40,8 +43,8 @@ class Candidate:
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    abs_threshold: float = 16  # requests
-    rel_threshold: float = 1.5
+    abs_threshold: float = 16  # requests over the fair share before a replica overflows
+    rel_threshold: float = 1.5  # ... and times the fair share
     min_match_ratio: float = 0.1
     kv_high_water: float = 0.95
 
@@ -58,65 +61,55 @@ class PolicyConfig:
 
 @dataclass(frozen=True)
 class Choice:
-    ranks: list[list[Hashable]]  # best first; every candidate appears exactly once
+    ranks: list[list[Hashable]]  # one replica per rank, best first; each candidate once
     decision: Decision
-    matched_blocks: int  # believed match of the first-ranked replica
-
-
-def is_imbalanced(loads: Sequence[float], config: PolicyConfig) -> bool:
-    if not loads:
-        return False
-    hi, lo = max(loads), min(loads)
-    return hi - lo > config.abs_threshold and hi > config.rel_threshold * lo
+    matched_blocks: int  # digest match of the chosen replica
+    corrected: bool = False  # a digest moved another replica ahead of the first choice
 
 
 def worthwhile(matched_blocks: int, request_blocks: int, config: PolicyConfig) -> bool:
-    """Is a match long enough to steer the request by it?"""
+    """Is a match (or a difference of matches) long enough to steer the request by it?"""
     if matched_blocks <= 0 or request_blocks <= 0:
         return False
     return matched_blocks / request_blocks >= config.min_match_ratio
 
 
-def choose(
-    request_blocks: int,
-    candidates: Sequence[Candidate],
-    config: PolicyConfig = PolicyConfig(),
-) -> Choice:
-    """Rank `candidates` for a request of `request_blocks` full blocks."""
-    if not candidates:
+def past_bound(load: float, fair: float, config: PolicyConfig) -> bool:
+    return load + 1 > fair + config.abs_threshold and load + 1 > config.rel_threshold * fair
+
+
+def corrected_order(request_blocks: int, ranked: Sequence[Candidate],
+                    config: PolicyConfig) -> list[Candidate]:
+    """Rule 1: replicas holding worthwhile more than the first choice go ahead of it."""
+    home = ranked[0].matched_blocks
+    ahead = [c for c in ranked if worthwhile(c.matched_blocks - home, request_blocks, config)]
+    ahead.sort(key=lambda c: -c.matched_blocks)  # stable: rendezvous order among equals
+    moved = {id(c) for c in ahead}
+    return ahead + [c for c in ranked if id(c) not in moved]
+
+
+def choose(request_blocks: int, ranked: Sequence[Candidate],
+           config: PolicyConfig = PolicyConfig()) -> Choice:
+    """Rank `ranked` (the prefix's rendezvous order) for a request of `request_blocks`."""
+    if not ranked:
         return Choice(ranks=[], decision=Decision.NO_MATCH, matched_blocks=0)
-
-    cool = [c for c in candidates if c.kv_usage <= config.kv_high_water]
-    hot = [c for c in candidates if c.kv_usage > config.kv_high_water]
-    pool, spill = (cool, hot) if cool else (hot, [])
-    pool = _by_load(pool)
-
-    if is_imbalanced([c.load for c in pool], config):
-        first, decision = _least_loaded(pool), Decision.LOAD_FALLBACK
+    order = corrected_order(request_blocks, ranked, config)
+    corrected = order[0] is not ranked[0]
+    first = order[0]
+    cool = [c for c in order if c.kv_usage <= config.kv_high_water]
+    if cool:
+        order = cool + [c for c in order if c.kv_usage > config.kv_high_water]
+    fair = (sum(c.load for c in order) + 1) / len(order)
+    pick = next((c for c in order if not past_bound(c.load, fair, config)), None)
+    if pick is None:
+        pick = min(order, key=lambda c: c.load)
+        decision = Decision.LOAD_FALLBACK
+    elif pick is not first:
+        decision = Decision.OVERFLOW
+    elif worthwhile(pick.matched_blocks, request_blocks, config):
+        decision = Decision.AFFINITY
     else:
-        best = max(c.matched_blocks for c in pool)
-        if worthwhile(best, request_blocks, config):
-            first = [c for c in pool if c.matched_blocks == best]
-            decision = Decision.AFFINITY
-        else:
-            first = _least_loaded(pool)
-            spilled_best = max((c.matched_blocks for c in spill), default=0)
-            decision = (Decision.LOAD_FALLBACK
-                        if worthwhile(spilled_best, request_blocks, config)
-                        else Decision.NO_MATCH)
-
-    chosen = {id(c) for c in first}
-    rest = [c for c in pool if id(c) not in chosen]
-    ranks = [[c.replica_id for c in group] for group in (first, rest, _by_load(spill)) if group]
-    return Choice(ranks=ranks, decision=decision, matched_blocks=first[0].matched_blocks)
-
-
-def _by_load(candidates: Sequence[Candidate]) -> list[Candidate]:
-    # Stable sort: equal candidates keep the caller's order, so results are reproducible.
-    return sorted(candidates, key=lambda c: (c.load, c.kv_usage))
-
-
-def _least_loaded(pool_by_load: list[Candidate]) -> list[Candidate]:
-    """All candidates sharing the minimum load (Serve picks among them by queue length)."""
-    lowest = pool_by_load[0].load
-    return [c for c in pool_by_load if c.load == lowest]
+        decision = Decision.NO_MATCH
+    ranks = [[pick.replica_id]] + [[c.replica_id] for c in order if c is not pick]
+    return Choice(ranks=ranks, decision=decision, matched_blocks=pick.matched_blocks,
+                  corrected=corrected)

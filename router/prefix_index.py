@@ -6,9 +6,11 @@ the whole prefix up to the end of that block. Two prompts share a leading run of
 exactly as long as they share leading full blocks, and "longest cached prefix" becomes
 "number of leading hashes present in a set".
 
-The router keeps one such set per replica (`PrefixIndex`): it adds the hashes of every
-request it routes there, and periodically replaces the set with the replica's own truth
-(a `Digest` from `router.cache_digest`) so that evicted prefixes stop attracting traffic.
+The router keeps one such set per replica (`PrefixIndex`), replaced by each new report of
+the replica's own truth (a `Digest` from `router.cache_digest`), so that every ingress's
+router holds the same sets and evicted prefixes stop attracting traffic. `record_routed`
+can add a router's own guesses between reports; the request router does not, because its
+decisions must rest only on what every ingress knows alike.
 """
 from __future__ import annotations
 

@@ -13,10 +13,9 @@ imports router/, never the other way). `tests/test_layering.py` allows underscor
 across modules only here.
 
 What each internal is for:
-- `router_deployment_name`, `router_clock`, `router_uses_queue_len_cache`: state of
-  Serve's `RequestRouter` base class our router reads (`_deployment_id`,
-  `_get_curr_time_s`, `_use_replica_queue_len_cache`); the rest of what the router needs
-  the base class offers publicly (`curr_replicas`, `replica_queue_len_cache`).
+- `router_deployment_name`, `router_clock`: state of Serve's `RequestRouter` base class
+  our router reads (`_deployment_id`, `_get_curr_time_s`); the rest of what the router needs
+  the base class offers publicly (`curr_replicas`).
 - `handle_request_router`: the request router object inside a deployment handle
   (`handle._router._asyncio_router.request_router`, the path Ray's own LLM broadcast
   helper uses), for the router's counters in `/v1/stats`.
@@ -43,11 +42,6 @@ def router_deployment_name(router: Any) -> str:
 def router_clock(router: Any) -> Callable[[], float]:
     """The router's clock (`time.time` unless Serve, or a test, passed another)."""
     return router._get_curr_time_s
-
-
-def router_uses_queue_len_cache(router: Any) -> bool:
-    """Whether Serve keeps the router's `replica_queue_len_cache` up to date."""
-    return router._use_replica_queue_len_cache
 
 
 # -- deployment handles and request context -------------------------------------------
@@ -110,7 +104,7 @@ def missing_internals() -> list[str]:
 
     from ray.serve.request_router import RequestRouter
 
-    for attr in ("_deployment_id", "_get_curr_time_s", "_use_replica_queue_len_cache"):
+    for attr in ("_deployment_id", "_get_curr_time_s"):
         need(f"ray.serve.request_router.RequestRouter.{attr}",
              lambda attr=attr: _assigns(RequestRouter.__init__, attr))
     need("ray.serve.handle.DeploymentHandle._router",

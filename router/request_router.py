@@ -1,19 +1,27 @@
-"""PrefixAwareRequestRouter: a Ray Serve request router that sends each request to the
-replica most likely to hold its prompt's prefix in the radix cache, unless load says
-otherwise (see `router.policy`).
+"""PrefixAwareRequestRouter: a Ray Serve request router that sends the requests sharing a
+prompt prefix to the same engine replica, and agrees with every other instance of itself.
+
+Each ingress replica has its own instance (inside its deployment handle). They decide alike
+without talking to each other because every input is shared (`router.policy`):
+- the prefix's rendezvous ranking of the replicas (`router.rendezvous`: a hash of the
+  prompt's first `key_blocks` blocks and the replicas' ids);
+- the replicas' cache digests (`router.cache_digest`), which move a prefix ahead to where
+  it really lives when that is not its first choice;
+- the replicas' reported load, for bounded-load overflow, plus this instance's own sends
+  since that report (`router.own_sends`: fresh, private, and shared a period later).
 
 Enable it on the engine deployment:
 
     request_router_config:
       request_router_class: "router.request_router:PrefixAwareRequestRouter"
-      request_router_kwargs: {block_size: 16, abs_threshold: 16, rel_threshold: 1.5,
-                              min_match_ratio: 0.1, max_blocks_per_replica: 262144,
-                              kv_high_water: 0.95, digest_grace_s: 1.0}
-      request_routing_stats_period_s: 2
+      request_router_kwargs: {block_size: 16, key_blocks: 4, abs_threshold: 16,
+                              rel_threshold: 1.5, min_match_ratio: 0.1,
+                              max_blocks_per_replica: 262144, kv_high_water: 0.95}
+      request_routing_stats_period_s: 1
 
 Request contract: the handle call's first positional argument (or keyword argument
 `request`) is an object with attribute `prompt_token_ids: list[int]`, or a dict with that
-key. Requests without it are routed by load alone.
+key. Requests without it (or shorter than a block) are ranked by their request id: spread.
 
 Routing-stats contract: the replica's `record_routing_stats()` returns a dict with these
 keys (all optional; missing ones fall back to what the router itself knows):
@@ -21,31 +29,15 @@ keys (all optional; missing ones fall back to what the router itself knows):
     "num_running":  int    - requests the engine is decoding/prefilling
     "num_waiting":  int    - requests queued in the engine
     "kv_usage":     float  - fraction of the KV pool in use, 0..1
+    "ts":           float  - the replica's time.time() when it took these numbers
 
-Load of a replica = Serve's own queue-length cache entry when fresh (it tracks rejections
-and this router's sends), else num_running + num_waiting from the last stats, and never
-less than the requests this router has in flight there.
-
-Design notes:
-- No FIFOMixin: with it Serve may hand the replica chosen for one request to a different
-  pending request, which would defeat prefix affinity. The base class matches each
-  replica to the exact request it was chosen for.
-- The first rank is always one replica, picked by this router (ties: least loaded, then
-  the smallest believed cache, so new prefixes spread over the replicas), and the request
-  is recorded there at once, before Serve has even sent it: requests with the same prefix
-  that arrive while the first is in transit (a burst) follow it instead of scattering.
-  If Serve sends it elsewhere after all (the pick was full), `on_request_routed` moves the
-  record to the real replica (withdrawing the entries nothing else has touched since).
-  A request chosen for but not yet sent to a replica counts towards that replica's load
-  for `_TENTATIVE_TTL_S` (Serve's own queue-length cache only learns of it on sending).
-- `on_request_routed` is only called by Serve when replicas may reject requests (strict
-  max_ongoing_requests, the default outside Ray Client); without it, routing relies on the
-  tentative records and the replicas' digests.
+No FIFOMixin: with it Serve may hand the replica chosen for one request to a different
+pending request, which would defeat prefix affinity.
 """
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -57,8 +49,9 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from router import policy, ray_adapter
+from router import policy, ray_adapter, rendezvous
 from router.cache_digest import decode_digest
+from router.own_sends import OwnSends
 from router.policy import Candidate, Decision, PolicyConfig
 from router.prefix_index import (
     DEFAULT_BLOCK_SIZE,
@@ -72,12 +65,11 @@ STAT_CACHE_DIGEST = "cache_digest"
 STAT_NUM_RUNNING = "num_running"
 STAT_NUM_WAITING = "num_waiting"
 STAT_KV_USAGE = "kv_usage"
+STAT_TIMESTAMP = "ts"
 
 # Requests between choose_replicas and on_request_routed (cancelled ones never reach the
 # latter, so the map is bounded).
 _MAX_PENDING_ROUTINGS = 4096
-# How long a request chosen for a replica (not yet confirmed sent) counts as its load.
-_TENTATIVE_TTL_S = 2.0
 METRIC_PREFIX = "radixserve_router_"
 
 
@@ -108,35 +100,41 @@ def channel_target(pending_request: PendingRequest | None) -> str | None:
 
 @dataclass
 class RouterStats:
-    routed_with_match: int = 0  # sent where the index believed >= 1 block was cached
+    """This instance's counters; /v1/stats sums them over every ingress replica."""
+
+    routed_with_match: int = 0  # sent where the replica's digest held >= 1 leading block
     routed_without_match: int = 0
-    load_fallbacks: int = 0  # the policy overrode affinity/no-match because of load
-    predicted_matched_tokens: int = 0  # believed cached tokens at the chosen replica
+    overflows: int = 0  # the prefix's first choice was past its load bound: the next one
+    load_fallbacks: int = 0  # every replica past its bound: the least loaded
+    misroutes: int = 0  # Serve sent it elsewhere than this router's pick (the pick was full)
+    digest_corrections: int = 0  # a digest moved the prefix off its rendezvous first choice
+    predicted_matched_tokens: int = 0  # digest-held tokens at the replica it was sent to
     requests_without_tokens: int = 0
     digests_applied: int = 0
     digest_errors: int = 0
 
 
+# The counters that sum over ingress replicas and are exported as metrics.
+COUNTER_NAMES = ("routed_with_match", "routed_without_match", "overflows", "load_fallbacks",
+                 "misroutes", "digest_corrections", "predicted_matched_tokens")
+
+
 @dataclass
 class _Routing:
-    """What choose_replicas worked out for one request, reused on retries and when the
-    request is finally routed."""
+    """What choose_replicas worked out for one request, reused on retries and counted when
+    the request is finally routed."""
 
     hashes: list[int] | None  # None: the request carried no token ids
-    decision: Decision | None = None
-    # Believed matched blocks per replica when first chosen (before the tentative record
-    # of this very request): the prediction, and stable across retries.
-    matches: dict[ReplicaID, int] | None = None
-    tentative: ReplicaID | None = None  # the replica picked last, until routed
-    tentative_at: float = 0.0  # when its blocks were recorded there
+    key: int  # its rendezvous key
+    pick: ReplicaID | None = None
+    choice: policy.Choice | None = None
 
 
 class _Counters:
     """ray.serve.metrics Counters mirroring RouterStats (best effort: metrics must never
-    break routing)."""
+    break routing). Prometheus sums them over the ingress replicas."""
 
-    NAMES = ("routed_with_match", "routed_without_match", "load_fallbacks",
-             "predicted_matched_tokens")
+    NAMES = COUNTER_NAMES
 
     def __init__(self, deployment: str) -> None:
         self._counters: dict[str, Any] = {}
@@ -172,27 +170,27 @@ class PrefixAwareRequestRouter(RequestRouter):
     def initialize_state(
         self,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        key_blocks: int = rendezvous.DEFAULT_KEY_BLOCKS,
         abs_threshold: float = PolicyConfig.abs_threshold,
         rel_threshold: float = PolicyConfig.rel_threshold,
         min_match_ratio: float = PolicyConfig.min_match_ratio,
         max_blocks_per_replica: int = DEFAULT_MAX_BLOCKS_PER_REPLICA,
         kv_high_water: float = PolicyConfig.kv_high_water,
-        digest_grace_s: float = 1.0,
     ) -> None:
+        if key_blocks <= 0:
+            raise ValueError(f"key_blocks must be positive, got {key_blocks}")
         self._policy = PolicyConfig(
             abs_threshold=abs_threshold,
             rel_threshold=rel_threshold,
             min_match_ratio=min_match_ratio,
             kv_high_water=kv_high_water,
         )
+        self._key_blocks = key_blocks
+        # Only the replicas' own digests go in: what every ingress knows alike.
         self._index = PrefixIndex(block_size, max_blocks_per_replica, self._clock)
-        self._digest_grace_s = digest_grace_s
         self._stats = RouterStats()
         self._routings: OrderedDict[str, _Routing] = OrderedDict()
-        self._in_flight: defaultdict[ReplicaID, int] = defaultdict(int)
-        self._in_flight_requests: dict[str, ReplicaID] = {}
-        # request id -> (picked replica, when): chosen but not yet confirmed routed.
-        self._tentative: OrderedDict[str, tuple[ReplicaID, float]] = OrderedDict()
+        self._sends = OwnSends()
 
     # -- routing ------------------------------------------------------------------------
 
@@ -211,25 +209,23 @@ class PrefixAwareRequestRouter(RequestRouter):
         if target is not None:  # a delta channel goes to the one replica it was opened for
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
         routing = self._routing_for(pending_request)
-        hashes = routing.hashes or []
-        ids = [r.replica_id for r in candidate_replicas]
-        if routing.matches is None or any(rid not in routing.matches for rid in ids):
-            routing.matches = self._index.match(hashes, ids)
-        loads = {r.replica_id: self._load(r) for r in candidate_replicas}
-        candidates = [
-            Candidate(r.replica_id, routing.matches[r.replica_id], loads[r.replica_id],
-                      self._kv_usage(r))
-            for r in candidate_replicas
-        ]
-        choice = policy.choose(len(hashes), candidates, self._policy)
-        routing.decision = choice.decision
-        by_id = {r.replica_id: r for r in candidate_replicas}
-        first = choice.ranks[0]
-        pick = min(first, key=lambda rid: (loads[rid], self._index.num_blocks(rid)))
-        ranks = [[pick], [rid for rid in first if rid != pick], *choice.ranks[1:]]
+        choice = self.decide(candidate_replicas, routing)
+        routing.choice = choice
+        routing.pick = choice.ranks[0][0]
         if pending_request is not None:
-            self._record_tentative(pending_request, routing, pick)
-        return [[by_id[rid] for rid in rank] for rank in ranks if rank]
+            self._sends.pick(pending_request.metadata.internal_request_id, routing.pick,
+                             self._clock())
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        return [[by_id[rid] for rid in rank] for rank in choice.ranks]
+
+    def decide(self, replicas: Sequence[RunningReplica], routing: _Routing) -> policy.Choice:
+        """The policy's choice over `replicas` for one request (no side effects)."""
+        hashes = routing.hashes or []
+        ranked = rendezvous.rank(routing.key, replicas, name=lambda r: r.replica_id.unique_id)
+        matches = self._index.match(hashes, [r.replica_id for r in ranked])
+        candidates = [Candidate(r.replica_id, matches[r.replica_id], self._load(r),
+                                self._kv_usage(r)) for r in ranked]
+        return policy.choose(len(hashes), candidates, self._policy)
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
@@ -238,23 +234,14 @@ class PrefixAwareRequestRouter(RequestRouter):
             return  # long-lived and carrying no prompt: neither load nor cache
         request_id = pending_request.metadata.internal_request_id
         routing = self._routings.pop(request_id, None) or self._new_routing(pending_request)
-        self._tentative.pop(request_id, None)
-        self._withdraw_tentative(routing, keep=replica_id)
-        self._in_flight[replica_id] += 1
-        self._in_flight_requests[request_id] = replica_id
+        self._sends.sent(request_id, replica_id, self._clock())
         if routing.hashes is None:
             return
-        if routing.matches is not None and replica_id in routing.matches:
-            matched = routing.matches[replica_id]
-        else:
-            matched = self._index.match(routing.hashes, [replica_id])[replica_id]
-        self._index.record_routed(replica_id, routing.hashes)
-        self._count_routed(matched, routing.decision)
+        matched = self._index.match(routing.hashes, [replica_id])[replica_id]
+        self._count_routed(matched, routing, replica_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        routed_to = self._in_flight_requests.pop(internal_request_id, None)
-        if routed_to is not None and self._in_flight.get(routed_to, 0) > 0:
-            self._in_flight[routed_to] -= 1
+        self._sends.completed(internal_request_id)
 
     # -- replica membership and stats ---------------------------------------------------
 
@@ -282,80 +269,62 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     def _routing_for(self, pending_request: PendingRequest | None) -> _Routing:
         if pending_request is None:
-            return _Routing(hashes=None)
+            return _Routing(hashes=None, key=0)
         request_id = pending_request.metadata.internal_request_id
         routing = self._routings.get(request_id)
         if routing is None:
             routing = self._routings[request_id] = self._new_routing(pending_request)
             while len(self._routings) > _MAX_PENDING_ROUTINGS:
-                old_id, _ = self._routings.popitem(last=False)
-                self._tentative.pop(old_id, None)
+                self._routings.popitem(last=False)
         return routing
 
-    def _record_tentative(self, pending_request: PendingRequest, routing: _Routing,
-                          replica_id: ReplicaID) -> None:
-        """The request will most likely run on `replica_id`: believe so now."""
-        request_id = pending_request.metadata.internal_request_id
-        now = self._clock()
-        self._tentative.pop(request_id, None)
-        self._tentative[request_id] = (replica_id, now)
-        while self._tentative:  # oldest first: drop the expired (cancelled, never routed)
-            _, (_, t) = next(iter(self._tentative.items()))
-            if t >= now - _TENTATIVE_TTL_S and len(self._tentative) <= _MAX_PENDING_ROUTINGS:
-                break
-            self._tentative.popitem(last=False)
-        if routing.tentative != replica_id:
-            self._withdraw_tentative(routing, keep=replica_id)
-            if routing.hashes:
-                self._index.record_routed(replica_id, routing.hashes, now)
-            routing.tentative, routing.tentative_at = replica_id, now
-
-    def _withdraw_tentative(self, routing: _Routing, keep: ReplicaID) -> None:
-        """Undo the tentative record of `routing` unless it was for `keep`."""
-        if routing.tentative is not None and routing.tentative != keep and routing.hashes:
-            self._index.forget_routed(routing.tentative, routing.hashes, routing.tentative_at)
-        routing.tentative = None
-
-    def _tentative_load(self, replica_id: ReplicaID) -> int:
-        cutoff = self._clock() - _TENTATIVE_TTL_S
-        return sum(1 for rid, t in self._tentative.values() if rid == replica_id and t >= cutoff)
-
     def _new_routing(self, pending_request: PendingRequest) -> _Routing:
+        request_id = pending_request.metadata.internal_request_id
         token_ids = extract_token_ids(pending_request.args, pending_request.kwargs)
-        if token_ids is None:
+        hashes = None
+        if token_ids is not None:
+            try:
+                hashes = self._index.hashes(token_ids)
+            except Exception:  # noqa: BLE001 - e.g. ids outside int32: route by load
+                logger.warning("could not hash prompt_token_ids; routing by load", exc_info=True)
+        if hashes is None:
             self._stats.requests_without_tokens += 1
-            return _Routing(hashes=None)
-        try:
-            return _Routing(hashes=self._index.hashes(token_ids))
-        except Exception:  # noqa: BLE001 - e.g. ids outside int32: route by load
-            logger.warning("could not hash prompt_token_ids; routing by load", exc_info=True)
-            self._stats.requests_without_tokens += 1
-            return _Routing(hashes=None)
+        key = rendezvous.prefix_key(hashes or [], self._key_blocks)
+        return _Routing(hashes=hashes,
+                        key=rendezvous.text_key(request_id) if key is None else key)
 
-    def _count_routed(self, matched_blocks: int, decision: Decision | None) -> None:
-        if matched_blocks > 0:
-            self._stats.routed_with_match += 1
-            self._counters.inc("routed_with_match")
-        else:
-            self._stats.routed_without_match += 1
-            self._counters.inc("routed_without_match")
-        if decision == Decision.LOAD_FALLBACK:
-            self._stats.load_fallbacks += 1
-            self._counters.inc("load_fallbacks")
+    def _count_routed(self, matched_blocks: int, routing: _Routing, replica_id: ReplicaID) -> None:
+        def inc(name: str, value: int = 1) -> None:
+            setattr(self._stats, name, getattr(self._stats, name) + value)
+            self._counters.inc(name, value)
+
+        inc("routed_with_match" if matched_blocks > 0 else "routed_without_match")
+        choice = routing.choice
+        if choice is not None:
+            if choice.decision == Decision.OVERFLOW:
+                inc("overflows")
+            elif choice.decision == Decision.LOAD_FALLBACK:
+                inc("load_fallbacks")
+            if choice.corrected:
+                inc("digest_corrections")
+        if routing.pick is not None and routing.pick != replica_id:
+            inc("misroutes")
         tokens = matched_blocks * self._index.block_size
-        self._stats.predicted_matched_tokens += tokens
-        self._counters.inc("predicted_matched_tokens", tokens)
+        if tokens:
+            inc("predicted_matched_tokens", tokens)
 
     def _load(self, replica: RunningReplica) -> float:
-        known: float | None = None
-        if ray_adapter.router_uses_queue_len_cache(self):
-            known = self.replica_queue_len_cache.get(replica.replica_id)
-        if known is None:
-            stats = replica.routing_stats or {}
-            if STAT_NUM_RUNNING in stats or STAT_NUM_WAITING in stats:
-                known = _number(stats.get(STAT_NUM_RUNNING)) + _number(stats.get(STAT_NUM_WAITING))
-        own = self._in_flight.get(replica.replica_id, 0) + self._tentative_load(replica.replica_id)
-        return max(known or 0.0, float(own))
+        """The replica's own report (the same for every ingress) plus this router's sends
+        since it was taken; without a report, this router's sends alone."""
+        rid = replica.replica_id
+        stats = replica.routing_stats or {}
+        if STAT_NUM_RUNNING not in stats and STAT_NUM_WAITING not in stats:
+            return float(self._sends.count(rid))
+        reported = _number(stats.get(STAT_NUM_RUNNING)) + _number(stats.get(STAT_NUM_WAITING))
+        taken_at = stats.get(STAT_TIMESTAMP)
+        if not isinstance(taken_at, (int, float)) or isinstance(taken_at, bool):
+            return max(reported, float(self._sends.count(rid)))
+        return reported + self._sends.unreported(rid, float(taken_at))
 
     def _kv_usage(self, replica: RunningReplica) -> float:
         return _number((replica.routing_stats or {}).get(STAT_KV_USAGE))
@@ -365,9 +334,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         if not raw:
             return
         try:
-            applied = self._index.apply_digest(
-                replica.replica_id, decode_digest(raw), self._digest_grace_s
-            )
+            applied = self._index.apply_digest(replica.replica_id, decode_digest(raw))
         except ValueError as e:
             self._stats.digest_errors += 1
             logger.warning("ignoring cache digest of %s: %s", replica.replica_id, e)
@@ -377,11 +344,7 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     def _forget(self, replica_id: ReplicaID) -> None:
         self._index.remove_replica(replica_id)
-        self._in_flight.pop(replica_id, None)
-        for request_id in [k for k, v in self._in_flight_requests.items() if v == replica_id]:
-            del self._in_flight_requests[request_id]
-        for request_id in [k for k, (v, _) in self._tentative.items() if v == replica_id]:
-            del self._tentative[request_id]
+        self._sends.forget_replica(replica_id)
 
 
 def _number(value: Any) -> float:

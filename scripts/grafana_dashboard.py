@@ -209,15 +209,18 @@ def routing_panels() -> list[dict[str, Any]]:
         timeseries("Routing decisions", [
             target(hits, "affinity hit"),
             target(misses, "miss"),
+            target(rate("radixserve:router_overflows"), "overflow"),
             target(rate("radixserve:router_load_fallbacks"), "load fallback"),
-        ], "reqps", "Prefix-aware router decisions per second, over every ingress replica."),
+            target(rate("radixserve:router_misroutes"), "misroute"),
+            target(rate("radixserve:router_digest_corrections"), "digest correction"),
+        ], "reqps", "Prefix-aware router decisions per second, summed over every ingress replica."),
         timeseries("Affinity hit ratio", [
             target(f"{hits} / ({hits} + {misses})", "affinity hits / routed"),
-        ], "percentunit", "Share of routed engine calls sent where >= 1 prompt block was believed cached."),
+        ], "percentunit", "Share of routed engine calls sent where the replica's digest held >= 1 prompt block."),
         timeseries("Predicted vs actual cached tokens", [
             target(rate("radixserve:router_predicted_matched_tokens"), "predicted by the router"),
             target(rate("radixserve:finished_cached_tokens"), "found by the replicas"),
-        ], "short", "Tokens per second: what the router's index predicted vs what the radix caches held."),
+        ], "short", "Tokens per second: what the replicas' digests showed at routing vs what the radix caches held."),
     ]
 
 

@@ -45,7 +45,7 @@ ARGS = dict(
     health_check_period_s=2.0,
     engine={"max_total_tokens": 4096, "max_running_requests": 16, "chunked_prefill_size": 256},
     router={"request_router_class": "prefix",
-            "request_router_kwargs": {"block_size": 16, "digest_grace_s": 1.0},
+            "request_router_kwargs": {"block_size": 16},
             "request_routing_stats_period_s": STATS_PERIOD_S},
 )
 

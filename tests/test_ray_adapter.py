@@ -51,11 +51,9 @@ def test_router_state_through_the_adapter():
 
     router = PrefixAwareRequestRouter(
         deployment_id=DeploymentID(name="engine", app_name="app"),
-        handle_source=DeploymentHandleSource.UNKNOWN, get_curr_time_s=lambda: 42.0,
-        use_replica_queue_len_cache=True)
+        handle_source=DeploymentHandleSource.UNKNOWN, get_curr_time_s=lambda: 42.0)
     assert ray_adapter.router_deployment_name(router) == "engine"
     assert ray_adapter.router_clock(router)() == 42.0
-    assert ray_adapter.router_uses_queue_len_cache(router) is True
 
 
 def test_outside_serve_the_adapter_degrades():
