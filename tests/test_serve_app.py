@@ -459,3 +459,34 @@ def test_a_replica_that_dies_mid_request_ends_its_streams_and_comes_back(server)
         return r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
     assert wait_until(served, timeout=120, interval=0.5), "no new replica served requests"
+
+
+def test_online_benchmark_smoke(server, tmp_path):
+    """scripts/bench_online.py (O1) on the demo model, through this module's server and into
+    the offline engine, with the same arrivals: both print their table and the report its
+    HTTP/offline ratios. Smoke only: no timing is asserted."""
+    import subprocess
+    import sys
+
+    from pathlib import Path
+
+    vocab = json.loads((Path(ensure_demo_model()) / "config.json").read_text())["vocab_size"]
+    common = ["--rates", "4", "--mixes", "fixed,longtail", "--duration", "1.5",
+              "--length-scale", "0.05"]
+
+    def bench(*args: str) -> str:
+        done = subprocess.run([sys.executable, str(ROOT / "scripts/bench_online.py"), *args],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout
+
+    offline = bench("offline", "--model", "demo", *common, "--json", str(tmp_path / "offline.json"))
+    http = bench("http", "--base-url", BASE, "--vocab", str(vocab), *common,
+                 "--json", str(tmp_path / "http.json"))
+    for out in (offline, http):
+        assert "ttft_p50" in out and "goodput" in out
+    rows = json.loads((tmp_path / "http.json").read_text())["rows"]
+    assert [r["mix"] for r in rows] == ["fixed", "longtail"]
+    assert all(r["failed"] == 0 and r["requests"] > 0 and r["steps"] > 0 for r in rows)
+    report = bench("report", str(tmp_path / "offline.json"), str(tmp_path / "http.json"))
+    assert report.count("http/offl") == 2
