@@ -154,9 +154,11 @@ def engine_panels() -> list[dict[str, Any]]:
         timeseries("Engine steps, preemptions and queue timeouts", [
             target(rate("radixserve:engine_steps"), "steps/s"),
             target(rate("vllm:num_preemptions"), "preemptions/s"),
+            target(rate("radixserve:priority_preemptions"), "of them for priority/s"),
             target(rate("radixserve:queue_timeouts"), "queue timeouts/s"),
-        ], "short", "Forward passes per second, requests retracted to free KV memory, and "
-                    "requests ended unrun past their queue deadline."),
+        ], "short", "Forward passes per second, requests retracted (to free KV memory, or for a "
+                    "waiting request of a higher priority), and requests ended unrun past their "
+                    "queue deadline."),
         timeseries("Engine calls by outcome", [
             target(rate("radixserve:engine_requests", "finish_reason"), "{{finish_reason}}"),
             target(rate("vllm:request_success"), "successes (vLLM's stop, length, abort)"),

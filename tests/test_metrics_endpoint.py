@@ -284,7 +284,8 @@ def test_prometheus_scrapes_the_whole_app_from_one_url(scraped_app):
     assert total(prom, "vllm:num_requests_running") == 0
     assert total(prom, "vllm:num_requests_waiting") == 0
     assert 0 <= scalar(prom, "max(vllm:kv_cache_usage_perc)") <= 1
-    assert total(prom, "radixserve:router_routed_with_match_total") >= 1
+    # with or without a match as the replicas' digests showed it when routed (a burst can
+    # outrun the digests), every engine call is counted once
     routed = ("sum(radixserve:router_routed_with_match_total) + "
               "sum(radixserve:router_routed_without_match_total)")
     assert scalar(prom, routed) == SENT, promql(prom, "{__name__=~'radixserve:router_.*'}")
