@@ -25,7 +25,8 @@ def _ready(proc) -> bool | str:
     if proc.poll() is not None:
         return "exited"
     try:
-        return httpx.post(f"{URL}/tokenize", timeout=2, json={"prompt": "hi"}).status_code == 200
+        # /v1/models answers 200 once an engine replica serves (503 engine_starting before)
+        return httpx.get(f"{URL}/v1/models", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
 
