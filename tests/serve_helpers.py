@@ -22,6 +22,17 @@ BASE = f"http://127.0.0.1:{PORT}"
 THROUGHPUT_MODE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 
 
+def readme_mode_env() -> dict[str, str]:
+    """The variables scripts/serve.sh sets (scripts/serve_mode.sh: the mode above plus the
+    hardened HAProxy and its client timeout), read by sourcing the script itself."""
+    import subprocess
+
+    out = subprocess.run(["bash", "-c", 'source scripts/serve_mode.sh && env -0'], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    env = dict(item.split("=", 1) for item in out.split("\0") if "=" in item)
+    return {k: v for k, v in env.items() if k.startswith(("RAY_SERVE_", "RADIXSERVE_HAPROXY"))}
+
+
 def serve_config_args(**overrides) -> dict:
     """The app args of serve_config.yaml, sized for a 2-core test machine."""
     args = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]

@@ -28,7 +28,8 @@ import openai
 import pytest
 
 from serve_helpers import (
-    ROOT, THROUGHPUT_MODE_ENV, leave_a_non_streamed_request, serve_run, served_model_name,
+    ROOT, THROUGHPUT_MODE_ENV, leave_a_non_streamed_request, readme_mode_env, serve_run,
+    served_model_name,
     wait_for_serve_run, wait_until,
 )
 
@@ -55,7 +56,7 @@ def test_serve_test_file_under_the_mode(test_file):
 
 @pytest.fixture(scope="module")
 def app():
-    with serve_run(env=THROUGHPUT_MODE_ENV) as proc:
+    with serve_run(env=readme_mode_env()) as proc:
         wait_for_serve_run(proc, URL)
         yield proc
 
