@@ -446,6 +446,9 @@ class RequestTimer:
         if num_tokens:
             if not self._got_tokens:
                 self._first_token(now, queue_time)
+                if num_tokens > 1:
+                    # Tokens that came with the first reached the client with it: no gap.
+                    self._token_gaps.observe(0.0, num_tokens - 1)
             else:
                 # /metrics: every token after the first, its delta's gap shared among them.
                 self._token_gaps.observe((now - self._last_delta_at) / num_tokens, num_tokens)

