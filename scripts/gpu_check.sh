@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # The whole GPU suite (`pytest -m gpu`) in parts that each fit one device call (<= 8 minutes),
 # then the failures by name. Structured output's and the overlap scheduler's GPU tests need the
-# wheels of scripts/gpu_wheels.sh (carry .whl); without them those skip.
+# wheels of scripts/gpu_wheels.sh (carry .whl/gpu); without them those skip.
 #
-#   device run: command "bash scripts/gpu_check.sh", carry [".whl"]          (every part)
+#   device run: command "bash scripts/gpu_check.sh", carry [".whl/gpu"]          (every part)
 #   device run: command "PARTS=kernels bash scripts/gpu_check.sh"            (one part)
 # Parts: kernels (Triton kernels against the torch reference), engine (the engine on the GPU:
 # graphs, overlap, MoE, speculative, FP8 KV, start-up), and any "tests/x.py" paths.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if [ -d .whl ]; then
+if [ -d .whl/gpu ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    --target /tmp/site .whl/gpu/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 OUT=${OUT:-/tmp/radixserve-out}
 mkdir -p "$OUT"
