@@ -83,3 +83,13 @@ def tiny_qwen3(tiny_model_factory) -> str:
 def tiny_model_any(request, tiny_model_factory) -> tuple[str, str]:
     """(arch, path) for every demo architecture: a test using it runs once per arch."""
     return request.param, tiny_model_factory(request.param)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ray_cluster_ends_with_the_session():
+    """The Ray cluster that the in-process Serve modules share (serve_helpers.start_ray)."""
+    yield
+    if "ray" in sys.modules:
+        from serve_helpers import end_ray
+
+        end_ray()

@@ -51,11 +51,42 @@ def served_model_name() -> str:
 
 
 def start_ray() -> None:
+    """Join the test session's Ray cluster, starting it on first use. The modules that serve
+    in-process share it (and Serve on PORT) one after another: each start and shutdown costs
+    15-45 s on a 2-core box. stop_ray() ends a module's apps; end_ray() the cluster."""
     import ray
 
+    if ray.is_initialized():
+        return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=8, include_dashboard=False, ignore_reinit_error=True,
+    ray.init(num_cpus=8, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+
+
+def stop_ray() -> None:
+    """Delete this module's Serve apps, keeping the cluster and Serve for the next module; a
+    cluster that cannot delete them is ended."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        return
+    try:
+        for name in list(serve.status().applications):
+            serve.delete(name)
+    except Exception:  # noqa: BLE001 - a broken cluster is not worth keeping
+        end_ray()
+
+
+def end_ray() -> None:
+    """End the session's cluster: before a module that starts its own (a multi-node cluster,
+    `serve run` or scripts/serve.sh in a subprocess, other Ray options), and at the end."""
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
 
 
 def free_port() -> int:
@@ -76,6 +107,7 @@ def start_local_cluster(request, head: dict, *workers: dict) -> tuple[object, in
     from ray import serve
     from ray.cluster_utils import Cluster
 
+    end_ray()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Cluster records its head as "the latest cluster" (/tmp/ray/ray_current_cluster), which
     # a plain ray.init() elsewhere on this machine would then join: put the old one back.
@@ -173,10 +205,7 @@ def serve_run(config: str = "serve_config.yaml", env: dict | None = None):
     import subprocess
     import sys
 
-    import ray
-
-    if ray.is_initialized():  # another module's cluster would hold the config's port
-        raise RuntimeError("a Ray cluster is still running in the test process")
+    end_ray()  # the session's cluster would hold the config's port
     full_env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT), **(env or {}))
     serve_bin = os.path.join(os.path.dirname(sys.executable), "serve")
     proc = subprocess.Popen([serve_bin, "run", config], cwd=ROOT, env=full_env,
@@ -205,14 +234,6 @@ def wait_for_serve_run(proc, base: str, timeout: float = 150.0) -> None:
     if state != True:  # noqa: E712
         out = proc.stdout.read().decode(errors="replace") if proc.poll() is not None else ""
         pytest.fail(f"serve run did not come up ({state}): {out[-3000:]}")
-
-
-def stop_ray() -> None:
-    import ray
-    from ray import serve
-
-    serve.shutdown()
-    ray.shutdown()
 
 
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.1):

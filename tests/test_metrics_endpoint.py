@@ -24,7 +24,7 @@ from prometheus_helpers import (
     PROMETHEUS, SKIP_REASON, committed_config, promql, scalar, scrape_job, start_prometheus,
     stop_prometheus,
 )
-from serve_helpers import BASE, PORT, serve_config_args, start_ray, wait_until
+from serve_helpers import BASE, PORT, serve_config_args, start_ray, stop_ray, wait_until
 
 # What the issue asks for, by vLLM's names (vllm/v1/metrics/loggers.py).
 VLLM_NAMES = {
@@ -213,7 +213,6 @@ MAX_TOKENS = 6
 def scraped_app(tmp_path_factory):
     if PROMETHEUS is None:
         pytest.skip(SKIP_REASON)
-    import ray
     from ray import serve
 
     from deployments.app import build_app
@@ -234,8 +233,7 @@ def scraped_app(tmp_path_factory):
     finally:
         if prometheus is not None:
             stop_prometheus(prometheus)
-        serve.shutdown()
-        ray.shutdown()
+        stop_ray()
 
 
 def send_traffic() -> tuple[int, int]:

@@ -27,7 +27,7 @@ from deployments.stats import aggregate, summary  # noqa: E402
 from prometheus_helpers import (  # noqa: E402
     PROMETHEUS, SKIP_REASON, committed_config, promql, scrape_job, start_prometheus, stop_prometheus,
 )
-from serve_helpers import ROOT, free_port, serve_config_args, wait_until  # noqa: E402
+from serve_helpers import ROOT, end_ray, free_port, serve_config_args, wait_until  # noqa: E402
 
 # -- The catalogue ----------------------------------------------------------------------
 
@@ -497,6 +497,7 @@ def monitored_app(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in ("RAY_metrics_report_interval_ms", "RAY_USAGE_STATS_ENABLED")}
     os.environ.update(RAY_metrics_report_interval_ms="1000", RAY_USAGE_STATS_ENABLED="0")
     metrics_port, http_port = free_port(), free_port()
+    end_ray()  # its own metrics export port and report interval
     ray.init(num_cpus=8, include_dashboard=False, _metrics_export_port=metrics_port,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     prometheus = None

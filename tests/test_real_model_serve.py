@@ -13,7 +13,7 @@ import httpx
 import jsonschema
 import pytest
 
-from serve_helpers import ROOT, served_model_name, wait_until
+from serve_helpers import ROOT, end_ray, served_model_name, wait_until
 from serve_helpers import kill_session as _kill_session
 
 pytestmark = pytest.mark.slow
@@ -33,10 +33,7 @@ def _ready(proc) -> bool | str:
 
 @pytest.fixture(scope="module")
 def server():
-    import ray
-
-    if ray.is_initialized():  # another module's cluster would hold port 8000
-        pytest.fail("a Ray cluster is still running in the test process")
+    end_ray()  # the session's cluster would hold port 8000
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT))
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # its `serve`
     start = time.monotonic()

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from serve_helpers import free_port, start_ray, stop_ray, wait_until
+from serve_helpers import end_ray, free_port, start_ray, wait_until
 
 APP, MODEL = "radixserve", "radixserve-demo"
 BLOCK = 16
@@ -40,11 +40,12 @@ ARGS = {
 def base_url():
     from ray import serve
 
+    end_ray()  # Serve on a port of its own
     start_ray()
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
-    stop_ray()
+    end_ray()
 
 
 def deploy(**overrides) -> None:

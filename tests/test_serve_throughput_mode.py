@@ -3,7 +3,7 @@ code on the replica's event loop, handles' routers on the caller's loop, gRPC be
 replicas, direct ingress, GC frozen after start-up) with RAY_SERVE_ENABLE_HA_PROXY=1 (HAProxy
 in front of the ingress replicas instead of Serve's Python proxy).
 
-Two checks, each in subprocesses (Serve reads these variables when the cluster and each of
+Two checks, in subprocesses (Serve reads these variables when the cluster and each of
 its processes start, so they cannot be switched inside one test process):
 - the README's command, `serve run serve_config.yaml`, with the two variables: streaming,
   the openai client, our prefix router's counters in /v1/stats, the delta channels, a 400,
@@ -28,7 +28,7 @@ import openai
 import pytest
 
 from serve_helpers import (
-    ROOT, THROUGHPUT_MODE_ENV, leave_a_non_streamed_request, readme_mode_env, serve_run,
+    ROOT, THROUGHPUT_MODE_ENV, end_ray, leave_a_non_streamed_request, readme_mode_env, serve_run,
     served_model_name,
     wait_for_serve_run, wait_until,
 )
@@ -42,15 +42,15 @@ FILES = [f.strip() for f in os.environ.get(
     "test_serve_path.py,test_colocated_serve.py,test_readiness.py").split(",") if f.strip()]
 
 
-@pytest.mark.parametrize("test_file", FILES)
-def test_serve_test_file_under_the_mode(test_file):
-    """A whole Serve test file, in a pytest of its own with the mode's variables set. First in
-    this module: the `app` fixture's cluster (port 8000, HAProxy's stats and metrics ports)
-    starts after it."""
+def test_serve_test_files_under_the_mode():
+    """The Serve test files, in one pytest of their own with the mode's variables set (one
+    Ray cluster for all of them, as in the main run). First in this module: the `app`
+    fixture's cluster (port 8000, HAProxy's stats and metrics ports) starts after it."""
+    end_ray()  # the session's cluster holds the Serve port
     env = dict(os.environ, **THROUGHPUT_MODE_ENV, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                           f"tests/{test_file}"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
+                           *(f"tests/{f}" for f in FILES)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-6000:]
 
 
