@@ -1,0 +1,145 @@
+"""The pooling tasks on the offline engine (no Ray): embeddings of all-MiniLM-L6-v2 (from its
+pip package) against sentence-transformers, a tiny random Qwen3 pooled at its last token
+against transformers, a tiny random BertForSequenceClassification reranker against
+transformers' logits, batching invariance and bad input."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import LLM
+from engine.loading.model_source import resolve_model_path
+
+MINILM = "package:all_minilm_l6_v2"
+SENTENCES = [
+    "The cat sat on the mat.",
+    "Radix caches share prompt prefixes between requests, so a second request that starts "
+    "with the same system prompt skips most of its prefill; continuous batching then keeps "
+    "the GPU busy while requests of very different lengths come and go.",
+    "Hi",
+    "Embeddings map text to vectors whose cosine similarity tracks meaning. " * 6,
+    "Ray Serve routes HTTP requests to replicas.",
+]
+
+
+@pytest.fixture(scope="module")
+def minilm() -> LLM:
+    return LLM(MINILM, task="embed")
+
+
+@pytest.fixture(scope="module")
+def tiny_reranker(tmp_path_factory) -> str:
+    """A random BertForSequenceClassification (one label) with MiniLM's tokenizer."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    path = tmp_path_factory.mktemp("tiny-reranker")
+    src = resolve_model_path(MINILM)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(f"{src}/{name}", path / name)
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=128, max_position_embeddings=128, num_labels=1)
+    model = BertForSequenceClassification(cfg).eval()
+    model.save_pretrained(path)
+    return str(path)
+
+
+def assert_embeddings_equal(ours, ref: torch.Tensor) -> None:
+    ours = torch.tensor(ours)
+    assert ours.shape == ref.shape
+    assert F.cosine_similarity(ours, ref).min().item() >= 0.99999
+    assert (ours - ref).abs().max().item() <= 1e-5
+
+
+def test_minilm_equals_sentence_transformers(minilm):
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(resolve_model_path(MINILM), device="cpu")
+    ref = st.encode(SENTENCES, convert_to_tensor=True)
+    ours = minilm.embed(SENTENCES)
+    assert_embeddings_equal(ours, ref)
+    assert abs(torch.tensor(ours[0]).norm().item() - 1.0) < 1e-5  # its Normalize module
+
+
+def test_embedding_does_not_depend_on_its_batch(minilm):
+    alone = [minilm.embed(s)[0] for s in SENTENCES]
+    together = minilm.embed(SENTENCES)
+    reversed_ = minilm.embed(SENTENCES[::-1])[::-1]
+    # Same input, other neighbours in the packed forward: the same vector to float noise.
+    assert_embeddings_equal(together, torch.tensor(alone))
+    assert_embeddings_equal(reversed_, torch.tensor(alone))
+
+
+def test_token_id_inputs_and_truncation(minilm):
+    ids = minilm.tokenizer.hf.encode(SENTENCES[1])
+    assert_embeddings_equal(minilm.embed([ids]), torch.tensor(minilm.embed(SENTENCES[1:2])))
+    long_text = "word " * 400  # over MiniLM's 256-token limit
+    with pytest.raises(ValueError, match="more than this model's limit of 256"):
+        minilm.embed(long_text)
+    cut = minilm.embed(long_text, truncate_prompt_tokens=-1)
+    assert len(cut[0]) == 384
+    with pytest.raises(ValueError, match="empty"):
+        minilm.embed("")
+    with pytest.raises(ValueError, match="empty"):
+        minilm.embed([])
+    with pytest.raises(ValueError, match="Matryoshka"):
+        minilm.embed("x", dimensions=8)
+    with pytest.raises(ValueError, match="not generation"):
+        minilm.generate("hello")
+    with pytest.raises(ValueError, match="task='score'"):
+        minilm.score("q", ["d"])
+
+
+def test_decoder_last_token_equals_transformers(tiny_qwen3):
+    from transformers import AutoModel
+
+    llm = LLM(tiny_qwen3, task="embed", dtype="float32")
+    hf = AutoModel.from_pretrained(tiny_qwen3, torch_dtype=torch.float32).eval()
+    seqs = [[5, 9, 14, 3, 7, 2], [11, 4], list(range(3, 40)), [8]]
+    ours = llm.embed(seqs)
+    ref = []
+    with torch.no_grad():
+        for s in seqs:
+            hidden = hf(torch.tensor([s])).last_hidden_state[0, -1]
+            ref.append(F.normalize(hidden, dim=-1))
+    assert_embeddings_equal(ours, torch.stack(ref))
+
+
+def test_reranker_scores_equal_transformers_logits(tiny_reranker):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    llm = LLM(tiny_reranker, task="score")
+    query = "what does a radix cache store?"
+    docs = ["prompt prefixes as a tree of token ids", "bananas", "a long document " * 20]
+    ours = llm.score(query, docs)
+    tok = AutoTokenizer.from_pretrained(tiny_reranker)
+    hf = AutoModelForSequenceClassification.from_pretrained(tiny_reranker).eval()
+    with torch.no_grad():
+        enc = tok([query] * len(docs), docs, padding=True, return_tensors="pt")
+        ref = hf(**enc).logits[:, 0]
+    assert torch.allclose(torch.tensor(ours), ref, atol=1e-5), (ours, ref)
+    with pytest.raises(ValueError, match="task='embed'"):
+        llm.embed("x")
+
+
+def test_task_checks(tiny_qwen3):
+    with pytest.raises(ValueError, match="task must be"):
+        LLM(tiny_qwen3, task="classify")
+    with pytest.raises(ValueError, match="cross-encoder"):
+        LLM(tiny_qwen3, task="score")
+    with pytest.raises(ValueError, match="task='embed'"):
+        LLM(tiny_qwen3, max_total_tokens=64).embed("x")
+
+
+def test_package_archive_is_extracted_once(tmp_path, monkeypatch):
+    from engine.loading.model_source import _package_file
+
+    monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path))
+    first = _package_file("all_minilm_l6_v2")
+    assert first.startswith(str(tmp_path)) and (tmp_path / "models").is_dir()
+    mtime = (tmp_path / "models").stat().st_mtime_ns
+    assert _package_file("all_minilm_l6_v2") == first
+    assert (tmp_path / "models").stat().st_mtime_ns == mtime  # nothing written again
