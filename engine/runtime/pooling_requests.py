@@ -38,12 +38,13 @@ def embedding_inputs(engine: PoolingEngine, inputs: EmbedInput,
     return items
 
 
-def pair_inputs(engine: PoolingEngine, query: str, documents: Sequence[str],
+def pair_inputs(engine: PoolingEngine, pairs: Sequence[tuple[str, str]],
                 truncate: int | None = None) -> list[PoolInput]:
-    if not query or not documents or any(not d for d in documents):
-        raise ValueError("query and documents must be non-empty strings")
+    """(query, document) pairs -> checked cross-encoder inputs."""
+    if not pairs or any(not q or not d for q, d in pairs):
+        raise ValueError("queries and documents must be non-empty strings")
     limit = _truncation(engine, truncate)
-    items = [engine.encode_pair(query, d, limit) for d in documents]
+    items = [engine.encode_pair(q, d, limit) for q, d in pairs]
     for item in items:
         engine.check(item)
     return items
@@ -78,7 +79,7 @@ class OfflinePooling:
               truncate_prompt_tokens: int | None = None) -> list[float]:
         if self.engine.task != "score":
             raise ValueError(f"score() needs task='score'; this model serves {self.engine.task!r}")
-        items = pair_inputs(self.engine, query, documents, truncate_prompt_tokens)
+        items = pair_inputs(self.engine, [(query, d) for d in documents], truncate_prompt_tokens)
         self.engine.stats.requests += 1
         return self.engine.score(items)
 
