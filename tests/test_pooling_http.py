@@ -14,11 +14,24 @@ import pytest
 import torch
 import yaml
 
-from serve_helpers import BASE, ROOT, run_app, start_ray, stop_ray
+from serve_helpers import BASE, PORT, ROOT, start_ray, stop_ray
 from test_pooling import SENTENCES, assert_embeddings_equal, tiny_reranker  # noqa: F401
 
 pytestmark = pytest.mark.slow
 EMBED, RANK = f"{BASE}/embed", f"{BASE}/rank"
+
+
+def deploy_all(apps: list[tuple[str, str, dict]]) -> None:
+    """Deploy (name, route prefix, args) apps at once (as `serve run` does a config's
+    applications), so their replicas start side by side instead of one after another."""
+    from ray import serve
+    from ray.serve.api import RunTarget
+
+    from deployments.app import build_app
+
+    serve.start(http_options={"port": PORT})
+    serve.run_many([RunTarget(target=build_app(args), name=name, route_prefix=prefix)
+                    for name, prefix, args in apps])
 
 
 @pytest.fixture(scope="module")
@@ -26,15 +39,17 @@ def apps(tiny_reranker):  # noqa: F811 - the fixture imported above
     config = yaml.safe_load((ROOT / "serve_config_rag.yaml").read_text())
     start_ray()
     try:
+        apps = []
         for app in config["applications"]:
             args = dict(app["args"], ray_actor_options={"num_cpus": 0.2})
             if app["name"] == "radixserve":  # the tiny demo model stands in for SmolLM2
                 args.update(model=None, served_model_name="radixserve-demo", ingress="colocated",
                             engine={"max_total_tokens": 512, "max_running_requests": 4})
-            run_app(args, name=app["name"], route_prefix=app["route_prefix"])
-        run_app({"model": tiny_reranker, "served_model_name": "tiny-reranker",
-                 "ray_actor_options": {"num_cpus": 0.2}, "engine": {"task": "score"}},
-                name="rerank", route_prefix="/rank")
+            apps.append((app["name"], app["route_prefix"], args))
+        apps.append(("rerank", "/rank", {"model": tiny_reranker, "served_model_name": "tiny-reranker",
+                                         "ray_actor_options": {"num_cpus": 0.2},
+                                         "engine": {"task": "score"}}))
+        deploy_all(apps)
         yield config
     finally:
         stop_ray()
