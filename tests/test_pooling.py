@@ -143,3 +143,58 @@ def test_package_archive_is_extracted_once(tmp_path, monkeypatch):
     mtime = (tmp_path / "models").stat().st_mtime_ns
     assert _package_file("all_minilm_l6_v2") == first
     assert (tmp_path / "models").stat().st_mtime_ns == mtime  # nothing written again
+
+
+def test_matryoshka_dimensions_cut_then_normalise(tiny_model_factory):
+    path = tiny_model_factory("qwen3", matryoshka_dimensions=[16, 32])
+    llm = LLM(path, task="embed", dtype="float32")
+    full = torch.tensor(llm.embed([[5, 6, 7]])[0])
+    hf_hidden = 64  # the tiny demo models' hidden size
+    assert full.shape == (hf_hidden,)
+    cut = torch.tensor(llm.embed([[5, 6, 7]], dimensions=16)[0])
+    # Cut before normalising: the first 16 of the raw vector, renormalised.
+    assert torch.allclose(cut, F.normalize(full[:16], dim=0), atol=1e-6)
+    with pytest.raises(ValueError, match="within 1-64"):
+        llm.embed("x", dimensions=65)
+
+
+def test_concurrent_requests_share_forwards_and_a_left_one_is_dropped(minilm):
+    import asyncio
+
+    from engine import AsyncPooling, embedding_inputs
+
+    engine = minilm.pooling.engine
+    pooling = AsyncPooling(engine)
+    alone = torch.tensor(minilm.embed(SENTENCES))
+
+    async def main():
+        started = engine.stats.forwards
+        jobs = [pooling.run(embedding_inputs(engine, s)) for s in SENTENCES * 4]
+        left = asyncio.ensure_future(pooling.run(embedding_inputs(engine, "gone")))
+        left.cancel()
+        results = await asyncio.gather(*jobs)
+        return results, engine.stats.forwards - started
+
+    try:
+        before = engine.stats.inputs
+        results, forwards = asyncio.run(main())
+        assert forwards < len(SENTENCES) * 4  # packed: fewer forwards than requests
+        assert engine.stats.inputs - before == len(SENTENCES) * 4  # the cancelled one never ran
+        for i, r in enumerate(results):
+            assert_embeddings_equal([r[0].tolist()], alone[i % len(SENTENCES)][None])
+    finally:
+        pooling.shutdown()
+
+
+@pytest.mark.gpu
+def test_minilm_on_the_gpu_equals_sentence_transformers():
+    from sentence_transformers import SentenceTransformer
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    st = SentenceTransformer(resolve_model_path(MINILM), device="cuda")
+    ref = st.encode(SENTENCES, convert_to_tensor=True).float().cpu()
+    ours = torch.tensor(LLM(MINILM, task="embed", dtype="float32", device="cuda").embed(SENTENCES))
+    assert F.cosine_similarity(ours, ref).min().item() >= 0.9999  # TF32 matmuls on both sides
+    bf16 = torch.tensor(LLM(MINILM, task="embed", dtype="bfloat16", device="cuda").embed(SENTENCES))
+    assert F.cosine_similarity(bf16, ref).min().item() >= 0.99
