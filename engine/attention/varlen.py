@@ -6,36 +6,53 @@ mask that keeps each sequence to itself. The pooling engine sorts inputs by leng
 packing, so the grid's padding stays small."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from engine.attention.base import ForwardBatch
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
+@dataclass
+class PackedLayout:
+    """Where each packed token sits in the [B, Lmax] grid attention runs on, and the mask;
+    made once per forward and shared by every layer (its `nonzero` syncs with the device)."""
+
+    lens: list[int]
+    index: torch.Tensor  # [T]: each token's place in the flattened grid
+    mask: torch.Tensor  # [B, 1, Lmax|1, Lmax] bool: which keys each query sees
+
+    @classmethod
+    def of(cls, lens: list[int], causal: bool, device: torch.device) -> PackedLayout:
+        lmax = max(lens)
+        lens_t = torch.tensor(lens, device=device)
+        valid = torch.arange(lmax, device=device)[None, :] < lens_t[:, None]
+        mask = valid[:, None, None, :]  # other sequences' keys and padding are never seen
+        if causal:
+            mask = mask & torch.ones(lmax, lmax, dtype=torch.bool, device=device).tril()
+        return cls(list(lens), valid.flatten().nonzero().squeeze(1), mask)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
                      causal: bool, scale: float) -> torch.Tensor:
-    """q [T, Hq, D], k and v [T, Hkv, D] of sequences of `lens` tokens, back to back ->
-    [T, Hq, D]; each token attends within its own sequence (causally when `causal`)."""
-    if len(lens) == 1:
+    """q [T, Hq, D], k and v [T, Hkv, D] of sequences of `layout.lens` tokens, back to back
+    -> [T, Hq, D]; each token attends within its own sequence (causally when `causal`)."""
+    if len(layout.lens) == 1:
         return _dense(q, k, v, causal, scale)
-    index, valid = grid_index(lens, q.device)
-    b, lmax = valid.shape
-    qg, kg, vg = (_to_grid(x, index, b, lmax) for x in (q, k, v))
-    mask = valid[:, None, None, :]  # keys of other sequences and padding are never seen
-    if causal:
-        mask = mask & torch.ones(lmax, lmax, dtype=torch.bool, device=q.device).tril()
+    b, lmax = len(layout.lens), max(layout.lens)
+    qg, kg, vg = (_to_grid(x, layout.index, b, lmax) for x in (q, k, v))
     group = q.shape[1] // k.shape[1]
-    out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale,
+    out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=layout.mask, scale=scale,
                                          enable_gqa=group > 1)
-    return out.transpose(1, 2).reshape(b * lmax, q.shape[1], q.shape[2])[index]
+    return out.transpose(1, 2).reshape(b * lmax, q.shape[1], q.shape[2])[layout.index]
 
 
-def grid_index(lens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(index [T] of each packed token in the flattened [B, Lmax] grid, valid [B, Lmax])."""
-    lmax = max(lens)
+def packed_positions(lens: list[int], device: torch.device) -> torch.Tensor:
+    """[T]: each packed token's position in its own sequence (0, 1, ..., 0, 1, ...)."""
     lens_t = torch.tensor(lens, device=device)
-    valid = torch.arange(lmax, device=device)[None, :] < lens_t[:, None]
-    return valid.flatten().nonzero().squeeze(1), valid
+    starts = lens_t.cumsum(0) - lens_t
+    return torch.arange(int(sum(lens)), device=device) - starts.repeat_interleave(lens_t)
 
 
 def _to_grid(x: torch.Tensor, index: torch.Tensor, b: int, lmax: int) -> torch.Tensor:
@@ -61,22 +78,26 @@ class PackedCausalBackend:
 
     def __init__(self, scale: float) -> None:
         self.scale = scale
+        self._batch: ForwardBatch | None = None
+        self._layout: PackedLayout | None = None
 
     def prepare(self, batch: ForwardBatch) -> None:
-        pass
+        self._batch, self._layout = batch, PackedLayout.of(batch.extend_lens_cpu, True,
+                                                           batch.input_ids.device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch) -> torch.Tensor:
-        return varlen_attention(q, k, v, batch.extend_lens_cpu, True, self.scale)
+        if batch is not self._batch:
+            self.prepare(batch)
+        return varlen_attention(q, k, v, self._layout, True, self.scale)
 
 
 def packed_batch(input_ids: torch.Tensor, lens: list[int], max_context: int) -> ForwardBatch:
     """A ForwardBatch for `PackedCausalBackend`: positions restart at 0 per sequence; the
     KV fields are empty (nothing reads them)."""
     device = input_ids.device
-    starts = torch.tensor([0] + lens[:-1], device=device).cumsum(0)
     lens_t = torch.tensor(lens, device=device)
-    positions = torch.arange(input_ids.shape[0], device=device) - starts.repeat_interleave(lens_t)
+    positions = packed_positions(lens, device)
     indptr = torch.tensor([0] + lens, device=device, dtype=torch.int32).cumsum(0).to(torch.int32)
     empty = torch.empty(0, dtype=torch.int64, device=device)
     return ForwardBatch(

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.varlen import packed_batch, varlen_attention
+from engine.attention.varlen import PackedLayout, packed_positions, varlen_attention
 
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
 _PREFIXES = ("bert.", "roberta.", "model.")
@@ -38,9 +38,9 @@ class EncoderLayer(nn.Module):
         self.out_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
-    def forward(self, x: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
         q, k, v = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
-        a = varlen_attention(q, k, v, lens, causal=False, scale=self.head_dim ** -0.5)
+        a = varlen_attention(q, k, v, layout, causal=False, scale=self.head_dim ** -0.5)
         x = self.attn_norm(x + self.attn_out(a.reshape(x.shape)))
         return self.out_norm(x + self.down(self.act(self.up(x))))
 
@@ -64,11 +64,12 @@ class Encoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, lens: list[int],
                 token_types: torch.Tensor | None = None) -> torch.Tensor:
-        positions = packed_batch(input_ids, lens, 0).positions + self.position_offset
+        positions = packed_positions(lens, input_ids.device) + self.position_offset
         types = token_types if token_types is not None else torch.zeros_like(input_ids)
         x = self.norm(self.word(input_ids) + self.position(positions) + self.token_type(types))
+        layout = PackedLayout.of(lens, causal=False, device=input_ids.device)
         for layer in self.layers:
-            x = layer(x, lens)
+            x = layer(x, layout)
         return x
 
 
