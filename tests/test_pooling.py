@@ -108,6 +108,24 @@ def test_decoder_last_token_equals_transformers(tiny_qwen3):
     assert_embeddings_equal(ours, torch.stack(ref))
 
 
+def test_base_model_checkpoint_without_prefix_or_head(tiny_qwen3, tmp_path):
+    """A Qwen3-Embedding-style checkpoint: the base model's weights (`layers.0...`)."""
+    import json
+
+    from transformers import AutoModel
+
+    hf = AutoModel.from_pretrained(tiny_qwen3, torch_dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tiny_qwen3}/{name}", tmp_path / name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForCausalLM"]}))
+    ours = LLM(str(tmp_path), task="embed", dtype="float32").embed([[5, 9, 14], [7]])
+    with torch.no_grad():
+        ref = [F.normalize(hf(torch.tensor([s])).last_hidden_state[0, -1], dim=-1) for s in ([5, 9, 14], [7])]
+    assert_embeddings_equal(ours, torch.stack(ref))
+
+
 def test_reranker_scores_equal_transformers_logits(tiny_reranker):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 

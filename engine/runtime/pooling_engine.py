@@ -21,7 +21,7 @@ from engine.layers.pooler import PoolingSpec, pool
 from engine.loading.model_source import resolve_model_path
 from engine.loading.pooling_config import max_seq_length, read_pooling_spec
 from engine.loading.tokenizer import Tokenizer
-from engine.loading.weights import dummy_init_, iterate_safetensors
+from engine.loading.weights import dummy_init_, iterate_safetensors, tensor_shapes
 from engine.models import load_hf_config, load_model, resolve_device, resolve_dtype
 from engine.models.bert import EncoderModel, is_encoder
 
@@ -73,11 +73,7 @@ class PoolingEngine:
 
     def _load(self, path: str, hf_config) -> torch.nn.Module:
         if not self.encoder:
-            model = load_model(path, dtype=self.dtype, device=self.device,
-                               load_format=self.config.load_format, seed=self.config.seed,
-                               hf_config=hf_config)
-            model.set_attention_backend(PackedCausalBackend(model.scale))
-            return model
+            return self._load_decoder(path, hf_config)
         old = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -90,6 +86,24 @@ class PoolingEngine:
         else:
             model.load_weights(iterate_safetensors(path))
         return model.eval()
+
+    def _load_decoder(self, path: str, hf_config) -> torch.nn.Module:
+        """A Llama/Qwen model whose attention is the packed causal backend. Embedding
+        checkpoints saved from the base model (Qwen3-Embedding: `layers.0...`, no `model.`
+        prefix and no LM head) are read with the prefix put back; the unused head stays
+        as built."""
+        bare = self.config.load_format == "safetensors" and not any(
+            n.startswith(("model.", "lm_head.")) for n in tensor_shapes(path))
+        model = load_model(path, dtype=self.dtype, device=self.device, seed=self.config.seed,
+                           load_format="dummy" if bare else self.config.load_format,
+                           hf_config=hf_config)
+        if bare:
+            loaded = model.load_weights((f"model.{n}", t) for n, t in iterate_safetensors(path))
+            missing = [n for n in model.missing_weights(loaded) if not n.startswith("lm_head.")]
+            if missing:
+                raise ValueError(f"{path}: checkpoint lacks {len(missing)} weight(s), e.g. {missing[:4]}")
+        model.set_attention_backend(PackedCausalBackend(model.scale))
+        return model
 
     # -- inputs -------------------------------------------------------------------------
 
