@@ -223,7 +223,6 @@ class LLM:
         self.pooling = None
         if config.task != "generate":
             self.pooling = OfflinePooling(PoolingEngine(config))
-            self.embed, self.score = self.pooling.embed, self.pooling.score
             return
         if config.tp_size > 1:  # ranks 1..tp-1 as local processes; this process is rank 0
             from engine.runtime.tp_worker import LocalWorkers, rank_config
@@ -276,11 +275,18 @@ class LLM:
 
     def embed(self, inputs, dimensions: int | None = None,
               truncate_prompt_tokens: int | None = None) -> list[list[float]]:
-        raise ValueError("embed() needs task='embed'")
+        """One vector per input (texts or token ids, one or a list); task 'embed'."""
+        return self._pooling("embed").embed(inputs, dimensions, truncate_prompt_tokens)
 
     def score(self, query: str, documents: list[str],
               truncate_prompt_tokens: int | None = None) -> list[float]:
-        raise ValueError("score() needs task='score'")
+        """The cross-encoder's logit for each (query, document); task 'score'."""
+        return self._pooling("score").score(query, documents, truncate_prompt_tokens)
+
+    def _pooling(self, task: str) -> OfflinePooling:
+        if self.pooling is None:
+            raise ValueError(f"{task}() needs task='{task}'; this model serves 'generate'")
+        return self.pooling
 
     def stats(self) -> dict:
         return self.pooling.engine.stats_dict() if self.pooling else self.engine.stats()
