@@ -12,6 +12,7 @@ from deployments.colocated import EngineIngress
 from deployments.config import AppArgs
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import OpenAIIngress
+from deployments.pooling_server import PoolingServer
 from deployments.tp_workers import placement_options
 
 
@@ -63,6 +64,12 @@ def build_app_with(args: dict[str, Any] | None, replica_class: type = EngineRepl
         app_args = AppArgs.model_validate(args or {})
     except ValidationError as e:
         raise ValueError(f"invalid radixserve app args:\n{e}") from None
+    if app_args.engine.get("task", "generate") != "generate":  # embed / score
+        return serve.deployment(PoolingServer).options(
+            name="PoolingServer", **{**engine_options(app_args), "max_queued_requests": -1}).bind(
+            app_args.model, app_args.engine, app_args.model_name(),
+            max_body_bytes=app_args.max_request_body_bytes, api_key=app_args.api_key,
+            admin_api_key=app_args.admin_api_key)
     ingress_kwargs = dict(max_model_len=app_args.engine.get("max_model_len"),
                           tokenizer=app_args.engine.get("tokenizer"),
                           max_body_bytes=app_args.max_request_body_bytes,

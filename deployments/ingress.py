@@ -30,10 +30,9 @@ from deployments.protocol import (
     CompletionStreamResponse, ModelCard, ModelList, TokenizeRequest, chat_sampling_kwargs,
     completion_sampling_kwargs, sse_event,
 )
-from deployments import sglang_api
-from deployments.responses import (
-    TokenNamer, chat_chunk, chat_response, completion_chunk, completion_response, usage_of,
-)
+from deployments import sglang_api, task_routes
+from deployments.responses import (TokenNamer, chat_chunk, chat_response, completion_chunk,
+                                   completion_response, usage_of)
 from deployments.streams import ChoiceState, error_of, merge_deltas, merged_stream
 from engine import (
     ChatPrompt, IncrementalDetokenizer, SamplingParams, Tokenizer, freeze_after_start,
@@ -48,6 +47,7 @@ readiness = install_readiness(api)  # Serve's running engine replicas (deploymen
 auth = install_auth(api)  # keys set by the ingress constructor
 install_http_metrics(api)
 prometheus = install_prometheus_endpoint(api)  # GET /metrics; configured by the constructor
+task_routes.install_pooling_refusals(api)  # /v1/embeddings etc.: 400, the pooling app serves them
 
 
 # Module helpers come before the class: `serve.ingress` captures globals when applied.

@@ -9,6 +9,10 @@ from engine.config import EngineConfig
 from engine.loading.demo_model import ensure_demo_model
 from engine.executor.distributed import init_tp, open_rendezvous
 from engine.runtime.engine import LLM, Engine, QueueFullError
+from engine.runtime.pooling_engine import PoolingEngine
+from engine.runtime.pooling_requests import (
+    AsyncPooling, PoolingQueueFull, embedding_inputs, pair_inputs,
+)
 from engine.runtime.gc_freeze import freeze_after_start
 from engine.models import load_hf_config, resolve_device
 from engine.core.outputs import RequestOutput, StreamDelta, WireDelta, wire_dict, wire_of
@@ -28,6 +32,8 @@ __all__ = [
     "ensure_demo_model",
     # the engine in a process of its own, for a server (deployments/engine_replica.py)
     "ProcessAsyncEngine", "EngineProcessError", "StepReport",
+    # the pooling tasks (task embed / score): the engine, its server-side batcher, inputs
+    "PoolingEngine", "AsyncPooling", "PoolingQueueFull", "embedding_inputs", "pair_inputs",
     # requests and outputs
     "RequestOutput", "SamplingParams", "StreamDelta", "validate_request",
     # a delta as a server forwards it (AsyncEngine.stream_to(..., wire=True))

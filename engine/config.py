@@ -87,6 +87,10 @@ class EngineConfig:
     load_format: Literal["safetensors", "dummy"] = "safetensors"
     seed: int = 0
     tokenizer: str | None = None  # defaults to `model`
+    # What the model serves: "generate" (text), "embed" (one vector per input: a BERT-family
+    # encoder, or a Llama/Qwen decoder pooled at its last token) or "score" (a cross-encoder
+    # reranker's logit per query-document pair); engine/runtime/pooling_engine.py.
+    task: Literal["generate", "embed", "score"] = "generate"
 
     # Scheduling
     max_running_requests: int = 256
@@ -194,6 +198,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES + ('auto',)}, got {self.dtype!r}")
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
+        if self.task not in ("generate", "embed", "score"):
+            raise ValueError(f"task must be 'generate', 'embed' or 'score', got {self.task!r}")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:

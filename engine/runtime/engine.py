@@ -14,6 +14,8 @@ from engine.executor.model_runner import ModelRunner
 from engine.executor.output_processor import OutputProcessor, TokenUpdate, feed_detokenizer
 from engine.core.outputs import RequestOutput
 from engine.runtime.overlap import OverlapStepper
+from engine.runtime.pooling_engine import PoolingEngine
+from engine.runtime.pooling_requests import OfflinePooling
 from engine.core.queue_deadlines import QueueTimeoutError, timeout_error
 from engine.core.radix_cache import RadixCache
 from engine.core.request import Request, validate_request
@@ -212,11 +214,16 @@ def overlap_enabled(config: EngineConfig, device_type: str, tp_size: int) -> boo
 
 
 class LLM:
-    """Offline batch generation: `LLM(model=...).generate(prompts, params)`."""
+    """Offline batch generation: `LLM(model=...).generate(prompts, params)`; with
+    `task="embed"` or `"score"`, `.embed(texts)` and `.score(query, documents)` instead."""
 
     def __init__(self, model: str = "", **kwargs) -> None:
         config = EngineConfig.from_kwargs(model=model, **kwargs)
         self._workers = None
+        self.pooling = None
+        if config.task != "generate":
+            self.pooling = OfflinePooling(PoolingEngine(config))
+            return
         if config.tp_size > 1:  # ranks 1..tp-1 as local processes; this process is rank 0
             from engine.runtime.tp_worker import LocalWorkers, rank_config
 
@@ -240,6 +247,8 @@ class LLM:
 
     def generate(self, prompts: list[str] | list[list[int]] | str,
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        if self.pooling is not None:
+            raise ValueError(f"this model serves task {self.pooling.engine.task!r}, not generation")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -264,9 +273,24 @@ class LLM:
         self.engine.validate(ids, params)
         return ids
 
+    def embed(self, inputs, dimensions: int | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[list[float]]:
+        """One vector per input (texts or token ids, one or a list); task 'embed'."""
+        return self._pooling("embed").embed(inputs, dimensions, truncate_prompt_tokens)
+
+    def score(self, query: str, documents: list[str],
+              truncate_prompt_tokens: int | None = None) -> list[float]:
+        """The cross-encoder's logit for each (query, document); task 'score'."""
+        return self._pooling("score").score(query, documents, truncate_prompt_tokens)
+
+    def _pooling(self, task: str) -> OfflinePooling:
+        if self.pooling is None:
+            raise ValueError(f"{task}() needs task='{task}'; this model serves 'generate'")
+        return self.pooling
+
     def stats(self) -> dict:
-        return self.engine.stats()
+        return self.pooling.engine.stats_dict() if self.pooling else self.engine.stats()
 
     @property
     def tokenizer(self) -> Tokenizer:
-        return self.engine.tokenizer
+        return self.pooling.engine.tokenizer if self.pooling else self.engine.tokenizer

@@ -1,0 +1,39 @@
+"""Pooling: one vector per packed sequence from its tokens' hidden states, as
+sentence-transformers' Pooling and Normalize modules compute it (mean over the tokens,
+the first ([CLS]) token, or the last token), optionally cut to the first `dimensions`
+(Matryoshka models) before normalising."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+PoolingMode = Literal["mean", "cls", "last"]
+
+
+@dataclass(frozen=True)
+class PoolingSpec:
+    mode: PoolingMode
+    normalize: bool
+
+
+def pool(hidden: torch.Tensor, lens: list[int], spec: PoolingSpec,
+         dimensions: int | None = None) -> torch.Tensor:
+    """hidden [T, H] of sequences of `lens` tokens back to back -> [B, dimensions or H]
+    float32."""
+    lens_t = torch.tensor(lens, device=hidden.device)
+    ends = lens_t.cumsum(0)
+    if spec.mode == "cls":
+        out = hidden[ends - lens_t]
+    elif spec.mode == "last":
+        out = hidden[ends - 1]
+    else:
+        seq = torch.arange(len(lens), device=hidden.device).repeat_interleave(lens_t)
+        sums = torch.zeros(len(lens), hidden.shape[1], device=hidden.device, dtype=torch.float32)
+        out = sums.index_add_(0, seq, hidden.float()) / lens_t[:, None]
+    out = out.float()
+    if dimensions is not None:
+        out = out[:, :dimensions]
+    return F.normalize(out, dim=-1) if spec.normalize else out
