@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.loading.gguf_file import GGUFFile, read_gguf
+
 # GGUF architecture -> (HF model_type, HF architecture class name).
 ARCHS = {
     "llama": ("llama", "LlamaForCausalLM"),
@@ -60,15 +62,13 @@ def is_gguf(path: str) -> bool:
 
 
 @functools.lru_cache(maxsize=4)
-def _reader(path: str):
-    from gguf import GGUFReader
-
-    return GGUFReader(path)  # memory-maps the file: tensors are read when touched
+def _reader(path: str) -> GGUFFile:
+    return read_gguf(path)  # memory-maps the file: tensors are read when touched
 
 
 def metadata(path: str, key: str, default: Any = None) -> Any:
-    field = _reader(path).fields.get(key)
-    return default if field is None else field.contents()
+    value = _reader(path).fields.get(key)
+    return default if value is None else value
 
 
 def architecture(path: str) -> str:
@@ -151,20 +151,6 @@ def rope_scaling(path: str, meta: Any) -> dict | None:
         if meta(f"rope.scaling.{theirs}") is not None:
             params[ours] = meta(f"rope.scaling.{theirs}")
     return params
-
-
-def gguf_tokenizer(path: str) -> Any:
-    """transformers' fast tokenizer rebuilt from the GGUF vocabulary, merges, special tokens
-    and chat template (the same conversion `from_pretrained(..., gguf_file=...)` does)."""
-    from transformers import AutoTokenizer
-
-    from engine.loading.chat_templates import builtin_chat_template
-
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                              gguf_file=os.path.basename(path), local_files_only=True)
-    if not tokenizer.chat_template:  # as llama.cpp, the family's own template when the file has none
-        tokenizer.chat_template = builtin_chat_template(metadata(path, "general.architecture"))
-    return tokenizer
 
 
 def iterate_gguf(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:

@@ -62,7 +62,7 @@ def _assembled(module: str) -> str:
     checksum), written once under a temporary name and renamed into place, so concurrent
     starts (TP ranks, replicas) never read a half-written file."""
     package = importlib.import_module(module)
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "radixserve" / module
+    cache = cache_dir() / module
     target = cache / getattr(package, "MODEL_NAME", f"{module}.gguf")
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)
@@ -73,6 +73,12 @@ def _assembled(module: str) -> str:
         finally:
             partial.unlink(missing_ok=True)
     return str(target)
+
+
+def cache_dir() -> Path:
+    """Where radixserve keeps what it derives from model files (assembled packages, GGUF
+    tokenizers): the user's cache directory."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "radixserve"
 
 
 def _single_gguf(directory: str, required: bool = False) -> str:

@@ -28,7 +28,8 @@ class ChatPrompt:
 class Tokenizer:
     def __init__(self, path: str) -> None:
         from engine.loading.model_source import resolve_model_path
-        from engine.loading.gguf import gguf_tokenizer, is_gguf
+        from engine.loading.gguf import is_gguf
+        from engine.loading.gguf_tokenizer import gguf_tokenizer
 
         path = resolve_model_path(path)  # a package: model, Hub ID or .gguf file too
         self.hf: PreTrainedTokenizerBase = (gguf_tokenizer(path) if is_gguf(path) else
