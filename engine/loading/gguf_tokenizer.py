@@ -33,11 +33,11 @@ def gguf_tokenizer(path: str) -> Any:
 
 
 def _saved_dir(path: str):
-    from engine.loading.model_source import cache_dir
+    from engine.config import default_cache_root
 
     stat = os.stat(path)  # a replaced or rewritten file gets a new entry
     key = f"{os.path.realpath(path)}|{stat.st_size}|{stat.st_mtime_ns}"
-    return cache_dir() / "gguf-tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
+    return default_cache_root() / "gguf-tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
 def _save(tokenizer: Any, saved) -> None:

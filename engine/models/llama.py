@@ -197,10 +197,11 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, hf_config: Any, tp: TPContext,
-                 make_mlp: Callable[[int], nn.Module | None] = lambda layer_id: None) -> None:
+                 make_mlp: Callable[[int], nn.Module | None] = lambda layer_id: None,
+                 rotary_emb: RotaryEmbedding | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp)
-        rotary_emb = get_rope(hf_config, head_dim_of(hf_config))
+        rotary_emb = rotary_emb or get_rope(hf_config, head_dim_of(hf_config))
         self.layers = nn.ModuleList(LlamaDecoderLayer(hf_config, i, rotary_emb, tp, make_mlp(i))
                                     for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)

