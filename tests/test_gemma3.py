@@ -93,3 +93,18 @@ def test_chat_template_and_turn_end(gguf_path):
                          "<start_of_turn>model\n")
     assert chat.token_ids[0] == tok.hf.bos_token_id
     assert tok.hf.convert_tokens_to_ids("<end_of_turn>") in tok.eos_token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gpu_greedy_equals_cpu(prompts, graphs):
+    """The GPU path (Triton window attention, fused norms and RoPE, CUDA graphs) gives the
+    CPU engine's greedy tokens, on a short prompt and on one past the window."""
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    short = prompts[0][:40]
+    cpu = LLM(model=MODEL, device="cpu", dtype="float32", max_total_tokens=2048)
+    gpu = LLM(model=MODEL, device="cuda", dtype="float32", max_total_tokens=2048,
+              enable_cuda_graph=graphs)
+    for prompt in (short, prompts[0]):
+        assert (gpu.generate([prompt], params)[0].token_ids
+                == cpu.generate([prompt], params)[0].token_ids)

@@ -92,3 +92,13 @@ def test_long_factors_differ_from_short(phi3_dir):
     short = rope.cos_sin_cache[ORIGINAL_CONTEXT - 1]
     long = rope.cos_sin_cache[rope.max_position + ORIGINAL_CONTEXT - 1]
     assert not torch.allclose(short, long, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_equals_cpu(phi3_dir, prompts):
+    """LongRoPE's two-set cache through the fused RoPE path and CUDA graphs."""
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    cpu = LLM(model=phi3_dir, device="cpu", dtype="float32", max_total_tokens=1024)
+    gpu = LLM(model=phi3_dir, device="cuda", dtype="float32", max_total_tokens=1024)
+    assert ([o.token_ids for o in gpu.generate(prompts, params)]
+            == [o.token_ids for o in cpu.generate(prompts, params)])
