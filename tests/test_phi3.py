@@ -9,13 +9,12 @@ transformers then recomputes the whole sequence with the long factors (its Phi-3
 from __future__ import annotations
 
 import random
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from hf_reference import hf_greedy_logprobs, save_tiny_hf_model, vocab_size_of
 
 ORIGINAL_CONTEXT = 64
 NEW_TOKENS = 8
@@ -23,32 +22,21 @@ NEW_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def phi3_dir(tmp_path_factory, tiny_llama) -> str:
-    from transformers import Phi3Config, Phi3ForCausalLM
+    from transformers import Phi3Config
 
-    path = tmp_path_factory.mktemp("phi3")
     half_rotary = int(16 * 0.75) // 2  # head_dim 16
     gen = random.Random(3)
     config = Phi3Config(
-        vocab_size=_vocab(tiny_llama),
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=4 * ORIGINAL_CONTEXT,
+        vocab_size=vocab_size_of(tiny_llama), hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=4 * ORIGINAL_CONTEXT,
         original_max_position_embeddings=ORIGINAL_CONTEXT, partial_rotary_factor=0.75,
         rope_scaling={"rope_type": "longrope",
                       "short_factor": [gen.uniform(1.0, 1.5) for _ in range(half_rotary)],
                       "long_factor": [gen.uniform(2.0, 8.0) for _ in range(half_rotary)]},
         initializer_range=0.2, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
         eos_token_id=2)
-    torch.manual_seed(0)
-    Phi3ForCausalLM(config).to(torch.float32).save_pretrained(path)
-    for f in Path(tiny_llama).glob("tokenizer*"):
-        shutil.copy(f, path)
-    return str(path)
-
-
-def _vocab(model_dir: str) -> int:
-    import json
-
-    return json.loads(Path(model_dir, "config.json").read_text())["vocab_size"]
+    return save_tiny_hf_model(config, tmp_path_factory.mktemp("phi3"), tiny_llama)
 
 
 @pytest.fixture(scope="module")
@@ -58,19 +46,6 @@ def prompts() -> list[list[int]]:
             for n in (20, ORIGINAL_CONTEXT + 16)]
 
 
-def hf_generate(path: str, prompt: list[int]) -> tuple[list[int], list[float]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
-    return tokens, logprobs
-
-
 @pytest.mark.parametrize("tp_size", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_greedy_tokens_and_logprobs_equal_transformers(phi3_dir, prompts, tp_size):
     llm = LLM(model=phi3_dir, dtype="float32", max_total_tokens=1024, tp_size=tp_size,
@@ -78,7 +53,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers(phi3_dir, prompts, tp_siz
     outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
                                                 ignore_eos=True, logprobs=True))
     for prompt, out in zip(prompts, outs):
-        tokens, logprobs = hf_generate(phi3_dir, prompt)
+        tokens, logprobs = hf_greedy_logprobs(phi3_dir, prompt, NEW_TOKENS)
         assert out.token_ids == tokens
         assert out.logprobs == pytest.approx(logprobs, abs=1e-4)
 
