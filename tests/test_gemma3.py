@@ -168,3 +168,15 @@ def test_gpu_greedy_equals_cpu(prompts, graphs):
     for prompt in (short, prompts[0]):
         assert (gpu.generate([prompt], params)[0].token_ids
                 == cpu.generate([prompt], params)[0].token_ids)
+
+
+@pytest.mark.gpu
+def test_gpu_tiny_checkpoint_equals_cpu(tiny_gemma3):
+    """Without the packages: the tiny checkpoint's windows (8 tokens) through Triton."""
+    gen = random.Random(6)
+    prompts = [[gen.randint(3, 700) for _ in range(n)] for n in (5, 40)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    cpu = LLM(model=tiny_gemma3, device="cpu", dtype="float32", max_total_tokens=1024)
+    gpu = LLM(model=tiny_gemma3, device="cuda", dtype="float32", max_total_tokens=1024)
+    assert ([o.token_ids for o in gpu.generate(prompts, params)]
+            == [o.token_ids for o in cpu.generate(prompts, params)])
