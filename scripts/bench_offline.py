@@ -1,9 +1,9 @@
 """Offline benchmark on a GPU: W1 (throughput), W2 (shared prefix, cache on/off) and W3
 (batch-1 latency) from ../shared/BENCHMARKS.md, with the Llama-3-8B-shaped dummy model (or,
-with `--model moe`, a Qwen3-30B-A3B-shaped one), against its physical floors and the
-Hugging Face transformers peer.
+with `--model moe`, a Qwen3-30B-A3B-shaped one; `--model gemma3-4b`, Gemma-3-4B's text
+model), against its physical floors and the Hugging Face transformers peer.
 
-    python scripts/bench_offline.py [--model llama3-8b|moe|demo] [--workloads W1,W2,W3] [--json PATH]
+    python scripts/bench_offline.py [--model llama3-8b|moe|gemma3-4b|demo] [--workloads W1,W2,W3] [--json PATH]
                                     [--no-hf] [--w2-modes cache_on,...]
                                     [--profile-w1 A:B] [--profile-w2 A:B] [--profile-w3 A:B]
                                     [--ttft-sweep] [--cold-start] [--long-prefill] [--w4] [--decode-batch N]
@@ -77,7 +77,19 @@ QWEN3_30B_A3B = {
 # A draft model's shape for speculative decoding (the 8B's vocabulary): Llama-3.2-1B.
 LLAMA32_1B = dict(LLAMA3_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                   head_dim=64, tie_word_embeddings=True)
-MODELS = {"llama3-8b": LLAMA3_8B, "moe": QWEN3_30B_A3B, "llama3.2-1b": LLAMA32_1B}
+# Gemma-3-4B's text model (its window layers: 5 of every 6, 1024 tokens; tied 262k vocab).
+GEMMA3_4B = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 2560,
+    "intermediate_size": 10240, "num_hidden_layers": 34, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 262208,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    "sliding_window": 1024, "query_pre_attn_scalar": 256, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "hidden_activation": "gelu_pytorch_tanh",
+    "bos_token_id": 2, "eos_token_id": 1,
+}
+MODELS = {"llama3-8b": LLAMA3_8B, "moe": QWEN3_30B_A3B, "llama3.2-1b": LLAMA32_1B,
+          "gemma3-4b": GEMMA3_4B}
 DEMO = "demo"  # the tiny demo model (engine/loading/demo_model.py): real tiny weights, any device
 H200_BF16_TFLOPS = 790.0  # dense bf16 peak the long-prefill floor is quoted against
 

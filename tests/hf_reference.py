@@ -52,3 +52,44 @@ def hf_top_k_tree(path: str, prompt_ids: list[int], top_k: int, temperature: flo
                 p *= tops[out[:i]][out[i]]
             joint[out + (t,)] = p
     return tops, joint
+
+
+def hf_greedy_logprobs(path: str, prompt_ids: list[int], max_new_tokens: int
+                       ) -> tuple[list[int], list[float]]:
+    """`hf_greedy`'s tokens with each one's logprob (from generate's own logits)."""
+    model = _hf_model(path)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    return tokens, [torch.log_softmax(step[0].float(), -1)[t].item()
+                    for step, t in zip(out.logits, tokens)]
+
+
+def save_tiny_hf_model(config, path, tokenizer_from: str, norm_std: float = 0.0) -> str:
+    """A random-weight transformers model of `config` saved in float32 to `path`, with the
+    tokenizer files of the model directory `tokenizer_from` (for the engine's detokenizer);
+    `norm_std` > 0 adds noise to the norm weights (whose init is constant)."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if norm_std and "norm" in name:
+                param.add_(torch.randn_like(param) * norm_std)
+    model.save_pretrained(path)
+    for f in Path(tokenizer_from).glob("tokenizer*"):
+        shutil.copy(f, path)
+    return str(path)
+
+
+def vocab_size_of(model_dir: str) -> int:
+    import json
+    from pathlib import Path
+
+    return json.loads(Path(model_dir, "config.json").read_text())["vocab_size"]

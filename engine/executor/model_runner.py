@@ -19,7 +19,7 @@ from engine.attention.kv_pool import KVPool
 from engine.layers import set_fused_kernels
 from engine.layers.parallel import TPContext
 from engine.models import load_hf_config, load_model, resolve_device, resolve_dtype
-from engine.models.llama import head_dim_of
+from engine.models.llama import attention_scale, head_dim_of
 from engine.executor.prompt_logprobs import PromptScores, PromptTargets
 from engine.quantization.fp8 import FP8
 from engine.layers.fp8 import set_fast_accum_
@@ -192,7 +192,7 @@ class ModelRunner:
 
     def _make_attention_backend(self):
         name = self._attention_backend_name()
-        scale = head_dim_of(self.hf_config) ** -0.5
+        scale = attention_scale(self.hf_config)
         prefill = self.config.prefill_attention_backend
         if prefill == "flashinfer" and name != "triton":
             raise ValueError("prefill_attention_backend='flashinfer' needs the Triton attention "

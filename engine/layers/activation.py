@@ -33,3 +33,13 @@ class SiluAndMul(nn.Module):
             x = x.total()
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
+
+
+class GeluTanhAndMul(nn.Module):
+    """x = [gate | up] -> gelu_tanh(gate) * up (Gemma's GeGLU MLP middle; torch everywhere)."""
+
+    def forward(self, x: torch.Tensor | SplitSums) -> torch.Tensor:
+        if isinstance(x, SplitSums):
+            x = x.total()
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]

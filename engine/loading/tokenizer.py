@@ -28,7 +28,8 @@ class ChatPrompt:
 class Tokenizer:
     def __init__(self, path: str) -> None:
         from engine.loading.model_source import resolve_model_path
-        from engine.loading.gguf import gguf_tokenizer, is_gguf
+        from engine.loading.gguf import is_gguf
+        from engine.loading.gguf_tokenizer import gguf_tokenizer
 
         path = resolve_model_path(path)  # a package: model, Hub ID or .gguf file too
         self.hf: PreTrainedTokenizerBase = (gguf_tokenizer(path) if is_gguf(path) else
@@ -111,7 +112,14 @@ def _flatten_content(content) -> str:
 
 
 def _eos_ids(path: str, hf: PreTrainedTokenizerBase) -> set[int]:
+    from engine.loading.chat_templates import turn_end_tokens
+    from engine.loading.gguf import is_gguf, metadata
+
     ids = {hf.eos_token_id} if hf.eos_token_id is not None else set()
+    if is_gguf(path):  # no generation_config.json beside it: the family's turn end
+        vocab = hf.get_vocab()
+        ids.update(vocab[t] for t in turn_end_tokens(metadata(path, "general.architecture"))
+                   if t in vocab)
     gen_config = os.path.join(path, "generation_config.json")
     if os.path.exists(gen_config):
         with open(gen_config) as f:

@@ -10,9 +10,11 @@ import torch
 from torch import nn
 
 from engine.layers.parallel import TPContext
+from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.moe import MoEForCausalLM
+from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -25,6 +27,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -143,6 +147,6 @@ def _load_checkpoint(model: nn.Module, model_dir: str, hf_config: Any, tp: TPCon
                          + (" ..." if len(missing) > 8 else ""))
 
 
-__all__ = ["LlamaForCausalLM", "MixtralForCausalLM", "MODEL_CLASSES", "Qwen2MoeForCausalLM",
-           "Qwen3MoeForCausalLM", "get_model_class", "load_hf_config", "load_model",
-           "resolve_device", "resolve_dtype"]
+__all__ = ["Gemma3ForCausalLM", "LlamaForCausalLM", "MixtralForCausalLM", "MODEL_CLASSES",
+           "Phi3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "get_model_class",
+           "load_hf_config", "load_model", "resolve_device", "resolve_dtype"]

@@ -75,9 +75,14 @@ def head_dim_of(hf_config: Any) -> int:
     return head_dim or hf_config.hidden_size // hf_config.num_attention_heads
 
 
+def attention_scale(hf_config: Any) -> float:
+    """The softmax scale: 1/sqrt(head_dim), or Gemma's 1/sqrt(query_pre_attn_scalar)."""
+    return (getattr(hf_config, "query_pre_attn_scalar", None) or head_dim_of(hf_config)) ** -0.5
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, hf_config: Any, layer_id: int, rotary_emb: RotaryEmbedding,
-                 tp: TPContext) -> None:
+                 tp: TPContext, qk_norm: bool | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.head_dim = head_dim_of(hf_config)
@@ -93,7 +98,7 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(hf_config.num_attention_heads * self.head_dim,
                                         hf_config.hidden_size, o_bias, tp)
-        self.qk_norm = model_type in ("qwen3", "qwen3_moe")
+        self.qk_norm = model_type in ("qwen3", "qwen3_moe") if qk_norm is None else qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
@@ -192,10 +197,11 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, hf_config: Any, tp: TPContext,
-                 make_mlp: Callable[[int], nn.Module | None] = lambda layer_id: None) -> None:
+                 make_mlp: Callable[[int], nn.Module | None] = lambda layer_id: None,
+                 rotary_emb: RotaryEmbedding | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp)
-        rotary_emb = get_rope(hf_config, head_dim_of(hf_config))
+        rotary_emb = rotary_emb or get_rope(hf_config, head_dim_of(hf_config))
         self.layers = nn.ModuleList(LlamaDecoderLayer(hf_config, i, rotary_emb, tp, make_mlp(i))
                                     for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
@@ -221,7 +227,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = hf_config
         self.tp = tp or TPContext()
-        self.model = LlamaModel(hf_config, self.tp, self.make_mlp)
+        self.model = self.build_model(hf_config)
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, self.tp)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -230,12 +236,16 @@ class LlamaForCausalLM(nn.Module):
         # Per-rank attention shape: what the KV pool is sized by.
         self.head_dim, self.num_kv_heads = attn.head_dim, attn.num_kv_heads
         self.num_layers = hf_config.num_hidden_layers
-        self.scale = self.head_dim ** -0.5
+        self.scale = attention_scale(hf_config)
         self.sliding_windows = sliding_windows(hf_config)
         # The smallest window when the backend ignores windows: contexts must stay within it.
         self._full_attention_limit: int | None = None
         if attn_backend is not None:
             self.set_attention_backend(attn_backend)
+
+    def build_model(self, hf_config: Any) -> nn.Module:
+        """The decoder stack (other families with Llama's interface override it)."""
+        return LlamaModel(hf_config, self.tp, self.make_mlp)
 
     def make_mlp(self, layer_id: int) -> nn.Module | None:
         """The MLP of layer `layer_id`; None for the dense default (MoE subclasses override)."""
