@@ -9,6 +9,8 @@ so a CUDA graph captured for one batch size replays for any adapters in its slot
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -20,7 +22,7 @@ BLOCK_R = 16  # = the pool's rank alignment (engine/lora/pool.py)
 @triton.jit
 def _shrink_kernel(X, A, Out, SegIndptr, SegSlots, Ranks, K, R, stride_x, stride_as, stride_ar,
                    stride_o, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   IEEE: tl.constexpr):
+                   F32_DOT: tl.constexpr):
     seg = tl.program_id(0)
     slot = tl.load(SegSlots + seg).to(tl.int64)
     start = tl.load(SegIndptr + seg)
@@ -40,8 +42,8 @@ def _shrink_kernel(X, A, Out, SegIndptr, SegSlots, Ranks, K, R, stride_x, stride
                             mask=mask_m[:, None] & mk[None, :], other=0.0)
                 a = tl.load(A + slot * stride_as + offs_r[None, :] * stride_ar + kk[:, None],
                             mask=mk[:, None], other=0.0)
-                if IEEE:
-                    acc += tl.dot(x, a, input_precision="ieee")
+                if F32_DOT:
+                    acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
                 else:
                     acc += tl.dot(x, a)
             tl.store(Out + offs_m[:, None].to(tl.int64) * stride_o + offs_r[None, :],
@@ -51,7 +53,7 @@ def _shrink_kernel(X, A, Out, SegIndptr, SegSlots, Ranks, K, R, stride_x, stride
 @triton.jit
 def _expand_kernel(XA, B, Y, SegIndptr, SegSlots, Ranks, N, R, bound1, bound2, stride_xa,
                    stride_bs, stride_bn, stride_y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr):
     seg = tl.program_id(0)
     slot = tl.load(SegSlots + seg).to(tl.int64)
     start = tl.load(SegIndptr + seg)
@@ -74,8 +76,8 @@ def _expand_kernel(XA, B, Y, SegIndptr, SegSlots, Ranks, N, R, bound1, bound2, s
                          mask=mask_m[:, None] & mk[None, :], other=0.0)
             b = tl.load(B + slot * stride_bs + offs_n[None, :] * stride_bn + kk[:, None],
                         mask=mk[:, None] & mask_n[None, :], other=0.0)
-            if IEEE:
-                acc += tl.dot(xa, b, input_precision="ieee")
+            if F32_DOT:
+                acc += tl.dot(xa.to(tl.float32), b.to(tl.float32), input_precision="ieee")
             else:
                 acc += tl.dot(xa, b)
         ptrs = Y + offs_m[:, None].to(tl.int64) * stride_y + offs_n[None, :]
@@ -106,14 +108,16 @@ def lora_sgmv(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     pr, r = a.shape[1], b.shape[2]
     n = b.shape[1]
     xa = torch.empty(t, pr, dtype=x.dtype, device=x.device)
-    ieee = x.dtype == torch.float32
+    # fp32 operands in IEEE precision for fp32 models and under the CPU interpreter (whose
+    # bf16 dot is wrong); bf16/fp16 dots with fp32 accumulation otherwise
+    f32_dot = x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
     m_tiles = triton.cdiv(max_seg_len, BLOCK_M)
     _shrink_kernel[(num_segments, m_tiles, pr // BLOCK_R)](
         x, a, xa, seg_indptr, seg_slots, ranks, k, r, x.stride(0), a.stride(0), a.stride(1),
-        xa.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=64, IEEE=ieee)
+        xa.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=64, F32_DOT=f32_dot)
     big = n + 1  # a boundary past the last column: no part there
     b1 = bounds[0] if bounds else big
     b2 = bounds[1] if len(bounds) > 1 else big
     _expand_kernel[(num_segments, m_tiles, triton.cdiv(n, tile_n))](
         xa, b, y, seg_indptr, seg_slots, ranks, n, r, b1, b2, xa.stride(0), b.stride(0),
-        b.stride(1), y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=tile_n, BLOCK_K=BLOCK_R, IEEE=ieee)
+        b.stride(1), y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=tile_n, BLOCK_K=BLOCK_R, F32_DOT=f32_dot)
