@@ -3,7 +3,7 @@ on each adaptable linear, a hook (`LoRAHook`) that adds its slots' deltas to the
 
 On a GPU the hook runs the segmented Triton kernels (engine/kernels/lora.py) over the
 segment tensors (in a CUDA graph, static buffers the step writes before replay); on a CPU a
-torch matmul per adapter in the step, over the rows of its requests.
+torch matmul per run of rows under one adapter.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class LoRABatch:
         self.seg_indptr: torch.Tensor | None = None
         self.num_segments = 0
         self.max_seg_len = 0
-        self.groups: list[tuple[int, torch.Tensor]] = []  # CPU path: (slot, token rows)
+        self.runs: list[tuple[int, int, int]] = []  # CPU path: (slot, first row, end row)
 
     def stage(self, slots: list[int]) -> None:
         """The next step's slot per segment, before its forward (and before any replay)."""
@@ -37,17 +37,16 @@ class LoRABatch:
         self.seg_indptr = batch.qo_indptr
         self.num_segments = batch.batch_size
         self.max_seg_len = max(batch.extend_lens_cpu, default=0)
-        self.groups = []
-        if batch.input_ids.is_cuda or not any(s >= 0 for s in self.host_slots):
+        self.runs = []
+        if batch.input_ids.is_cuda:
             return
-        rows: dict[int, list[int]] = {}
-        at = 0
+        at = 0  # adjacent segments of one slot merge into one run of rows
         for slot, n in zip(self.host_slots, batch.extend_lens_cpu):
-            if slot >= 0:
-                rows.setdefault(slot, []).extend(range(at, at + n))
+            if slot >= 0 and self.runs and self.runs[-1][0] == slot and self.runs[-1][2] == at:
+                self.runs[-1] = (slot, self.runs[-1][1], at + n)
+            elif slot >= 0:
+                self.runs.append((slot, at, at + n))
             at += n
-        self.groups = [(slot, torch.tensor(r, device=batch.input_ids.device))
-                       for slot, r in rows.items()]
 
 
 class LoRAHook:
@@ -65,8 +64,8 @@ class LoRAHook:
             lora_sgmv(x, y, g.a, g.b, self.pool.ranks, st.seg_indptr, st.slots, st.num_segments,
                       st.max_seg_len, g.bounds, self.tile_n)
             return y
-        for slot, rows in st.groups:
-            y.index_add_(0, rows, self.delta(x[rows], slot))
+        for slot, start, end in st.runs:
+            y[start:end] += self.delta(x[start:end], slot)
         return y
 
     def delta(self, x: torch.Tensor, slot: int) -> torch.Tensor:

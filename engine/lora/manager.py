@@ -112,6 +112,12 @@ class LoRAManager:
             oldest, _ = self._host_lru.popitem(last=False)
             self.entries[oldest].adapter = None
 
+    def id_of(self, name: str) -> int:
+        entry = self.entries.get(name)
+        if entry is None:
+            raise LoRANotFoundError(f"no adapter named {name!r} is loaded")
+        return entry.id
+
     def unload(self, name: str) -> None:
         """Forget `name`; the engine refuses first while requests use it (a slot still held
         here means one runs)."""
@@ -125,19 +131,37 @@ class LoRAManager:
         if entry.slot >= 0:
             self.slot_owner[entry.slot] = None
 
+    def check(self, name: str) -> None:
+        """LoRANotFoundError unless `name` is registered (by name or path) or can load from
+        `lora_dynamic_path`; reads only (any thread may ask)."""
+        if self._find(name) is None and self._dynamic_path(name) is None:
+            raise LoRANotFoundError(f"the adapter {name!r} does not exist")
+
     def resolve(self, name: str) -> int:
-        """The id of adapter `name`; one not registered is loaded from `lora_dynamic_path`
-        when there (LoRANotFoundError otherwise)."""
-        entry = self.entries.get(name)
+        """The id of adapter `name` (a registered name, or the path it was loaded from); one
+        not registered is loaded from `lora_dynamic_path` when there."""
+        entry = self._find(name)
         if entry is not None:
             return entry.id
-        root = self.config.lora_dynamic_path
-        path = Path(root).expanduser() / name if root else None
-        if path is None or "/" in name or name.startswith(".") or not path.is_dir():
+        path = self._dynamic_path(name)
+        if path is None:
             raise LoRANotFoundError(f"the adapter {name!r} does not exist")
         adapter_id = self.load(name, str(path))
         self.stats.dynamic_loads += 1
         return adapter_id
+
+    def _find(self, name: str) -> _Entry | None:
+        entry = self.entries.get(name)
+        if entry is None:  # SGLang's lora_path may name the adapter's path
+            entry = next((e for e in list(self.entries.values()) if e.path == name), None)
+        return entry
+
+    def _dynamic_path(self, name: str) -> Path | None:
+        root = self.config.lora_dynamic_path
+        if not root or "/" in name or "\\" in name or name.startswith("."):
+            return None
+        path = Path(root).expanduser() / name
+        return path if path.is_dir() else None
 
     def list(self) -> list[dict]:
         return [{"name": e.name, "path": e.path, "id": e.id, "rank": e.rank,
@@ -145,8 +169,8 @@ class LoRAManager:
                 for e in self.entries.values()]
 
     def _entry_of(self, req: Request) -> _Entry:
-        entry = self.entries.get(req.params.lora or "")
-        if entry is None or entry.id != req.lora_id:
+        entry = next((e for e in self.entries.values() if e.id == req.lora_id), None)
+        if entry is None:
             raise LoRANotFoundError(f"adapter {req.params.lora!r} was unloaded")
         return entry
 

@@ -95,7 +95,8 @@ class Engine:
         validate_request(prompt_ids, params, self.runner.vocab_size, self.max_context,
                          self.runner.kv_pool.num_slots)
         check_priority(params, self.config.priority_scheduling)
-        self._lora_id(params)
+        if params.lora is not None:
+            self._lora_manager(LoRANotFoundError).check(params.lora)
         if compile_grammar:
             self.grammars.check(params)
 
@@ -128,19 +129,14 @@ class Engine:
         return req
 
     def _lora_id(self, params: SamplingParams) -> int:
-        if params.lora is None:
-            return 0
-        if self.lora is None:
-            raise LoRANotFoundError(f"the adapter {params.lora!r} does not exist (this engine "
-                                    "serves no LoRA adapters)")
-        return self.lora.resolve(params.lora)
+        return 0 if params.lora is None else self._lora_manager(LoRANotFoundError).resolve(params.lora)
 
     # -- LoRA adapters (the serving layer's load/unload endpoints) -------------------------
 
-    def _lora_manager(self):
+    def _lora_manager(self, error: type[LoRAError] = LoRAError):
         if self.lora is None:
-            raise LoRAError("LoRA is off on this engine (set lora_modules, enable_lora or "
-                            "lora_dynamic_path)")
+            raise error("this engine serves no LoRA adapters (set lora_modules, enable_lora "
+                        "or lora_dynamic_path)")
         return self.lora
 
     def load_lora(self, name: str, path: str) -> None:
@@ -151,8 +147,9 @@ class Engine:
         """Forget an adapter. Refused (LoRAError) while a request under it is queued or
         runs: its requests finish first, then it can go."""
         manager = self._lora_manager()
+        adapter_id = manager.id_of(name)
         users = sum(1 for r in self.requests.values()
-                    if r.params.lora == name and not r.is_finished)
+                    if r.lora_id == adapter_id and not r.is_finished)
         if users:
             raise LoRAError(f"adapter {name!r} is in use by {users} request(s); unload it "
                             "once they finish")
