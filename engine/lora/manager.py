@@ -135,7 +135,7 @@ class LoRAManager:
         """LoRANotFoundError unless `name` is registered (by name or path) or can load from
         `lora_dynamic_path`; reads only (any thread may ask)."""
         if self._find(name) is None and self._dynamic_path(name) is None:
-            raise LoRANotFoundError(f"the adapter {name!r} does not exist")
+            raise LoRANotFoundError(f"The model '{name}' does not exist")
 
     def resolve(self, name: str) -> int:
         """The id of adapter `name` (a registered name, or the path it was loaded from); one
@@ -145,7 +145,7 @@ class LoRAManager:
             return entry.id
         path = self._dynamic_path(name)
         if path is None:
-            raise LoRANotFoundError(f"the adapter {name!r} does not exist")
+            raise LoRANotFoundError(f"The model '{name}' does not exist")
         adapter_id = self.load(name, str(path))
         self.stats.dynamic_loads += 1
         return adapter_id

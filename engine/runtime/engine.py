@@ -96,7 +96,7 @@ class Engine:
                          self.runner.kv_pool.num_slots)
         check_priority(params, self.config.priority_scheduling)
         if params.lora is not None:
-            self._lora_manager(LoRANotFoundError).check(params.lora)
+            self._lora_manager(params.lora).check(params.lora)
         if compile_grammar:
             self.grammars.check(params)
 
@@ -129,14 +129,19 @@ class Engine:
         return req
 
     def _lora_id(self, params: SamplingParams) -> int:
-        return 0 if params.lora is None else self._lora_manager(LoRANotFoundError).resolve(params.lora)
+        return 0 if params.lora is None else self._lora_manager(params.lora).resolve(params.lora)
 
     # -- LoRA adapters (the serving layer's load/unload endpoints) -------------------------
 
-    def _lora_manager(self, error: type[LoRAError] = LoRAError):
+    def _lora_manager(self, requested: str | None = None):
+        """The LoRA manager; without one, LoRANotFoundError for a request naming an adapter
+        (`requested`), LoRAError for an admin call."""
         if self.lora is None:
-            raise error("this engine serves no LoRA adapters (set lora_modules, enable_lora "
-                        "or lora_dynamic_path)")
+            if requested is not None:
+                raise LoRANotFoundError(f"The model '{requested}' does not exist (this engine "
+                                        "serves no LoRA adapters)")
+            raise LoRAError("this engine serves no LoRA adapters (set lora_modules, "
+                            "enable_lora or lora_dynamic_path)")
         return self.lora
 
     def load_lora(self, name: str, path: str) -> None:
