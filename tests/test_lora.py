@@ -216,3 +216,33 @@ def test_gpu_engine_with_graphs_matches_cpu(tiny_llama, adapters, llm):
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
         assert max(abs(x - y) for x, y in zip(g.logprobs, w.logprobs)) < 1e-3
+
+
+def test_load_and_errors_through_the_engine_process(tiny_llama, adapters, llm):
+    """The GPU server's default engine (a child process): load, list, unload and the errors
+    keep their kinds across the process boundary."""
+    import asyncio
+
+    from engine import EngineConfig, ProcessAsyncEngine
+
+    async def run() -> list[int]:
+        engine = ProcessAsyncEngine(EngineConfig(model=tiny_llama, max_total_tokens=1024,
+                                                 max_lora_rank=16, enable_lora=True))
+        try:
+            await engine.load_lora("kou", adapters["kou-r16"][0])
+            with pytest.raises(LoRAError, match="already loaded"):
+                await engine.load_lora("kou", adapters["kou-r16"][0])
+            with pytest.raises(LoRANotFoundError, match="'zz' does not exist"):
+                async for _ in engine.generate(PROMPTS[0], _greedy("zz"), "r1"):
+                    pass
+            tokens = []
+            async for delta in engine.generate(PROMPTS[0], _greedy("kou"), "r2"):
+                tokens += delta.token_ids
+            assert [a["name"] for a in await engine.list_loras()] == ["kou"]
+            await engine.unload_lora("kou")
+            assert await engine.list_loras() == []
+            return tokens
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(run()) == llm.generate(PROMPTS[0], _greedy("kou-r16"))[0].token_ids
