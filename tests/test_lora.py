@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, LoRAError, LoRANotFoundError, SamplingParams
 from lora_adapters import SPECS, greedy_with_logprobs, make_adapter
-from triton_on_cpu import run_under_interpreter
+from triton_on_cpu import compile_for_sm90, run_under_interpreter
 
 PROMPTS = [[1, 5, 9, 22, 40, 7, 3], [2, 77, 31, 8], [4, 4, 19, 250, 61, 12, 90, 33, 5],
            [3, 120, 7]]
@@ -198,6 +198,18 @@ def test_lora_needs_supported_settings(tiny_llama):
 def test_lora_kernels_under_the_interpreter():
     pytest.importorskip("triton")
     run_under_interpreter("test_lora_kernels.py")
+
+
+def test_lora_kernels_compile_for_hopper():
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
+    from engine.kernels.lora import _expand_kernel, _shrink_kernel
+
+    ints = dict(SegIndptr="*i32", SegSlots="*i32", Ranks="*i32")
+    for f32_dot in (False, True):  # bf16 dots (GPUs), fp32 ones (fp32 models)
+        compile_for_sm90(_shrink_kernel, dict(X="*bf16", A="*bf16", Out="*bf16", **ints),
+                         dict(BLOCK_M=16, BLOCK_R=16, BLOCK_K=64, F32_DOT=f32_dot))
+        compile_for_sm90(_expand_kernel, dict(XA="*bf16", B="*bf16", Y="*bf16", **ints),
+                         dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=16, F32_DOT=f32_dot))
 
 
 @pytest.mark.gpu

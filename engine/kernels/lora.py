@@ -20,7 +20,7 @@ BLOCK_R = 16  # = the pool's rank alignment (engine/lora/pool.py)
 
 
 @triton.jit
-def _shrink_kernel(X, A, Out, SegIndptr, SegSlots, Ranks, K, R, stride_x, stride_as, stride_ar,
+def _shrink_kernel(X, A, Out, SegIndptr, SegSlots, Ranks, k_dim, r_pool, stride_x, stride_as, stride_ar,
                    stride_o, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    F32_DOT: tl.constexpr):
     seg = tl.program_id(0)
@@ -30,14 +30,14 @@ def _shrink_kernel(X, A, Out, SegIndptr, SegSlots, Ranks, K, R, stride_x, stride
     m0 = start + tl.program_id(1) * BLOCK_M
     r0 = tl.program_id(2) * BLOCK_R
     if slot >= 0 and m0 < end:
-        if r0 % R < tl.load(Ranks + slot):
+        if r0 % r_pool < tl.load(Ranks + slot):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             offs_r = r0 + tl.arange(0, BLOCK_R)
             mask_m = offs_m < end
             acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in range(0, k_dim, BLOCK_K):
                 kk = k0 + tl.arange(0, BLOCK_K)
-                mk = kk < K
+                mk = kk < k_dim
                 x = tl.load(X + offs_m[:, None].to(tl.int64) * stride_x + kk[None, :],
                             mask=mask_m[:, None] & mk[None, :], other=0.0)
                 a = tl.load(A + slot * stride_as + offs_r[None, :] * stride_ar + kk[:, None],
@@ -51,7 +51,7 @@ def _shrink_kernel(X, A, Out, SegIndptr, SegSlots, Ranks, K, R, stride_x, stride
 
 
 @triton.jit
-def _expand_kernel(XA, B, Y, SegIndptr, SegSlots, Ranks, N, R, bound1, bound2, stride_xa,
+def _expand_kernel(XA, B, Y, SegIndptr, SegSlots, Ranks, n_dim, r_pool, bound1, bound2, stride_xa,
                    stride_bs, stride_bn, stride_y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr):
     seg = tl.program_id(0)
@@ -67,12 +67,12 @@ def _expand_kernel(XA, B, Y, SegIndptr, SegSlots, Ranks, N, R, bound1, bound2, s
         offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_m = offs_m < end
-        mask_n = offs_n < N
+        mask_n = offs_n < n_dim
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, rank, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             mk = kk < rank
-            xa = tl.load(XA + offs_m[:, None].to(tl.int64) * stride_xa + (part * R + kk)[None, :],
+            xa = tl.load(XA + offs_m[:, None].to(tl.int64) * stride_xa + (part * r_pool + kk)[None, :],
                          mask=mask_m[:, None] & mk[None, :], other=0.0)
             b = tl.load(B + slot * stride_bs + offs_n[None, :] * stride_bn + kk[:, None],
                         mask=mk[:, None] & mask_n[None, :], other=0.0)
