@@ -224,5 +224,6 @@ class LoRAManager:
         self.batch.stage([c.req.lora_slot for c in plan.chunks])
 
     def stats_dict(self) -> dict[str, int]:
+        in_gpu = sorted(o.name for o in self.slot_owner if o is not None)
         return dict(self.stats.as_dict(), lora_adapters=len(self.entries),
-                    lora_slots_used=sum(o is not None for o in self.slot_owner))
+                    lora_slots_used=len(in_gpu), lora_in_gpu=in_gpu)
