@@ -20,14 +20,26 @@ BLOCK_R = 16  # = the pool's rank alignment (engine/lora/pool.py)
 
 
 @triton.jit
-def _shrink_kernel(X, A, Out, SegIndptr, SegSlots, Ranks, k_dim, r_pool, stride_x, stride_as, stride_ar,
-                   stride_o, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   F32_DOT: tl.constexpr):
+def _segment(SegIndptr, SegSlots, BLOCK_M: tl.constexpr):
+    """This program's segment: its slot (-1: the base), first row and end row."""
     seg = tl.program_id(0)
     slot = tl.load(SegSlots + seg).to(tl.int64)
-    start = tl.load(SegIndptr + seg)
-    end = tl.load(SegIndptr + seg + 1)
-    m0 = start + tl.program_id(1) * BLOCK_M
+    m0 = tl.load(SegIndptr + seg) + tl.program_id(1) * BLOCK_M
+    return slot, m0, tl.load(SegIndptr + seg + 1)
+
+
+@triton.jit
+def _dot(a, b, F32_DOT: tl.constexpr):
+    if F32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _shrink_kernel(X, A, Out, SegIndptr, SegSlots, Ranks, k_dim, r_pool, stride_x, stride_as,
+                   stride_ar, stride_o, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   F32_DOT: tl.constexpr):
+    slot, m0, end = _segment(SegIndptr, SegSlots, BLOCK_M)
     r0 = tl.program_id(2) * BLOCK_R
     if slot >= 0 and m0 < end:
         if r0 % r_pool < tl.load(Ranks + slot):
@@ -42,10 +54,7 @@ def _shrink_kernel(X, A, Out, SegIndptr, SegSlots, Ranks, k_dim, r_pool, stride_
                             mask=mask_m[:, None] & mk[None, :], other=0.0)
                 a = tl.load(A + slot * stride_as + offs_r[None, :] * stride_ar + kk[:, None],
                             mask=mk[:, None], other=0.0)
-                if F32_DOT:
-                    acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
-                else:
-                    acc += tl.dot(x, a)
+                acc += _dot(x, a, F32_DOT)
             tl.store(Out + offs_m[:, None].to(tl.int64) * stride_o + offs_r[None, :],
                      acc.to(Out.dtype.element_ty), mask=mask_m[:, None])
 
@@ -54,11 +63,7 @@ def _shrink_kernel(X, A, Out, SegIndptr, SegSlots, Ranks, k_dim, r_pool, stride_
 def _expand_kernel(XA, B, Y, SegIndptr, SegSlots, Ranks, n_dim, r_pool, bound1, bound2, stride_xa,
                    stride_bs, stride_bn, stride_y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr):
-    seg = tl.program_id(0)
-    slot = tl.load(SegSlots + seg).to(tl.int64)
-    start = tl.load(SegIndptr + seg)
-    end = tl.load(SegIndptr + seg + 1)
-    m0 = start + tl.program_id(1) * BLOCK_M
+    slot, m0, end = _segment(SegIndptr, SegSlots, BLOCK_M)
     n0 = tl.program_id(2) * BLOCK_N
     if slot >= 0 and m0 < end:
         rank = tl.load(Ranks + slot)
@@ -76,10 +81,7 @@ def _expand_kernel(XA, B, Y, SegIndptr, SegSlots, Ranks, n_dim, r_pool, bound1, 
                          mask=mask_m[:, None] & mk[None, :], other=0.0)
             b = tl.load(B + slot * stride_bs + offs_n[None, :] * stride_bn + kk[:, None],
                         mask=mk[:, None] & mask_n[None, :], other=0.0)
-            if F32_DOT:
-                acc += tl.dot(xa.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(xa, b)
+            acc += _dot(xa, b, F32_DOT)
         ptrs = Y + offs_m[:, None].to(tl.int64) * stride_y + offs_n[None, :]
         mask = mask_m[:, None] & mask_n[None, :]
         y = tl.load(ptrs, mask=mask, other=0.0)
