@@ -29,6 +29,7 @@ def _greedy(lora: str | None, n: int = N) -> SamplingParams:
 @pytest.fixture(scope="module")
 def adapters(tiny_llama, tmp_path_factory) -> dict[str, tuple[str, object]]:
     """name -> (path, PEFT model) for the tiny Llama."""
+    pytest.importorskip("peft")
     root = tmp_path_factory.mktemp("lora")
     return {name: (str(root / name), make_adapter(tiny_llama, str(root / name), seed=i, **spec))
             for i, (name, spec) in enumerate(SPECS.items())}
