@@ -2,7 +2,8 @@
 
 Keys come from the app args (`api_key`, `admin_api_key`) or, for a Kubernetes secret, the
 environment of the ingress replicas (RADIXSERVE_API_KEY, RADIXSERVE_ADMIN_API_KEY); an arg
-wins. Admin endpoints (/flush_cache, LoRA loading) take the admin key when one is set, else the API key.
+wins. Admin endpoints (/flush_cache, LoRA loading) take the admin key when one is set, else
+the API key.
 Keys are compared in constant time and never logged. No key set = no authentication.
 """
 from __future__ import annotations

@@ -57,7 +57,8 @@ class LoRAAdmin:
             raise APIError.unavailable(f"no engine replica answered: {e}") from None
         answers = [r for r in results if isinstance(r, dict)]
         if len(answers) < len(results):
-            logger.warning("%d engine replica(s) did not answer %s", len(results) - len(answers), op)
+            logger.warning("%d engine replica(s) did not answer %s",
+                           len(results) - len(answers), op)
         if not answers:
             raise APIError.unavailable("no engine replica answered")
         error = next((a for a in answers if "error" in a), None)

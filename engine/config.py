@@ -245,7 +245,8 @@ class EngineConfig:
 
     def _validate_lora(self) -> None:
         if not isinstance(self.lora_modules, (dict, type(None))):
-            raise ValueError(f"lora_modules must map adapter names to paths, got {self.lora_modules!r}")
+            raise ValueError("lora_modules must map adapter names to paths, "
+                             f"got {self.lora_modules!r}")
         if self.max_loras < 1 or not 1 <= self.max_lora_rank <= 512:
             raise ValueError("max_loras must be >= 1 and max_lora_rank within 1-512")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:

@@ -20,6 +20,7 @@ ones, registered under 64 names (each name is its own adapter to the engine).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -161,6 +162,7 @@ def run(model: str, rank: int, smoke: bool) -> dict:
     rows["ttft_512_base_ms"] = ttft_ms(base, None, vocab, 512, reps)
     rows["stream_base_tok_s"] = stream_tok_s(base, [None], vocab, n_stream, stream_tokens)
     del base
+    gc.collect()  # the base engine's weights and pool go before the LoRA engine sizes its own
     if GPU:
         torch.cuda.empty_cache()
 

@@ -105,3 +105,5 @@ def test_adapters_over_openai_and_sglang_apis(server, adapters, reference):
     stats = httpx.get(f"{BASE}/v1/stats", timeout=30).json()
     assert stats["lora_dynamic_loads"] == 1 and stats["lora_slot_loads"] >= 3
     assert stats["lora_requests"] >= 4
+    metrics = httpx.get(f"{BASE}/metrics", timeout=30).text
+    assert "radixserve:lora_dynamic_loads_total" in metrics and "radixserve:lora_adapters" in metrics

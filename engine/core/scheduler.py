@@ -354,7 +354,8 @@ class Scheduler:
         # The KV of a token still in flight is freed, not cached: the tree keys known tokens.
         n = min(len(kv.slots), len(req.token_ids)) if keep and self.cache.enabled else 0
         if n:
-            owned_from = max(owned_from, self.cache.insert(req.token_ids[:n], kv.slots[:n], req.lora_id))
+            already = self.cache.insert(req.token_ids[:n], kv.slots[:n], req.lora_id)
+            owned_from = max(owned_from, already)
             self.allocator.free(kv.slots[kv.locked_len:owned_from])
             owned_from = n  # the tree owns the rest now
         self.allocator.free(kv.slots[owned_from:])

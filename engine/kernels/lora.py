@@ -37,8 +37,8 @@ def _dot(a, b, F32_DOT: tl.constexpr):
 
 @triton.jit
 def _shrink_kernel(X, A, Out, SegIndptr, SegSlots, Ranks, k_dim, r_pool, stride_x, stride_as,
-                   stride_ar, stride_o, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   F32_DOT: tl.constexpr):
+                   stride_ar, stride_o, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr):
     slot, m0, end = _segment(SegIndptr, SegSlots, BLOCK_M)
     r0 = tl.program_id(2) * BLOCK_R
     if slot >= 0 and m0 < end:
