@@ -2,7 +2,8 @@
 
 Keys come from the app args (`api_key`, `admin_api_key`) or, for a Kubernetes secret, the
 environment of the ingress replicas (RADIXSERVE_API_KEY, RADIXSERVE_ADMIN_API_KEY); an arg
-wins. Admin endpoints (/flush_cache) take the admin key when one is set, else the API key.
+wins. Admin endpoints (/flush_cache, LoRA loading) take the admin key when one is set, else
+the API key.
 Keys are compared in constant time and never logged. No key set = no authentication.
 """
 from __future__ import annotations
@@ -17,7 +18,8 @@ from deployments.errors import APIError
 # Probes (Kubernetes, load balancers) and Prometheus carry no key: vLLM leaves /metrics
 # open too (docs/monitoring.md says what it shows and how to fence it).
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-ADMIN_PATHS = frozenset({"/flush_cache"})
+ADMIN_PATHS = frozenset({"/flush_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+                         "/load_lora_adapter", "/unload_lora_adapter"})
 API_KEY_ENV = "RADIXSERVE_API_KEY"
 ADMIN_API_KEY_ENV = "RADIXSERVE_ADMIN_API_KEY"
 

@@ -85,8 +85,8 @@ class LocalEngineHandle:
             raise AttributeError(name)
         return _Method(getattr(self.replica, name))
 
-    def broadcast(self, method: str) -> _Broadcast:
-        return _Broadcast(getattr(self.replica, method))
+    def broadcast(self, method: str, *args: Any) -> _Broadcast:
+        return _Broadcast(functools.partial(getattr(self.replica, method), *args))
 
 
 class EngineIngress(OpenAIIngress):

@@ -93,6 +93,11 @@ class AppArgs(BaseModel):
     # ranks on one node; PACK or SPREAD lets them cross nodes.
     placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     tp_bundle: dict[str, float] = Field(default_factory=lambda: {"GPU": 1})
+    # LoRA adapters served at start ({name: PEFT folder}), and the folder adapters named
+    # by requests load from on first use (`<dir>/<name>`): the engine's settings of these
+    # names, here at the top level as vLLM's and Ray Serve LLM's configs have them.
+    lora_modules: dict[str, str] | None = None
+    lora_dynamic_path: str | None = None
 
     @field_validator("engine")
     @classmethod
@@ -160,6 +165,15 @@ class AppArgs(BaseModel):
             if unused:
                 raise ValueError(f"ingress: colocated has no ingress replicas and no request router; "
                                  f"remove {unused} (or use ingress: split)")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_into_engine(self) -> AppArgs:
+        lora = {k: v for k, v in (("lora_modules", self.lora_modules),
+                                  ("lora_dynamic_path", self.lora_dynamic_path)) if v is not None}
+        if lora:
+            self.engine = {**self.engine, **lora}
+            EngineConfig(**self.engine)
         return self
 
     @model_validator(mode="after")

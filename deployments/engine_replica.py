@@ -22,9 +22,9 @@ from deployments.metrics import EngineMetrics, record_gc_pauses
 from deployments.served_metrics import StatHighWater
 from deployments.tp_workers import TPWorkers
 from engine import (
-    AsyncEngine, Engine, EngineConfig, ProcessAsyncEngine, QueueFullError, QueueTimeoutError,
-    SamplingParams, StepReport, StreamDelta, WireDelta, ensure_demo_model, freeze_after_start,
-    process_age_s, wire_dict, wire_of,
+    AsyncEngine, Engine, EngineConfig, LoRANotFoundError, ProcessAsyncEngine, QueueFullError,
+    QueueTimeoutError, SamplingParams, StepReport, StreamDelta, WireDelta, ensure_demo_model,
+    freeze_after_start, process_age_s, wire_dict, wire_of,
 )
 from router.cache_digest import CacheDigest
 
@@ -130,6 +130,9 @@ class EngineReplica:
         except ChannelClosed as e:
             timer.close("cancelled")
             yield {"error": str(e), "status": 503}
+        except LoRANotFoundError as e:
+            timer.close("invalid")
+            yield {"error": str(e), "status": 404, "code": "model_not_found"}
         except ValueError as e:
             timer.close("invalid")
             yield {"error": str(e), "status": 400}
@@ -218,6 +221,19 @@ class EngineReplica:
     async def flush_cache(self) -> None:
         await self.engine.flush_cache()
 
+    async def lora_admin(self, op: str, *args: str) -> dict[str, Any]:
+        """Run "load_lora" (name, path), "unload_lora" (name) or "list_loras" on this
+        replica's engine: {"replica", "result"} or {"replica", "error", "status"}
+        (broadcast to every replica by deployments/lora_api.py)."""
+        if op not in ("load_lora", "unload_lora", "list_loras"):
+            return {"replica": self.replica_id, "error": f"unknown op {op!r}", "status": 400}
+        try:
+            return {"replica": self.replica_id, "result": await getattr(self.engine, op)(*args)}
+        except LoRANotFoundError as e:
+            return {"replica": self.replica_id, "error": str(e), "status": 404}
+        except ValueError as e:
+            return {"replica": self.replica_id, "error": str(e), "status": 400}
+
     def record_routing_stats(self) -> dict[str, Any]:
         """Load and cache digest for every ingress's router (router/request_router.py); `ts`
         lets a router tell which of its own sends this load cannot show yet."""
@@ -225,7 +241,7 @@ class EngineReplica:
             stats = dict(self._stats)
         return {"cache_digest": self.digest.encode(), "num_running": stats.get("running", 0),
                 "num_waiting": stats.get("waiting", 0), "kv_usage": stats.get("kv_usage", 0.0),
-                "ts": time.time()}
+                "loras": stats.get("lora_in_gpu", []), "ts": time.time()}
 
     def check_health(self) -> None:
         if not self.engine.is_alive():

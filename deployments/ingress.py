@@ -17,6 +17,7 @@ from deployments.channel import ChannelHub
 from deployments.chat_request import ChatFeatures
 from deployments.engine_replica import EngineCall, resolve_model
 from deployments.errors import APIError, as_api_error, install_error_handlers
+from deployments.lora_api import install_lora_api
 from deployments.prompt_encoder import PromptEncoder
 from deployments.readiness import install_readiness
 from deployments.sampling_defaults import model_sampling_defaults, with_defaults
@@ -48,6 +49,7 @@ auth = install_auth(api)  # keys set by the ingress constructor
 install_http_metrics(api)
 prometheus = install_prometheus_endpoint(api)  # GET /metrics; configured by the constructor
 task_routes.install_pooling_refusals(api)  # /v1/embeddings etc.: 400, the pooling app serves them
+lora_admin = install_lora_api(api)  # LoRA adapters' load/unload (deployments/lora_api.py)
 
 
 # Module helpers come before the class: `serve.ingress` captures globals when applied.
@@ -76,6 +78,7 @@ class OpenAIIngress:
         self.sampling_defaults = model_sampling_defaults(path)  # generation_config.json
         self.engine = engine_handle.options(stream=True)
         self.control = engine_handle
+        lora_admin.configure(engine_handle)
         admission.replicas = lambda: engine_replica_ids(self.engine)
         # An engine in this process (deployments/colocated.py): deltas on each call's own iterator, no
         # channel, 503s without a hop (read off the type: a handle answers any attribute).
@@ -116,13 +119,12 @@ class OpenAIIngress:
         return JSONResponse({"status": "ok"})
 
     @api.get("/v1/models")
-    async def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.max_context)])
+    async def models(self) -> ModelList:  # the base model, then its LoRA adapters
+        return ModelList(data=await lora_admin.model_cards(self.model_name, self.max_context))
 
     @api.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str) -> ModelCard:
-        self._check_model(model_id)
-        return ModelCard(id=self.model_name, max_model_len=self.max_context)
+        return await lora_admin.model_card(model_id, self.model_name, self.max_context)
 
     @api.get("/v1/stats")
     async def stats(self) -> JSONResponse:
@@ -147,7 +149,6 @@ class OpenAIIngress:
         template is rendered and `prompt` is returned too: text that, sent to /v1/completions,
         gives the tokens /v1/chat/completions uses (the frontend language builds chats on it)."""
         req = TokenizeRequest.model_validate(await self._body(request))
-        self._check_model(req.model)
         if isinstance(req.prompt, str):
             return JSONResponse({"tokens": await self._encode(req.prompt),
                                  "max_model_len": self.max_context})
@@ -164,8 +165,7 @@ class OpenAIIngress:
     @api.post("/v1/completions")
     async def completions(self, request: Request):
         req = CompletionRequest.model_validate(await self._body(request))
-        self._check_model(req.model)
-        kwargs = completion_sampling_kwargs(req)
+        kwargs = completion_sampling_kwargs(req) | self._check_model(req.model)
         raw_prompts = req.prompts()
         prompts = [await self._token_ids(p) for p in raw_prompts]
         calls, choices = self._calls(prompts, kwargs, req.n, "cmpl")
@@ -183,7 +183,7 @@ class OpenAIIngress:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         req = ChatCompletionRequest.model_validate(await self._body(request))
-        self._check_model(req.model)
+        lora = self._check_model(req.model)
         try:
             plan = self.chat_features.plan(req)
         except ValueError as e:
@@ -192,7 +192,7 @@ class OpenAIIngress:
         prompt = chat.token_ids
         tail = self.tokenizer.decode(prompt[-8:], skip_special_tokens=False)
         kwargs = chat_sampling_kwargs(req, default_max_tokens=max(1, self.max_context - len(prompt)))
-        kwargs.update(plan.sampling, **self.chat_features.answer_sampling(req, tail))
+        kwargs.update(plan.sampling, **lora, **self.chat_features.answer_sampling(req, tail))
         calls, choices = self._calls([prompt], kwargs, req.n, "chatcmpl")
         for c in choices:  # special tokens the output's parsers read stay in its text
             c.detok.keep_special(plan.special_tokens)
@@ -231,12 +231,12 @@ class OpenAIIngress:
     @api.put("/generate")
     async def generate(self, request: Request):
         req = sglang_api.GenerateRequest.model_validate(await self._body(request))
-        self._check_model(req.model)
+        lora = self._check_model(req.model)
         prompts = [await self._token_ids(p) for p in req.prompts()]
         plans = [self._sglang_plan(req, i, len(ids)) for i, ids in enumerate(prompts)]
         calls, choices = [], []
         for i, (ids, plan) in enumerate(zip(prompts, plans)):
-            more_calls, more = self._calls([ids], plan.kwargs, plan.n, "gen")
+            more_calls, more = self._calls([ids], {**lora, **plan.kwargs}, plan.n, "gen")
             for c in more:
                 c.index, c.prompt_index = len(choices), i
                 choices.append(c)
@@ -304,10 +304,9 @@ class OpenAIIngress:
         except Exception as e:  # noqa: BLE001 - the template is the model's code; its errors are the client's
             raise APIError.bad_request(f"chat template error: {e}", param="messages") from None
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError.not_found(f"The model '{model}' does not exist; this server serves "
-                                     f"'{self.model_name}'", param="model")
+    def _check_model(self, model: str | None) -> dict[str, str]:
+        """Another model than the base is a LoRA adapter (unknown: the engine's 404)."""
+        return {} if model is None or model == self.model_name else {"lora": model}
 
     async def _token_ids(self, prompt: str | list[int]) -> list[int]:
         return await self._encode(prompt) if isinstance(prompt, str) else list(prompt)

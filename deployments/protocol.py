@@ -469,6 +469,8 @@ class ModelCard(_Response):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "radixserve"
+    root: str | None = None  # a LoRA adapter: its path
+    parent: str | None = None  # a LoRA adapter: the base model
     max_model_len: int | None = None
 
 

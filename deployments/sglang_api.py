@@ -8,7 +8,7 @@ names (`max_new_tokens`, ...), logprobs as (logprob, token id, text) triples, an
 
 No silent drops: a field SGLang knows and radixserve does not honour is a 400 when it is
 set to anything but its "off" value (None, False, 0, empty), so clients that always send
-e.g. `lora_path: null` still work.
+e.g. `return_hidden_states: false` still work.
 """
 from __future__ import annotations
 
@@ -106,6 +106,8 @@ class GenerateRequest(_Lenient):
     # deadline in seconds; each one value for all prompts or one per prompt.
     priority: int | list[int] | None = None
     queue_timeout_s: float | list[float] | None = None
+    # the LoRA adapter (a loaded adapter's name or path), one for all prompts or one each
+    lora_path: str | None | list[str | None] = None
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
@@ -153,9 +155,10 @@ def plan_prompt(req: GenerateRequest, i: int, prompt_len: int) -> PromptPlan:
     """SamplingParams kwargs and reporting choices for prompt `i` (of `prompt_len` tokens)."""
     params = SGLSamplingParams.model_validate(req.per_prompt("sampling_params", i) or {})
     kwargs = params.to_kwargs()
-    for name in ("priority", "queue_timeout_s"):
+    for name, key in (("priority", "priority"), ("queue_timeout_s", "queue_timeout_s"),
+                      ("lora_path", "lora")):
         if (value := req.per_prompt(name, i)) is not None:
-            kwargs[name] = value
+            kwargs[key] = value
     score_only = kwargs["max_tokens"] == 0
     if score_only:  # the engine always samples one token: run one, report none
         kwargs.update(max_tokens=1, ignore_eos=True)

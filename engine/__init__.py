@@ -14,6 +14,7 @@ from engine.runtime.pooling_requests import (
     AsyncPooling, PoolingQueueFull, embedding_inputs, pair_inputs,
 )
 from engine.runtime.gc_freeze import freeze_after_start
+from engine.lora import LoRAError, LoRANotFoundError
 from engine.models import load_hf_config, resolve_device
 from engine.core.outputs import RequestOutput, StreamDelta, WireDelta, wire_dict, wire_of
 from engine.runtime.process_engine import EngineProcessError, ProcessAsyncEngine
@@ -36,6 +37,8 @@ __all__ = [
     "PoolingEngine", "AsyncPooling", "PoolingQueueFull", "embedding_inputs", "pair_inputs",
     # requests and outputs
     "RequestOutput", "SamplingParams", "StreamDelta", "validate_request",
+    # LoRA adapters: one that cannot serve (load), one a request names that is not loaded
+    "LoRAError", "LoRANotFoundError",
     # a delta as a server forwards it (AsyncEngine.stream_to(..., wire=True))
     "WireDelta", "wire_dict", "wire_of",
     # text: tokenizer, chat rendering (`Tokenizer.render_chat`), streamed detokenizing

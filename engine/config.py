@@ -191,6 +191,17 @@ class EngineConfig:
     speculative_ngram_min_match: int = 1  # shortest suffix n-gram looked up
     speculative_ngram_max_match: int = 3  # longest suffix n-gram looked up (tried first)
 
+    # LoRA adapters (engine/lora/): PEFT adapters served beside the base model, chosen per
+    # request (`SamplingParams.lora`). `lora_modules` ({name: path}) registers them at
+    # start; `enable_lora` reserves the GPU pool without any (adapters load at runtime).
+    enable_lora: bool = False
+    lora_modules: dict[str, str] | None = None
+    max_loras: int = 4  # adapters in the GPU pool (LRU; one step batches at most this many)
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None  # adapter weights kept in host memory (None: all)
+    # Where an adapter named in a request but not registered is looked for (`<dir>/<name>`).
+    lora_dynamic_path: str | None = None
+
     def __post_init__(self) -> None:
         self.kernels = KernelConfig.of(self.kernels)
         _check_field_types(self)
@@ -232,6 +243,27 @@ class EngineConfig:
             raise ValueError("prefill_attention_backend must be 'auto', 'triton' or 'flashinfer', "
                              f"got {self.prefill_attention_backend!r}")
         self._validate_speculative()
+        self._validate_lora()
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules) or self.lora_dynamic_path is not None
+
+    def _validate_lora(self) -> None:
+        if not isinstance(self.lora_modules, (dict, type(None))):
+            raise ValueError("lora_modules must map adapter names to paths, "
+                             f"got {self.lora_modules!r}")
+        if self.max_loras < 1 or not 1 <= self.max_lora_rank <= 512:
+            raise ValueError("max_loras must be >= 1 and max_lora_rank within 1-512")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError("max_cpu_loras must be >= max_loras (or None)")
+        if not self.lora_enabled:
+            return
+        for other, why in ((self.tp_size > 1, "tp_size > 1"),
+                           (self.speculative_algorithm, "speculative decoding"),
+                           (self.quantization, "quantization")):
+            if other:
+                raise ValueError(f"LoRA adapters are not supported with {why}")
 
     def _validate_speculative(self) -> None:
         algo = self.speculative_algorithm

@@ -67,8 +67,11 @@ class ChoiceScores:
 class RuntimeEndpoint:
     """A radixserve server at `base_url` (e.g. "http://127.0.0.1:8000")."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0) -> None:
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0,
+                 lora: str | None = None) -> None:
+        """`lora`: a LoRA adapter every request runs under (a gen's own `lora` wins)."""
         self.base_url = base_url.rstrip("/")
+        self._model = {"model": lora} if lora else {}
         self.timeout = timeout
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._local = threading.local()  # one requests.Session (connection pool) per thread
@@ -78,13 +81,14 @@ class RuntimeEndpoint:
     # -- generation ------------------------------------------------------------------
 
     def generate(self, prompt: str, params: dict[str, Any]) -> Completion:
-        body = self._post("/v1/completions", {"prompt": prompt, **params})
+        body = self._post("/v1/completions", {"prompt": prompt, **self._model, **params})
         choice = body["choices"][0]
         return Completion(choice["text"], choice.get("finish_reason"), Usage.of(body.get("usage")))
 
     def generate_stream(self, prompt: str, params: dict[str, Any]) -> Iterator[str | Completion]:
         """Text deltas as they arrive, then one final `Completion` (text, reason, usage)."""
-        body = {"prompt": prompt, **params, "stream": True, "stream_options": {"include_usage": True}}
+        body = {"prompt": prompt, **self._model, **params, "stream": True,
+                "stream_options": {"include_usage": True}}
         text, reason, usage = [], None, Usage()
         with self._session().post(self.base_url + "/v1/completions", json=body, stream=True,
                                   headers=self._headers, timeout=self.timeout) as r:
@@ -115,7 +119,7 @@ class RuntimeEndpoint:
         starts = [max(1, len(os.path.commonprefix([prefix_ids, ids]))) for ids in full]
         body = self._post("/v1/completions", {
             "prompt": full, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 0,
-            "prompt_logprobs_start": min(starts), **(scheduling or {})})
+            "prompt_logprobs_start": min(starts), **self._model, **(scheduling or {})})
         by_index = sorted(body["choices"], key=lambda c: c["index"])
         scores = [c["logprobs"]["token_logprobs"][start:len(ids)]
                   for c, start, ids in zip(by_index, starts, full)]

@@ -112,9 +112,11 @@ def gen(
     json_schema: str | dict[str, Any] | None = None,
     choices: list[str] | None = None,
     max_new_tokens: int | None = None,
+    lora: str | None = None,
 ) -> Gen | Select:
     """Generate text (stored as `s[name]`). Unset sampling fields fall back to the run's
-    defaults, then the server's. `choices=` makes it a `select`."""
+    defaults, then the server's. `choices=` makes it a `select`. `lora`: the LoRA adapter
+    this generation runs under (the backend's, if it names one, otherwise)."""
     if choices is not None:
         return select(name, choices)
     params = sampling_kwargs(
@@ -123,6 +125,8 @@ def gen(
         presence_penalty=presence_penalty, repetition_penalty=repetition_penalty,
         stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, seed=seed, priority=priority,
         queue_timeout_s=queue_timeout_s)
+    if lora is not None:
+        params["model"] = lora  # an adapter is a model of the OpenAI API
     if regex is not None and json_schema is not None:
         raise ValueError("give regex or json_schema, not both")
     if regex is not None:

@@ -39,6 +39,7 @@ class Candidate:
     matched_blocks: int = 0
     load: float = 0  # ongoing requests (running + waiting)
     kv_usage: float = 0.0  # fraction of the KV pool in use, 0..1
+    has_adapter: bool = True  # holds the request's LoRA adapter in its GPU pool (or none asked)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,9 @@ def choose(request_blocks: int, ranked: Sequence[Candidate],
     """Rank `ranked` (the prefix's rendezvous order) for a request of `request_blocks`."""
     if not ranked:
         return Choice(ranks=[], decision=Decision.NO_MATCH, matched_blocks=0)
+    # Rule 0: a request for a LoRA adapter goes first to the replicas that hold it (the
+    # rest would load it first); the prefix's order stands among each group.
+    ranked = [c for c in ranked if c.has_adapter] + [c for c in ranked if not c.has_adapter]
     order = corrected_order(request_blocks, ranked, config)
     corrected = order[0] is not ranked[0]
     first = order[0]

@@ -66,6 +66,7 @@ STAT_NUM_RUNNING = "num_running"
 STAT_NUM_WAITING = "num_waiting"
 STAT_KV_USAGE = "kv_usage"
 STAT_TIMESTAMP = "ts"
+STAT_LORAS = "loras"  # the LoRA adapters in the replica's GPU pool
 
 # Requests between choose_replicas and on_request_routed (cancelled ones never reach the
 # latter, so the map is bounded).
@@ -85,6 +86,17 @@ def extract_token_ids(args: Sequence[Any], kwargs: dict[str, Any]) -> list[int] 
     if isinstance(token_ids, (list, tuple)):
         return list(token_ids)
     return None
+
+
+def extract_lora(args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
+    """The LoRA adapter a handle call asks for (its sampling settings' `lora`), or None."""
+    request = args[0] if args else kwargs.get("request")
+    if isinstance(request, dict):
+        sampling = request.get("sampling")
+    else:
+        sampling = getattr(request, "sampling", None)
+    lora = sampling.get("lora") if isinstance(sampling, dict) else None
+    return lora if isinstance(lora, str) else None
 
 
 def channel_target(pending_request: PendingRequest | None) -> str | None:
@@ -126,6 +138,7 @@ class _Routing:
 
     hashes: list[int] | None  # None: the request carried no token ids
     key: int  # its rendezvous key
+    lora: str | None = None  # the LoRA adapter it runs under
     pick: ReplicaID | None = None
     choice: policy.Choice | None = None
 
@@ -220,11 +233,13 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     def decide(self, replicas: Sequence[RunningReplica], routing: _Routing) -> policy.Choice:
         """The policy's choice over `replicas` for one request (no side effects)."""
-        hashes = routing.hashes or []
+        # (the digests hold the base model's prefixes: an adapter's requests cannot use them)
+        hashes = (routing.hashes or []) if routing.lora is None else []
         ranked = rendezvous.rank(routing.key, replicas, name=lambda r: r.replica_id.unique_id)
         matches = self._index.match(hashes, [r.replica_id for r in ranked])
         candidates = [Candidate(r.replica_id, matches[r.replica_id], self._load(r),
-                                self._kv_usage(r)) for r in ranked]
+                                self._kv_usage(r), self._has_adapter(r, routing.lora))
+                      for r in ranked]
         return policy.choose(len(hashes), candidates, self._policy)
 
     def on_request_routed(
@@ -290,8 +305,11 @@ class PrefixAwareRequestRouter(RequestRouter):
         if hashes is None:
             self._stats.requests_without_tokens += 1
         key = rendezvous.prefix_key(hashes or [], self._key_blocks)
-        return _Routing(hashes=hashes,
-                        key=rendezvous.text_key(request_id) if key is None else key)
+        key = rendezvous.text_key(request_id) if key is None else key
+        lora = extract_lora(pending_request.args, pending_request.kwargs)
+        if lora is not None:  # one adapter's requests of a prefix rank replicas alike
+            key ^= rendezvous.text_key(lora)
+        return _Routing(hashes=hashes, key=key, lora=lora)
 
     def _count_routed(self, matched_blocks: int, routing: _Routing, replica_id: ReplicaID) -> None:
         def inc(name: str, value: int = 1) -> None:
@@ -325,6 +343,11 @@ class PrefixAwareRequestRouter(RequestRouter):
         if not isinstance(taken_at, (int, float)) or isinstance(taken_at, bool):
             return max(reported, float(self._sends.count(rid)))
         return reported + self._sends.unreported(rid, float(taken_at))
+
+    @staticmethod
+    def _has_adapter(replica: RunningReplica, lora: str | None) -> bool:
+        """Whether the replica reported `lora` in its GPU pool (True when no adapter is asked)."""
+        return lora is None or lora in ((replica.routing_stats or {}).get(STAT_LORAS) or ())
 
     def _kv_usage(self, replica: RunningReplica) -> float:
         return _number((replica.routing_stats or {}).get(STAT_KV_USAGE))

@@ -64,9 +64,10 @@ ENGINE_ROOMS = {
     "loading": {"config", "core", "kernels", "quantization", "layers"},
     "attention": {"config", "core", "kernels", "quantization"},
     "models": _MODEL_SIDE,
-    "executor": _MODEL_SIDE | {"grammar", "models"},
-    "speculative": _MODEL_SIDE | {"grammar", "models", "executor"},
-    "runtime": _MODEL_SIDE | {"grammar", "models", "executor", "speculative"},
+    "lora": {"config", "core", "kernels", "layers"},
+    "executor": _MODEL_SIDE | {"grammar", "models", "lora"},
+    "speculative": _MODEL_SIDE | {"grammar", "models", "executor", "lora"},
+    "runtime": _MODEL_SIDE | {"grammar", "models", "executor", "speculative", "lora"},
 }
 
 

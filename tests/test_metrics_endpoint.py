@@ -34,8 +34,10 @@ VLLM_NAMES = {
     "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
     "vllm:request_queue_time_seconds",
 }
-# Engine stats that only some engines keep (speculative decoding).
-OPTIONAL_STATS = {"spec_steps", "spec_drafted_tokens", "spec_accepted_tokens"}
+# Engine stats that only some engines keep (speculative decoding, LoRA adapters).
+OPTIONAL_STATS = {"spec_steps", "spec_drafted_tokens", "spec_accepted_tokens", "lora_requests",
+                  "lora_slot_hits", "lora_slot_loads", "lora_disk_loads", "lora_dynamic_loads",
+                  "lora_adapters"}
 
 
 # -- The table ------------------------------------------------------------------------------

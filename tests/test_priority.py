@@ -154,7 +154,7 @@ class _Cache:
     enabled = True
 
     @staticmethod
-    def match_len(tokens: list[int]) -> int:
+    def match_len(tokens: list[int], namespace: int = 0) -> int:
         return next((i for i, t in enumerate(tokens) if t != 1), len(tokens))
 
 

@@ -41,7 +41,7 @@ class _PrefixCache:
     enabled = True
 
     @staticmethod
-    def match_len(tokens: list[int]) -> int:
+    def match_len(tokens: list[int], namespace: int = 0) -> int:
         return len(tokens) if tokens[0] == 1 else 0
 
 

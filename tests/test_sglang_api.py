@@ -152,7 +152,6 @@ def test_max_new_tokens_zero_scores_the_prompt_only(server):
     {"text": "x", "sampling_params": {"no_stop_trim": "yes"}},
     {"text": "x", "sampling_params": {"max_new_tokens": "many"}},
     {"text": "x", "sampling_params": {"some_future_knob": 1}},
-    {"text": "x", "lora_path": "my-adapter"},
     {"text": "x", "image_data": "http://example.com/cat.png"},
     {"text": "x", "input_ids": [1, 2]},
     {"sampling_params": {}},
@@ -162,6 +161,11 @@ def test_max_new_tokens_zero_scores_the_prompt_only(server):
 def test_unsupported_or_invalid_fields_are_400(server, body):
     err = generate(body, status=400)["error"]
     assert err["message"]
+
+
+def test_unknown_lora_path_is_404_model_not_found(server):
+    err = generate({"text": "x", "lora_path": "my-adapter"}, status=404)["error"]
+    assert err["code"] == "model_not_found" and "my-adapter" in err["message"]
 
 
 def test_sglang_frontend_program_runs_unchanged(server):

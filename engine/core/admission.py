@@ -59,7 +59,8 @@ class AdmissionOrder:
             return queue
         overdue = [r for r in queue if seen[r] > self.max_wait]
         rest = [r for r in queue if seen[r] <= self.max_wait]
-        rest.sort(key=lambda r: -self.cache.match_len(r.token_ids))  # stable: ties keep order
+        # stable: ties keep their order
+        rest.sort(key=lambda r: -self.cache.match_len(r.token_ids, r.lora_id))
         return overdue + rest
 
 

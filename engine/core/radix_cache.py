@@ -33,6 +33,18 @@ class CacheEvent:
 
 _clock = itertools.count()
 
+# Prefixes computed under a LoRA adapter live in their own part of the tree: their tokens
+# are keyed as `namespace * _NAMESPACE_STRIDE + token` (token ids are below 2**32), so a
+# prefix under one adapter never matches another adapter's or the base model's.
+_NAMESPACE_STRIDE = 1 << 32
+
+
+def _keyed(tokens: Sequence[int], namespace: int) -> Sequence[int]:
+    if not namespace:
+        return tokens
+    offset = namespace * _NAMESPACE_STRIDE
+    return [offset + t for t in tokens]
+
 
 @dataclass(eq=False)
 class TreeNode:
@@ -82,14 +94,16 @@ class RadixCache:
 
     # -- lookup -------------------------------------------------------------------------
 
-    def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], TreeNode]:
-        """Slots of the longest cached prefix of `tokens`, and the node it ends at.
+    def match_prefix(self, tokens: Sequence[int], namespace: int = 0) -> tuple[list[int], TreeNode]:
+        """Slots of the longest cached prefix of `tokens` (under the LoRA adapter
+        `namespace`, 0 for the base), and the node it ends at.
 
         A match ending inside a node splits it, so the returned node covers exactly the
         matched prefix and can be locked.
         """
         if not self.enabled:
             return [], self.root
+        tokens = _keyed(tokens, namespace)
         node, pos, slots = self.root, 0, []
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
@@ -104,11 +118,12 @@ class RadixCache:
             node = child
         return slots, node
 
-    def match_len(self, tokens: Sequence[int]) -> int:
+    def match_len(self, tokens: Sequence[int], namespace: int = 0) -> int:
         """Length of the longest cached prefix of `tokens`, read only: nothing is touched or
         split (the lpm admission order asks it of every waiting request, every step)."""
         if not self.enabled:
             return 0
+        tokens = _keyed(tokens, namespace)
         node, pos = self.root, 0
         while pos < len(tokens) and (child := node.children.get(tokens[pos])) is not None:
             n = _common_len(child.key, tokens, pos)
@@ -129,13 +144,14 @@ class RadixCache:
 
     # -- insert -------------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], slots: Sequence[int]) -> int:
+    def insert(self, tokens: Sequence[int], slots: Sequence[int], namespace: int = 0) -> int:
         """Insert tokens with their KV slots; returns how many leading tokens were already
         cached. The caller owns (and must free) its slots for those leading tokens, since
         the tree keeps its own copy."""
         assert len(tokens) == len(slots)
         if not self.enabled:
             return 0
+        tokens = _keyed(tokens, namespace)
         node, pos = self.root, 0
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
@@ -206,7 +222,8 @@ class RadixCache:
     # -- events and stats ---------------------------------------------------------------
 
     def _record(self, kind: Literal["insert", "evict"], node: TreeNode) -> None:
-        if self.record_events:
+        # (adapters' prefixes stay out of the routing digest, which hashes base tokens)
+        if self.record_events and node.key[0] < _NAMESPACE_STRIDE:
             tokens = node.path_tokens()
             self.events.append(CacheEvent(kind, tokens, len(tokens) - len(node.key)))
 

@@ -68,6 +68,10 @@ class Request:
     detok: Any = None  # IncrementalDetokenizer, fed lazily
     sampler_state: Any = None  # per-request RNG etc., owned by the sampler
     spec_stats: SpecStats = field(default_factory=SpecStats)  # speculative decoding counters
+    # LoRA (engine/lora/): the adapter's id (0: the base model; it also keys the radix
+    # cache) and, while running, its slot in the GPU pool (-1: none).
+    lora_id: int = 0
+    lora_slot: int = -1
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -45,6 +45,8 @@ class SamplingParams:
     priority: int = 0
     # Seconds the request may wait for its first admission (engine/core/queue_deadlines.py).
     queue_timeout_s: float | None = None
+    # The LoRA adapter (its registered name) the request runs under; None: the base model.
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -99,6 +101,8 @@ class SamplingParams:
         need(timeout is None or (isinstance(timeout, numbers.Real) and not isinstance(timeout, bool)
                                  and math.isfinite(timeout) and timeout > 0),
              f"queue_timeout_s must be a positive number of seconds, got {timeout!r}")
+        need(self.lora is None or (isinstance(self.lora, str) and self.lora),
+             f"lora must be an adapter name, got {self.lora!r}")
         constraints = [c for c in (self.regex, self.json_schema, self.ebnf) if c is not None]
         need(len(constraints) + int(self.json_object) <= 1,
              "at most one of regex, json_schema, ebnf, json_object may be set")

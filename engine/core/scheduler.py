@@ -24,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.core.admission import AdmissionOrder
 from engine.config import EngineConfig
@@ -38,6 +39,12 @@ logger = logging.getLogger(__name__)
 # Waiting requests that share this many leading tokens with one admitted in the same step
 # wait one step, so they reuse its KV instead of computing the same prefix twice.
 _IN_STEP_PREFIX = 64
+
+
+class AdapterGate(Protocol):
+    def acquire(self, req: Request) -> bool: ...
+
+    def release(self, req: Request) -> None: ...
 
 
 @dataclass
@@ -69,6 +76,9 @@ class Scheduler:
         # Called with each request whose KV is released (finish, abort, retraction), e.g.
         # so a speculative draft model frees that request's KV in its own pool.
         self.release_hooks: list[Callable[[Request], None]] = []
+        # LoRA (engine/lora/manager.py): `acquire(req)` puts the request's adapter in a GPU
+        # slot and holds it there (False: every slot is held), `release(req)` lets it go.
+        self.adapter_gate: AdapterGate | None = None
 
     # -- queue --------------------------------------------------------------------------
 
@@ -176,8 +186,13 @@ class Scheduler:
                 continue  # retracted while its last token was in flight (overlap scheduling)
             if self._shares_prefix_in_step(req, step_prefixes):
                 continue  # next step it hits the KV this step computes
+            gate = self.adapter_gate
+            if gate is not None and not gate.acquire(req):
+                continue  # its LoRA adapter waits for a free slot of the GPU pool
             chunk = self._admit_preempting(req, decode, chunks)
             if chunk is None:
+                if gate is not None:
+                    gate.release(req)
                 break
             chunks.append(chunk)
         return chunks
@@ -216,7 +231,7 @@ class Scheduler:
         if not lower:
             return None
         if len(self.running) < self.config.max_running_requests:  # short of memory, not rows
-            need = len(req.token_ids) - self.cache.match_len(req.token_ids)
+            need = len(req.token_ids) - self.cache.match_len(req.token_ids, req.lora_id)
             if self.config.chunked_prefill_size > 0:
                 need = min(need, self.config.chunked_prefill_size)
             if self._available() + sum(len(r.kv.slots) for r in lower) < need:
@@ -237,7 +252,7 @@ class Scheduler:
         """True when a request admitted this step starts with the same long prefix."""
         if not self.cache.enabled or len(req.token_ids) <= _IN_STEP_PREFIX:
             return False
-        key = tuple(req.token_ids[:_IN_STEP_PREFIX])
+        key = (req.lora_id, *req.token_ids[:_IN_STEP_PREFIX])
         if key in step_prefixes:
             return True
         step_prefixes.add(key)
@@ -249,7 +264,7 @@ class Scheduler:
         reusable = len(req.token_ids) - 1
         if req.prompt_logprobs_from is not None:  # the logits before it must be computed
             reusable = min(reusable, req.prompt_logprobs_from - 1)
-        slots, node = self.cache.match_prefix(req.token_ids[:reusable])
+        slots, node = self.cache.match_prefix(req.token_ids[:reusable], req.lora_id)
         self.cache.lock(node)  # before measuring memory: locked slots are not evictable
         n = self._fit(len(req.token_ids) - len(slots), budget, others, reserve)
         if n is None:
@@ -295,9 +310,9 @@ class Scheduler:
             return
         kv = req.kv
         tokens = req.token_ids[:len(kv.slots)]  # (an in-flight token never ends a prefill chunk)
-        already = self.cache.insert(tokens, kv.slots)
+        already = self.cache.insert(tokens, kv.slots, req.lora_id)
         self.allocator.free(kv.slots[kv.locked_len:already])  # the tree had its own copy
-        slots, node = self.cache.match_prefix(tokens)
+        slots, node = self.cache.match_prefix(tokens, req.lora_id)
         self.cache.lock(node)
         self.cache.unlock(kv.node)
         # From the old locked length on, the request's slots are swapped for the tree's.
@@ -339,7 +354,8 @@ class Scheduler:
         # The KV of a token still in flight is freed, not cached: the tree keys known tokens.
         n = min(len(kv.slots), len(req.token_ids)) if keep and self.cache.enabled else 0
         if n:
-            owned_from = max(owned_from, self.cache.insert(req.token_ids[:n], kv.slots[:n]))
+            already = self.cache.insert(req.token_ids[:n], kv.slots[:n], req.lora_id)
+            owned_from = max(owned_from, already)
             self.allocator.free(kv.slots[kv.locked_len:owned_from])
             owned_from = n  # the tree owns the rest now
         self.allocator.free(kv.slots[owned_from:])

@@ -72,6 +72,7 @@ class ModelRunner:
         set_fast_accum_(self.model, config.fp8_fast_accum)
         set_fused_kernels(self.model, config.enable_fused_kernels and self.device.type == "cuda",
                           config.kernels)
+        self.lora = self._make_lora()  # before the KV pool: its slots take memory first
         self.startup.mark("load")
         self.vocab_size = self.hf_config.vocab_size
         self.max_context = config.max_model_len or self.hf_config.max_position_embeddings
@@ -90,6 +91,13 @@ class ModelRunner:
         self.extend_graphs = self._make_extend_graphs()
         self.capture_times = self._capture_graphs()
         self.startup.mark("cuda_graphs")
+
+    def _make_lora(self):
+        if not self.config.lora_enabled:
+            return None
+        from engine.lora import LoRAManager
+
+        return LoRAManager(self.config, self.model, self.device, self.dtype)
 
     def _capture_graphs(self) -> dict:
         """Decode graphs first, then the extend graphs in the same memory pool; the Triton
@@ -113,8 +121,9 @@ class ModelRunner:
     def _make_extend_graphs(self):
         """Graphs for short prefill/extend steps (engine/executor/extend_graphs.py)."""
         cfg = self.config
+        # (not with LoRA: an extend graph's segments would be fixed at capture)
         if not (cfg.enable_cuda_graph and self.device.type == "cuda"
-                and cfg.cuda_graph_max_extend_tokens > 0):
+                and cfg.cuda_graph_max_extend_tokens > 0 and self.lora is None):
             return None
         from engine.executor.extend_graphs import TOKEN_BUCKETS, ExtendGraphs
 
@@ -303,6 +312,8 @@ class ModelRunner:
         `pending`: the in-flight step's tokens, some of which are this step's inputs
         (overlap scheduling, tp 1 only)."""
         targets = PromptTargets.of(plan)
+        if self.lora is not None:
+            self.lora.prepare(plan)
         step = build_step(plan, targets.rows, pending, self.group_metadata)
         if self.tp.size > 1:
             self.tp.send_step(CMD_FORWARD, step)

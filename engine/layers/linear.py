@@ -51,6 +51,9 @@ class LinearBase(nn.Module):
         # Set by the module that consumes this layer's output when it also takes a GEMV's
         # K-slice partial sums (engine/kernels/split_sums.py) and adds them itself.
         self.split_sums_ok = False
+        # LoRA (engine/lora/layer.py's LoRAHook): called with the input and the base output,
+        # adds the step's adapters' deltas.
+        self.lora = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Loadable) -> None:
         raise NotImplementedError
@@ -58,6 +61,12 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
                keep_splits: bool = False) -> torch.Tensor | SplitSums:
         """x W^T + bias; with `keep_splits` (and no bias) a GEMV's partial sums may come back."""
+        if self.lora is not None:
+            return self.lora(x, self._dense(x, bias, False))
+        return self._dense(x, bias, keep_splits)
+
+    def _dense(self, x: torch.Tensor, bias: torch.Tensor | None,
+               keep_splits: bool) -> torch.Tensor | SplitSums:
         keep_splits = keep_splits and bias is None
         if self.weight_scale is None:
             if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= self.gemv_rows:
@@ -131,7 +140,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         from engine.kernels import gemv as gemv_module
 
         if (self.glu_gemv and self.weight_scale is not None and self.bias is None
-                and isinstance(x, torch.Tensor) and x.dim() == 2 and len(self.local_sizes) == 2
+                and self.lora is None and isinstance(x, torch.Tensor) and x.dim() == 2
+                and len(self.local_sizes) == 2
                 and self.local_sizes[0] == self.local_sizes[1]
                 and takes_weight_only_kernel(x, self.weight_scale)):
             return gemv_module.gemv_glu(x, self.weight, self.weight_scale)

@@ -240,6 +240,7 @@ class LlamaForCausalLM(nn.Module):
         self.sliding_windows = sliding_windows(hf_config)
         # The smallest window when the backend ignores windows: contexts must stay within it.
         self._full_attention_limit: int | None = None
+        self.lora_batch = None  # set when adapters serve (engine/lora/manager.py)
         if attn_backend is not None:
             self.set_attention_backend(attn_backend)
 
@@ -271,6 +272,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         self._check_context_fits_windows(batch)
+        if self.lora_batch is not None:  # LoRA adapters (engine/lora/layer.py) see the step
+            self.lora_batch.begin(batch)
         return self.model(batch.input_ids, batch.positions, batch)
 
     def _check_context_fits_windows(self, batch: ForwardBatch) -> None:

@@ -172,6 +172,16 @@ class AsyncEngine:
         """`Engine.flush_cache` between steps."""
         await self.call(lambda engine: engine.flush_cache())
 
+    async def load_lora(self, name: str, path: str) -> None:
+        """`Engine.load_lora` between steps (reading the adapter stalls one step)."""
+        await self.call(lambda engine: engine.load_lora(name, path))
+
+    async def unload_lora(self, name: str) -> None:
+        await self.call(lambda engine: engine.unload_lora(name))
+
+    async def list_loras(self) -> list[dict]:
+        return await self.call(lambda engine: engine.list_loras())
+
     def add_step_hook(self, hook: Callable[[Engine], None]) -> None:
         """Call `hook(engine)` on the engine thread after every step and command batch."""
         self._step_hooks.append(hook)

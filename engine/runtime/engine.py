@@ -26,6 +26,7 @@ from engine.speculative.draft_model import draft_memory_reserve
 from engine.speculative.speculator import Speculator
 from engine.runtime.sync_step import SyncStepper
 from engine.loading.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.lora import LoRAError, LoRANotFoundError
 from engine.runtime.warmup import warm_up
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,10 @@ class Engine:
         self.sampler = Sampler(self.runner.device, config.seed, self.tokenizer.eos_token_ids,
                                config.kernels.sort_free_cut)
         self.scheduler.release_hooks.append(self.sampler.release)
+        self.lora = self.runner.lora  # LoRA adapters (engine/lora/), None when off
+        if self.lora is not None:
+            self.scheduler.adapter_gate = self.lora
+            self.scheduler.release_hooks.append(self.lora.release)
         self.grammars = Grammars(config.grammar_backend, self.tokenizer.hf, self.runner.vocab_size,
                                  self.tokenizer.eos_token_ids, self.runner.device,
                                  jump_forward=config.enable_jump_forward)
@@ -92,6 +97,8 @@ class Engine:
         validate_request(prompt_ids, params, self.runner.vocab_size, self.max_context,
                          self.runner.kv_pool.num_slots)
         check_priority(params, self.config.priority_scheduling)
+        if params.lora is not None:
+            self._lora_manager(params.lora).check(params.lora)
         if compile_grammar:
             self.grammars.check(params)
 
@@ -115,12 +122,48 @@ class Engine:
             if len(self.scheduler.waiting) >= limit + free:
                 raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting "
                                      f"(limit {limit} + {free} free places in the batch)")
-        req = Request(request_id, prompt_ids, params, grammar=grammar)
+        req = Request(request_id, prompt_ids, params, grammar=grammar,
+                      lora_id=self._lora_id(params))
         req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop,
                                            params.skip_special_tokens, params.include_stop_str_in_output)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
+
+    def _lora_id(self, params: SamplingParams) -> int:
+        return 0 if params.lora is None else self._lora_manager(params.lora).resolve(params.lora)
+
+    # -- LoRA adapters (the serving layer's load/unload endpoints) -------------------------
+
+    def _lora_manager(self, requested: str | None = None):
+        """The LoRA manager; without one, LoRANotFoundError for a request naming an adapter
+        (`requested`), LoRAError for an admin call."""
+        if self.lora is None:
+            if requested is not None:
+                raise LoRANotFoundError(f"The model '{requested}' does not exist (this engine "
+                                        "serves no LoRA adapters)")
+            raise LoRAError("this engine serves no LoRA adapters (set lora_modules, "
+                            "enable_lora or lora_dynamic_path)")
+        return self.lora
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Register a PEFT adapter (LoRAError, naming the tensor, when it cannot serve)."""
+        self._lora_manager().load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget an adapter. Refused (LoRAError) while a request under it is queued or
+        runs: its requests finish first, then it can go."""
+        manager = self._lora_manager()
+        adapter_id = manager.id_of(name)
+        users = sum(1 for r in self.requests.values()
+                    if r.lora_id == adapter_id and not r.is_finished)
+        if users:
+            raise LoRAError(f"adapter {name!r} is in use by {users} request(s); unload it "
+                            "once they finish")
+        manager.unload(name)
+
+    def list_loras(self) -> list[dict]:
+        return self.lora.list() if self.lora is not None else []
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.pop(request_id, None)
@@ -185,6 +228,7 @@ class Engine:
             "finished_requests": s.finished_requests, "aborted_requests": s.aborted_requests,
             "steps": s.steps,
             **(self.speculator.stats_dict() if self.speculator else {}),
+            **(self.lora.stats_dict() if self.lora else {}),
         }
 
     # -- for the serving layer (deployments/ reads the engine only through these) ---------

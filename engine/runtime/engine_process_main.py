@@ -22,6 +22,7 @@ from multiprocessing.process import BaseProcess
 from engine.runtime.async_engine import EngineStepError, step_for_streams
 from engine.config import EngineConfig
 from engine.runtime.engine import Engine, QueueFullError
+from engine.lora import LoRAError, LoRANotFoundError
 from engine.core.outputs import WireDelta
 from engine.core.sampling_params import SamplingParams
 from engine.runtime.step_report import StepReport, step_report
@@ -57,8 +58,13 @@ class Abort:
 
 @dataclass
 class Call:
-    name: str  # "stats" or "flush_cache"
+    name: str  # one of CALLS
     reply: int
+    args: tuple = ()
+
+
+# the Engine methods a Call may run
+CALLS = frozenset({"stats", "flush_cache", "load_lora", "unload_lora", "list_loras"})
 
 
 @dataclass
@@ -205,7 +211,9 @@ class EngineProcess:
 
     def _call(self, call: Call) -> None:
         try:
-            value = self.engine.stats() if call.name == "stats" else self.engine.flush_cache()
+            if call.name not in CALLS:
+                raise ValueError(f"unknown engine call {call.name!r}")
+            value = getattr(self.engine, call.name)(*call.args)
             self.message.replies.append((call.reply, True, value))
         except Exception as e:  # noqa: BLE001 - handed to the caller
             self.message.replies.append((call.reply, False, portable(e)))
@@ -241,7 +249,8 @@ class EngineProcess:
 def portable(error: BaseException) -> BaseException:
     """An exception the parent can unpickle and the server maps as today (ValueError: 400,
     QueueFullError: 503); anything else as a RuntimeError naming its type."""
-    for kind in (QueueFullError, EngineStepError, ValueError, FileNotFoundError, OSError):
+    for kind in (QueueFullError, EngineStepError, LoRANotFoundError, LoRAError, ValueError,
+                 FileNotFoundError, OSError):
         if isinstance(error, kind):
             return kind(str(error))
     return RuntimeError(f"{type(error).__name__}: {error}")

@@ -185,6 +185,15 @@ class ProcessAsyncEngine:
         """`Engine.flush_cache` between steps."""
         await self._call(lambda reply: child.Call("flush_cache", reply))
 
+    async def load_lora(self, name: str, path: str) -> None:
+        await self._call(lambda reply: child.Call("load_lora", reply, (name, path)))
+
+    async def unload_lora(self, name: str) -> None:
+        await self._call(lambda reply: child.Call("unload_lora", reply, (name,)))
+
+    async def list_loras(self) -> list[dict]:
+        return await self._call(lambda reply: child.Call("list_loras", reply))
+
     async def _call(self, command: Callable[[int], child.Abort | child.Call]):
         fut = asyncio.get_running_loop().create_future()
         reply = next(self._numbers)
