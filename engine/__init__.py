@@ -9,9 +9,10 @@ from engine.config import EngineConfig
 from engine.loading.demo_model import ensure_demo_model
 from engine.executor.distributed import init_tp, open_rendezvous
 from engine.runtime.engine import LLM, Engine, QueueFullError
+from engine.runtime.engine_client import EngineClient
 from engine.runtime.gc_freeze import freeze_after_start
 from engine.models import load_hf_config, resolve_device
-from engine.core.outputs import RequestOutput, StreamDelta, WireDelta, wire_dict, wire_of
+from engine.core.outputs import RequestOutput, StreamDelta, WireBatch, WireDelta, wire_of
 from engine.runtime.process_engine import EngineProcessError, ProcessAsyncEngine
 from engine.core.queue_deadlines import QueueTimeoutError
 from engine.core.request import validate_request
@@ -26,12 +27,13 @@ __all__ = [
     "LLM", "AsyncEngine", "Engine", "EngineConfig", "EngineStepError", "QueueFullError",
     "QueueTimeoutError",
     "ensure_demo_model",
-    # the engine in a process of its own, for a server (deployments/engine_replica.py)
-    "ProcessAsyncEngine", "EngineProcessError", "StepReport",
+    # what a server holds of an engine (deployments/engine_replica.py): AsyncEngine, or
+    # the engine in a process of its own
+    "EngineClient", "ProcessAsyncEngine", "EngineProcessError", "StepReport",
     # requests and outputs
     "RequestOutput", "SamplingParams", "StreamDelta", "validate_request",
     # a delta as a server forwards it (AsyncEngine.stream_to(..., wire=True))
-    "WireDelta", "wire_dict", "wire_of",
+    "WireBatch", "WireDelta", "wire_of",
     # text: tokenizer, chat rendering (`Tokenizer.render_chat`), streamed detokenizing
     "ChatPrompt", "IncrementalDetokenizer", "Tokenizer", "load_hf_config",
     # tensor parallelism across processes the caller starts (deployments/tp_workers.py)
