@@ -112,6 +112,26 @@ def test_a_wire_batch_pickles_as_columns_and_loads_as_wire_deltas():
     assert pickle.loads(pickle.dumps(WireBatch())) == []
 
 
+def test_sampling_params_cross_as_the_object_the_ingress_validated(monkeypatch):
+    """An engine call's SamplingParams reach the replica as they were built and validated
+    (deployments/ingress.py): unpickling neither validates nor normalizes them again."""
+    from ray import cloudpickle
+
+    from deployments.engine_replica import EngineCall
+
+    params = SamplingParams(max_tokens=7, stop="x", logit_bias={"3": 1}, json_schema='{"type": "integer"}')
+    call = EngineCall("r", [1, 2], params)
+    data = cloudpickle.dumps(call)
+
+    def validate(self):
+        raise AssertionError("validated again")
+
+    monkeypatch.setattr(SamplingParams, "validate", validate)
+    loaded = pickle.loads(data)
+    assert type(loaded.params) is SamplingParams and loaded.params == params
+    assert loaded.params.logit_bias == {3: 1.0} and loaded.params.json_schema == {"type": "integer"}
+
+
 def test_is_an_engine_client(client):
     assert isinstance(client, EngineClient) and client.is_alive()
     assert client.capacity is None and client.in_flight == 0  # max_queued_requests = 0
@@ -340,7 +360,8 @@ def test_capacity_is_counted_on_the_callers_side(tiny_llama, transport):
             for r in runs:
                 r.cancel()
             await asyncio.gather(*runs, return_exceptions=True)
-            burst = await asyncio.gather(*[eng.stream_to([5, 6, i], params, f"b{i}", lambda d: None,
+            short = SamplingParams(max_tokens=4, **GREEDY)
+            burst = await asyncio.gather(*[eng.stream_to([5, 6, i], short, f"b{i}", lambda d: None,
                                                          wire=True) for i in range(3)],
                                          return_exceptions=True)
             return burst, await eng.stats()

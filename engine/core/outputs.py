@@ -88,13 +88,14 @@ class WireDelta(NamedTuple):
         logprobs stay from the first, the output's are joined)."""
         extras = self.extras
         if later.extras:
-            extras = {**(extras or {}), **later.extras}
+            first = self.extras or {}
+            extras = {**first, **later.extras}
             for name in ("logprobs", "top_logprobs"):
-                if name in later.extras and self.extras and name in self.extras:
-                    extras[name] = self.extras[name] + later.extras[name]
+                if name in first and name in later.extras:
+                    extras[name] = first[name] + later.extras[name]
             for name in ("prompt_logprobs", "prompt_top_logprobs", "queue_time"):
-                if self.extras and name in self.extras:
-                    extras[name] = self.extras[name]
+                if name in first:
+                    extras[name] = first[name]
         return WireDelta(self.request_id, self.token_ids + later.token_ids, later.finished,
                          later.finish_reason, later.completion_tokens, extras)
 
@@ -107,9 +108,9 @@ wire_delta_of: Callable[[tuple], WireDelta] = partial(tuple.__new__, WireDelta)
 
 class WireBatch(list):
     """WireDeltas that travel as one pickled object (a step's deltas for one delta channel,
-    or for the engine process's parent). Pickled as six columns, plain lists: each
-    NamedTuple pickled as itself costs Python calls to save and to load (5x a tuple's
-    time at batch 512, scripts/bench_wire_delta.py); columns save as fast as tuples."""
+    or for the engine process's parent). Pickled as its six columns: a NamedTuple pickled
+    as itself costs Python calls to save and to load (at batch 512, several times a bare
+    tuple's time: scripts/bench_wire_delta.py); the columns save as fast as tuples."""
 
     def __reduce__(self) -> tuple:
         return _wire_batch, (list(zip(*self)),)

@@ -43,9 +43,10 @@ class _Stream:
 
 
 class AsyncEngine:
-    """The in-thread EngineClient (engine/runtime/engine_client.py). `detokenize=False` streams token ids with empty text: a server that decodes text in
-    its front end (deployments/ingress.py) keeps that work off the engine thread. Requests
-    with stop strings are decoded here all the same (the engine must see the stop)."""
+    """The in-thread EngineClient (engine/runtime/engine_client.py). `detokenize=False`
+    streams token ids with empty text: a server that decodes text in its front end
+    (deployments/ingress.py) keeps that work off the engine thread. Requests with stop
+    strings are decoded here all the same (the engine must see the stop)."""
 
     def __init__(self, config: EngineConfig, engine: Engine | None = None,
                  detokenize: bool = True, make_engine: Callable[[], Engine] | None = None) -> None:
