@@ -4,15 +4,14 @@ AsyncEngine (the step loop on a thread) and ProcessAsyncEngine (in a child proce
 Outputs equal the offline engine's, aborts and early exits free KV, bad requests fail on
 the caller's side before anything is queued, capacity is counted on the caller's side,
 the wire form agrees with the streamed one, step listeners see the radix cache's events,
-and an EngineReplica over either serves the same. What only one transport has (the
-thread's build and failed steps; the child's death, orphans, start-up errors):
-tests/test_async_engine.py and tests/test_process_engine.py."""
+and an EngineReplica over either serves the same. Their signatures against the Protocol:
+tests/test_engine_interface.py. What only one transport has (the thread's build and
+failed steps; the child's death, orphans): tests/test_async_engine.py and
+tests/test_process_engine.py."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import os
-import pickle
 import random
 import signal
 import time
@@ -21,7 +20,7 @@ import pytest
 
 from engine import (
     LLM, AsyncEngine, EngineClient, EngineConfig, ProcessAsyncEngine, QueueFullError,
-    SamplingParams, StepReport, WireBatch, WireDelta,
+    SamplingParams, StepReport, WireDelta,
 )
 from serve_helpers import wait_until
 
@@ -75,61 +74,6 @@ async def wired(client, prompt, params, rid) -> list[WireDelta]:
 def assert_no_leak(stats):
     assert stats["running"] == 0 and stats["waiting"] == 0
     assert stats["free_slots"] + stats["evictable_slots"] == stats["total_slots"]
-
-
-# -- the interface ---------------------------------------------------------------------------
-
-
-def test_both_transports_have_the_protocols_signatures():
-    """Every member of the Protocol, with the same parameters (names, kinds, defaults,
-    annotations) and return annotation, async where the Protocol's is."""
-    members = {name: value for name, value in vars(EngineClient).items() if not name.startswith("_")}
-    assert {"generate", "stream_to", "abort", "stats", "flush_cache", "add_step_listener",
-            "capacity", "in_flight", "check_capacity", "is_alive", "shutdown"} <= set(members)
-    for cls in (AsyncEngine, ProcessAsyncEngine):
-        for name, member in members.items():
-            impl = inspect.getattr_static(cls, name)
-            if isinstance(member, property):
-                assert isinstance(impl, property), (cls, name)
-                assert (inspect.signature(impl.fget) == inspect.signature(member.fget)), (cls, name)
-                continue
-            assert inspect.signature(impl) == inspect.signature(member), (cls, name)
-            if inspect.signature(member).return_annotation.startswith("AsyncIterator"):
-                assert inspect.isasyncgenfunction(impl), (cls, name)
-            else:
-                assert inspect.iscoroutinefunction(impl) == inspect.iscoroutinefunction(member), (cls, name)
-
-
-def test_a_wire_batch_pickles_as_columns_and_loads_as_wire_deltas():
-    batch = WireBatch([WireDelta(f"r{i}", [i, i + 1], i == 3, "stop" if i == 3 else None, i + 2,
-                                 {"prompt_tokens": 9} if i in (0, 3) else None) for i in range(4)])
-    loaded = pickle.loads(pickle.dumps(batch, protocol=5))
-    assert type(loaded) is WireBatch and loaded == batch
-    assert all(type(d) is WireDelta for d in loaded) and loaded[3].extra("prompt_tokens") == 9
-    # no per-delta class reference or call: as small as the same rows as bare tuples
-    tuples = pickle.dumps([tuple(d) for d in batch], protocol=5)
-    assert len(pickle.dumps(batch, protocol=5)) <= len(tuples) + 80
-    assert pickle.loads(pickle.dumps(WireBatch())) == []
-
-
-def test_sampling_params_cross_as_the_object_the_ingress_validated(monkeypatch):
-    """An engine call's SamplingParams reach the replica as they were built and validated
-    (deployments/ingress.py): unpickling neither validates nor normalizes them again."""
-    from ray import cloudpickle
-
-    from deployments.engine_replica import EngineCall
-
-    params = SamplingParams(max_tokens=7, stop="x", logit_bias={"3": 1}, json_schema='{"type": "integer"}')
-    call = EngineCall("r", [1, 2], params)
-    data = cloudpickle.dumps(call)
-
-    def validate(self):
-        raise AssertionError("validated again")
-
-    monkeypatch.setattr(SamplingParams, "validate", validate)
-    loaded = pickle.loads(data)
-    assert type(loaded.params) is SamplingParams and loaded.params == params
-    assert loaded.params.logit_bias == {3: 1.0} and loaded.params.json_schema == {"type": "integer"}
 
 
 def test_is_an_engine_client(client):

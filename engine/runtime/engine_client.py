@@ -2,9 +2,9 @@
 
 Two transports implement it: `AsyncEngine` (the step loop on a thread of this process)
 and `ProcessAsyncEngine` (the step loop in a child process, with a GIL of its own). The
-serving layer (deployments/engine_replica.py) types against this Protocol only, and
-tests/test_engine_client.py runs one contract suite against both and checks that their
-signatures match it.
+serving layer (deployments/engine_replica.py) types against this Protocol only;
+tests/test_engine_client.py runs one contract suite against both, and
+tests/test_engine_interface.py checks their signatures against it.
 """
 from __future__ import annotations
 
