@@ -33,7 +33,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from engine import WireDelta, wire_dict
+from engine import WireBatch, WireDelta
 from router import ray_adapter
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ DRAIN_CHECK_PERIOD_S = 0.5  # how often a replica with channels asks whether it 
 ON_CHANNEL = {"on_channel": True}
 
 # What a channel yields after its first item: (deltas, streams in flight, capacity or None).
-ChannelBatch = tuple[list[WireDelta], int, int | None]
+ChannelBatch = tuple[WireBatch, int, int | None]
 
 
 @dataclass
@@ -62,11 +62,11 @@ class ChannelOpen:
 
 
 class Outbox:
-    """Replica side: deltas (WireDelta tuples, request id first) waiting for the channel's
+    """Replica side: deltas (WireDeltas) waiting for the channel's
     next yield (all on the replica's loop)."""
 
     def __init__(self) -> None:
-        self._batch: list[WireDelta] = []
+        self._batch = WireBatch()
         self._ready = asyncio.Event()
         self.request_ids: set[str] = set()  # requests streaming through this channel
         self.closed = False
@@ -80,10 +80,10 @@ class Outbox:
         self._batch.append(delta)
         self._ready.set()
 
-    async def take(self) -> list[WireDelta]:
+    async def take(self) -> WireBatch:
         await self._ready.wait()
         self._ready.clear()
-        batch, self._batch = self._batch, []
+        batch, self._batch = self._batch, WireBatch()
         return batch
 
 
@@ -111,11 +111,11 @@ class ChannelHub:
     def __init__(self, stream_handle, loads=None) -> None:
         self.ingress_id = uuid.uuid4().hex
         self._handle = stream_handle
-        self._listeners: dict[str, Callable[[dict], None]] = {}
+        self._listeners: dict[str, Callable[[WireDelta], None]] = {}
         self._channels: dict[str, asyncio.Task] = {}
         self.loads = loads
 
-    def listen(self, request_id: str, on_delta: Callable[[dict], None]) -> None:
+    def listen(self, request_id: str, on_delta: Callable[[WireDelta], None]) -> None:
         self._listeners[request_id] = on_delta
 
     def forget(self, request_id: str) -> None:
@@ -139,9 +139,9 @@ class ChannelHub:
             await asyncio.wait_for(stream.__anext__(), CHANNEL_OPEN_TIMEOUT_S)
             async for batch, in_flight, capacity in stream:
                 for delta in batch:
-                    listener = self._listeners.get(delta[0])
+                    listener = self._listeners.get(delta.request_id)
                     if listener is not None:
-                        listener(wire_dict(delta))
+                        listener(delta)
                 if self.loads is not None:  # after the deltas: it counts their ends
                     self.loads.report(replica_id, in_flight, capacity)
         except asyncio.CancelledError:
@@ -175,7 +175,7 @@ async def serve_channel(outboxes: dict[str, Outbox], replica_id: str, request: C
             batch = await outbox.take()
             if batch:
                 in_flight, capacity = load()
-                ending = sum(1 for delta in batch if delta[2])  # may not have closed yet
+                ending = sum(1 for delta in batch if delta.finished)  # may not have closed yet
                 yield batch, max(0, in_flight - ending), capacity
             if outbox.ended and not outbox.request_ids:
                 return  # the ingress's pump ends quietly; its requests here are all done

@@ -22,9 +22,9 @@ from deployments.metrics import EngineMetrics, record_gc_pauses
 from deployments.served_metrics import StatHighWater
 from deployments.tp_workers import TPWorkers
 from engine import (
-    AsyncEngine, Engine, EngineConfig, LoRANotFoundError, ProcessAsyncEngine, QueueFullError,
-    QueueTimeoutError, SamplingParams, StepReport, StreamDelta, WireDelta, ensure_demo_model,
-    freeze_after_start, process_age_s, wire_dict, wire_of,
+    AsyncEngine, Engine, EngineClient, EngineConfig, LoRANotFoundError, ProcessAsyncEngine,
+    QueueFullError, QueueTimeoutError, SamplingParams, StepReport, StreamDelta, WireDelta,
+    ensure_demo_model, freeze_after_start, process_age_s, wire_of,
 )
 from router.cache_digest import CacheDigest
 
@@ -36,12 +36,13 @@ class EngineCall:
     """What the ingress sends to a replica for one choice.
 
     `prompt_token_ids` is what our router hashes; `prompt` (text) is what Ray's own
-    PrefixCacheAffinityRouter reads.
+    PrefixCacheAffinityRouter reads. `params` were validated by the ingress, which built
+    them; unpickling does not validate them again.
     """
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: dict[str, Any]
+    params: SamplingParams
     prompt: str = ""
     channel: str | None = None  # the calling ingress's id: deltas go on its channel if open
 
@@ -62,7 +63,7 @@ class EngineReplica:
         config = EngineConfig(model=resolve_model(model), enable_cache_events=True, **engine_kwargs)
         self.tp_workers = None
         self.engine_process = engine_process
-        self.engine = self._start_engine(config)
+        self.engine: EngineClient = self._start_engine(config)
         self.outboxes: dict[str, Outbox] = {}  # delta channels, by ingress id
         self._channel_waits: dict[str, asyncio.Future] = {}
         self._drain_watch: asyncio.Task | None = None  # started with the first channel
@@ -83,7 +84,7 @@ class EngineReplica:
         logger.info("engine replica ready: %s, %.1fs after its process started", config.model,
                     process_age_s())
 
-    def _start_engine(self, config: EngineConfig) -> AsyncEngine | ProcessAsyncEngine:
+    def _start_engine(self, config: EngineConfig) -> EngineClient:
         """The engine, streaming token ids only: the ingress decodes text, off this process."""
         if self.engine_process:  # the model is built in the child; this process never touches CUDA
             return ProcessAsyncEngine(config)
@@ -109,24 +110,24 @@ class EngineReplica:
             self.metrics.on_step(report.stats)
         self.metrics.on_grammar_compiles(report.grammar_compile_times)
 
-    async def generate(self, call: EngineCall) -> AsyncIterator[dict]:
-        """Stream one request: deltas (`wire_delta`) here or on the caller's delta channel
+    async def generate(self, call: EngineCall) -> AsyncIterator[WireDelta | dict]:
+        """Stream one request: WireDeltas here or on the caller's delta channel
         (deployments/channel.py), or one {"error": ..., "status": ...}."""
         timer = self.metrics.track_request()
         outbox = self.outboxes.get(call.channel) if call.channel else None
         try:
-            params = SamplingParams(**call.sampling)
             path = "requests_on_channel" if outbox is not None else "requests_on_own_stream"
             self._requests_by_path[path] += 1
             if outbox is not None:
                 yield ON_CHANNEL  # deltas go on the channel; this call must carry something
-                await self._generate_on_channel(call, params, outbox, timer)
+                await self._generate_on_channel(call, outbox, timer)
                 return
             if call.channel:
                 yield {"open_channel": self.replica_id}
-            async for delta in self.engine.generate(call.prompt_token_ids, params, call.request_id):
+            async for delta in self.engine.generate(call.prompt_token_ids, call.params,
+                                                    call.request_id):
                 _time_delta(timer, delta)
-                yield wire_delta(delta)
+                yield wire_of(delta)  # token ids without text: the ingress decodes
         except ChannelClosed as e:
             timer.close("cancelled")
             yield {"error": str(e), "status": 503}
@@ -147,16 +148,15 @@ class EngineReplica:
         finally:
             timer.close()  # no-op unless the caller left early
 
-    async def _generate_on_channel(self, call: EngineCall, params: SamplingParams,
-                                   outbox: Outbox, timer) -> None:
+    async def _generate_on_channel(self, call: EngineCall, outbox: Outbox, timer) -> None:
         def put(delta: WireDelta) -> None:
-            extras = delta[5] or _NO_EXTRAS
-            timer.on_delta(len(delta[1]), delta[2], delta[3], extras.get("prompt_tokens", 0),
-                           delta[4], extras.get("queue_time"))
+            timer.on_delta(len(delta.token_ids), delta.finished, delta.finish_reason,
+                           delta.extra("prompt_tokens", 0), delta.completion_tokens,
+                           delta.extra("queue_time"))
             outbox.put(delta)
 
-        run = asyncio.ensure_future(
-            self.engine.stream_to(call.prompt_token_ids, params, call.request_id, put, wire=True))
+        run = asyncio.ensure_future(self.engine.stream_to(
+            call.prompt_token_ids, call.params, call.request_id, put, wire=True))
         self._channel_waits[call.request_id] = run
         outbox.request_ids.add(call.request_id)
         try:
@@ -263,18 +263,9 @@ class ChannelClosed(RuntimeError):
     """The delta channel a request streamed on went away before the request finished."""
 
 
-_NO_EXTRAS: dict = {}
-
-
 def _time_delta(timer, delta: StreamDelta) -> None:
     timer.on_delta(len(delta.token_ids), delta.finished, delta.finish_reason,
                    delta.prompt_tokens, delta.completion_tokens, delta.queue_time)
-
-
-def wire_delta(delta: StreamDelta) -> dict[str, Any]:
-    """A delta as it crosses to the ingress on the request's own stream: token ids without
-    text (the ingress decodes), the same dict a delta channel's WireDelta becomes there."""
-    return wire_dict(wire_of(delta))
 
 
 def _replica_id() -> str:

@@ -4,6 +4,7 @@ tokenizes (the router hashes token prefixes), fans each request out into one eng
 
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -313,12 +314,14 @@ class OpenAIIngress:
 
     def _calls(self, prompts: list[list[int]], kwargs: dict[str, Any], n: int,
                prefix: str) -> tuple[list[EngineCall], list[ChoiceState]]:
-        """One engine call per (prompt, choice), and the state its stream fills in."""
+        """One engine call per (prompt, choice), its SamplingParams validated here, once."""
         kwargs = with_defaults(kwargs, self.sampling_defaults)
         try:
             params = SamplingParams(**kwargs)
             for ids in prompts:
                 validate_request(ids, params, self.vocab_size, self.max_context)
+            per_choice = [params if params.seed is None or j == 0  # n seeded choices must differ
+                          else replace(params, seed=params.seed + j) for j in range(n)]
         except (ValueError, TypeError) as e:
             raise APIError.bad_request(str(e)) from None
         rid = f"{prefix}-{uuid.uuid4().hex}"
@@ -326,10 +329,7 @@ class OpenAIIngress:
         for i, ids in enumerate(prompts):
             text = self.tokenizer.decode(ids, skip_special_tokens=False) if self.router_reads_text else ""
             for j in range(n):
-                sampling = dict(kwargs)
-                if params.seed is not None:
-                    sampling["seed"] = params.seed + j  # n seeded choices must differ
-                calls.append(EngineCall(f"{rid}-{i}-{j}", ids, sampling, prompt=text))
+                calls.append(EngineCall(f"{rid}-{i}-{j}", ids, per_choice[j], prompt=text))
                 detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens,
                                                params.include_stop_str_in_output)
                 choices.append(ChoiceState(index=len(choices), prompt_index=i, detok=detok))
@@ -375,7 +375,7 @@ class OpenAIIngress:
                         break
                     text = choices[i].add(item)
                     if plain is not None:
-                        reason = item["finish_reason"] if item["finished"] else None
+                        reason = item.finish_reason if item.finished else None
                         events.append(plain.event(i, text, reason, not started[i]))
                         started[i] = True
                         continue

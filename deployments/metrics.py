@@ -27,9 +27,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deployments.local_metrics import LocalMetrics, process_metrics
+
+if TYPE_CHECKING:  # (the engine's import pulls in torch; this module is read without it)
+    from engine import WireDelta
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +77,10 @@ def _inc(name: str, value: float) -> None:
             logger.debug("could not record %s", name, exc_info=True)
 
 
-def record_finished_engine_call(delta: dict) -> None:
-    """Record one engine call's final delta (a `StreamDelta` as a dict, `finished` true)."""
-    for name, value in ((ENGINE_CALLS_FINISHED, 1), (PROMPT_TOKENS, delta.get("prompt_tokens") or 0),
-                        (ACTUAL_CACHED_TOKENS, delta.get("cached_tokens") or 0)):
+def record_finished_engine_call(delta: WireDelta) -> None:
+    """Record one engine call's final delta (`finished` true)."""
+    for name, value in ((ENGINE_CALLS_FINISHED, 1), (PROMPT_TOKENS, delta.extra("prompt_tokens") or 0),
+                        (ACTUAL_CACHED_TOKENS, delta.extra("cached_tokens") or 0)):
         if value > 0:
             process_metrics().inc(name, value)
         _inc(name, value)

@@ -9,6 +9,7 @@ from deployments.protocol import (
     DeltaMessage, UsageInfo,
 )
 from deployments.streams import ChoiceState
+from engine import WireDelta
 
 
 class TokenNamer:
@@ -121,39 +122,39 @@ def chat_response(model: str, choices: list[ChoiceState], want_logprobs: bool,
     return ChatCompletionResponse(model=model, choices=out, usage=usage_of(choices))
 
 
-def completion_chunk(base: dict, c: ChoiceState, delta: dict, text: str, want_logprobs: bool,
+def completion_chunk(base: dict, c: ChoiceState, delta: WireDelta, text: str, want_logprobs: bool,
                      name: TokenNamer, prompt: tuple[list[int], str] | None = None,
                      first: bool = False) -> CompletionStreamResponse:
     """One choice's chunk, after `c.add(delta)`. `prompt`: the echoed prompt (ids, text),
     which leads the first chunk (with its logprobs) and shifts every offset, as in
     `completion_response`."""
     lp = None
-    if want_logprobs and (delta["token_ids"] or (first and prompt)):
+    if want_logprobs and (delta.token_ids or (first and prompt)):
         end = len(c.token_ids)
-        lp = _output_logprobs(c, end - len(delta["token_ids"]), end, name,
+        lp = _output_logprobs(c, end - len(delta.token_ids), end, name,
                               len(prompt[1]) if prompt else 0)
         if first and prompt is not None:
             lp = _with_prompt(lp, c, prompt, name)
     if first and prompt is not None:
         text = prompt[1] + text
     choice = CompletionStreamChoice(index=c.index, text=text, logprobs=lp,
-                                    finish_reason=delta["finish_reason"] if delta["finished"] else None)
+                                    finish_reason=delta.finish_reason if delta.finished else None)
     return CompletionStreamResponse(**base, choices=[choice])
 
 
-def chat_chunk(base: dict, c: ChoiceState, delta: dict, text: str, want_logprobs: bool,
+def chat_chunk(base: dict, c: ChoiceState, delta: WireDelta, text: str, want_logprobs: bool,
                name: TokenNamer, first: bool,
                output: ChatOutput | None = None) -> ChatCompletionStreamResponse:
     lp = None
-    if want_logprobs and delta["token_ids"]:
-        lp = chat_logprobs(delta["token_ids"], delta.get("logprobs") or [],
-                           delta.get("top_logprobs") or [], name)
+    if want_logprobs and delta.token_ids:
+        lp = chat_logprobs(delta.token_ids, delta.extra("logprobs") or [],
+                           delta.extra("top_logprobs") or [], name)
     role = "assistant" if first else None
-    reason = delta["finish_reason"] if delta["finished"] else None
+    reason = delta.finish_reason if delta.finished else None
     if output is None:
         message = DeltaMessage(role=role, content=text or None)
     else:
-        parts = output.feed(text, final=delta["finished"])
+        parts = output.feed(text, final=delta.finished)
         message = DeltaMessage(role=role, content=parts.content or None,
                                reasoning_content=parts.reasoning or None,
                                tool_calls=parts.wire_tool_calls())

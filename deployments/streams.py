@@ -13,7 +13,7 @@ from deployments.channel import ChannelHub, submit
 from deployments.engine_replica import EngineCall
 from deployments.errors import OVERLOADED_MESSAGE, APIError
 from deployments.metrics import record_finished_engine_call
-from engine import IncrementalDetokenizer
+from engine import IncrementalDetokenizer, WireDelta
 
 logger = logging.getLogger(__name__)
 
@@ -40,30 +40,31 @@ class ChoiceState:
     cached_tokens: int = 0
     completion_tokens: int = 0
 
-    def add(self, delta: dict) -> str:
+    def add(self, delta: WireDelta) -> str:
         """Take in one delta; returns its text."""
-        for token in delta["token_ids"]:
+        for token in delta.token_ids:
             if not self.detok.stopped:
                 self.detok.add(token)
-        text = self.detok.take_delta(final=delta["finished"])
+        text = self.detok.take_delta(final=delta.finished)
         self.text.append(text)
-        self.token_ids += delta["token_ids"]
-        self.logprobs += delta.get("logprobs") or []
-        self.top_logprobs += delta.get("top_logprobs") or []
-        if delta.get("prompt_logprobs") is not None:
-            self.prompt_logprobs = delta["prompt_logprobs"]
-            self.prompt_top_logprobs = delta.get("prompt_top_logprobs")
-        # (a channel's middle deltas leave out what does not change: engine/core/outputs.py)
-        self.prompt_tokens = delta.get("prompt_tokens", self.prompt_tokens)
-        self.cached_tokens = delta.get("cached_tokens", self.cached_tokens)
-        self.completion_tokens = delta["completion_tokens"]
-        if delta["finished"]:
-            self.finish_reason = delta["finish_reason"]
+        self.token_ids += delta.token_ids
+        if delta.extras:  # (middle deltas leave out what does not change: engine/core/outputs.py)
+            self.logprobs += delta.extra("logprobs") or []
+            self.top_logprobs += delta.extra("top_logprobs") or []
+            if delta.extra("prompt_logprobs") is not None:
+                self.prompt_logprobs = delta.extras["prompt_logprobs"]
+                self.prompt_top_logprobs = delta.extra("prompt_top_logprobs")
+            self.prompt_tokens = delta.extra("prompt_tokens", self.prompt_tokens)
+            self.cached_tokens = delta.extra("cached_tokens", self.cached_tokens)
+        self.completion_tokens = delta.completion_tokens
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
         return text
 
 
-def error_of(item: dict) -> APIError | None:
-    if "error" not in item:
+def error_of(item: WireDelta | dict) -> APIError | None:
+    """The APIError of an error item (a dict with "error"); None for a delta."""
+    if isinstance(item, WireDelta) or "error" not in item:
         return None
     status = item.get("status", 500)
     error = APIError.unavailable(item["error"]) if status == 503 else APIError(item["error"], status=status)
@@ -72,8 +73,9 @@ def error_of(item: dict) -> APIError | None:
 
 
 async def merged_stream(handle, calls: list[EngineCall], hub: ChannelHub | None = None,
-                        window: int | None = None) -> AsyncIterator[list[tuple[int, dict]]]:
-    """Yield batches of (call index, item) from all calls: everything that arrived since the
+                        window: int | None = None) -> AsyncIterator[list[tuple[int, WireDelta | dict]]]:
+    """Yield batches of (call index, item: a WireDelta, or an error dict) from all calls:
+    everything that arrived since the
     consumer last asked (at least one). With a `hub`, deltas come on its delta channels where
     open (deployments/channel.py). At most `window` calls are in flight at once (None: all):
     the next starts as one ends, so a request of more prompts x choices than the engine
@@ -87,8 +89,8 @@ async def merged_stream(handle, calls: list[EngineCall], hub: ChannelHub | None 
     loads = hub.loads if hub is not None else None  # the ingress's admission gate
     refused: set[int] = set()  # calls the engine's bound refused: they freed no room
 
-    def deliver(i: int, item: dict) -> None:
-        if item.get("finished"):
+    def deliver(i: int, item: WireDelta) -> None:
+        if item.finished:
             record_finished_engine_call(item)
             finished[i].set()
             if loads is not None:
@@ -104,7 +106,9 @@ async def merged_stream(handle, calls: list[EngineCall], hub: ChannelHub | None 
     async def pump(i: int, response) -> None:
         try:
             async for item in response:
-                if "open_channel" in item:
+                if isinstance(item, WireDelta):
+                    deliver(i, item)
+                elif "open_channel" in item:
                     hub.open(item["open_channel"])
                 elif "on_channel" in item:
                     continue  # its deltas come on the channel (ON_CHANNEL, deployments/channel.py)
@@ -114,8 +118,6 @@ async def merged_stream(handle, calls: list[EngineCall], hub: ChannelHub | None 
                         loads.report(*item["load"])
                     await queue.put((i, item))
                     return
-                else:
-                    deliver(i, item)
             # On a channel, the call ends as its last delta is sent: wait for it there.
             await asyncio.wait_for(finished[i].wait(), LAST_DELTA_TIMEOUT_S)
         except asyncio.CancelledError:
@@ -169,27 +171,16 @@ async def merged_stream(handle, calls: list[EngineCall], hub: ChannelHub | None 
                 hub.forget(call.request_id)
 
 
-def merge_deltas(batch: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
+def merge_deltas(batch: list[tuple[int, WireDelta | dict]]) -> list[tuple[int, WireDelta | dict]]:
     """Join each call's consecutive deltas in a batch into one (first-seen call order).
     An error item ends its call's merging: it is kept as it is, after what came before."""
-    merged: dict[int, dict] = {}
+    merged: dict[int, WireDelta] = {}
     errors: list[tuple[int, dict]] = []
     for i, item in batch:
-        if "error" in item:
+        if not isinstance(item, WireDelta):
             errors.append((i, item))
         elif i in merged:
-            merged[i] = _joined_delta(merged[i], item)
+            merged[i] = merged[i].then(item)
         else:
             merged[i] = item
     return list(merged.items()) + errors
-
-
-def _joined_delta(a: dict, b: dict) -> dict:
-    out = {**a, **b, "token_ids": a["token_ids"] + b["token_ids"]}  # b may leave fields out
-    for name in ("logprobs", "top_logprobs"):
-        if name in a or name in b:
-            out[name] = a.get(name, []) + b.get(name, [])
-    for name in ("prompt_logprobs", "prompt_top_logprobs"):
-        if name in a:
-            out[name] = a[name]
-    return out

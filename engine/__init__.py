@@ -13,10 +13,11 @@ from engine.runtime.pooling_engine import PoolingEngine
 from engine.runtime.pooling_requests import (
     AsyncPooling, PoolingQueueFull, embedding_inputs, pair_inputs,
 )
+from engine.runtime.engine_client import EngineClient
 from engine.runtime.gc_freeze import freeze_after_start
 from engine.lora import LoRAError, LoRANotFoundError
 from engine.models import load_hf_config, resolve_device
-from engine.core.outputs import RequestOutput, StreamDelta, WireDelta, wire_dict, wire_of
+from engine.core.outputs import RequestOutput, StreamDelta, WireBatch, WireDelta, wire_of
 from engine.runtime.process_engine import EngineProcessError, ProcessAsyncEngine
 from engine.core.queue_deadlines import QueueTimeoutError
 from engine.core.request import validate_request
@@ -31,8 +32,9 @@ __all__ = [
     "LLM", "AsyncEngine", "Engine", "EngineConfig", "EngineStepError", "QueueFullError",
     "QueueTimeoutError",
     "ensure_demo_model",
-    # the engine in a process of its own, for a server (deployments/engine_replica.py)
-    "ProcessAsyncEngine", "EngineProcessError", "StepReport",
+    # what a server holds of an engine (deployments/engine_replica.py): AsyncEngine, or
+    # the engine in a process of its own
+    "EngineClient", "ProcessAsyncEngine", "EngineProcessError", "StepReport",
     # the pooling tasks (task embed / score): the engine, its server-side batcher, inputs
     "PoolingEngine", "AsyncPooling", "PoolingQueueFull", "embedding_inputs", "pair_inputs",
     # requests and outputs
@@ -40,7 +42,7 @@ __all__ = [
     # LoRA adapters: one that cannot serve (load), one a request names that is not loaded
     "LoRAError", "LoRANotFoundError",
     # a delta as a server forwards it (AsyncEngine.stream_to(..., wire=True))
-    "WireDelta", "wire_dict", "wire_of",
+    "WireBatch", "WireDelta", "wire_of",
     # text: tokenizer, chat rendering (`Tokenizer.render_chat`), streamed detokenizing
     "ChatPrompt", "IncrementalDetokenizer", "Tokenizer", "load_hf_config",
     # tensor parallelism across processes the caller starts (deployments/tp_workers.py)

@@ -78,7 +78,8 @@ class StandInEngine:
     def drain_grammar_compile_times(self) -> list[float]:
         return []
 
-    def add_request(self, request_id: str, prompt_ids, params: SamplingParams) -> Request:
+    def add_request(self, request_id: str, prompt_ids, params: SamplingParams,
+                    validated: bool = False) -> Request:
         req = Request(request_id, list(prompt_ids), params, status=Status.RUNNING)
         req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, params.stop)
         self.requests[request_id] = req
@@ -173,16 +174,16 @@ async def run_handle(handle, streams: int, tokens: int) -> dict:
     from deployments.engine_replica import EngineCall
 
     stream_handle = handle.options(stream=True)
-    sampling = {"max_tokens": tokens, "ignore_eos": True}
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     events, count, gaps = 0, 0, []
 
     async def one(i: int) -> None:
         nonlocal events, count
         last = None
-        async for item in submit(stream_handle.generate, EngineCall(f"h{i}-{time.time_ns()}", PROMPT, sampling)):
+        async for item in submit(stream_handle.generate, EngineCall(f"h{i}-{time.time_ns()}", PROMPT, params)):
             now = time.perf_counter()
             events += 1
-            count += len(item["token_ids"])
+            count += len(item.token_ids)
             if last is not None:
                 gaps.append(now - last)
             last = now

@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from deployments.admission import AdmissionGate, install_admission
 from deployments.channel import ChannelOpen, Outbox, serve_channel
 from deployments.errors import OVERLOADED_MESSAGE, install_error_handlers
+from engine import SamplingParams, WireDelta
 
 
 class Clock:
@@ -129,10 +130,10 @@ def test_channel_batches_carry_load_without_their_finishing_streams():
         channel = serve_channel(outboxes, "rep", ChannelOpen("ing", "rep"), lambda _: None,
                                 lambda: tuple(load))
         assert await channel.__anext__() == {"replica": "rep"}
-        outboxes["ing"].put(("r1", [1], False, None, 1, None))
-        outboxes["ing"].put(("r2", [2], True, "stop", 1, None))  # may still count in the engine
+        outboxes["ing"].put(WireDelta("r1", [1], False, None, 1))
+        outboxes["ing"].put(WireDelta("r2", [2], True, "stop", 1))  # may still count in the engine
         batch, in_flight, capacity = await asyncio.wait_for(channel.__anext__(), 2)
-        assert [d[0] for d in batch] == ["r1", "r2"] and (in_flight, capacity) == (4, 8)
+        assert [d.request_id for d in batch] == ["r1", "r2"] and (in_flight, capacity) == (4, 8)
         await channel.aclose()
 
     asyncio.run(scenario())
@@ -174,11 +175,11 @@ def test_engine_refusal_item_feeds_the_gate():
 
     async def run(items):
         hub = ChannelHub(None, loads=gate)
-        return [b async for b in merged_stream(Handle(items), [EngineCall("x", [1], {})], hub)]
+        return [b async for b in merged_stream(Handle(items), [EngineCall("x", [1], SamplingParams())], hub)]
 
     refusal = {"error": OVERLOADED_MESSAGE, "status": 503, "load": ["rep", 12, 12]}
     asyncio.run(run([refusal]))
     assert gate.full()
-    done = {"token_ids": [3], "finished": True, "finish_reason": "stop", "completion_tokens": 1}
+    done = WireDelta("x", [3], True, "stop", 1)
     asyncio.run(run([done]))
     assert not gate.full()

@@ -474,6 +474,7 @@ def test_draining_replica_ends_idle_channels_and_busy_ones_after_their_last_requ
     import asyncio
 
     from deployments.channel import ChannelOpen, Outbox, end_idle_channels_when_draining, serve_channel
+    from engine import WireDelta
 
     async def scenario():
         outboxes: dict[str, Outbox] = {}
@@ -492,8 +493,8 @@ def test_draining_replica_ends_idle_channels_and_busy_ones_after_their_last_requ
         with pytest.raises(StopAsyncIteration):
             await asyncio.wait_for(idle_next, 2)
         # The busy channel still delivers its request's deltas, then ends once it is done.
-        outboxes["busy"].put(("req", [1], True, "stop", 1, None))
-        assert await asyncio.wait_for(busy.__anext__(), 2) == ([("req", [1], True, "stop", 1, None)], 0, None)
+        outboxes["busy"].put(WireDelta("req", [1], True, "stop", 1))
+        assert await asyncio.wait_for(busy.__anext__(), 2) == ([WireDelta("req", [1], True, "stop", 1)], 0, None)
         busy_next = asyncio.ensure_future(busy.__anext__())
         await asyncio.sleep(0.7)
         assert not busy_next.done()

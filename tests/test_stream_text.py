@@ -12,6 +12,7 @@ from deployments.errors import APIError
 from deployments.request_body import parse_json
 from deployments.prompt_encoder import PromptEncoder
 from deployments.streams import ChoiceState, merge_deltas
+from engine import WireDelta
 from engine.loading.demo_model import ensure_demo_model
 from engine.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -23,9 +24,9 @@ def tokenizer() -> Tokenizer:
     return Tokenizer(ensure_demo_model())
 
 
-def _delta(tokens, finished=False, **extra) -> dict:
-    return {"token_ids": list(tokens), "finished": finished, "finish_reason": "stop" if finished else None,
-            "prompt_tokens": 3, "cached_tokens": 0, "completion_tokens": 0, **extra}
+def _delta(tokens, finished=False, **extra) -> WireDelta:
+    return WireDelta("r", list(tokens), finished, "stop" if finished else None, 0,
+                     {"prompt_tokens": 3, "cached_tokens": 0, **extra})
 
 
 def _stream_text(tokenizer, tokens, splits, stop=()) -> tuple[str, list[str]]:
@@ -135,10 +136,10 @@ def test_merge_deltas_joins_each_calls_deltas_in_order():
     merged = merge_deltas(batch)
     assert [i for i, _ in merged] == [0, 1, 1]
     first = merged[0][1]
-    assert first["token_ids"] == [1, 2, 3, 4] and first["finished"] and first["finish_reason"] == "stop"
-    assert first["logprobs"] == [-0.1, -0.2, -0.3, -0.4]
-    assert first["prompt_logprobs"] == [None, -1.0]
-    assert merged[1][1]["token_ids"] == [7] and merged[2][1]["error"] == "boom"
+    assert first.token_ids == [1, 2, 3, 4] and first.finished and first.finish_reason == "stop"
+    assert first.extra("logprobs") == [-0.1, -0.2, -0.3, -0.4]
+    assert first.extra("prompt_logprobs") == [None, -1.0]
+    assert merged[1][1].token_ids == [7] and merged[2][1]["error"] == "boom"
 
 
 def test_body_with_lone_surrogate_is_a_400():

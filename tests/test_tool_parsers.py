@@ -346,6 +346,7 @@ def test_mistral_tool_calls_marker_survives_skip_special_tokens(mistral_tokenize
     from deployments.protocol import ChatCompletionRequest
     from deployments.responses import TokenNamer, chat_chunk, chat_response
     from deployments.streams import ChoiceState
+    from engine import WireDelta
     from engine.loading.tokenizer import IncrementalDetokenizer
 
     tok = mistral_tokenizer
@@ -369,8 +370,8 @@ def test_mistral_tool_calls_marker_survives_skip_special_tokens(mistral_tokenize
         base = {"id": "x", "created": 0, "model": "m"}
         for k, ids in enumerate(steps):
             last = k == len(steps) - 1
-            delta = {"token_ids": ids, "finished": last, "finish_reason": "stop" if last else None,
-                     "prompt_tokens": len(prompt), "cached_tokens": 0, "completion_tokens": 0}
+            delta = WireDelta("x", ids, last, "stop" if last else None, 0,
+                              {"prompt_tokens": len(prompt), "cached_tokens": 0})
             text = choice.add(delta)
             if stream_step is not None:
                 d = chat_chunk(base, choice, delta, text, False, TokenNamer(tok), k == 0,

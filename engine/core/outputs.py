@@ -1,7 +1,11 @@
 """What the engine hands back: a finished request, or a streamed delta of one."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from itertools import repeat
+from typing import Any, NamedTuple
 
 
 @dataclass
@@ -60,14 +64,61 @@ def _joined(a: list | None, b: list | None) -> list | None:
     return a + b
 
 
-# A delta as the serving layer's delta channels carry it (`AsyncEngine.stream_to(...,
-# wire=True)`): a plain tuple
-#     (request_id, token_ids, finished, finish_reason, completion_tokens, extras)
-# where `extras` is None, or a dict of the StreamDelta fields beyond those that are set
-# (`delta_extras`). A step at batch 512 makes 512 deltas under the engine's GIL, and a tuple
-# costs a fraction of a StreamDelta to build and to pickle; the extras appear in a request's
-# first and last delta and when it asked for logprobs.
-WireDelta = tuple
+class WireDelta(NamedTuple):
+    """A delta as the serving layer forwards it (`stream_to(..., wire=True)`, the delta
+    channels, the ingress). A step at batch 512 makes 512 deltas under the engine's GIL:
+    a tuple costs a fraction of a StreamDelta to build and to pickle. `extras` is None, or
+    the StreamDelta fields beyond these that are set (`delta_extras`); they come in a
+    request's first and last delta, and in each one when it asked for logprobs."""
+
+    request_id: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    completion_tokens: int
+    extras: dict | None = None
+
+    def extra(self, name: str, default: Any = None) -> Any:
+        """One of the `extras`, or `default` when this delta does not carry it."""
+        extras = self.extras
+        return default if extras is None else extras.get(name, default)
+
+    def then(self, later: WireDelta) -> WireDelta:
+        """This delta followed by `later`, as one (StreamDelta.then's rules: the prompt's
+        logprobs stay from the first, the output's are joined)."""
+        extras = self.extras
+        if later.extras:
+            first = self.extras or {}
+            extras = {**first, **later.extras}
+            for name in ("logprobs", "top_logprobs"):
+                if name in first and name in later.extras:
+                    extras[name] = first[name] + later.extras[name]
+            for name in ("prompt_logprobs", "prompt_top_logprobs", "queue_time"):
+                if name in first:
+                    extras[name] = first[name]
+        return WireDelta(self.request_id, self.token_ids + later.token_ids, later.finished,
+                         later.finish_reason, later.completion_tokens, extras)
+
+
+# A WireDelta from the tuple of its six fields, without the NamedTuple's Python-level
+# `__new__` (a C call): the engine builds one per request per step, a batch's arrival
+# rebuilds hundreds.
+wire_delta_of: Callable[[tuple], WireDelta] = partial(tuple.__new__, WireDelta)
+
+
+class WireBatch(list):
+    """WireDeltas that travel as one pickled object (a step's deltas for one delta channel,
+    or for the engine process's parent). Pickled as its six columns: a NamedTuple pickled
+    as itself costs Python calls to save and to load (at batch 512, several times a bare
+    tuple's time: scripts/bench_wire_delta.py); the columns save as fast as tuples."""
+
+    def __reduce__(self) -> tuple:
+        return _wire_batch, (list(zip(*self)),)
+
+
+def _wire_batch(columns: list[tuple]) -> WireBatch:
+    return WireBatch(map(tuple.__new__, repeat(WireDelta), zip(*columns)))
+
 
 _EXTRA_FIELDS = ("prompt_tokens", "cached_tokens", "queue_time", "logprobs", "top_logprobs",
                  "prompt_logprobs", "prompt_top_logprobs")
@@ -83,15 +134,6 @@ def delta_extras(delta: StreamDelta) -> dict:
     return out
 
 
-def wire_dict(delta: WireDelta) -> dict:
-    """A wire tuple as the dict the serving layer reads (the fields of `wire_of` plus extras)."""
-    out = {"token_ids": delta[1], "finished": delta[2], "finish_reason": delta[3],
-           "completion_tokens": delta[4]}
-    if delta[5] is not None:
-        out.update(delta[5])
-    return out
-
-
 def wire_of(delta: StreamDelta) -> WireDelta:
-    return (delta.request_id, delta.token_ids, delta.finished, delta.finish_reason,
-            delta.completion_tokens, delta_extras(delta))
+    return WireDelta(delta.request_id, delta.token_ids, delta.finished, delta.finish_reason,
+                     delta.completion_tokens, delta_extras(delta))

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from engine.config import EngineConfig
 from engine.runtime.engine import Engine, QueueFullError
+from engine.runtime.engine_client import SHUTDOWN_TIMEOUT_S, DeltaSink, capacity_of, refuse_when_full
 from engine.runtime.loop_handoff import deliver, set_exception, set_result
 from engine.executor.output_processor import TokenUpdate
 from engine.core.outputs import StreamDelta, WireDelta
@@ -38,13 +39,14 @@ class EngineStepError(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     put: Callable[[StreamDelta | WireDelta | BaseException], None]  # runs on `loop`
-    wire: bool = False  # put gets WireDelta tuples
+    wire: bool = False  # put gets WireDeltas
 
 
 class AsyncEngine:
-    """`detokenize=False` streams token ids with empty text: a server that decodes text in
-    its front end (deployments/ingress.py) keeps that work off the engine thread. Requests
-    with stop strings are decoded here all the same (the engine must see the stop)."""
+    """The in-thread EngineClient (engine/runtime/engine_client.py). `detokenize=False`
+    streams token ids with empty text: a server that decodes text in its front end
+    (deployments/ingress.py) keeps that work off the engine thread. Requests with stop
+    strings are decoded here all the same (the engine must see the stop)."""
 
     def __init__(self, config: EngineConfig, engine: Engine | None = None,
                  detokenize: bool = True, make_engine: Callable[[], Engine] | None = None) -> None:
@@ -61,6 +63,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._step_hooks: list[Callable[[Engine], None]] = []
+        self._listeners: list[Callable[[StepReport], None]] = []
         self._stopped = threading.Event()
         built: Future = Future()
         make = None if engine is not None else make_engine or (lambda: Engine(config))
@@ -101,11 +104,11 @@ class AsyncEngine:
             self._close(request_id, finished)
 
     async def stream_to(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                        put: Callable[[StreamDelta], None], wire: bool = False) -> None:
+                        put: DeltaSink, wire: bool = False) -> None:
         """Run one request, handing each delta to `put` on the caller's event loop (called
         in step order, several requests' in one wake-up); return once it has finished.
         Raises as `generate` does; cancelling the caller aborts the request. With `wire`,
-        `put` gets `WireDelta` tuples (engine/core/outputs.py), the cheap form a server forwards."""
+        `put` gets `WireDelta`s (engine/core/outputs.py), the cheap form a server forwards."""
         done = asyncio.get_running_loop().create_future()
 
         def take(item: StreamDelta | WireDelta | BaseException) -> None:
@@ -115,7 +118,7 @@ class AsyncEngine:
                 done.set_exception(item)
                 return
             put(item)
-            if item[2] if wire else item.finished:
+            if item.finished:
                 done.set_result(None)
 
         await self._open(prompt, params, request_id, take, wire)
@@ -188,15 +191,24 @@ class AsyncEngine:
 
     def add_step_listener(self, listener: Callable[[StepReport], None]) -> None:
         """Call `listener(report)` on the engine thread after every step and command batch:
-        the form ProcessAsyncEngine has too (its engine is in another process)."""
-        self._step_hooks.append(lambda engine: listener(step_report(engine)))
+        the form ProcessAsyncEngine has too (its engine is in another process). Every
+        listener gets the same report: a report drains the engine's cache events."""
+        if not self._listeners:
+            self._step_hooks.append(self._report_step)
+        self._listeners.append(listener)
+
+    def _report_step(self, engine: Engine) -> None:
+        report = step_report(engine)
+        for listener in self._listeners:
+            try:
+                listener(report)
+            except Exception:  # noqa: BLE001
+                logger.exception("step listener failed")
 
     @property
     def capacity(self) -> int | None:
-        """Requests this engine takes at once: a full batch plus `max_queued_requests`
-        waiting (None: unbounded)."""
-        limit = self.config.max_queued_requests
-        return self.config.max_running_requests + limit if limit else None
+        """Requests this engine takes at once (`capacity_of`)."""
+        return capacity_of(self.config)
 
     @property
     def in_flight(self) -> int:
@@ -204,20 +216,16 @@ class AsyncEngine:
         return len(self._streams)
 
     def check_capacity(self) -> None:
-        """Raise QueueFullError when no more requests fit. Counted on the caller's side
-        (streams in flight), so a burst is refused at once, not after the engine thread
-        has queued it."""
-        capacity = self.capacity
-        if capacity is not None and len(self._streams) >= capacity:
-            raise QueueFullError(f"engine is at capacity ({capacity} requests in flight)")
+        """Raise QueueFullError when no more requests fit (`refuse_when_full`)."""
+        refuse_when_full(len(self._streams), self.capacity)
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
         self._stopped.set()
         self._commands.put(lambda: None)
-        self._thread.join(timeout=10)
+        self._thread.join(timeout)
 
     # -- engine thread ------------------------------------------------------------------
 
@@ -225,7 +233,7 @@ class AsyncEngine:
         if request_id not in self._streams:
             return  # the caller left before we got here
         try:
-            self.engine.add_request(request_id, prompt_ids, params)
+            self.engine.add_request(request_id, prompt_ids, params, validated=True)
         except (ValueError, QueueFullError) as e:
             self._push(request_id, e)
 

@@ -102,9 +102,13 @@ class Engine:
         if compile_grammar:
             self.grammars.check(params)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    validated: bool = False) -> Request:
+        """Queue a request. `validated`: the caller ran `validate` (or the same checks, as
+        ProcessAsyncEngine does in its parent) for exactly these ids and params."""
         prompt_ids = self.tokenize_prompt(prompt)
-        self.validate(prompt_ids, params, compile_grammar=False)
+        if not validated:
+            self.validate(prompt_ids, params, compile_grammar=False)
         # Not waited for here (the step loop may be calling): the engine waits only when the
         # request first samples, after its prefill. Callers that validate() first (LLM,
         # AsyncEngine) find it compiled already.

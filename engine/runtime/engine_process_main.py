@@ -23,7 +23,7 @@ from engine.runtime.async_engine import EngineStepError, step_for_streams
 from engine.config import EngineConfig
 from engine.runtime.engine import Engine, QueueFullError
 from engine.lora import LoRAError, LoRANotFoundError
-from engine.core.outputs import WireDelta
+from engine.core.outputs import WireBatch
 from engine.core.sampling_params import SamplingParams
 from engine.runtime.step_report import StepReport, step_report
 from engine.runtime.stream_deltas import wire_update
@@ -84,7 +84,8 @@ class StartupFailed:
 
 @dataclass
 class StepMessage:
-    deltas: list[tuple[int, WireDelta]] = field(default_factory=list)  # (seq, delta)
+    deltas: WireBatch = field(default_factory=WireBatch)
+    delta_seqs: list[int] = field(default_factory=list)  # each delta's stream number
     errors: list[tuple[int, BaseException]] = field(default_factory=list)  # (seq, error)
     replies: list[tuple[int, bool, object]] = field(default_factory=list)  # (reply, ok, value)
     report: StepReport | None = None
@@ -194,7 +195,8 @@ class EngineProcess:
 
     def _add(self, add: Add) -> None:
         try:
-            self.engine.add_request(add.request_id, add.prompt_ids, add.params)
+            # the parent validated it against this engine's limits (ProcessAsyncEngine._open)
+            self.engine.add_request(add.request_id, add.prompt_ids, add.params, validated=True)
         except (ValueError, QueueFullError) as e:
             self.message.errors.append((add.seq, portable(e)))
             return
@@ -205,7 +207,8 @@ class EngineProcess:
             del self.seqs[abort.request_id]
             req = self.engine.abort(abort.request_id)
             if req is not None and abort.reply is not None:
-                self.message.deltas.append((abort.seq, wire_update(req, [], True)))
+                self.message.deltas.append(wire_update(req, [], True))
+                self.message.delta_seqs.append(abort.seq)
         if abort.reply is not None:
             self.message.replies.append((abort.reply, True, None))
 
@@ -224,13 +227,14 @@ class EngineProcess:
             seq = self.seqs.pop(req.request_id, None)
             if seq is not None:
                 self.message.errors.append((seq, error))
-        deltas = self.message.deltas
+        deltas, delta_seqs = self.message.deltas, self.message.delta_seqs
         for update in updates:
             req = update.req
             rid = req.request_id
             seq = self.seqs.pop(rid, None) if update.finished else self.seqs.get(rid)
             if seq is not None:
-                deltas.append((seq, wire_update(req, update.new_tokens, update.finished)))
+                deltas.append(wire_update(req, update.new_tokens, update.finished))
+                delta_seqs.append(seq)
 
     def _send(self) -> None:
         """One message with everything since the last: deltas, errors, replies, and the

@@ -9,7 +9,7 @@ capacity counting, and the streams' callbacks. One reader thread takes the child
 messages (one per step) and wakes each event loop once per message.
 
 Streams carry token ids only (as `AsyncEngine(detokenize=False)`): `generate` yields
-StreamDeltas with empty text, `stream_to(..., wire=True)` hands over WireDelta tuples.
+StreamDeltas with empty text, `stream_to(..., wire=True)` hands over WireDeltas.
 The parent never builds the model or touches CUDA; tp_size > 1 is not supported yet.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from engine.core.admission import check_priority
 from engine.runtime import engine_process_main as child
 from engine.runtime.engine_process_main import EngineProcessError
 from engine.config import EngineConfig
-from engine.runtime.engine import QueueFullError
+from engine.runtime.engine_client import SHUTDOWN_TIMEOUT_S, DeltaSink, capacity_of, refuse_when_full
 from engine.grammar import Grammars
 from engine.runtime.loop_handoff import call_soon, deliver, set_exception, set_result
 from engine.core.outputs import StreamDelta, WireDelta
@@ -41,8 +41,6 @@ from engine.loading.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_TIMEOUT_S = 10.0
-
 
 @dataclass
 class _Stream:
@@ -52,7 +50,7 @@ class _Stream:
 
 
 class ProcessAsyncEngine:
-    """The part of AsyncEngine's API a server uses (EngineReplica), engine in a child."""
+    """The EngineClient (engine/runtime/engine_client.py) whose engine runs in a child."""
 
     def __init__(self, config: EngineConfig) -> None:
         if config.tp_size > 1:
@@ -117,9 +115,9 @@ class ProcessAsyncEngine:
             self._close(request_id, seq, finished)
 
     async def stream_to(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                        put: Callable, wire: bool = False) -> None:
-        """As AsyncEngine.stream_to: `put` gets each delta on the caller's loop (WireDelta
-        tuples with `wire`, StreamDeltas without text otherwise); returns once finished."""
+                        put: DeltaSink, wire: bool = False) -> None:
+        """As AsyncEngine.stream_to: `put` gets each delta on the caller's loop (WireDeltas
+        with `wire`, StreamDeltas without text otherwise); returns once finished."""
         done = asyncio.get_running_loop().create_future()
         delta_of = WireToStreamDelta()
 
@@ -130,7 +128,7 @@ class ProcessAsyncEngine:
                 done.set_exception(item)
                 return
             put(item if wire else delta_of(item))
-            if item[2]:
+            if item.finished:
                 done.set_result(None)
 
         seq = await self._open(prompt, params, request_id, take)
@@ -212,9 +210,8 @@ class ProcessAsyncEngine:
 
     @property
     def capacity(self) -> int | None:
-        """Requests this engine takes at once: a full batch plus `max_queued_requests`."""
-        limit = self.config.max_queued_requests
-        return self.config.max_running_requests + limit if limit else None
+        """Requests this engine takes at once (`capacity_of`)."""
+        return capacity_of(self.config)
 
     @property
     def in_flight(self) -> int:  # streams open now: what check_capacity counts
@@ -222,9 +219,7 @@ class ProcessAsyncEngine:
 
     def check_capacity(self) -> None:
         """Raise QueueFullError when no more requests fit (streams in flight, counted here)."""
-        capacity = self.capacity
-        if capacity is not None and len(self._streams) >= capacity:
-            raise QueueFullError(f"engine is at capacity ({capacity} requests in flight)")
+        refuse_when_full(len(self._streams), self.capacity)
 
     def is_alive(self) -> bool:
         return not self._dead and self._process.is_alive() and self._reader.is_alive()
@@ -271,11 +266,14 @@ class ProcessAsyncEngine:
         """One step's deltas: one wake-up per event loop, then the listeners and replies."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         streams = self._streams
-        for seq, item in itertools.chain(message.deltas, message.errors):
-            rid = item[0] if type(item) is tuple else None
-            stream = streams.get(rid) if rid is not None else self._stream_of(seq)
+        for seq, delta in zip(message.delta_seqs, message.deltas):
+            stream = streams.get(delta.request_id)
             if stream is not None and stream.seq == seq:
-                by_loop.setdefault(stream.loop, []).append((stream.put, item))
+                by_loop.setdefault(stream.loop, []).append((stream.put, delta))
+        for seq, error in message.errors:
+            stream = self._stream_of(seq)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.put, error))
         for loop, items in by_loop.items():
             call_soon(loop, deliver, items)
         if message.report is not None:

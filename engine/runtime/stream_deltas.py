@@ -1,10 +1,10 @@
 """A request's new tokens after a step, as what AsyncEngine hands a caller: a StreamDelta,
-or the WireDelta tuple a server forwards (engine/core/outputs.py); and back from a WireDelta
+or the WireDelta a server forwards (engine/core/outputs.py); and back from a WireDelta
 to a StreamDelta (ProcessAsyncEngine's `generate`)."""
 from __future__ import annotations
 
 from engine.executor.output_processor import feed_detokenizer
-from engine.core.outputs import StreamDelta, WireDelta, wire_of
+from engine.core.outputs import StreamDelta, WireDelta, wire_delta_of, wire_of
 from engine.core.request import Request
 
 
@@ -32,12 +32,12 @@ def stream_delta(req: Request, new_tokens: list[int], finished: bool,
 
 
 def wire_update(req: Request, new_tokens: list[int], finished: bool) -> WireDelta:
-    """In the common case (a middle delta, no logprobs) a bare tuple, built without a
-    StreamDelta and without decoding text."""
+    """In the common case (a middle delta, no logprobs) one without extras, built without
+    a StreamDelta and without decoding text."""
     params = req.params
     if finished or params.logprobs or params.top_logprobs or req.num_output == len(new_tokens):
         return wire_of(stream_delta(req, new_tokens, finished, detokenize=False))
-    return (req.request_id, new_tokens, False, None, req.num_output, None)
+    return wire_delta_of((req.request_id, new_tokens, False, None, req.num_output, None))
 
 
 def _queue_time(req: Request) -> float | None:
@@ -53,11 +53,12 @@ class WireToStreamDelta:
         self.cached_tokens = 0
 
     def __call__(self, delta: WireDelta) -> StreamDelta:
-        out = StreamDelta(request_id=delta[0], token_ids=delta[1], text="", finished=delta[2],
-                          finish_reason=delta[3], completion_tokens=delta[4],
+        out = StreamDelta(request_id=delta.request_id, token_ids=delta.token_ids, text="",
+                          finished=delta.finished, finish_reason=delta.finish_reason,
+                          completion_tokens=delta.completion_tokens,
                           prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens)
-        if delta[5]:
-            for name, value in delta[5].items():
+        if delta.extras:
+            for name, value in delta.extras.items():
                 setattr(out, name, value)
             self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
         return out
