@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deployments.protocol import (
-    DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall,
-)
+from deployments.protocol_responses import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from deployments.reasoning import ReasoningParser
 from deployments.tool_calls import ParsedDelta, ToolCallDelta
 

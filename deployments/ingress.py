@@ -27,11 +27,12 @@ from deployments.metrics import install_http_metrics, record_gc_pauses
 from deployments.scrape import ingress_snapshot, install_prometheus_endpoint
 from deployments.stats import FleetStats
 from deployments.sse_chunks import PlainChunks
-from deployments.protocol import (
-    SSE_DONE, ChatCompletionRequest, ChatCompletionStreamResponse, CompletionRequest,
-    CompletionStreamResponse, ModelCard, ModelList, TokenizeRequest, chat_sampling_kwargs,
-    completion_sampling_kwargs, sse_event,
+from deployments.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from deployments.protocol_responses import (
+    SSE_DONE, ChatCompletionStreamResponse, CompletionStreamResponse, ModelCard, ModelList,
+    sse_event,
 )
+from deployments.request_sampling import chat_sampling_kwargs, completion_sampling_kwargs
 from deployments import sglang_api, task_routes
 from deployments.responses import (TokenNamer, chat_chunk, chat_response, completion_chunk,
                                    completion_response, usage_of)

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from deployments.errors import APIError, as_api_error
-from deployments.protocol import ModelCard
+from deployments.protocol_responses import ModelCard
 from deployments.request_body import DEFAULT_MAX_BODY_BYTES, read_json_body
 
 logger = logging.getLogger(__name__)

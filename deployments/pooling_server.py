@@ -25,7 +25,7 @@ from deployments.pooling_protocol import (
     EmbeddingRequest, RerankRequest, ScoreRequest, embedding_response, rerank_response,
     score_response,
 )
-from deployments.protocol import ModelCard, ModelList
+from deployments.protocol_responses import ModelCard, ModelList
 from deployments.request_body import DEFAULT_MAX_BODY_BYTES, read_json_body
 from deployments.task_routes import task_error
 from engine import (

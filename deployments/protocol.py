@@ -6,24 +6,19 @@ coerced ("abc" or "5" for max_tokens, a string temperature). Numeric ranges
 that the engine owns (temperature, top_p, penalties, ...) are validated by
 `engine.SamplingParams`; here we only check what the HTTP layer itself needs.
 
-This module deliberately does not import `engine`: `completion_sampling_kwargs` and
-`chat_sampling_kwargs` return a plain dict of SamplingParams field names, and the caller builds
-`SamplingParams(**kwargs)` (turning its ValueError into a 400).
+The answers' models are in deployments/protocol_responses.py, and the mapping from a request
+to `engine.SamplingParams` keyword arguments in deployments/request_sampling.py.
 """
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SerializerFunctionWrapHandler,
     field_validator,
-    model_serializer,
     model_validator,
 )
 
@@ -31,25 +26,12 @@ MAX_N = 16
 MAX_LOGPROBS = 20
 
 Prompt = str | list[int]  # one prompt after batch normalisation
-FinishReason = Literal["stop", "length", "abort", "tool_calls"]
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def _now() -> int:
-    return int(time.time())
 
 
 class _Request(BaseModel):
     """Base of request models: wrong types fail, unknown fields are dropped."""
 
     model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
-
-
-class _Response(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 # --------------------------------------------------------------------------
@@ -81,7 +63,7 @@ class ResponseFormat(_Request):
         return self
 
 
-class _SamplingFields(_Request):
+class SamplingFields(_Request):
     """Fields with the same meaning on /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -123,7 +105,7 @@ class _SamplingFields(_Request):
     _honoured: ClassVar[frozenset[str]] = frozenset()  # of the fields above, per endpoint
 
     @model_validator(mode="after")
-    def _refuse_unhonoured(self) -> _SamplingFields:
+    def _refuse_unhonoured(self) -> SamplingFields:
         refused = [name for name, off in _OFF_VALUES.items()
                    if name not in self._honoured and getattr(self, name) not in off]
         if self.best_of is not None and self.best_of == self.n:
@@ -136,7 +118,7 @@ class _SamplingFields(_Request):
         return self
 
     @model_validator(mode="after")
-    def _one_constraint(self) -> _SamplingFields:
+    def _one_constraint(self) -> SamplingFields:
         wants_format = self.response_format is not None and self.response_format.type != "text"
         constraints = [self.regex, self.json_schema, self.ebnf]
         if wants_format and any(c is not None for c in constraints):
@@ -150,27 +132,6 @@ class _SamplingFields(_Request):
 
 
 _OFF_VALUES = {"best_of": (None,), "suffix": (None, ""), "echo": (False,)}
-
-# Request field name -> SamplingParams field name, copied only when not None.
-_PASSTHROUGH = (
-    "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k",
-    "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "regex", "json_schema",
-    "ebnf", "skip_special_tokens", "logit_bias", "min_tokens", "include_stop_str_in_output",
-    "priority", "queue_timeout_s",
-)
-
-
-def _common_sampling_kwargs(req: _SamplingFields) -> dict[str, Any]:
-    kwargs = {name: getattr(req, name) for name in _PASSTHROUGH if getattr(req, name) is not None}
-    if req.stop is not None:
-        kwargs["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
-    fmt = req.response_format
-    if fmt is not None and fmt.type == "json_object":
-        kwargs["json_object"] = True
-    elif fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
-        kwargs["json_schema"] = fmt.json_schema.schema_
-    return kwargs
-
 
 # --------------------------------------------------------------------------
 # /v1/completions
@@ -189,7 +150,7 @@ def _is_token_ids(value: object) -> bool:
     )
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     # Validated by `_check_prompt` (one clear message instead of an error per union branch).
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int = Field(default=16, ge=1)
@@ -323,7 +284,7 @@ def _json_or_text(text: str) -> Any:
         return text
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessageParam] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -395,264 +356,3 @@ class TokenizeRequest(_Request):
         return self
 
 
-# --------------------------------------------------------------------------
-# Mapping to engine.SamplingParams
-# --------------------------------------------------------------------------
-
-
-def completion_sampling_kwargs(req: CompletionRequest) -> dict[str, Any]:
-    """Keyword arguments for `engine.SamplingParams(**kwargs)`: only the fields the client
-    set (engine defaults apply otherwise), and always max_tokens (OpenAI's default is 16)."""
-    kwargs = _common_sampling_kwargs(req)
-    kwargs["max_tokens"] = req.max_tokens
-    if req.logprobs is not None:
-        # Completions API: logprobs=k means "sampled token + k alternatives"; 0 is just the sampled one.
-        kwargs["logprobs"] = True
-        kwargs["top_logprobs"] = req.logprobs
-    if req.prompt_logprobs_start is not None:
-        kwargs["prompt_logprobs_start"] = req.prompt_logprobs_start
-    elif req.echo and req.logprobs is not None:
-        kwargs["prompt_logprobs_start"] = 0
-    return kwargs
-
-
-def chat_sampling_kwargs(
-    req: ChatCompletionRequest, default_max_tokens: int | None = None
-) -> dict[str, Any]:
-    """Keyword arguments for `engine.SamplingParams(**kwargs)`, as for completions;
-    `default_max_tokens` serves requests that give neither max_tokens nor
-    max_completion_tokens (e.g. the context length left over)."""
-    kwargs = _common_sampling_kwargs(req)
-    max_tokens = req.requested_max_tokens
-    if max_tokens is None:
-        max_tokens = default_max_tokens
-    if max_tokens is not None:  # else SamplingParams' own default applies
-        kwargs["max_tokens"] = max_tokens
-    if req.logprobs:
-        kwargs["logprobs"] = True
-        kwargs["top_logprobs"] = req.top_logprobs or 0
-    return kwargs
-
-
-# --------------------------------------------------------------------------
-# Responses: shared
-# --------------------------------------------------------------------------
-
-
-class PromptTokensDetails(_Response):
-    cached_tokens: int = 0
-
-
-class UsageInfo(_Response):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-    @classmethod
-    def build(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
-        return cls(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
-        )
-
-
-def token_bytes(token: str) -> list[int]:
-    """UTF-8 bytes of a token string, as the chat logprobs `bytes` field wants."""
-    return list(token.encode("utf-8", errors="surrogatepass"))
-
-
-class ModelCard(_Response):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
-    owned_by: str = "radixserve"
-    root: str | None = None  # a LoRA adapter: its path
-    parent: str | None = None  # a LoRA adapter: the base model
-    max_model_len: int | None = None
-
-
-class ModelList(_Response):
-    object: Literal["list"] = "list"
-    data: list[ModelCard] = Field(default_factory=list)
-
-
-# --------------------------------------------------------------------------
-# Responses: /v1/completions
-# --------------------------------------------------------------------------
-
-
-class CompletionLogprobs(_Response):
-    """Completions-API logprobs: parallel lists, one entry per generated token."""
-
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(_Response):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: FinishReason | None = None
-
-
-class CompletionResponse(_Response):
-    id: str = Field(default_factory=lambda: _new_id("cmpl"))
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo
-
-
-class CompletionStreamChoice(_Response):
-    index: int
-    text: str = ""
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: FinishReason | None = None
-
-
-class CompletionStreamResponse(_Response):
-    """One SSE chunk; reuse the same id/created across a stream."""
-
-    id: str = Field(default_factory=lambda: _new_id("cmpl"))
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionStreamChoice] = Field(default_factory=list)
-    usage: UsageInfo | None = None
-
-
-# --------------------------------------------------------------------------
-# Responses: /v1/chat/completions
-# --------------------------------------------------------------------------
-
-
-class TopLogprob(_Response):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(_Response):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-    @classmethod
-    def build(
-        cls, token: str, logprob: float, top: list[tuple[str, float]] | None = None
-    ) -> ChatTokenLogprob:
-        alternatives = [TopLogprob(token=t, logprob=lp, bytes=token_bytes(t)) for t, lp in top or []]
-        return cls(token=token, logprob=logprob, bytes=token_bytes(token), top_logprobs=alternatives)
-
-
-class ChatChoiceLogprobs(_Response):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class FunctionCall(_Response):
-    name: str
-    arguments: str
-
-
-class ToolCall(_Response):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(_Response):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCall] | None = None
-
-
-class _SparseResponse(_Response):
-    """Serialized without its None fields, as OpenAI sends stream deltas."""
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class DeltaFunctionCall(_SparseResponse):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(_SparseResponse):
-    """A piece of a streamed call: the first has id, type and name; later ones arguments."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall
-
-
-class ChatCompletionChoice(_Response):
-    index: int
-    message: ChatMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: FinishReason | None = None
-
-
-class ChatCompletionResponse(_Response):
-    id: str = Field(default_factory=lambda: _new_id("chatcmpl"))
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: UsageInfo
-
-
-class DeltaMessage(_Response):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # OpenAI omits absent delta fields ({} on the final chunk) rather than sending nulls.
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatCompletionStreamChoice(_Response):
-    index: int
-    delta: DeltaMessage = Field(default_factory=DeltaMessage)
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: FinishReason | None = None
-
-
-class ChatCompletionStreamResponse(_Response):
-    """One SSE chunk; reuse the same id/created across a stream."""
-
-    id: str = Field(default_factory=lambda: _new_id("chatcmpl"))
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatCompletionStreamChoice] = Field(default_factory=list)
-    usage: UsageInfo | None = None
-
-
-# --------------------------------------------------------------------------
-# Server-sent events
-# --------------------------------------------------------------------------
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def sse_event(chunk: BaseModel | dict[str, Any]) -> str:
-    """Format one chunk as an SSE `data:` event."""
-    if isinstance(chunk, BaseModel):
-        payload = chunk.model_dump_json(by_alias=True)
-    else:
-        payload = json.dumps(chunk, separators=(",", ":"))
-    return f"data: {payload}\n\n"

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from deployments.chat_output import ChatOutput
-from deployments.protocol import (
+from deployments.protocol_responses import (
     ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionResponse, ChatCompletionStreamChoice,
     ChatCompletionStreamResponse, ChatMessage, ChatTokenLogprob, CompletionChoice,
     CompletionLogprobs, CompletionResponse, CompletionStreamChoice, CompletionStreamResponse,

@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from deployments.protocol import SSE_DONE
+from deployments.protocol_responses import SSE_DONE
 from deployments.streams import ChoiceState, error_of, merge_deltas
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when sampling_params leaves it out

@@ -19,30 +19,14 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
 from deployments.errors import APIError, error_body, from_validation_error, install_error_handlers
-from deployments.protocol import (
-    SSE_DONE,
-    completion_sampling_kwargs,
-    ChatChoiceLogprobs,
-    ChatCompletionChoice,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatCompletionStreamChoice,
-    ChatCompletionStreamResponse,
-    ChatMessage,
-    ChatTokenLogprob,
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    CompletionStreamChoice,
-    CompletionStreamResponse,
-    DeltaMessage,
-    ModelCard,
-    ModelList,
-    UsageInfo,
-    chat_sampling_kwargs,
-    sse_event,
+from deployments.protocol import ChatCompletionRequest, CompletionRequest
+from deployments.protocol_responses import (
+    SSE_DONE, ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionResponse,
+    ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatMessage, ChatTokenLogprob,
+    CompletionChoice, CompletionLogprobs, CompletionResponse, CompletionStreamChoice,
+    CompletionStreamResponse, DeltaMessage, ModelCard, ModelList, UsageInfo, sse_event,
 )
+from deployments.request_sampling import completion_sampling_kwargs, chat_sampling_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 USER = [{"role": "user", "content": "hi"}]
@@ -495,7 +479,7 @@ def test_plain_chunks_equal_the_chunk_models(chat):
     """The ingress's direct SSE writer for plain streams gives the bytes the pydantic chunk
     models dump: quotes, backslashes, control characters, non-ASCII, emoji, U+2028, empty
     text, first chunks (role) and finish reasons."""
-    from deployments.protocol import (
+    from deployments.protocol_responses import (
         ChatCompletionStreamChoice, ChatCompletionStreamResponse, CompletionStreamChoice,
         CompletionStreamResponse, DeltaMessage, sse_event,
     )
