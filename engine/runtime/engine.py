@@ -10,6 +10,7 @@ from engine.config import EngineConfig
 from engine.runtime.gc_freeze import freeze_after_start
 from engine.grammar import Grammars
 from engine.layers.parallel import TPContext
+from engine.executor.kv_transfer import make_host_tier
 from engine.executor.model_runner import ModelRunner
 from engine.executor.output_processor import OutputProcessor, TokenUpdate, feed_detokenizer
 from engine.core.outputs import RequestOutput
@@ -46,8 +47,10 @@ class Engine:
         self.runner = ModelRunner(config, tp=tp, reserve=reserve)
         self.max_context = self.runner.max_context
         allocator = self.runner.kv_pool.allocator
+        tier = make_host_tier(config, self.runner.kv_pool)
+        self.host_tier, self.kv_transfer = tier if tier is not None else (None, None)
         self.cache = RadixCache(allocator, enabled=config.enable_radix_cache,
-                                record_events=config.enable_cache_events)
+                                record_events=config.enable_cache_events, host=self.host_tier)
         self.scheduler = Scheduler(config, allocator, self.cache)
         self.sampler = Sampler(self.runner.device, config.seed, self.tokenizer.eos_token_ids,
                                config.kernels.sort_free_cut)
@@ -183,7 +186,26 @@ class Engine:
             "finished_requests": s.finished_requests, "aborted_requests": s.aborted_requests,
             "steps": s.steps,
             **(self.speculator.stats_dict() if self.speculator else {}),
+            **self._host_tier_stats(),
         }
+
+    def _host_tier_stats(self) -> dict:
+        """Per-tier hits and the host tier's traffic (integers, so /v1/stats sums them
+        over replicas; times in microseconds)."""
+        s = self.scheduler.stats
+        out = {"device_cached_tokens": s.cached_tokens - s.host_cached_tokens,
+               "host_cached_tokens": s.host_cached_tokens}
+        if self.host_tier is None:
+            return out
+        t, tier = self.kv_transfer, self.host_tier
+        t.collect_times()
+        return {**out, "host_total_slots": tier.num_slots, "host_used_slots": tier.used_slots,
+                "host_loaded_tokens": tier.stats.loaded_tokens,
+                "host_written_tokens": tier.stats.written_tokens,
+                "host_dropped_tokens": tier.stats.dropped_tokens,
+                "host_load_bytes": t.stats.load_bytes, "host_write_back_bytes": t.stats.write_back_bytes,
+                "host_load_us": round(t.stats.load_s * 1e6),
+                "host_write_back_us": round(t.stats.write_back_s * 1e6)}
 
     # -- for the serving layer (deployments/ reads the engine only through these) ---------
 

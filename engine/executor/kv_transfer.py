@@ -1,0 +1,137 @@
+"""The bytes of the host tier (engine/core/host_tier.py): a host KV pool shaped like the
+device's, and the copies between the two.
+
+On a GPU the host pool is pinned and every copy is queued on a transfer stream of its own
+(engine/kernels/kv_copy.py): that stream first waits for the work already queued on the
+compute stream (the KV it copies out is written there, the slots it copies into may still
+be read there), and the compute stream then waits for the copy before its next kernel. The
+host thread never waits, so a step is never blocked by a transfer. Times come from CUDA
+events, read once they are done. On a CPU engine the host pool is a second CPU pool and a
+copy is a plain indexed copy, timed by the clock.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.kv_pool import KVPool
+from engine.config import EngineConfig
+from engine.core.host_tier import HostTier
+
+
+@dataclass
+class TransferStats:
+    write_back_bytes: int = 0
+    load_bytes: int = 0
+    write_back_s: float = 0.0
+    load_s: float = 0.0
+    write_backs: int = 0
+    loads: int = 0
+
+
+class KVTransfer:
+    """Copies between `device` (the engine's KV pool) and a host pool of `host_slots`."""
+
+    def __init__(self, device: KVPool, host_slots: int) -> None:
+        self.device_pool = device
+        where = device.k[0].device
+        self.cuda = where.type == "cuda"
+        shape = (host_slots + 1, *device.k[0].shape[1:])  # slot 0 unused, as on the device
+
+        def host_tensor() -> torch.Tensor:
+            return torch.zeros(shape, dtype=device.dtype, pin_memory=self.cuda)
+
+        self.host_pool = KVPool.over([host_tensor() for _ in device.k],
+                                     [host_tensor() for _ in device.v])
+        self.row_bytes = token_bytes(device)
+        self.stream = torch.cuda.Stream(where) if self.cuda else None
+        self.stats = TransferStats()
+        self._timing: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    # -- KVMover ------------------------------------------------------------------------
+
+    def write_back(self, device_slots: Sequence[int], host_slots: Sequence[int]) -> None:
+        self._copy(self.device_pool, self.host_pool, device_slots, host_slots, "write_back")
+
+    def load(self, host_slots: Sequence[int], device_slots: Sequence[int]) -> None:
+        self._copy(self.host_pool, self.device_pool, host_slots, device_slots, "load")
+
+    # -- copies -------------------------------------------------------------------------
+
+    def _copy(self, src: KVPool, dst: KVPool, src_slots: Sequence[int],
+              dst_slots: Sequence[int], kind: str) -> None:
+        nbytes = len(src_slots) * self.row_bytes
+        if kind == "load":
+            self.stats.load_bytes += nbytes
+            self.stats.loads += 1
+        else:
+            self.stats.write_back_bytes += nbytes
+            self.stats.write_backs += 1
+        if not self.cuda:
+            began = time.perf_counter()
+            si, di = torch.tensor(src_slots), torch.tensor(dst_slots)
+            for s, d in zip(src.k + src.v, dst.k + dst.v):
+                d.index_copy_(0, di, s.index_select(0, si))
+            self._add_time(kind, time.perf_counter() - began)
+            return
+        self._copy_on_stream(src, dst, src_slots, dst_slots, kind)
+
+    def _copy_on_stream(self, src: KVPool, dst: KVPool, src_slots: Sequence[int],
+                        dst_slots: Sequence[int], kind: str) -> None:
+        from engine.kernels.kv_copy import copy_rows
+
+        compute = torch.cuda.current_stream(self.stream.device)
+        self.stream.wait_stream(compute)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            idx = torch.tensor([list(src_slots), list(dst_slots)], dtype=torch.int64).pin_memory()
+            idx = idx.to(self.stream.device, non_blocking=True)
+            start.record()
+            for s, d in zip(src.k + src.v, dst.k + dst.v):
+                copy_rows(s, d, idx[0], idx[1])
+            end.record()
+        compute.wait_event(end)
+        self._timing.append((kind, start, end))
+
+    def _add_time(self, kind: str, seconds: float) -> None:
+        if kind == "load":
+            self.stats.load_s += seconds
+        else:
+            self.stats.write_back_s += seconds
+
+    def collect_times(self) -> None:
+        """Fold in the times of the copies that are done (never waits)."""
+        pending = []
+        for kind, start, end in self._timing:
+            if end.query():
+                self._add_time(kind, start.elapsed_time(end) / 1000)
+            else:
+                pending.append((kind, start, end))
+        self._timing = pending
+
+    def synchronize(self) -> None:
+        """Wait for every queued copy (before the host reads the host pool itself)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        self.collect_times()
+
+
+def make_host_tier(config: EngineConfig, device: KVPool) -> tuple[HostTier, KVTransfer] | None:
+    """The host tier `host_kv_cache_gb` asks for (None when 0)."""
+    if config.host_kv_cache_gb <= 0:
+        return None
+    per_token = token_bytes(device)
+    slots = int(config.host_kv_cache_gb * 2**30 // per_token)
+    if slots < 1:
+        raise ValueError(f"host_kv_cache_gb={config.host_kv_cache_gb} holds no token's KV "
+                         f"({per_token} bytes each)")
+    transfer = KVTransfer(device, slots)
+    return HostTier(slots, transfer, eager=config.host_kv_write_back == "eager"), transfer
+
+
+def token_bytes(pool: KVPool) -> int:
+    """One token's K and V over every layer."""
+    return pool.k[0][0].numel() * pool.k[0].element_size() * 2 * len(pool.k)
