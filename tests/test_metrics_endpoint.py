@@ -35,7 +35,9 @@ VLLM_NAMES = {
     "vllm:request_queue_time_seconds",
 }
 # Engine stats that only some engines keep (speculative decoding).
-OPTIONAL_STATS = {"spec_steps", "spec_drafted_tokens", "spec_accepted_tokens"}
+OPTIONAL_STATS = {"spec_steps", "spec_drafted_tokens", "spec_accepted_tokens",
+                  "host_used_slots", "host_load_bytes", "host_write_back_bytes",
+                  "host_load_seconds", "host_write_back_seconds"}
 
 
 # -- The table ------------------------------------------------------------------------------

@@ -190,8 +190,8 @@ class Engine:
         }
 
     def _host_tier_stats(self) -> dict:
-        """Per-tier hits and the host tier's traffic (integers, so /v1/stats sums them
-        over replicas; times in microseconds)."""
+        """Per-tier hits and the host tier's traffic (counts, and `_seconds` totals, which
+        /v1/stats sums over replicas too)."""
         s = self.scheduler.stats
         out = {"device_cached_tokens": s.cached_tokens - s.host_cached_tokens,
                "host_cached_tokens": s.host_cached_tokens}
@@ -204,8 +204,7 @@ class Engine:
                 "host_written_tokens": tier.stats.written_tokens,
                 "host_dropped_tokens": tier.stats.dropped_tokens,
                 "host_load_bytes": t.stats.load_bytes, "host_write_back_bytes": t.stats.write_back_bytes,
-                "host_load_us": round(t.stats.load_s * 1e6),
-                "host_write_back_us": round(t.stats.write_back_s * 1e6)}
+                "host_load_seconds": t.stats.load_s, "host_write_back_seconds": t.stats.write_back_s}
 
     # -- for the serving layer (deployments/ reads the engine only through these) ---------
 
