@@ -184,3 +184,27 @@ def test_random_streams_with_aborts_leak_no_slot_on_either_tier(stream):
 def test_host_tier_settings_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(model="x", **kwargs)
+
+
+@pytest.mark.slow
+def test_benchmark_smoke_on_the_demo_model(tmp_path):
+    """scripts/bench_host_tier.py at a tiny size: its table and JSON, the tier's hit rate
+    equal to an unlimited pool's, and a host load faster than recomputing."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_host_tier.py"),
+                           "--model", "demo", "--conversations", "4", "--first", "40",
+                           "--answer", "2", "--user", "8", "--turns", "2", "--ttft-tokens", "200",
+                           "--reps", "1", "--chunk", "64", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "| prefix hit rate |" in done.stdout
+    rows = json.loads(out.read_text())
+    assert rows["rows"]["host tier off"]["hit_rate"] == 0.0
+    assert rows["rows"]["host tier on"]["hit_rate"] == rows["rows"]["unlimited pool"]["hit_rate"] > 0
+    assert rows["reached_gb_s"]["h2d"] > 0 and rows["peak_gb_s"]["h2d"] > 0
