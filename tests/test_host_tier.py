@@ -127,6 +127,39 @@ def test_abort_after_the_prefix_was_loaded_leaves_nothing_behind(write_back):
     assert eng.cache.total_size == 0 and eng.host_tier.used_slots == 0
 
 
+def test_a_prefix_exported_by_one_engine_is_loaded_back_by_another():
+    """Replica A computed a conversation; B imports A's export (pickled, as it crosses
+    processes) into its host tier and answers the returning conversation as A does from
+    its own cache, without computing the history."""
+    import pickle
+
+    history = conversations(1, 60, 400, seed=8)[0]
+    prompt = history + [2] * 4
+    common = dict(model=ensure_demo_model(), dtype="float32", max_total_tokens=160,
+                  chunked_prefill_size=32, host_kv_cache_gb=0.01)
+    a, b = LLM(**common), LLM(**common)
+    a.generate([history], PARAMS)
+    exported = a.engine.export_prefix(prompt)
+    assert exported.tokens == history and exported.rows.k.shape[:2] == (2, 60)
+    assert b.engine.import_prefix(pickle.loads(pickle.dumps(exported))) == 60
+    assert b.engine.import_prefix(exported) == 0  # already there
+    on_b, on_a = b.generate([prompt], PARAMS)[0], a.generate([prompt], PARAMS)[0]
+    assert on_b.cached_tokens == on_a.cached_tokens == 60
+    assert (on_b.token_ids, on_b.logprobs) == (on_a.token_ids, on_a.logprobs)
+    sa, sb = a.stats(), b.stats()
+    assert sa["host_exported_tokens"] == 60 and sb["host_imported_tokens"] == 60
+    assert sb["host_cached_tokens"] == 60 and sb["prompt_tokens"] == len(prompt)
+    assert_slots_accounted(b.engine, idle=True)
+    host_slots_accounted(b)
+    # an export the pool cannot take (another model's shape) changes nothing
+    wrong = type(exported)(conversations(1, 20, 400, seed=9)[0],
+                           type(exported.rows)(exported.rows.k[:, :20].double(), exported.rows.v[:, :20]))
+    with pytest.raises(ValueError, match="does not fit this pool"):
+        b.engine.import_prefix(wrong)
+    host_slots_accounted(b)
+    assert b.engine.cache.match_len(wrong.tokens) == 0 and b.engine.export_prefix(wrong.tokens) is None
+
+
 _ENGINES: dict[str, LLM] = {}
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from engine.core.radix_cache import TreeNode
 from engine.core.slot_allocator import SlotAllocator
@@ -33,6 +33,10 @@ class KVMover(Protocol):
 
     def load(self, host_slots: Sequence[int], device_slots: Sequence[int]) -> None: ...
 
+    def read(self, host_slots: Sequence[int]) -> Any: ...  # the rows, once copies are done
+
+    def write(self, host_slots: Sequence[int], rows: Any, start: int) -> None: ...
+
 
 @dataclass
 class HostTierStats:
@@ -40,6 +44,8 @@ class HostTierStats:
     loaded_tokens: int = 0  # host -> device
     dropped_tokens: int = 0  # host copies dropped to make room
     refused_tokens: int = 0  # evicted nodes the tier could not take (dropped outright)
+    exported_tokens: int = 0  # prefixes read out for another replica
+    imported_tokens: int = 0  # prefixes taken in from another replica
 
 
 class HostTier:
@@ -93,6 +99,41 @@ class HostTier:
                 self.allocator.free(n.host_value)
                 n.host_value = None
             stack.extend(n.children.values())
+
+    # -- prefixes between replicas ----------------------------------------------------------
+
+    def export(self, path: list[TreeNode]) -> tuple[int, Any]:
+        """The KV rows of a cached path (`RadixCache.cached_path`), written back first where
+        only the device holds them: (tokens covered, rows), as far as the tier can hold."""
+        covered = 0
+        for node in path:
+            if not self.keep(node):
+                break
+            covered += 1
+        slots: list[int] = []
+        for node in path[:covered]:
+            if node.host_value is None:  # (making room for a later node dropped it)
+                break
+            slots.extend(node.host_value)
+        self.stats.exported_tokens += len(slots)
+        return len(slots), self.mover.read(slots)
+
+    def import_(self, parent: TreeNode, key: tuple[int, ...], rows: Any, start: int) -> int:
+        """Hang `key` (tokens whose KV is `rows[start:]`) under `parent` as a host-only
+        node; returns the tokens taken (0 when the tier cannot make room)."""
+        if not self._make_room(len(key)):
+            return 0
+        if parent is not self.root and not parent.value and parent.host_value is None:
+            return 0  # making room dropped the parent itself
+        slots = self.allocator.alloc(len(key))
+        try:
+            self.mover.write(slots, rows, start)
+        except BaseException:
+            self.allocator.free(slots)
+            raise
+        parent.children[key[0]] = TreeNode(key=key, value=(), parent=parent, host_value=tuple(slots))
+        self.stats.imported_tokens += len(key)
+        return len(key)
 
     # -- room ---------------------------------------------------------------------------
 

@@ -286,18 +286,20 @@ class RadixCache:
         """The host-only nodes along `tokens`' cached prefix (the last one cut to it)."""
         if self.host is None or not self.enabled:
             return []
-        node, pos, chain = self.root, 0, []
+        return [node for node in self.cached_path(tokens) if not node.value]
+
+    def cached_path(self, tokens: Sequence[int]) -> list[TreeNode]:
+        """The nodes of `tokens`' longest cached prefix in either tier, top down, the last
+        one cut to where the prefix ends (touched: they are in use)."""
+        node, pos, path = self.root, 0, []
         while pos < len(tokens) and (child := node.children.get(tokens[pos])) is not None:
             n = _common_len(child.key, tokens, pos)
             if n < len(child.key):
-                if child.value:
-                    break
                 child = self._split(child, n)
             child.touch()
-            if not child.value:
-                chain.append(child)
+            path.append(child)
             pos, node = pos + n, child
-        return chain
+        return path
 
     # -- events and stats ---------------------------------------------------------------
 

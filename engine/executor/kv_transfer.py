@@ -23,6 +23,15 @@ from engine.core.host_tier import HostTier
 
 
 @dataclass
+class PrefixRows:
+    """One prefix's KV as CPU tensors [layers, tokens, kv heads, head dim]: what replicas
+    hand each other (through Ray's object store)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass
 class TransferStats:
     write_back_bytes: int = 0
     load_bytes: int = 0
@@ -58,6 +67,31 @@ class KVTransfer:
 
     def load(self, host_slots: Sequence[int], device_slots: Sequence[int]) -> None:
         self._copy(self.host_pool, self.device_pool, host_slots, device_slots, "load")
+
+    def read(self, host_slots: Sequence[int]) -> PrefixRows:
+        """The host rows of `host_slots` as new CPU tensors (waits for queued copies)."""
+        self.synchronize()
+        idx = torch.tensor(list(host_slots), dtype=torch.int64)
+        return PrefixRows(torch.stack([t.index_select(0, idx) for t in self.host_pool.k]),
+                          torch.stack([t.index_select(0, idx) for t in self.host_pool.v]))
+
+    def write(self, host_slots: Sequence[int], rows: PrefixRows, start: int) -> None:
+        """Host rows `host_slots` = `rows`' tokens from `start` on (ValueError, nothing
+        written, when their shape or dtype is not this pool's)."""
+        n, pool = len(host_slots), self.host_pool
+        want = (len(pool.k), *pool.k[0].shape[1:])
+        for t in (rows.k, rows.v):
+            if not isinstance(t, torch.Tensor) or t.dtype != pool.dtype \
+                    or (t.shape[0], *t.shape[2:]) != want or t.shape[1] < start + n:
+                raise ValueError(f"prefix KV of shape {tuple(getattr(t, 'shape', ()))} "
+                                 f"{getattr(t, 'dtype', type(t))} does not fit this pool "
+                                 f"(layers, tokens, heads, dim) = ({want[0]}, >= {start + n}, "
+                                 f"{want[1]}, {want[2]}) {pool.dtype}")
+        self.synchronize()  # (a queued write-back may still be writing other rows)
+        idx = torch.tensor(list(host_slots), dtype=torch.int64)
+        for layer, (k, v) in enumerate(zip(pool.k, pool.v)):
+            k.index_copy_(0, idx, rows.k[layer, start:start + n])
+            v.index_copy_(0, idx, rows.v[layer, start:start + n])
 
     # -- copies -------------------------------------------------------------------------
 

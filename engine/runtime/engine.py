@@ -15,6 +15,7 @@ from engine.executor.model_runner import ModelRunner
 from engine.executor.output_processor import OutputProcessor, TokenUpdate, feed_detokenizer
 from engine.core.outputs import RequestOutput
 from engine.runtime.overlap import OverlapStepper
+from engine.runtime.prefix_exchange import ExportedPrefix, export_prefix, import_prefix
 from engine.core.queue_deadlines import QueueTimeoutError, timeout_error
 from engine.core.radix_cache import RadixCache
 from engine.core.request import Request, validate_request
@@ -203,6 +204,8 @@ class Engine:
                 "host_loaded_tokens": tier.stats.loaded_tokens,
                 "host_written_tokens": tier.stats.written_tokens,
                 "host_dropped_tokens": tier.stats.dropped_tokens,
+                "host_exported_tokens": tier.stats.exported_tokens,
+                "host_imported_tokens": tier.stats.imported_tokens,
                 "host_load_bytes": t.stats.load_bytes, "host_write_back_bytes": t.stats.write_back_bytes,
                 "host_load_seconds": t.stats.load_s, "host_write_back_seconds": t.stats.write_back_s}
 
@@ -218,6 +221,15 @@ class Engine:
         """The radix cache's insert/evict events since the last call, oldest first (with
         `enable_cache_events`; the replica folds them into its routing digest)."""
         return self.cache.drain_events()
+
+    def export_prefix(self, tokens: list[int]) -> ExportedPrefix | None:
+        """The KV of `tokens`' longest cached prefix, for another replica (host tier only;
+        None without one or without a match)."""
+        return export_prefix(self.cache, self.host_tier, tokens)
+
+    def import_prefix(self, prefix: ExportedPrefix) -> int:
+        """Take a prefix another replica exported into the host tier; tokens added."""
+        return import_prefix(self.cache, self.host_tier, prefix)
 
     def drain_grammar_compile_times(self) -> list[float]:
         """Seconds each structured-output grammar compile took since the last call."""
