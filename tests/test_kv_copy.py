@@ -50,6 +50,7 @@ def test_transfers_queue_on_their_stream_and_keep_the_bytes():
     for t in pool.k + pool.v:
         t.copy_(torch.randn_like(t, dtype=torch.float32).to(t.dtype))
     transfer = KVTransfer(pool, 50)
+    assert transfer.kernel_ok == (DEVICE == "cuda"), "the kernel cannot reach pinned memory"
     want = [t[[4, 5, 6]].clone() for t in pool.k + pool.v]
     transfer.write_back([4, 5, 6], [10, 11, 12])
     for t in pool.k + pool.v:

@@ -11,6 +11,7 @@ copy is a plain indexed copy, timed by the clock.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +21,9 @@ import torch
 from engine.attention.kv_pool import KVPool
 from engine.config import EngineConfig
 from engine.core.host_tier import HostTier
+from engine.kernels.kv_copy import copy_rows
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,6 +61,7 @@ class KVTransfer:
                                      [host_tensor() for _ in device.v])
         self.row_bytes = token_bytes(device)
         self.stream = torch.cuda.Stream(where) if self.cuda else None
+        self.kernel_ok = self.cuda and self._kernel_reaches_host()
         self.stats = TransferStats()
         self._timing: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -115,20 +120,44 @@ class KVTransfer:
 
     def _copy_on_stream(self, src: KVPool, dst: KVPool, src_slots: Sequence[int],
                         dst_slots: Sequence[int], kind: str) -> None:
-        from engine.kernels.kv_copy import copy_rows
-
         compute = torch.cuda.current_stream(self.stream.device)
         self.stream.wait_stream(compute)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
-            idx = torch.tensor([list(src_slots), list(dst_slots)], dtype=torch.int64).pin_memory()
-            idx = idx.to(self.stream.device, non_blocking=True)
+            host_idx = torch.tensor([list(src_slots), list(dst_slots)], dtype=torch.int64).pin_memory()
+            idx = host_idx.to(self.stream.device, non_blocking=True)
             start.record()
             for s, d in zip(src.k + src.v, dst.k + dst.v):
-                copy_rows(s, d, idx[0], idx[1])
+                self._copy_rows(s, d, idx, host_idx)
             end.record()
         compute.wait_event(end)
         self._timing.append((kind, start, end))
+
+    def _copy_rows(self, src: torch.Tensor, dst: torch.Tensor, idx: torch.Tensor,
+                   host_idx: torch.Tensor) -> None:
+        """Rows idx[0] of src to rows idx[1] of dst (`host_idx`: the same on the host)."""
+        if self.kernel_ok:
+            copy_rows(src, dst, idx[0], idx[1])
+        elif dst.is_cuda:  # host rows gathered by the CPU, then one upload
+            rows = src.index_select(0, host_idx[0]).pin_memory()
+            dst.index_copy_(0, idx[1], rows.to(dst.device, non_blocking=True))
+        else:  # device rows gathered on the GPU; the download waits for them
+            dst.index_copy_(0, host_idx[1], src.index_select(0, idx[0]).cpu())
+
+    def _kernel_reaches_host(self) -> bool:
+        """Whether the copy kernel can address the pinned host pool (unified addressing):
+        one row copied to row 0 of each side, which no slot uses."""
+        zero = torch.zeros(1, dtype=torch.int64, device=self.device_pool.k[0].device)
+        try:
+            copy_rows(self.device_pool.k[0], self.host_pool.k[0], zero, zero)
+            copy_rows(self.host_pool.k[0], self.device_pool.k[0], zero, zero)
+            torch.cuda.synchronize()
+            return True
+        except Exception:  # noqa: BLE001 - any refusal means: copy through torch instead
+            logger.warning("the KV copy kernel cannot reach pinned host memory here; the host "
+                           "tier copies through torch (its downloads make the host wait)",
+                           exc_info=True)
+            return False
 
     def _add_time(self, kind: str, seconds: float) -> None:
         if kind == "load":
