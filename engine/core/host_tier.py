@@ -138,14 +138,17 @@ class HostTier:
     # -- room ---------------------------------------------------------------------------
 
     def _make_room(self, n: int) -> bool:
-        """Drop least recently used host copies until `n` slots are free."""
+        """Drop least recently used host copies until `n` slots are free. Each walk of the
+        tree frees a 64th of the tier at least, so a full tier under a stream of small
+        write-backs walks it once per many of them, not once each."""
         if n > self.allocator.num_slots:
             return False
         if self.allocator.num_free >= n:
             return True
+        target = min(max(n, self.allocator.num_slots // 64), self.allocator.num_slots)
         heap = [(c.last_access, id(c), c) for c in self._droppable()]
         heapq.heapify(heap)
-        while self.allocator.num_free < n and heap:
+        while self.allocator.num_free < target and heap:
             _, _, node = heapq.heappop(heap)
             if node.host_value is None:
                 continue
