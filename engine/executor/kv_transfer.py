@@ -55,7 +55,9 @@ class KVTransfer:
         shape = (host_slots + 1, *device.k[0].shape[1:])  # slot 0 unused, as on the device
 
         def host_tensor() -> torch.Tensor:
-            return torch.zeros(shape, dtype=device.dtype, pin_memory=self.cuda)
+            # (not zeroed: a row is always written before it is read, and touching every
+            # page of tens of GiB would only slow the start)
+            return torch.empty(shape, dtype=device.dtype, pin_memory=self.cuda)
 
         self.host_pool = KVPool.over([host_tensor() for _ in device.k],
                                      [host_tensor() for _ in device.v])
@@ -191,6 +193,9 @@ def make_host_tier(config: EngineConfig, device: KVPool) -> tuple[HostTier, KVTr
     if slots < 1:
         raise ValueError(f"host_kv_cache_gb={config.host_kv_cache_gb} holds no token's KV "
                          f"({per_token} bytes each)")
+    logger.info("host KV tier: %d tokens (%.1f GiB%s), %s write-back", slots,
+                slots * per_token / 2**30, ", pinned" if device.k[0].is_cuda else "",
+                config.host_kv_write_back)
     transfer = KVTransfer(device, slots)
     return HostTier(slots, transfer, eager=config.host_kv_write_back == "eager"), transfer
 
