@@ -13,6 +13,8 @@ from engine.attention.kv_pool import KVPool
 from engine.core.host_tier import HostTier
 from engine.core.radix_cache import RadixCache, TreeNode
 from engine.executor.kv_transfer import KVTransfer
+from router.cache_digest import CacheDigest
+from router.hashing import block_hashes
 
 LAYERS, HEADS, DIM = 2, 1, 4
 
@@ -24,7 +26,8 @@ class Tiered:
         self.pool = KVPool(device_slots, LAYERS, HEADS, DIM, torch.float32, "cpu")
         self.transfer = KVTransfer(self.pool, host_slots)
         self.tier = HostTier(host_slots, self.transfer, eager=eager)
-        self.cache = RadixCache(self.pool.allocator, host=self.tier)
+        self.cache = RadixCache(self.pool.allocator, host=self.tier, record_events=True)
+        self.digest = CacheDigest(block_size=2)  # what a router learns from the events
 
     def finish(self, tokens: list[int]) -> bool:
         """What a request does: load its prefix back, compute the rest, insert. False when
@@ -60,6 +63,9 @@ def expected(prefix: list[int] | tuple[int, ...], layer: int, kv: int) -> torch.
 
 def check(t: Tiered) -> None:
     cache, tier = t.cache, t.tier
+    t.digest.apply_all(cache.drain_events())
+    assert set(t.digest.hashes()) == held_blocks(cache.root, ()), \
+        "the events do not say what the tree holds (in either tier)"
     device = cache.all_slots()
     assert sorted(device + cache.allocator.free_slots()) == list(range(1, t.pool.num_slots + 1)), \
         "a device slot leaked or is held twice"
@@ -69,6 +75,13 @@ def check(t: Tiered) -> None:
     assert tier.used_slots == len(host) <= tier.num_slots
     assert len(device) == cache.total_size
     _check_node(t, cache.root, ())
+
+
+def held_blocks(node: TreeNode, path: tuple[int, ...]) -> set[int]:
+    out = set(block_hashes(path, 2)) if path else set()
+    for child in node.children.values():
+        out |= held_blocks(child, path + child.key)
+    return out
 
 
 def _check_node(t: Tiered, node: TreeNode, path: tuple[int, ...]) -> None:

@@ -18,7 +18,7 @@ the mover's own stream and no step waits for it on the host.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -54,10 +54,13 @@ class HostTier:
         self.mover = mover
         self.eager = eager
         self.root: TreeNode | None = None  # the tree's root, set by `attach`
+        self.record: Callable[[str, TreeNode], None] = lambda kind, node: None
         self.stats = HostTierStats()
 
-    def attach(self, root: TreeNode) -> None:
-        self.root = root
+    def attach(self, root: TreeNode, record: Callable[[str, TreeNode], None]) -> None:
+        """Serve the tree under `root`; `record("insert" | "evict", node)` as nodes enter
+        or leave it here (the tree's cache events)."""
+        self.root, self.record = root, record
 
     @property
     def num_slots(self) -> int:
@@ -131,7 +134,9 @@ class HostTier:
         except BaseException:
             self.allocator.free(slots)
             raise
-        parent.children[key[0]] = TreeNode(key=key, value=(), parent=parent, host_value=tuple(slots))
+        node = TreeNode(key=key, value=(), parent=parent, host_value=tuple(slots))
+        parent.children[key[0]] = node
+        self.record("insert", node)
         self.stats.imported_tokens += len(key)
         return len(key)
 
@@ -173,6 +178,7 @@ class HostTier:
         self.stats.dropped_tokens += len(node.host_value)
         node.host_value = None
         if not node.value:  # on the host alone: it leaves the tree
+            self.record("evict", node)
             del node.parent.children[node.key[0]]
 
     # -- for leak checks ----------------------------------------------------------------

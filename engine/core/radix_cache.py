@@ -4,7 +4,8 @@ Each node holds a run of tokens (`key`) and the KV slots of those tokens (`value
 request locks the node its cached prefix ends at, which protects the whole path to the
 root; unlocked leaves are evicted least-recently-used first when the pool runs short.
 Inserts and evictions are recorded as `CacheEvent`s so a router can learn what this
-replica really holds.
+replica really holds; with a host tier, in either tier (a node moving to the host is no
+event: a request finding it there loads it instead of computing it).
 
 With a host tier (`host`, engine/core/host_tier.py) an evicted node stays in the tree with
 its KV on the host (`value` empty, `host_value` set) and `load_back` brings it back before a
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -84,7 +85,7 @@ class HostStore(Protocol):
 
     eager: bool
 
-    def attach(self, root: TreeNode) -> None: ...
+    def attach(self, root: TreeNode, record: Callable[[str, TreeNode], None]) -> None: ...
     def keep(self, node: TreeNode) -> bool: ...  # give it a host copy; False: no room
     def load(self, node: TreeNode, slots: list[int]) -> None: ...
     def release(self, node: TreeNode) -> None: ...  # free the host copies of its subtree
@@ -103,7 +104,7 @@ class RadixCache:
         self.protected_size = 0  # tokens in locked nodes
         self.events: list[CacheEvent] = []
         if host is not None:
-            host.attach(self.root)
+            host.attach(self.root, self._record)
 
     # -- lookup -------------------------------------------------------------------------
 
@@ -224,7 +225,6 @@ class RadixCache:
         while freed < num_tokens and heap:
             _, _, leaf = heapq.heappop(heap)
             self.evictable_size -= len(leaf.key)
-            self._record("evict", leaf)
             kept = to_host and self.host is not None and self.host.keep(leaf)
             self.allocator.free(leaf.value)  # (a write-back is queued before any reuse)
             freed += len(leaf.value)
@@ -239,6 +239,12 @@ class RadixCache:
     def remove(self, node: TreeNode) -> None:
         """Take a node off the device (or with none there) out of the tree, with its
         subtree (host-only nodes)."""
+        if self.record_events:
+            stack = [node]
+            while stack:
+                n = stack.pop()
+                self._record("evict", n)
+                stack.extend(n.children.values())
         del node.parent.children[node.key[0]]
         if self.host is not None:
             self.host.release(node)
