@@ -26,11 +26,12 @@ ROUTER_INDEX_SIZES = ("replicas_tracked", "blocks_tracked")
 
 
 def aggregate(per_replica: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Sum the replicas' counts (integers); recompute the ratios."""
+    """Sum the replicas' counts (integers) and time totals (`_seconds`); recompute the ratios."""
     total: dict[str, Any] = {}
     for stats in per_replica.values():
         for key, value in stats.items():
-            if isinstance(value, int) and not isinstance(value, bool):
+            summed = isinstance(value, int) or key.endswith("_seconds")
+            if summed and not isinstance(value, bool):
                 total[key] = total.get(key, 0) + value
     prompt = total.get("prompt_tokens", 0)
     total["cache_hit_rate"] = total.get("cached_tokens", 0) / prompt if prompt else 0.0

@@ -112,6 +112,12 @@ class EngineConfig:
     max_total_tokens: int | None = None  # KV slots in the pool
     mem_fraction_static: float = 0.85
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    # Host tier under the radix cache (engine/core/host_tier.py): GiB of host memory (pinned
+    # on a GPU) that keeps the KV the device pool evicts, loaded back when a prefix returns.
+    # 0 = off (evicted KV is dropped). "lazy" copies a node out when the device evicts it,
+    # "eager" when it enters the tree (eviction then only frees slots).
+    host_kv_cache_gb: float = 0.0
+    host_kv_write_back: Literal["lazy", "eager"] = "lazy"
 
     # FP8 (engine/quantization/): "fp8" quantizes bf16/fp32 weights at load (per-output-channel
     # scales, dynamic per-token activation scales). A checkpoint whose config.json has an FP8
@@ -242,6 +248,7 @@ class EngineConfig:
         if self.prefill_attention_backend not in ("auto", "triton", "flashinfer"):
             raise ValueError("prefill_attention_backend must be 'auto', 'triton' or 'flashinfer', "
                              f"got {self.prefill_attention_backend!r}")
+        self._validate_host_tier()
         self._validate_speculative()
         self._validate_lora()
 
@@ -264,6 +271,16 @@ class EngineConfig:
                            (self.quantization, "quantization")):
             if other:
                 raise ValueError(f"LoRA adapters are not supported with {why}")
+
+    def _validate_host_tier(self) -> None:
+        if not 0 <= self.host_kv_cache_gb < float("inf"):
+            raise ValueError(f"host_kv_cache_gb must be >= 0, got {self.host_kv_cache_gb!r}")
+        if self.host_kv_write_back not in ("lazy", "eager"):
+            raise ValueError(f"host_kv_write_back must be 'lazy' or 'eager', got {self.host_kv_write_back!r}")
+        if self.host_kv_cache_gb and not self.enable_radix_cache:
+            raise ValueError("host_kv_cache_gb needs enable_radix_cache (the tier keeps the tree's KV)")
+        if self.host_kv_cache_gb and self.tp_size > 1:
+            raise ValueError("host_kv_cache_gb is not supported at tp_size > 1 yet")
 
     def _validate_speculative(self) -> None:
         algo = self.speculative_algorithm

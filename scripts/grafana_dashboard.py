@@ -170,6 +170,20 @@ def engine_panels() -> list[dict[str, Any]]:
             target(gauge("radixserve:kv_cache_slots", "max", "engine"), "KV slots {{engine}}"),
         ], "short", "Tokens the radix cache holds, those no running request locks, and the "
                     "pool's size, per engine replica."),
+        timeseries("Host KV tier", [
+            target(rate("radixserve:host_cache_hit_tokens"), "prompt tokens from the host/s"),
+            target(gauge("radixserve:host_kv_cache_tokens", "max", "engine"), "held {{engine}}"),
+        ], "short", "The tier under the radix cache (host_kv_cache_gb): prompt tokens it "
+                    "served (loaded back) and tokens it holds. Empty when the tier is off."),
+        timeseries("Host KV tier bandwidth", [
+            target(rate("radixserve:host_kv_load_bytes"), "host->device"),
+            target(rate("radixserve:host_kv_write_back_bytes"), "device->host"),
+            target(ratio("radixserve:host_kv_load_bytes", "radixserve:host_kv_load_seconds"),
+                   "host->device while copying"),
+            target(ratio("radixserve:host_kv_write_back_bytes", "radixserve:host_kv_write_back_seconds"),
+                   "device->host while copying"),
+        ], "Bps", "Bytes moved per second, and per second of copy time (the bandwidth the "
+                  "copies reach; compare the link's peak)."),
         timeseries("Speculative decoding", [
             target(ratio("vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_draft_tokens"),
                    "acceptance rate"),

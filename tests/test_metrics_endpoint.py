@@ -34,10 +34,11 @@ VLLM_NAMES = {
     "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
     "vllm:request_queue_time_seconds",
 }
-# Engine stats that only some engines keep (speculative decoding, LoRA adapters).
+# Engine stats that only some engines keep (speculative decoding, LoRA adapters, the host tier).
 OPTIONAL_STATS = {"spec_steps", "spec_drafted_tokens", "spec_accepted_tokens", "lora_requests",
                   "lora_slot_hits", "lora_slot_loads", "lora_disk_loads", "lora_dynamic_loads",
-                  "lora_adapters"}
+                  "lora_adapters", "host_used_slots", "host_load_bytes", "host_write_back_bytes",
+                  "host_load_seconds", "host_write_back_seconds"}
 
 
 # -- The table ------------------------------------------------------------------------------

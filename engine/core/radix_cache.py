@@ -4,7 +4,13 @@ Each node holds a run of tokens (`key`) and the KV slots of those tokens (`value
 request locks the node its cached prefix ends at, which protects the whole path to the
 root; unlocked leaves are evicted least-recently-used first when the pool runs short.
 Inserts and evictions are recorded as `CacheEvent`s so a router can learn what this
-replica really holds.
+replica really holds; with a host tier, in either tier (a node moving to the host is no
+event: a request finding it there loads it instead of computing it).
+
+With a host tier (`host`, engine/core/host_tier.py) an evicted node stays in the tree with
+its KV on the host (`value` empty, `host_value` set) and `load_back` brings it back before a
+prefill needs it. Device nodes always form the upper part of the tree: a node leaves the
+device only once its children have, and loads go from the top down.
 
 Keys and values are tuples, not lists: a tuple of ints leaves the garbage collector's view
 after one collection, a list never does, and a full tree (the whole KV pool, ~1M tokens on
@@ -14,9 +20,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from engine.core.slot_allocator import SlotAllocator
 
@@ -54,6 +60,7 @@ class TreeNode:
     children: dict[int, TreeNode] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = field(default_factory=lambda: next(_clock))
+    host_value: tuple[int, ...] | None = None  # host-tier slots of the same tokens
 
     def touch(self) -> None:
         self.last_access = next(_clock)
@@ -64,6 +71,11 @@ class TreeNode:
             parts.append(node.key)
             node = node.parent
         return tuple(t for part in reversed(parts) for t in part)
+
+
+def _is_device_leaf(node: TreeNode) -> bool:
+    """On the device, with no child there (without a host tier: a leaf)."""
+    return bool(node.value) and not any(c.value for c in node.children.values())
 
 
 def _common_len(a: tuple[int, ...], b: Sequence[int], start: int) -> int:
@@ -80,17 +92,31 @@ def _common_len(a: tuple[int, ...], b: Sequence[int], start: int) -> int:
     return i
 
 
+class HostStore(Protocol):
+    """The host tier as the tree uses it (engine/core/host_tier.py)."""
+
+    eager: bool
+
+    def attach(self, root: TreeNode, record: Callable[[str, TreeNode], None]) -> None: ...
+    def keep(self, node: TreeNode) -> bool: ...  # give it a host copy; False: no room
+    def load(self, node: TreeNode, slots: list[int]) -> None: ...
+    def release(self, node: TreeNode) -> None: ...  # free the host copies of its subtree
+
+
 class RadixCache:
     def __init__(self, allocator: SlotAllocator, enabled: bool = True,
-                 record_events: bool = False) -> None:
+                 record_events: bool = False, host: HostStore | None = None) -> None:
         self.allocator = allocator
         self.enabled = enabled
         self.record_events = record_events
+        self.host = host
         self.root = TreeNode()
         self.root.lock_ref = 1  # the root is never evicted
         self.evictable_size = 0  # tokens in unlocked nodes
         self.protected_size = 0  # tokens in locked nodes
         self.events: list[CacheEvent] = []
+        if host is not None:
+            host.attach(self.root, self._record)
 
     # -- lookup -------------------------------------------------------------------------
 
@@ -107,7 +133,7 @@ class RadixCache:
         node, pos, slots = self.root, 0, []
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
-            if child is None:
+            if child is None or not child.value:  # (on the host only: `load_back` first)
                 break
             n = _common_len(child.key, tokens, pos)
             child.touch()
@@ -125,7 +151,8 @@ class RadixCache:
             return 0
         tokens = _keyed(tokens, namespace)
         node, pos = self.root, 0
-        while pos < len(tokens) and (child := node.children.get(tokens[pos])) is not None:
+        while pos < len(tokens) and (child := node.children.get(tokens[pos])) is not None \
+                and child.value:
             n = _common_len(child.key, tokens, pos)
             pos += n
             if n < len(child.key):
@@ -140,6 +167,8 @@ class RadixCache:
         upper.children = {node.key[n]: node}
         node.parent.children[upper.key[0]] = upper
         node.key, node.value, node.parent = node.key[n:], node.value[n:], upper
+        if node.host_value is not None:
+            upper.host_value, node.host_value = node.host_value[:n], node.host_value[n:]
         return upper
 
     # -- insert -------------------------------------------------------------------------
@@ -147,27 +176,37 @@ class RadixCache:
     def insert(self, tokens: Sequence[int], slots: Sequence[int], namespace: int = 0) -> int:
         """Insert tokens with their KV slots; returns how many leading tokens were already
         cached. The caller owns (and must free) its slots for those leading tokens, since
-        the tree keeps its own copy."""
+        the tree keeps its own copy. Nodes held on the host only take the caller's slots
+        as their device copy, so the count stops before the first of them."""
         assert len(tokens) == len(slots)
         if not self.enabled:
             return 0
         tokens = _keyed(tokens, namespace)
-        node, pos = self.root, 0
+        node, pos, adopted_from = self.root, 0, None
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
                 new = TreeNode(key=tuple(tokens[pos:]), value=tuple(slots[pos:]), parent=node)
                 node.children[tokens[pos]] = new
-                self.evictable_size += len(new.key)
-                self._record("insert", new)
-                return pos
+                self._added_to_device(new)
+                return pos if adopted_from is None else adopted_from
             n = _common_len(child.key, tokens, pos)
             child.touch()
             if n < len(child.key):
                 child = self._split(child, n)
+            if not child.value:
+                child.value = tuple(slots[pos:pos + n])
+                self._added_to_device(child)
+                adopted_from = pos if adopted_from is None else adopted_from
             pos += n
             node = child
-        return pos
+        return pos if adopted_from is None else adopted_from
+
+    def _added_to_device(self, node: TreeNode) -> None:
+        self.evictable_size += len(node.key)
+        self._record("insert", node)
+        if self.host is not None and self.host.eager:
+            self.host.keep(node)
 
     # -- locking ------------------------------------------------------------------------
 
@@ -190,34 +229,101 @@ class RadixCache:
 
     # -- eviction -----------------------------------------------------------------------
 
-    def evict(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` slots from unlocked leaves, oldest first (or as many
-        as possible). Returns the number freed."""
+    def evict(self, num_tokens: int, to_host: bool = True) -> int:
+        """Free at least `num_tokens` device slots from unlocked nodes without device
+        children, oldest first (or as many as possible); with a host tier (and `to_host`)
+        they stay in the tree on the host. Returns the number freed."""
         if num_tokens <= 0 or self.evictable_size == 0:
             return 0
-        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
+        heap = [(n.last_access, id(n), n) for n in self._device_leaves() if n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
             _, _, leaf = heapq.heappop(heap)
-            self.allocator.free(leaf.value)
-            freed += len(leaf.value)
             self.evictable_size -= len(leaf.key)
-            self._record("evict", leaf)
+            kept = to_host and self.host is not None and self.host.keep(leaf)
+            self.allocator.free(leaf.value)  # (a write-back is queued before any reuse)
+            freed += len(leaf.value)
+            leaf.value = ()
             parent = leaf.parent
-            del parent.children[leaf.key[0]]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if not kept:
+                self.remove(leaf)
+            if parent is not self.root and parent.lock_ref == 0 and _is_device_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
 
-    def _leaves(self) -> list[TreeNode]:
+    def remove(self, node: TreeNode) -> None:
+        """Take a node off the device (or with none there) out of the tree, with its
+        subtree (host-only nodes)."""
+        if self.record_events:
+            stack = [node]
+            while stack:
+                n = stack.pop()
+                self._record("evict", n)
+                stack.extend(n.children.values())
+        del node.parent.children[node.key[0]]
+        if self.host is not None:
+            self.host.release(node)
+
+    def _device_leaves(self) -> list[TreeNode]:
         out, stack = [], [self.root]
         while stack:
             node = stack.pop()
-            if not node.children and node is not self.root:
+            if node is not self.root and _is_device_leaf(node):
                 out.append(node)
-            stack.extend(node.children.values())
+            stack.extend(c for c in node.children.values() if c.value)
         return out
+
+    # -- host tier ----------------------------------------------------------------------
+
+    def load_back(self, tokens: Sequence[int], free_only: bool = False,
+                  namespace: int = 0) -> int:
+        """Bring the host-held part of `tokens`' cached prefix (under `namespace`) back to
+        the device, top down, while memory allows (`free_only`: into free slots alone,
+        evicting nothing: a prefetch). Returns the tokens loaded; `match_prefix` then finds
+        them."""
+        chain = self._host_chain(_keyed(tokens, namespace))
+        if not chain:
+            return 0
+        anchor, loaded = chain[0].parent, 0
+        self.lock(anchor)  # the device path above stays put while others are evicted
+        for node in chain:
+            n = len(node.key)
+            room = self.allocator.num_free + (0 if free_only else self.evictable_size)
+            if room < n:
+                break
+            if self.allocator.num_free < n:
+                self.evict(n - self.allocator.num_free)
+            if node.host_value is None or self.allocator.num_free < n:
+                break  # (its write-backs pushed it out of a full host tier)
+            slots = self.allocator.alloc(n)
+            self.host.load(node, slots)
+            node.value = tuple(slots)
+            self._added_to_device(node)
+            self.lock(node)
+            self.unlock(anchor)
+            anchor, loaded = node, loaded + n
+        self.unlock(anchor)
+        return loaded
+
+    def _host_chain(self, tokens: Sequence[int]) -> list[TreeNode]:
+        """The host-only nodes along `tokens`' cached prefix (the last one cut to it)."""
+        if self.host is None or not self.enabled:
+            return []
+        return [node for node in self.cached_path(tokens) if not node.value]
+
+    def cached_path(self, tokens: Sequence[int]) -> list[TreeNode]:
+        """The nodes of `tokens`' longest cached prefix in either tier, top down, the last
+        one cut to where the prefix ends (touched: they are in use)."""
+        node, pos, path = self.root, 0, []
+        while pos < len(tokens) and (child := node.children.get(tokens[pos])) is not None:
+            n = _common_len(child.key, tokens, pos)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.touch()
+            path.append(child)
+            pos, node = pos + n, child
+        return path
 
     # -- events and stats ---------------------------------------------------------------
 
@@ -244,6 +350,22 @@ class RadixCache:
             stack.extend(node.children.values())
         return out
 
+    def all_host_slots(self) -> list[int]:
+        """Every host-tier slot the tree holds (for leak checks)."""
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            out.extend(node.host_value or ())
+            stack.extend(node.children.values())
+        return out
+
     def reset(self) -> None:
-        """Drop every unlocked node (flush the cache)."""
-        self.evict(self.evictable_size)
+        """Drop every unlocked node (flush the cache), on the host too."""
+        self.evict(self.evictable_size, to_host=False)
+        stack, host_only = [self.root], []
+        while stack:
+            node = stack.pop()
+            for child in node.children.values():
+                (stack if child.value else host_only).append(child)
+        for node in host_only:
+            self.remove(node)

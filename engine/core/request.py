@@ -57,6 +57,7 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
+    host_loaded: int = 0  # of its prefix, tokens loaded back from the host tier for it
     admitted_once: bool = False
     num_preemptions: int = 0
     prompt_logprobs: list[float | None] | None = None  # when params.prompt_logprobs_start is set

@@ -51,6 +51,7 @@ class AdapterGate(Protocol):
 class SchedulerStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, those loaded back from the host tier
     generated_tokens: int = 0
     preemptions: int = 0  # retractions, for memory or for priority
     priority_preemptions: int = 0  # of them, those for a waiting higher-priority request
@@ -83,6 +84,10 @@ class Scheduler:
     # -- queue --------------------------------------------------------------------------
 
     def add(self, req: Request) -> None:
+        # Prefetch: start loading its prefix from the host tier into free slots now, so
+        # that it is on the device by the time the request is admitted.
+        req.host_loaded += self.cache.load_back(req.token_ids[:-1], free_only=True,
+                                                namespace=req.lora_id)
         self.waiting.append(req)
         self.deadlines.add(req)
         if req.params.priority:
@@ -264,6 +269,7 @@ class Scheduler:
         reusable = len(req.token_ids) - 1
         if req.prompt_logprobs_from is not None:  # the logits before it must be computed
             reusable = min(reusable, req.prompt_logprobs_from - 1)
+        req.host_loaded += self.cache.load_back(req.token_ids[:reusable], namespace=req.lora_id)
         slots, node = self.cache.match_prefix(req.token_ids[:reusable], req.lora_id)
         self.cache.lock(node)  # before measuring memory: locked slots are not evictable
         n = self._fit(len(req.token_ids) - len(slots), budget, others, reserve)
@@ -282,6 +288,7 @@ class Scheduler:
             req.cached_tokens = min(len(slots), req.num_prompt)
             self.stats.prompt_tokens += req.num_prompt
             self.stats.cached_tokens += req.cached_tokens
+            self.stats.host_cached_tokens += min(req.host_loaded, req.cached_tokens)
         return self._extend(req, n)
 
     def _extend(self, req: Request, n: int) -> Chunk:

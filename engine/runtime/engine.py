@@ -10,12 +10,14 @@ from engine.config import EngineConfig
 from engine.runtime.gc_freeze import freeze_after_start
 from engine.grammar import Grammars
 from engine.layers.parallel import TPContext
+from engine.executor.kv_transfer import make_host_tier
 from engine.executor.model_runner import ModelRunner
 from engine.executor.output_processor import OutputProcessor, TokenUpdate, feed_detokenizer
 from engine.core.outputs import RequestOutput
 from engine.runtime.overlap import OverlapStepper
 from engine.runtime.pooling_engine import PoolingEngine
 from engine.runtime.pooling_requests import OfflinePooling
+from engine.runtime.prefix_exchange import ExportedPrefix, export_prefix, import_prefix
 from engine.core.queue_deadlines import QueueTimeoutError, timeout_error
 from engine.core.radix_cache import RadixCache
 from engine.core.request import Request, validate_request
@@ -49,8 +51,10 @@ class Engine:
         self.runner = ModelRunner(config, tp=tp, reserve=reserve)
         self.max_context = self.runner.max_context
         allocator = self.runner.kv_pool.allocator
+        tier = make_host_tier(config, self.runner.kv_pool)
+        self.host_tier, self.kv_transfer = tier if tier is not None else (None, None)
         self.cache = RadixCache(allocator, enabled=config.enable_radix_cache,
-                                record_events=config.enable_cache_events)
+                                record_events=config.enable_cache_events, host=self.host_tier)
         self.scheduler = Scheduler(config, allocator, self.cache)
         self.sampler = Sampler(self.runner.device, config.seed, self.tokenizer.eos_token_ids,
                                config.kernels.sort_free_cut)
@@ -233,7 +237,27 @@ class Engine:
             "steps": s.steps,
             **(self.speculator.stats_dict() if self.speculator else {}),
             **(self.lora.stats_dict() if self.lora else {}),
+            **self._host_tier_stats(),
         }
+
+    def _host_tier_stats(self) -> dict:
+        """Per-tier hits and the host tier's traffic (counts, and `_seconds` totals, which
+        /v1/stats sums over replicas too)."""
+        s = self.scheduler.stats
+        out = {"device_cached_tokens": s.cached_tokens - s.host_cached_tokens,
+               "host_cached_tokens": s.host_cached_tokens}
+        if self.host_tier is None:
+            return out
+        t, tier = self.kv_transfer, self.host_tier
+        t.collect_times()
+        return {**out, "host_total_slots": tier.num_slots, "host_used_slots": tier.used_slots,
+                "host_loaded_tokens": tier.stats.loaded_tokens,
+                "host_written_tokens": tier.stats.written_tokens,
+                "host_dropped_tokens": tier.stats.dropped_tokens,
+                "host_exported_tokens": tier.stats.exported_tokens,
+                "host_imported_tokens": tier.stats.imported_tokens,
+                "host_load_bytes": t.stats.load_bytes, "host_write_back_bytes": t.stats.write_back_bytes,
+                "host_load_seconds": t.stats.load_s, "host_write_back_seconds": t.stats.write_back_s}
 
     # -- for the serving layer (deployments/ reads the engine only through these) ---------
 
@@ -247,6 +271,15 @@ class Engine:
         """The radix cache's insert/evict events since the last call, oldest first (with
         `enable_cache_events`; the replica folds them into its routing digest)."""
         return self.cache.drain_events()
+
+    def export_prefix(self, tokens: list[int]) -> ExportedPrefix | None:
+        """The KV of `tokens`' longest cached prefix, for another replica (host tier only;
+        None without one or without a match)."""
+        return export_prefix(self.cache, self.host_tier, tokens)
+
+    def import_prefix(self, prefix: ExportedPrefix) -> int:
+        """Take a prefix another replica exported into the host tier; tokens added."""
+        return import_prefix(self.cache, self.host_tier, prefix)
 
     def drain_grammar_compile_times(self) -> list[float]:
         """Seconds each structured-output grammar compile took since the last call."""
