@@ -184,6 +184,15 @@ def engine_panels() -> list[dict[str, Any]]:
                    "device->host while copying"),
         ], "Bps", "Bytes moved per second, and per second of copy time (the bandwidth the "
                   "copies reach; compare the link's peak)."),
+        timeseries("LoRA adapters", [
+            target(rate("radixserve:lora_requests"), "requests under an adapter/s"),
+            target(rate("radixserve:lora_slot_hits"), "adapter already in a GPU slot/s"),
+            target(rate("radixserve:lora_slot_loads"), "loaded into a GPU slot/s"),
+            target(rate("radixserve:lora_disk_loads"), "read from disk/s"),
+            target(rate("radixserve:lora_dynamic_loads"), "registered on first use/s"),
+            target(gauge("radixserve:lora_adapters", "max", "engine"), "registered {{engine}}"),
+        ], "short", "Requests that ran under a LoRA adapter, how their adapters reached a GPU "
+                    "slot, and the adapters each engine replica knows. Empty without adapters."),
         timeseries("Speculative decoding", [
             target(ratio("vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_draft_tokens"),
                    "acceptance rate"),
