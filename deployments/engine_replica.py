@@ -18,7 +18,8 @@ from deployments.channel import (
 )
 from deployments.errors import OVERLOADED_MESSAGE
 from deployments.local_metrics import process_metrics
-from deployments.metrics import EngineMetrics, record_gc_pauses
+from deployments.engine_metrics import EngineMetrics
+from deployments.metrics import record_gc_pauses
 from deployments.served_metrics import StatHighWater
 from deployments.tp_workers import TPWorkers
 from engine import (

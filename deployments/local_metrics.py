@@ -13,7 +13,6 @@ from __future__ import annotations
 import bisect
 import threading
 from dataclasses import dataclass, field
-from typing import Any
 
 Tags = tuple[tuple[str, str], ...]  # sorted (key, value) pairs
 

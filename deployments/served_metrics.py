@@ -6,7 +6,7 @@ HPA autoscalers and gateways read; a radixserve app answers them with the same m
 row says where its numbers come from in a replica's snapshot (deployments/scrape.py):
 
     stat      a key of the engine's `stats()` (counters and gauges, per engine replica)
-    recorded  a catalogue metric of deployments/metrics.py, from the process's local copy
+    recorded  a catalogue metric of deployments/metric_catalogue.py, from the process's local copy
               (deployments/local_metrics.py): the same records as Ray's `ray_radixserve_*`
     router    a key of the prefix router's `router_stats()` (per ingress replica)
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from deployments import metrics as m
+from deployments import metric_catalogue as cat
 
 ENGINE, INGRESS = "engine", "ingress"
 STAT, RECORDED, ROUTER = "stat", "recorded", "router"
@@ -54,7 +54,7 @@ def _stat(name: str, kind: str, key: str, help: str) -> Served:
 
 def _recorded(name: str, key: str, help: str = "", role: str = ENGINE,
               tags: tuple[tuple[str, str], ...] = (), only: tuple[str, ...] = ()) -> Served:
-    spec = m.BY_NAME[key]
+    spec = cat.BY_NAME[key]
     return Served(name, spec.kind, help or spec.description, RECORDED, key, role, tags, only)
 
 
@@ -87,19 +87,19 @@ SERVED: tuple[Served, ...] = (
           "Number of draft tokens."),
     _stat("vllm:spec_decode_num_accepted_tokens", "counter", "spec_accepted_tokens",
           "Number of accepted tokens."),
-    _recorded("vllm:request_success", m.ENGINE_REQUESTS, "Count of successfully processed "
+    _recorded("vllm:request_success", cat.ENGINE_REQUESTS, "Count of successfully processed "
               "requests (engine calls: one per prompt and choice).",
               tags=(("finish_reason", "finished_reason"),), only=VLLM_FINISH_REASONS),
-    _recorded("vllm:time_to_first_token_seconds", m.TIME_TO_FIRST_TOKEN),
-    _recorded("vllm:inter_token_latency_seconds", m.INTER_TOKEN_LATENCY, "Inter-token latency "
+    _recorded("vllm:time_to_first_token_seconds", cat.TIME_TO_FIRST_TOKEN),
+    _recorded("vllm:inter_token_latency_seconds", cat.INTER_TOKEN_LATENCY, "Inter-token latency "
               "in seconds: every token after the first, a delta's gap shared among its tokens."),
-    _recorded("vllm:request_time_per_output_token_seconds", m.TIME_PER_OUTPUT_TOKEN),
-    _recorded("vllm:e2e_request_latency_seconds", m.E2E_REQUEST_LATENCY),
-    _recorded("vllm:request_queue_time_seconds", m.QUEUE_TIME),
-    _recorded("vllm:request_prefill_time_seconds", m.PREFILL_TIME),
-    _recorded("vllm:request_decode_time_seconds", m.DECODE_TIME),
-    _recorded("vllm:request_prompt_tokens", m.REQUEST_PROMPT_LENGTH),
-    _recorded("vllm:request_generation_tokens", m.REQUEST_GENERATION_LENGTH),
+    _recorded("vllm:request_time_per_output_token_seconds", cat.TIME_PER_OUTPUT_TOKEN),
+    _recorded("vllm:e2e_request_latency_seconds", cat.E2E_REQUEST_LATENCY),
+    _recorded("vllm:request_queue_time_seconds", cat.QUEUE_TIME),
+    _recorded("vllm:request_prefill_time_seconds", cat.PREFILL_TIME),
+    _recorded("vllm:request_decode_time_seconds", cat.DECODE_TIME),
+    _recorded("vllm:request_prompt_tokens", cat.REQUEST_PROMPT_LENGTH),
+    _recorded("vllm:request_generation_tokens", cat.REQUEST_GENERATION_LENGTH),
     # -- ours -----------------------------------------------------------------------------
     _stat("radixserve:radix_cache_tokens", "gauge", "cached_slots",
           "Tokens held by the radix cache (shared prefixes kept for later requests)."),
@@ -137,16 +137,16 @@ SERVED: tuple[Served, ...] = (
     _stat("radixserve:lora_dynamic_loads", "counter", "lora_dynamic_loads",
           "LoRA adapters registered on first use from lora_dynamic_path."),
     _stat("radixserve:lora_adapters", "gauge", "lora_adapters", "LoRA adapters registered."),
-    _recorded("radixserve:engine_requests", m.ENGINE_REQUESTS, tags=(("finish_reason", "finish_reason"),)),
-    _recorded("radixserve:batch_size", m.BATCH_SIZE),
-    _recorded("radixserve:grammar_compile_seconds", m.GRAMMAR_COMPILE_TIME),
-    _recorded("radixserve:http_requests", m.HTTP_REQUESTS, role=INGRESS,
+    _recorded("radixserve:engine_requests", cat.ENGINE_REQUESTS, tags=(("finish_reason", "finish_reason"),)),
+    _recorded("radixserve:batch_size", cat.BATCH_SIZE),
+    _recorded("radixserve:grammar_compile_seconds", cat.GRAMMAR_COMPILE_TIME),
+    _recorded("radixserve:http_requests", cat.HTTP_REQUESTS, role=INGRESS,
               tags=(("endpoint", "endpoint"), ("status", "status"))),
-    _recorded("radixserve:http_request_duration_seconds", m.HTTP_REQUEST_DURATION, role=INGRESS,
+    _recorded("radixserve:http_request_duration_seconds", cat.HTTP_REQUEST_DURATION, role=INGRESS,
               tags=(("endpoint", "endpoint"),)),
-    _recorded("radixserve:engine_calls_finished", m.ENGINE_CALLS_FINISHED, role=INGRESS),
-    _recorded("radixserve:finished_prompt_tokens", m.PROMPT_TOKENS, role=INGRESS),
-    _recorded("radixserve:finished_cached_tokens", m.ACTUAL_CACHED_TOKENS, "Prompt tokens of "
+    _recorded("radixserve:engine_calls_finished", cat.ENGINE_CALLS_FINISHED, role=INGRESS),
+    _recorded("radixserve:finished_prompt_tokens", cat.PROMPT_TOKENS, role=INGRESS),
+    _recorded("radixserve:finished_cached_tokens", cat.ACTUAL_CACHED_TOKENS, "Prompt tokens of "
               "finished engine calls that the serving replica found in its radix cache "
               "(compare radixserve:router_predicted_matched_tokens).", role=INGRESS),
     _router("radixserve:router_routed_with_match", "routed_with_match",

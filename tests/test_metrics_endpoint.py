@@ -12,6 +12,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from deployments import metric_catalogue as cat
+from deployments import engine_metrics
 from deployments import metrics as m
 from deployments.auth import KeyCheck
 from deployments.local_metrics import LocalMetrics
@@ -52,8 +54,8 @@ def test_table_has_vllms_names_and_ours_as_valid_prometheus_names():
         assert not s.name.endswith("_total") and s.help and s.role in (ENGINE, INGRESS)
         assert s.kind in ("counter", "gauge", "histogram")
         if s.source == RECORDED:  # the catalogue metric it reads, of the same type
-            assert m.BY_NAME[s.key].kind == s.kind
-            assert {tag for tag, _ in s.tags} <= set(m.BY_NAME[s.key].tag_keys)
+            assert cat.BY_NAME[s.key].kind == s.kind
+            assert {tag for tag, _ in s.tags} <= set(cat.BY_NAME[s.key].tag_keys)
         assert s.source != ROUTER or s.role == INGRESS
     assert {"radixserve:queue_timeouts", "vllm:num_preemptions",
             "radixserve:router_routed_with_match"} <= set(names)
@@ -91,11 +93,11 @@ def test_request_timer_counts_every_token_after_the_first_for_vllms_itl():
     """The local inter-token latency is per token (vLLM's), while Ray's metric keeps one
     sample per 0.25 s window; TTFT, e2e and queue time count one per request."""
     local = LocalMetrics()
-    names = [m.TIME_TO_FIRST_TOKEN, m.INTER_TOKEN_LATENCY, m.E2E_REQUEST_LATENCY, m.QUEUE_TIME,
-             m.PREFILL_TIME, m.DECODE_TIME, m.TIME_PER_OUTPUT_TOKEN, m.ENGINE_REQUESTS]
+    names = [cat.TIME_TO_FIRST_TOKEN, cat.INTER_TOKEN_LATENCY, cat.E2E_REQUEST_LATENCY, cat.QUEUE_TIME,
+             cat.PREFILL_TIME, cat.DECODE_TIME, cat.TIME_PER_OUTPUT_TOKEN, cat.ENGINE_REQUESTS]
     metrics = m.MetricSet(names, factory=lambda spec: None, local=local)  # no Ray metrics
     now = [0.0]
-    timer = m.RequestTimer(metrics, lambda: now[0])
+    timer = engine_metrics.RequestTimer(metrics, lambda: now[0])
     now[0] = 0.05
     timer.on_delta(1, False, None, queue_time=0.01)  # the first token
     now[0] = 0.06
@@ -105,11 +107,11 @@ def test_request_timer_counts_every_token_after_the_first_for_vllms_itl():
     now[0] = 0.11
     timer.on_delta(1, True, "length", prompt_tokens=5, completion_tokens=6)
     hists = {n: (counts, total) for n, _, _, counts, total in local.snapshot()["histograms"]}
-    itl_counts, itl_sum = hists[m.INTER_TOKEN_LATENCY]
+    itl_counts, itl_sum = hists[cat.INTER_TOKEN_LATENCY]
     assert sum(itl_counts) == 5 and itl_sum == pytest.approx(0.01 + 0.03 + 0.02)
-    for name in (m.TIME_TO_FIRST_TOKEN, m.E2E_REQUEST_LATENCY, m.QUEUE_TIME, m.TIME_PER_OUTPUT_TOKEN):
+    for name in (cat.TIME_TO_FIRST_TOKEN, cat.E2E_REQUEST_LATENCY, cat.QUEUE_TIME, cat.TIME_PER_OUTPUT_TOKEN):
         assert sum(hists[name][0]) == 1, name
-    assert hists[m.TIME_PER_OUTPUT_TOKEN][1] == pytest.approx(0.06 / 5)
+    assert hists[cat.TIME_PER_OUTPUT_TOKEN][1] == pytest.approx(0.06 / 5)
 
 
 
@@ -118,16 +120,16 @@ def test_tokens_arriving_with_the_first_count_as_zero_gaps():
     the tokens after the first reached the client with it, so each gets a zero gap and
     every token after the first still has one sample."""
     local = LocalMetrics()
-    metrics = m.MetricSet([m.TIME_TO_FIRST_TOKEN, m.INTER_TOKEN_LATENCY, m.E2E_REQUEST_LATENCY,
-                           m.DECODE_TIME, m.TIME_PER_OUTPUT_TOKEN, m.ENGINE_REQUESTS],
+    metrics = m.MetricSet([cat.TIME_TO_FIRST_TOKEN, cat.INTER_TOKEN_LATENCY, cat.E2E_REQUEST_LATENCY,
+                           cat.DECODE_TIME, cat.TIME_PER_OUTPUT_TOKEN, cat.ENGINE_REQUESTS],
                           factory=lambda spec: None, local=local)
     now = [0.05]
-    timer = m.RequestTimer(metrics, lambda: now[0])
+    timer = engine_metrics.RequestTimer(metrics, lambda: now[0])
     timer.on_delta(3, False, None)
     now[0] = 0.07
     timer.on_delta(1, True, "length", completion_tokens=4)
     hists = {n: (counts, total) for n, _, _, counts, total in local.snapshot()["histograms"]}
-    itl_counts, itl_sum = hists[m.INTER_TOKEN_LATENCY]
+    itl_counts, itl_sum = hists[cat.INTER_TOKEN_LATENCY]
     assert sum(itl_counts) == 3 and itl_sum == pytest.approx(0.02)
     assert itl_counts[0] == 2  # the two zero gaps, in the lowest bucket
 
@@ -148,9 +150,9 @@ def snapshot_of(replica: str, **parts) -> dict:
 def test_render_keeps_each_replica_under_its_label_and_parses_as_prometheus_text():
     engine_stats = {"running": 2, "waiting": 1, "kv_usage": 0.25, "prompt_tokens": 100,
                     "cached_tokens": 40, "generated_tokens": 9}
-    recorded = {"values": [[m.ENGINE_REQUESTS, {"finish_reason": "length"}, 2.0],
-                           [m.ENGINE_REQUESTS, {"finish_reason": "rejected"}, 1.0]],
-                "histograms": [[m.TIME_TO_FIRST_TOKEN, {}, [0.1, 1.0], [1, 1, 0], 0.6]]}
+    recorded = {"values": [[cat.ENGINE_REQUESTS, {"finish_reason": "length"}, 2.0],
+                           [cat.ENGINE_REQUESTS, {"finish_reason": "rejected"}, 1.0]],
+                "histograms": [[cat.TIME_TO_FIRST_TOKEN, {}, [0.1, 1.0], [1, 1, 0], 0.6]]}
     snaps = [snapshot_of("e1", engine=engine_stats, recorded=recorded),
              snapshot_of("e2", engine={**engine_stats, "running": 0}),
              snapshot_of("i1", router={"routed_with_match": 3, "routed_without_match": 1})]

@@ -21,6 +21,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import grafana_dashboard as gd  # noqa: E402
+from deployments import metric_catalogue as cat  # noqa: E402
+from deployments import engine_metrics  # noqa: E402
 from deployments import metrics as m  # noqa: E402
 from deployments.served_metrics import BY_SERVED_NAME, RECORDED, ROUTER, SERVED, STAT, served_series  # noqa: E402
 from deployments.stats import aggregate, summary  # noqa: E402
@@ -33,9 +35,9 @@ from serve_helpers import ROOT, end_ray, free_port, serve_config_args, wait_unti
 
 
 def test_catalogue_names_are_unique_prometheus_names():
-    names = [spec.name for spec in m.METRICS]
+    names = [spec.name for spec in cat.METRICS]
     assert len(names) == len(set(names))
-    for spec in m.METRICS:
+    for spec in cat.METRICS:
         assert re.fullmatch(r"radixserve_[a-z0-9_]+", spec.name), spec.name
         assert spec.kind in ("counter", "gauge", "histogram")
         assert spec.description
@@ -46,14 +48,14 @@ def test_catalogue_names_are_unique_prometheus_names():
 def test_router_metric_names_match_the_router():
     from router import request_router
 
-    routers = {spec.name for spec in m.METRICS if spec.name.startswith(request_router.METRIC_PREFIX)}
+    routers = {spec.name for spec in cat.METRICS if spec.name.startswith(request_router.METRIC_PREFIX)}
     assert routers == {request_router.METRIC_PREFIX + n for n in request_router._Counters.NAMES}
 
 
 def test_series_names_follow_rays_export():
-    assert m.BY_NAME[m.HTTP_REQUESTS].series() == ("ray_radixserve_http_requests_total",)
-    assert m.BY_NAME[m.NUM_RUNNING].series() == ("ray_radixserve_num_running_requests",)
-    assert m.BY_NAME[m.BATCH_SIZE].series() == (
+    assert cat.BY_NAME[cat.HTTP_REQUESTS].series() == ("ray_radixserve_http_requests_total",)
+    assert cat.BY_NAME[cat.NUM_RUNNING].series() == ("ray_radixserve_num_running_requests",)
+    assert cat.BY_NAME[cat.BATCH_SIZE].series() == (
         "ray_radixserve_batch_size_bucket", "ray_radixserve_batch_size_sum",
         "ray_radixserve_batch_size_count")
 
@@ -62,7 +64,7 @@ def test_series_names_follow_rays_export():
 
 
 class FakeMetric:
-    def __init__(self, spec: m.MetricSpec, log: list) -> None:
+    def __init__(self, spec: cat.MetricSpec, log: list) -> None:
         self.name, self.log = spec.name, log
 
     def inc(self, value, tags=None):
@@ -109,62 +111,62 @@ def test_gc_pauses_of_generations_1_and_2_are_timed_until_closed():
         gc.collect()  # after close(): not recorded
         if enabled:
             gc.enable()
-    pauses = [(tags["generation"], v) for n, op, v, tags in log if n == m.GC_PAUSE]
+    pauses = [(tags["generation"], v) for n, op, v, tags in log if n == cat.GC_PAUSE]
     assert [g for g, _ in pauses] == ["2", "1"]
     assert all(op == "observe" for n, op, _, _ in log) and all(0 < v < 60 for _, v in pauses)
 
 
 def test_engine_metrics_fold_stats_into_counters_gauges_and_batch_sizes():
     log: list = []
-    em = m.EngineMetrics(fake_factory(log), flush_interval_s=0.0)
+    em = engine_metrics.EngineMetrics(fake_factory(log), flush_interval_s=0.0)
     em.on_step(stats_of(prompt_tokens=100, cached_tokens=40, steps=1, running=3, waiting=2, kv_usage=0.5))
     em.on_step(stats_of(prompt_tokens=120, cached_tokens=40, steps=2, running=2, finished_requests=1))
     em.on_step(stats_of(prompt_tokens=110, cached_tokens=40, steps=2, running=2, finished_requests=1))
     em.on_step(stats_of(prompt_tokens=130, cached_tokens=50, steps=2, running=2, finished_requests=1))
 
     incs = [(n, v) for n, op, v, _ in log if op == "inc"]
-    assert incs == [(m.ENGINE_PROMPT_TOKENS, 100), (m.ENGINE_CACHED_TOKENS, 40), (m.ENGINE_STEPS, 1),
-                    (m.ENGINE_PROMPT_TOKENS, 20), (m.ENGINE_STEPS, 1),
+    assert incs == [(cat.ENGINE_PROMPT_TOKENS, 100), (cat.ENGINE_CACHED_TOKENS, 40), (cat.ENGINE_STEPS, 1),
+                    (cat.ENGINE_PROMPT_TOKENS, 20), (cat.ENGINE_STEPS, 1),
                     # 110 < 120 already counted (an admission taken back): only 130 - 120
-                    (m.ENGINE_PROMPT_TOKENS, 10), (m.ENGINE_CACHED_TOKENS, 10)]
-    batches = [v for n, op, v, _ in log if n == m.BATCH_SIZE]
+                    (cat.ENGINE_PROMPT_TOKENS, 10), (cat.ENGINE_CACHED_TOKENS, 10)]
+    batches = [v for n, op, v, _ in log if n == cat.BATCH_SIZE]
     assert batches == [3, 3]  # step 2: two still running + one that finished in it
     gauges = [(n, v) for n, op, v, _ in log if op == "set"][:4]
-    assert gauges == [(m.NUM_RUNNING, 3), (m.NUM_WAITING, 2), (m.KV_CACHE_USAGE, 0.5),
-                      (m.RADIX_CACHE_TOKENS, 0)]
+    assert gauges == [(cat.NUM_RUNNING, 3), (cat.NUM_WAITING, 2), (cat.KV_CACHE_USAGE, 0.5),
+                      (cat.RADIX_CACHE_TOKENS, 0)]
 
 
 def test_engine_metrics_count_speculative_decoding():
     """The engine's speculative counters (engine.stats() spec_*) feed three counters, from
     which the dashboard computes the acceptance rate and length; absent when it is off."""
     log: list = []
-    em = m.EngineMetrics(fake_factory(log), flush_interval_s=0.0)
+    em = engine_metrics.EngineMetrics(fake_factory(log), flush_interval_s=0.0)
     em.on_step(stats_of(steps=1))
     em.on_step(stats_of(steps=2, spec_steps=3, spec_drafted_tokens=12, spec_accepted_tokens=7))
     em.on_step(stats_of(steps=3, spec_steps=5, spec_drafted_tokens=20, spec_accepted_tokens=9))
-    incs = [(n, v) for n, op, v, _ in log if op == "inc" and n != m.ENGINE_STEPS]
-    assert incs == [(m.SPEC_VERIFY_STEPS, 3), (m.SPEC_DRAFTED_TOKENS, 12), (m.SPEC_ACCEPTED_TOKENS, 7),
-                    (m.SPEC_VERIFY_STEPS, 2), (m.SPEC_DRAFTED_TOKENS, 8), (m.SPEC_ACCEPTED_TOKENS, 2)]
+    incs = [(n, v) for n, op, v, _ in log if op == "inc" and n != cat.ENGINE_STEPS]
+    assert incs == [(cat.SPEC_VERIFY_STEPS, 3), (cat.SPEC_DRAFTED_TOKENS, 12), (cat.SPEC_ACCEPTED_TOKENS, 7),
+                    (cat.SPEC_VERIFY_STEPS, 2), (cat.SPEC_DRAFTED_TOKENS, 8), (cat.SPEC_ACCEPTED_TOKENS, 2)]
 
 
 def test_engine_metrics_flush_at_most_once_per_interval():
     log: list = []
     clock = Clock()
-    em = m.EngineMetrics(fake_factory(log), flush_interval_s=1.0, clock=clock)
+    em = engine_metrics.EngineMetrics(fake_factory(log), flush_interval_s=1.0, clock=clock)
     em.on_step(stats_of(prompt_tokens=10, steps=1, running=1))
     clock.now += 0.1
     em.on_step(stats_of(prompt_tokens=20, steps=2, running=1))
-    assert [v for n, op, v, _ in log if n == m.ENGINE_PROMPT_TOKENS] == [10]
-    assert [v for n, op, v, _ in log if n == m.BATCH_SIZE] == [1, 1]  # every step
+    assert [v for n, op, v, _ in log if n == cat.ENGINE_PROMPT_TOKENS] == [10]
+    assert [v for n, op, v, _ in log if n == cat.BATCH_SIZE] == [1, 1]  # every step
     clock.now += 1.0
     em.on_step(stats_of(prompt_tokens=20, steps=2, running=0))
-    assert [v for n, op, v, _ in log if n == m.ENGINE_PROMPT_TOKENS] == [10, 10]
+    assert [v for n, op, v, _ in log if n == cat.ENGINE_PROMPT_TOKENS] == [10, 10]
 
 
 def test_request_timer_records_ttft_itl_e2e_and_one_outcome():
     log: list = []
     clock = Clock()
-    em = m.EngineMetrics(fake_factory(log), clock=clock)
+    em = engine_metrics.EngineMetrics(fake_factory(log), clock=clock)
     timer = em.track_request()
     clock.now += 0.5
     timer.on_delta(1, False, None)
@@ -175,24 +177,24 @@ def test_request_timer_records_ttft_itl_e2e_and_one_outcome():
     timer.close()
     got = [(n, round(v, 6), t) for n, op, v, t in log]
     # one inter-token sample for the window (0.3 s >= 0.25 s): the mean gap of its 3 tokens
-    assert got == [(m.TIME_TO_FIRST_TOKEN, 0.5, None), (m.INTER_TOKEN_LATENCY, 0.1, None),
-                   (m.E2E_REQUEST_LATENCY, 0.8, None), (m.DECODE_TIME, 0.3, None),
-                   (m.ENGINE_REQUESTS, 1, {"finish_reason": "length"})]
+    assert got == [(cat.TIME_TO_FIRST_TOKEN, 0.5, None), (cat.INTER_TOKEN_LATENCY, 0.1, None),
+                   (cat.E2E_REQUEST_LATENCY, 0.8, None), (cat.DECODE_TIME, 0.3, None),
+                   (cat.ENGINE_REQUESTS, 1, {"finish_reason": "length"})]
     log.clear()
     busy = em.track_request()
     busy.on_delta(1, False, None)  # TTFT at 0
     for _ in range(20):  # 20 deltas in 0.2 s: within one window, no sample yet
         clock.now += 0.01
         busy.on_delta(1, False, None)
-    assert [n for n, *_ in log] == [m.TIME_TO_FIRST_TOKEN]
+    assert [n for n, *_ in log] == [cat.TIME_TO_FIRST_TOKEN]
     clock.now += 0.1
     busy.on_delta(4, False, None)
-    assert [(n, round(v, 6)) for n, _, v, _ in log[1:]] == [(m.INTER_TOKEN_LATENCY, round(0.3 / 24, 6))]
+    assert [(n, round(v, 6)) for n, _, v, _ in log[1:]] == [(cat.INTER_TOKEN_LATENCY, round(0.3 / 24, 6))]
     log.clear()
     left = em.track_request()
     left.close()
     left.close()
-    assert log == [(m.ENGINE_REQUESTS, "inc", 1, {"finish_reason": "cancelled"})]
+    assert log == [(cat.ENGINE_REQUESTS, "inc", 1, {"finish_reason": "cancelled"})]
 
 
 def test_request_timer_splits_phases_and_records_lengths():
@@ -200,25 +202,25 @@ def test_request_timer_splits_phases_and_records_lengths():
     output token run from the first token to the last; lengths at the end."""
     log: list = []
     clock = Clock()
-    em = m.EngineMetrics(fake_factory(log), clock=clock)
+    em = engine_metrics.EngineMetrics(fake_factory(log), clock=clock)
     timer = em.track_request()
     clock.now += 0.5
     timer.on_delta(1, False, None, prompt_tokens=40, completion_tokens=1, queue_time=0.2)
     clock.now += 0.9
     timer.on_delta(9, True, "stop", prompt_tokens=40, completion_tokens=10)
     got = {n: round(v, 6) for n, op, v, _ in log if op == "observe"}
-    assert got[m.QUEUE_TIME] == 0.2 and got[m.PREFILL_TIME] == 0.3
-    assert got[m.DECODE_TIME] == 0.9 and got[m.TIME_PER_OUTPUT_TOKEN] == 0.1
-    assert got[m.REQUEST_PROMPT_LENGTH] == 40 and got[m.REQUEST_GENERATION_LENGTH] == 10
+    assert got[cat.QUEUE_TIME] == 0.2 and got[cat.PREFILL_TIME] == 0.3
+    assert got[cat.DECODE_TIME] == 0.9 and got[cat.TIME_PER_OUTPUT_TOKEN] == 0.1
+    assert got[cat.REQUEST_PROMPT_LENGTH] == 40 and got[cat.REQUEST_GENERATION_LENGTH] == 10
     log.clear()
     em.on_grammar_compiles([0.05, 0.2])
-    assert [(n, v) for n, _, v, _ in log] == [(m.GRAMMAR_COMPILE_TIME, 0.05), (m.GRAMMAR_COMPILE_TIME, 0.2)]
+    assert [(n, v) for n, _, v, _ in log] == [(cat.GRAMMAR_COMPILE_TIME, 0.05), (cat.GRAMMAR_COMPILE_TIME, 0.2)]
 
 
 def test_long_requests_do_not_overflow_the_latency_buckets():
-    assert m.BY_NAME[m.E2E_REQUEST_LATENCY].boundaries[-1] >= 3600
-    assert m.BY_NAME[m.HTTP_REQUEST_DURATION].boundaries[-1] >= 3600
-    assert m.BY_NAME[m.TIME_TO_FIRST_TOKEN].boundaries[-1] >= 300
+    assert cat.BY_NAME[cat.E2E_REQUEST_LATENCY].boundaries[-1] >= 3600
+    assert cat.BY_NAME[cat.HTTP_REQUEST_DURATION].boundaries[-1] >= 3600
+    assert cat.BY_NAME[cat.TIME_TO_FIRST_TOKEN].boundaries[-1] >= 300
 
 
 def test_metrics_never_break_the_caller():
@@ -227,7 +229,7 @@ def test_metrics_never_break_the_caller():
             raise RuntimeError("no Ray here")
         return object()  # has no inc/observe: recording fails
 
-    em = m.EngineMetrics(broken_factory)
+    em = engine_metrics.EngineMetrics(broken_factory)
     em.on_step(stats_of(prompt_tokens=5, steps=1, running=1))
     em.track_request().on_delta(1, True, "stop")
 
@@ -270,10 +272,10 @@ def test_http_middleware_counts_by_endpoint_and_status():
             assert (await client.get("/missing")).status_code == 404
 
     asyncio.run(run())
-    counted = [t for n, op, v, t in log if n == m.HTTP_REQUESTS]
+    counted = [t for n, op, v, t in log if n == cat.HTTP_REQUESTS]
     assert counted == [{"endpoint": "/ok", "status": "200"}, {"endpoint": "/bad", "status": "400"},
                        {"endpoint": "/stream", "status": "200"}, {"endpoint": "other", "status": "404"}]
-    assert len([1 for n, *_ in log if n == m.HTTP_REQUEST_DURATION]) == 4
+    assert len([1 for n, *_ in log if n == cat.HTTP_REQUEST_DURATION]) == 4
 
 
 def test_http_middleware_counts_a_client_that_left_as_499():
@@ -290,7 +292,7 @@ def test_http_middleware_counts_a_client_that_left_as_499():
     middleware = m.HTTPMetricsMiddleware(app, factory=fake_factory(log))
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(middleware({"type": "http", "path": "/x"}, None, noop))
-    assert log[0] == (m.HTTP_REQUESTS, "inc", 1, {"endpoint": "other", "status": m.CLIENT_CLOSED})
+    assert log[0] == (cat.HTTP_REQUESTS, "inc", 1, {"endpoint": "other", "status": cat.CLIENT_CLOSED})
 
 
 # -- /v1/stats summary ------------------------------------------------------------------
@@ -379,7 +381,7 @@ def test_every_query_names_a_served_metric_and_every_metric_is_shown():
     Ray's series; every /metrics family is on the dashboard, and every catalogue metric is,
     through the /metrics family that serves its numbers or its own Ray series."""
     dashboard = json.loads(gd.DASHBOARD_PATH.read_text())
-    known = m.exported_series() | served_series()
+    known = cat.exported_series() | served_series()
     used: set[str] = set()
     queries = dashboard_exprs(dashboard) + [
         v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
@@ -392,9 +394,9 @@ def test_every_query_names_a_served_metric_and_every_metric_is_shown():
     stat_keys = {s.key for s in SERVED if s.source == STAT}
     covered = ({s.key for s in SERVED if s.source == RECORDED}
                | {router_prefix() + s.key for s in SERVED if s.source == ROUTER}
-               | {name for key, name in {**m._STAT_COUNTERS, **m._STAT_GAUGES}.items() if key in stat_keys})
-    shown = {spec.name for spec in m.METRICS if used & set(spec.series())}
-    assert shown | covered == set(m.BY_NAME), set(m.BY_NAME) - shown - covered
+               | {name for key, name in {**engine_metrics._STAT_COUNTERS, **engine_metrics._STAT_GAUGES}.items() if key in stat_keys})
+    shown = {spec.name for spec in cat.METRICS if used & set(spec.series())}
+    assert shown | covered == set(cat.BY_NAME), set(cat.BY_NAME) - shown - covered
 
 
 def router_prefix() -> str:
@@ -468,8 +470,8 @@ def test_push_to_grafana_with_grafana_client(tmp_path):
 
 # -- A real Prometheus scraping a running app ---------------------------------------------
 
-CACHE_HIT_RATE = (f"sum({m.BY_NAME[m.ENGINE_CACHED_TOKENS].series()[0]}) / "
-                  f"sum({m.BY_NAME[m.ENGINE_PROMPT_TOKENS].series()[0]})")
+CACHE_HIT_RATE = (f"sum({cat.BY_NAME[cat.ENGINE_CACHED_TOKENS].series()[0]}) / "
+                  f"sum({cat.BY_NAME[cat.ENGINE_PROMPT_TOKENS].series()[0]})")
 
 
 def start_ray_prometheus(tmp: Path, metrics_port: int) -> tuple[subprocess.Popen, str]:
@@ -547,7 +549,7 @@ def test_prometheus_scrapes_ray_metrics_and_computes_cache_hit_rate(monitored_ap
     assert stats["cache_hit_rate"] > 0.3
 
     # Wait until Prometheus holds every admitted token, then compare its hit rate with ours.
-    prompt_series = m.BY_NAME[m.ENGINE_PROMPT_TOKENS].series()[0]
+    prompt_series = cat.BY_NAME[cat.ENGINE_PROMPT_TOKENS].series()[0]
     synced = wait_until(lambda: (r := promql(prom, f"sum({prompt_series})"))
                         and float(r[0]["value"][1]) == stats["prompt_tokens"], timeout=60, interval=1)
     assert synced, promql(prom, f"sum({prompt_series})")
@@ -556,18 +558,18 @@ def test_prometheus_scrapes_ray_metrics_and_computes_cache_hit_rate(monitored_ap
 
     exported = promql(prom, 'group by (__name__) ({__name__=~"ray_radixserve_.*"})')
     names = {r["metric"]["__name__"] for r in exported}
-    assert names <= m.exported_series(), names - m.exported_series()
-    must_have = {m.TIME_TO_FIRST_TOKEN, m.INTER_TOKEN_LATENCY, m.E2E_REQUEST_LATENCY, m.BATCH_SIZE,
-                 m.NUM_RUNNING, m.KV_CACHE_USAGE, m.HTTP_REQUESTS, m.ENGINE_REQUESTS,
-                 m.ROUTER_ROUTED_WITH_MATCH, m.ACTUAL_CACHED_TOKENS, m.QUEUE_TIME, m.PREFILL_TIME,
-                 m.DECODE_TIME, m.TIME_PER_OUTPUT_TOKEN, m.REQUEST_PROMPT_LENGTH,
-                 m.REQUEST_GENERATION_LENGTH, m.GRAMMAR_COMPILE_TIME}
-    missing = {n for n in must_have if not set(m.BY_NAME[n].series()) <= names}
+    assert names <= cat.exported_series(), names - cat.exported_series()
+    must_have = {cat.TIME_TO_FIRST_TOKEN, cat.INTER_TOKEN_LATENCY, cat.E2E_REQUEST_LATENCY, cat.BATCH_SIZE,
+                 cat.NUM_RUNNING, cat.KV_CACHE_USAGE, cat.HTTP_REQUESTS, cat.ENGINE_REQUESTS,
+                 cat.ROUTER_ROUTED_WITH_MATCH, cat.ACTUAL_CACHED_TOKENS, cat.QUEUE_TIME, cat.PREFILL_TIME,
+                 cat.DECODE_TIME, cat.TIME_PER_OUTPUT_TOKEN, cat.REQUEST_PROMPT_LENGTH,
+                 cat.REQUEST_GENERATION_LENGTH, cat.GRAMMAR_COMPILE_TIME}
+    missing = {n for n in must_have if not set(cat.BY_NAME[n].series()) <= names}
     assert not missing
-    http = m.BY_NAME[m.HTTP_REQUESTS].series()[0]
+    http = cat.BY_NAME[cat.HTTP_REQUESTS].series()[0]
     by_status = promql(prom, f'sum by (status) ({http}{{endpoint="/v1/completions"}})')
     assert {r["metric"]["status"] for r in by_status} >= {"200", "400"}
-    batch = m.BY_NAME[m.BATCH_SIZE].series()
+    batch = cat.BY_NAME[cat.BATCH_SIZE].series()
     mean_batch = promql(prom, f"sum({batch[1]}) / sum({batch[2]})")  # sequential traffic: 1
     assert float(mean_batch[0]["value"][1]) == 1.0
     replicas = promql(prom, "count by (replica) (ray_radixserve_num_running_requests)")
