@@ -6,7 +6,8 @@
 #   device run: command "bash scripts/gpu_check.sh", carry [".whl/gpu"]          (every part)
 #   device run: command "PARTS=kernels bash scripts/gpu_check.sh"            (one part)
 # Parts: kernels (Triton kernels against the torch reference), engine (the engine on the GPU:
-# graphs, overlap, MoE, speculative, FP8 KV, start-up), and any "tests/x.py" paths.
+# graphs, overlap, MoE, speculative, FP8 KV, start-up, priorities), features (Gemma 3, Phi-3,
+# LoRA, pooling on the GPU against the CPU engine), and any "tests/x.py" paths.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -d .whl/gpu ]; then
@@ -18,14 +19,19 @@ mkdir -p "$OUT"
 kernels="tests/test_argmax.py tests/test_decode_store_kv.py tests/test_fp8_kernels.py
   tests/test_fp8_kv_triton.py tests/test_fused_kernels.py tests/test_gemv.py tests/test_graph_inputs.py
   tests/test_moe_kernels.py tests/test_sampling_cut.py tests/test_split_sums.py
-  tests/test_triton_attention.py tests/test_triton_window.py tests/test_flashinfer_prefill.py"
+  tests/test_triton_attention.py tests/test_triton_window.py tests/test_flashinfer_prefill.py
+  tests/test_lora_kernels.py tests/test_kv_copy.py"
 engine="tests/test_gpu_engine.py tests/test_gpu_moe.py tests/test_gpu_speculative.py
-  tests/test_prefix_groups.py tests/test_precompile.py tests/test_cold_start.py"
+  tests/test_prefix_groups.py tests/test_precompile.py tests/test_cold_start.py
+  tests/test_priority.py"
+# the model families and features added since (Gemma 3, Phi-3, LoRA, pooling)
+features="tests/test_gemma3.py tests/test_phi3.py tests/test_lora.py tests/test_pooling.py"
 failed=()
-for part in ${PARTS:-kernels engine}; do
+for part in ${PARTS:-kernels engine features}; do
   case $part in
     kernels) files=$kernels ;;
     engine) files=$engine ;;
+    features) files=$features ;;
     *) files=$part ;;
   esac
   SECONDS=0
@@ -36,7 +42,7 @@ for part in ${PARTS:-kernels engine}; do
 done
 # every GPU test file is in a part (a new one must be added above)
 for f in $(grep -l "mark.gpu" tests/test_*.py); do
-  [[ " $kernels $engine " == *" $f "* ]] || echo "not in any part: $f"
+  [[ " $kernels $engine $features " == *" $f "* ]] || echo "not in any part: $f"
 done
 if [ ${#failed[@]} -gt 0 ]; then printf 'failed: %s\n' "${failed[@]}"; exit 1; fi
 echo "no GPU test failed"
