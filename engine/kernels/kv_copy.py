@@ -13,9 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.pdl import pdl_prologue
+
 
 @triton.jit
-def _copy_rows_kernel(Src, Dst, SrcIdx, DstIdx, row_words, BLOCK: tl.constexpr):
+def _copy_rows_kernel(Src, Dst, SrcIdx, DstIdx, row_words, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    # launched without PDL: it runs on the transfer stream, whose order is set by events
+    pdl_prologue(PDL)
     i = tl.program_id(0)
     src = tl.load(SrcIdx + i).to(tl.int64) * row_words
     dst = tl.load(DstIdx + i).to(tl.int64) * row_words

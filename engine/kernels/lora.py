@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.pdl import pdl_launch, pdl_prologue
+
 BLOCK_M = 16
 BLOCK_R = 16  # = the pool's rank alignment (engine/lora/pool.py)
 
@@ -38,7 +40,8 @@ def _dot(a, b, F32_DOT: tl.constexpr):
 @triton.jit
 def _shrink_kernel(X, A, Out, SegIndptr, SegSlots, Ranks, k_dim, r_pool, stride_x, stride_as,
                    stride_ar, stride_o, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr):
+                   BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     slot, m0, end = _segment(SegIndptr, SegSlots, BLOCK_M)
     r0 = tl.program_id(2) * BLOCK_R
     if slot >= 0 and m0 < end:
@@ -62,7 +65,8 @@ def _shrink_kernel(X, A, Out, SegIndptr, SegSlots, Ranks, k_dim, r_pool, stride_
 @triton.jit
 def _expand_kernel(XA, B, Y, SegIndptr, SegSlots, Ranks, n_dim, r_pool, bound1, bound2, stride_xa,
                    stride_bs, stride_bn, stride_y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr):
+                   BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     slot, m0, end = _segment(SegIndptr, SegSlots, BLOCK_M)
     n0 = tl.program_id(2) * BLOCK_N
     if slot >= 0 and m0 < end:
@@ -116,10 +120,12 @@ def lora_sgmv(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     m_tiles = triton.cdiv(max_seg_len, BLOCK_M)
     _shrink_kernel[(num_segments, m_tiles, pr // BLOCK_R)](
         x, a, xa, seg_indptr, seg_slots, ranks, k, r, x.stride(0), a.stride(0), a.stride(1),
-        xa.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=64, F32_DOT=f32_dot)
+        xa.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=64, F32_DOT=f32_dot,
+        **pdl_launch(x.device))
     big = n + 1  # a boundary past the last column: no part there
     b1 = bounds[0] if bounds else big
     b2 = bounds[1] if len(bounds) > 1 else big
     _expand_kernel[(num_segments, m_tiles, triton.cdiv(n, tile_n))](
         xa, b, y, seg_indptr, seg_slots, ranks, n, r, b1, b2, xa.stride(0), b.stride(0),
-        b.stride(1), y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=tile_n, BLOCK_K=BLOCK_R, F32_DOT=f32_dot)
+        b.stride(1), y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=tile_n, BLOCK_K=BLOCK_R, F32_DOT=f32_dot,
+        **pdl_launch(x.device))
