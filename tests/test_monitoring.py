@@ -532,6 +532,10 @@ def shared_prefix_traffic(base: str) -> None:
                 "prompt": f"{system} Question {i}: what is {i} plus {i}?",
                 "max_tokens": 4, "temperature": 0})
             assert r.status_code == 200, r.text
+            if i == 0:  # the router knows the prefix's holder only once a digest arrives
+                digest = wait_until(lambda: client.get("/v1/stats").json()["router"]
+                                    .get("blocks_tracked", 0) > 0, timeout=30, interval=0.2)
+                assert digest, client.get("/v1/stats").json()["router"]
         assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": -1}).status_code == 400
         r = client.post("/v1/completions", json={"prompt": "Year:", "max_tokens": 4, "regex": "[0-9]{4}"})
         assert r.status_code == 200, r.text  # a grammar compile
