@@ -50,7 +50,7 @@ def engine_deployment(args: AppArgs, replica_class: type = EngineReplica):
     block_size = args.router.request_router_kwargs.get("block_size", 16)
     return serve.deployment(replica_class).options(**options).bind(
         args.model, args.engine, block_size, args.gil_switch_interval_ms,
-        args.use_engine_process)
+        args.use_engine_process, args.prefix_fetch_timeout_s)
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:

@@ -84,6 +84,10 @@ class AppArgs(BaseModel):
     # "auto": on for replicas given a GPU at tp_size 1, where sharing the GIL with the
     # Serve side slowed a steady stream's decode steps by half (docs/deploy.md); off on CPUs.
     engine_process: bool | Literal["auto"] = "auto"
+    # A replica fetching a prompt's prefix from the replica the router names as its holder
+    # (deployments/prefix_fetch.py; needs engine.host_kv_cache_gb > 0) gives up after this
+    # long and computes the prefix instead.
+    prefix_fetch_timeout_s: float = Field(default=10.0, gt=0)
     # Serve health-checks each engine replica (`EngineReplica.check_health`: the engine loop
     # and, at tp_size > 1, every rank); after 3 failures in a row it restarts the replica.
     health_check_period_s: float = 10.0

@@ -18,12 +18,13 @@ from deployments.channel import (
 )
 from deployments.errors import OVERLOADED_MESSAGE
 from deployments.local_metrics import process_metrics
+from deployments.prefix_fetch import DEFAULT_FETCH_TIMEOUT_S, PrefixFetch, PrefixFetcher, engine_handle
 from deployments.engine_metrics import EngineMetrics
 from deployments.metrics import record_gc_pauses
 from deployments.served_metrics import StatHighWater
 from deployments.tp_workers import TPWorkers
 from engine import (
-    AsyncEngine, Engine, EngineClient, EngineConfig, LoRANotFoundError, ProcessAsyncEngine,
+    AsyncEngine, Engine, EngineClient, EngineConfig, ExportedPrefix, LoRANotFoundError, ProcessAsyncEngine,
     QueueFullError, QueueTimeoutError, SamplingParams, StepReport, StreamDelta, WireDelta,
     ensure_demo_model, freeze_after_start, process_age_s, wire_of,
 )
@@ -46,6 +47,9 @@ class EngineCall:
     params: SamplingParams
     prompt: str = ""
     channel: str | None = None  # the calling ingress's id: deltas go on its channel if open
+    # A replica holding more of the prompt, named by the request router: fetch it from there
+    # (deployments/prefix_fetch.py)
+    fetch_from: str | None = None
 
 
 def resolve_model(model: str | None) -> str:
@@ -57,7 +61,8 @@ class EngineReplica:
 
     def __init__(self, model: str | None, engine_kwargs: dict[str, Any],
                  digest_block_size: int = 16, gil_switch_interval_ms: float | None = None,
-                 engine_process: bool = False) -> None:
+                 engine_process: bool = False,
+                 prefix_fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S) -> None:
         logger.info("engine replica starting, %.1fs after its process started", process_age_s())
         if gil_switch_interval_ms is not None:
             sys.setswitchinterval(gil_switch_interval_ms / 1e3)
@@ -76,6 +81,8 @@ class EngineReplica:
         self._stat_high_water = StatHighWater()
         self.replica_id = _replica_id()
         self.engine.add_step_listener(self._after_step)
+        self.prefixes = PrefixFetcher(self.engine, self.replica_id, engine_handle,
+                                      prefix_fetch_timeout_s)
         # With the engine in this process its start-up froze the GC already; with it in a
         # child, this process forwards every delta and must not stop for full collections
         # either (engine/runtime/gc_freeze.py).
@@ -121,10 +128,12 @@ class EngineReplica:
             self._requests_by_path[path] += 1
             if outbox is not None:
                 yield ON_CHANNEL  # deltas go on the channel; this call must carry something
+                await self._fetch_prefix(call)
                 await self._generate_on_channel(call, outbox, timer)
                 return
             if call.channel:
                 yield {"open_channel": self.replica_id}
+            await self._fetch_prefix(call)
             async for delta in self.engine.generate(call.prompt_token_ids, call.params,
                                                     call.request_id):
                 _time_delta(timer, delta)
@@ -148,6 +157,16 @@ class EngineReplica:
             yield {"error": OVERLOADED_MESSAGE, "status": 503, "load": [self.replica_id, *self.load()]}
         finally:
             timer.close()  # no-op unless the caller left early
+
+    async def _fetch_prefix(self, call: EngineCall) -> None:
+        """The prompt's prefix from the replica the router named, if any (never raises but
+        for cancellation: a failed fetch means the prefill computes it)."""
+        await self.prefixes.fetch_for(call.fetch_from, call.prompt_token_ids, call.params)
+
+    async def export_prefix(self, fetch: PrefixFetch) -> ExportedPrefix | None:
+        """Another replica's fetch (deployments/prefix_fetch.py): this engine's longest
+        cached prefix of `fetch.tokens`, returned through Ray's object store."""
+        return await self.prefixes.export(fetch)
 
     async def _generate_on_channel(self, call: EngineCall, outbox: Outbox, timer) -> None:
         def put(delta: WireDelta) -> None:
@@ -192,7 +211,7 @@ class EngineReplica:
     async def stats(self) -> dict:
         """Engine stats, and how requests streamed (on a delta channel or their own call)."""
         return {**await self.engine.stats(), **self._requests_by_path,
-                "open_channels": len(self.outboxes)}
+                **self.prefixes.counters(), "open_channels": len(self.outboxes)}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics: the open delta channels, which Serve counts as
@@ -201,7 +220,8 @@ class EngineReplica:
 
     async def metrics_snapshot(self) -> dict:
         """This replica's part of the app's /metrics (deployments/scrape.py)."""
-        return {"replica": self.replica_id, "engine": self._stat_high_water(await self.engine.stats()),
+        engine = {**await self.engine.stats(), **self.prefixes.counters()}
+        return {"replica": self.replica_id, "engine": self._stat_high_water(engine),
                 "recorded": process_metrics().snapshot()}
 
     async def replica_stats(self) -> dict:

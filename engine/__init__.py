@@ -19,6 +19,7 @@ from engine.lora import LoRAError, LoRANotFoundError
 from engine.models import load_hf_config, resolve_device
 from engine.core.outputs import RequestOutput, StreamDelta, WireBatch, WireDelta, wire_of
 from engine.runtime.process_engine import EngineProcessError, ProcessAsyncEngine
+from engine.runtime.prefix_exchange import ExportedPrefix
 from engine.core.queue_deadlines import QueueTimeoutError
 from engine.core.request import validate_request
 from engine.core.sampling_params import SamplingParams
@@ -51,4 +52,6 @@ __all__ = [
     "freeze_after_start",
     # start-up logs: seconds since this process started (imports included)
     "process_age_s",
+    # a cached prefix's KV as one replica hands it to another (host tier to host tier)
+    "ExportedPrefix",
 ]

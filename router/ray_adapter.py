@@ -21,6 +21,9 @@ What each internal is for:
   helper uses), for the router's counters in `/v1/stats`.
 - `set_fresh_request_id`: a new Serve-internal request id for the current context
   (`serve.context._set_request_context`), so sibling handle calls are routed apart.
+- `by_reference`: a handle whose calls are Ray actor calls, their results objects in Ray's
+  object store (`options(_by_reference=True)`; the gRPC transport of Serve's
+  high-throughput mode pickles results inline instead), for prefix KV between replicas.
 - `replica_shutting_down`: whether Serve started this replica's graceful shutdown (the
   replica actor's `_replica_impl._shutting_down`), to end idle delta channels early.
 """
@@ -61,6 +64,12 @@ def set_fresh_request_id() -> None:
     from ray.serve import context as serve_context
 
     serve_context._set_request_context(_internal_request_id=uuid.uuid4().hex)
+
+
+def by_reference(handle: Any) -> Any:
+    """`handle` with its calls made as Ray actor calls: results go through the object store
+    (pulled across nodes by Ray), whichever transport Serve uses by default."""
+    return handle.options(_by_reference=True)
 
 
 def replica_shutting_down() -> bool:
@@ -115,6 +124,8 @@ def missing_internals() -> list[str]:
          lambda: isinstance(router_module().AsyncioRouter.request_router, property))
     need("ray.serve.context._set_request_context(_internal_request_id=...)",
          lambda: "_internal_request_id" in _params(_request_context_setter()))
+    need("ray.serve.handle.DeploymentHandle.options(_by_reference=...)",
+         lambda: "_by_reference" in _params(_handle_base_options()))
     need("ray._private.worker.global_worker.actors / .actor_id", _worker_has_actors)
     need("ray.serve._private.replica.ReplicaActor._replica_impl",
          lambda: _assigns(replica_module().ReplicaActor.__init__, "_replica_impl"))
@@ -139,6 +150,12 @@ def _handle_base() -> type:
 
     # The attribute is set in whichever base class defines __init__.
     return next(c for c in DeploymentHandle.__mro__ if "__init__" in vars(c))
+
+
+def _handle_base_options() -> Callable:
+    from ray.serve.handle import DeploymentHandle
+
+    return DeploymentHandle.options
 
 
 def _request_context_setter() -> Callable:

@@ -51,6 +51,8 @@ from ray.serve.request_router import (
 
 from router import policy, ray_adapter, rendezvous
 from router.cache_digest import decode_digest
+from router.fetch_cost import FetchCosts
+from router.fetch_hints import FetchHints
 from router.own_sends import OwnSends
 from router.policy import Candidate, Decision, PolicyConfig
 from router.prefix_index import (
@@ -100,14 +102,16 @@ def extract_lora(args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
 
 
 def channel_target(pending_request: PendingRequest | None) -> str | None:
-    """The replica id a delta-channel call (deployments/channel.py) must reach, else None.
+    """The replica id a call pinned to one replica must reach, else None: a delta channel
+    (deployments/channel.py) or a prefix fetch from its holder (deployments/prefix_fetch.py).
     Duck-typed on the argument's fields: the router does not import the deployments."""
     if pending_request is None or not pending_request.args:
         return None
     arg = pending_request.args[0]
     if hasattr(arg, "ingress_id") and hasattr(arg, "replica_id"):
         return arg.replica_id
-    return None
+    holder = getattr(arg, "holder_replica", None)
+    return holder if isinstance(holder, str) else None
 
 
 @dataclass
@@ -189,6 +193,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         min_match_ratio: float = PolicyConfig.min_match_ratio,
         max_blocks_per_replica: int = DEFAULT_MAX_BLOCKS_PER_REPLICA,
         kv_high_water: float = PolicyConfig.kv_high_water,
+        fetch_costs: dict[str, float] | None = None,
     ) -> None:
         if key_blocks <= 0:
             raise ValueError(f"key_blocks must be positive, got {key_blocks}")
@@ -204,6 +209,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._stats = RouterStats()
         self._routings: OrderedDict[str, _Routing] = OrderedDict()
         self._sends = OwnSends()
+        self._fetch_hints = FetchHints(self._index, FetchCosts(**(fetch_costs or {})))
 
     # -- routing ------------------------------------------------------------------------
 
@@ -225,6 +231,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         choice = self.decide(candidate_replicas, routing)
         routing.choice = choice
         routing.pick = choice.ranks[0][0]
+        if pending_request is not None:
+            self._fetch_hints.name_holder(pending_request, routing.hashes, routing.lora,
+                                          routing.pick, candidate_replicas, self._load)
         if pending_request is not None:
             self._sends.pick(pending_request.metadata.internal_request_id, routing.pick,
                              self._clock())

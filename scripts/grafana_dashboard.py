@@ -184,6 +184,16 @@ def engine_panels() -> list[dict[str, Any]]:
                    "device->host while copying"),
         ], "Bps", "Bytes moved per second, and per second of copy time (the bandwidth the "
                   "copies reach; compare the link's peak)."),
+        timeseries("Prefixes fetched from other replicas", [
+            target(rate("radixserve:prefix_fetched_tokens"), "prompt tokens fetched/s"),
+            target(rate("radixserve:prefix_fetches"), "fetches/s"),
+            target(rate("radixserve:prefix_fetch_failures"), "failed (recomputed)/s"),
+            target(rate("radixserve:prefix_exports"), "handed to others/s"),
+            target(ratio("radixserve:prefix_fetch_seconds", "radixserve:prefix_fetches"),
+                   "seconds per fetch"),
+        ], "short", "Prompt prefixes a replica took from another one's cache through Ray's "
+                    "object store instead of computing them (the router names the holder). "
+                    "Empty without a host tier."),
         timeseries("LoRA adapters", [
             target(rate("radixserve:lora_requests"), "requests under an adapter/s"),
             target(rate("radixserve:lora_slot_hits"), "adapter already in a GPU slot/s"),

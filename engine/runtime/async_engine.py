@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from engine.config import EngineConfig
 from engine.runtime.engine import Engine, QueueFullError
+from engine.runtime.prefix_exchange import ExportedPrefix
 from engine.runtime.engine_client import SHUTDOWN_TIMEOUT_S, DeltaSink, capacity_of, refuse_when_full
 from engine.runtime.loop_handoff import deliver, set_exception, set_result
 from engine.executor.output_processor import TokenUpdate
@@ -174,6 +175,12 @@ class AsyncEngine:
     async def flush_cache(self) -> None:
         """`Engine.flush_cache` between steps."""
         await self.call(lambda engine: engine.flush_cache())
+
+    async def export_prefix(self, tokens: list[int]) -> ExportedPrefix | None:
+        return await self.call(lambda engine: engine.export_prefix(tokens))
+
+    async def import_prefix(self, prefix: ExportedPrefix) -> int:
+        return await self.call(lambda engine: engine.import_prefix(prefix))
 
     async def load_lora(self, name: str, path: str) -> None:
         """`Engine.load_lora` between steps (reading the adapter stalls one step)."""

@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.core.outputs import StreamDelta, WireDelta
 from engine.core.sampling_params import SamplingParams
 from engine.runtime.engine import QueueFullError
+from engine.runtime.prefix_exchange import ExportedPrefix
 from engine.runtime.step_report import StepReport
 
 SHUTDOWN_TIMEOUT_S = 10.0
@@ -55,6 +56,15 @@ class EngineClient(Protocol):
 
     async def flush_cache(self) -> None:
         """Empty the radix cache between two steps."""
+        ...
+
+    async def export_prefix(self, tokens: list[int]) -> ExportedPrefix | None:
+        """`Engine.export_prefix` between steps: the KV of `tokens`' longest cached prefix
+        (None without a host tier or a match)."""
+        ...
+
+    async def import_prefix(self, prefix: ExportedPrefix) -> int:
+        """`Engine.import_prefix` between steps: the tokens added to the host tier."""
         ...
 
     def add_step_listener(self, listener: Callable[[StepReport], None]) -> None:

@@ -64,7 +64,8 @@ class Call:
 
 
 # the Engine methods a Call may run
-CALLS = frozenset({"stats", "flush_cache", "load_lora", "unload_lora", "list_loras"})
+CALLS = frozenset({"stats", "flush_cache", "load_lora", "unload_lora", "list_loras",
+                   "export_prefix", "import_prefix"})
 
 
 @dataclass

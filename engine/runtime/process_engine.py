@@ -34,6 +34,7 @@ from engine.grammar import Grammars
 from engine.runtime.loop_handoff import call_soon, deliver, set_exception, set_result
 from engine.core.outputs import StreamDelta, WireDelta
 from engine.core.request import validate_request
+from engine.runtime.prefix_exchange import ExportedPrefix
 from engine.core.sampling_params import SamplingParams
 from engine.runtime.step_report import StepReport
 from engine.runtime.stream_deltas import WireToStreamDelta
@@ -182,6 +183,12 @@ class ProcessAsyncEngine:
     async def flush_cache(self) -> None:
         """`Engine.flush_cache` between steps."""
         await self._call(lambda reply: child.Call("flush_cache", reply))
+
+    async def export_prefix(self, tokens: list[int]) -> ExportedPrefix | None:
+        return await self._call(lambda reply: child.Call("export_prefix", reply, (tokens,)))
+
+    async def import_prefix(self, prefix: ExportedPrefix) -> int:
+        return await self._call(lambda reply: child.Call("import_prefix", reply, (prefix,)))
 
     async def load_lora(self, name: str, path: str) -> None:
         await self._call(lambda reply: child.Call("load_lora", reply, (name, path)))

@@ -1,0 +1,197 @@
+"""Prefixes fetched from another replica through Ray's object store, across two Ray nodes on
+this machine (`ray.cluster_utils.Cluster`, one engine replica per node, both with a host KV
+tier): the router sends a request away from the replica holding its prefix when that one is
+busy, names the holder, and the receiver fetches the prefix instead of computing it (its
+stats show the fetch, the holder's the export, the response's usage the cached tokens);
+the output equals a recompute. Then a holder that is stopped mid-fetch and killed: the
+request is computed on the receiver and succeeds."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from engine import LLM, SamplingParams, ensure_demo_model
+from serve_helpers import serve_config_args, start_local_cluster
+
+pytestmark = pytest.mark.slow
+
+SLOT = "engine_slot"  # one per node: one engine replica on each
+MODEL = "radixserve-demo"
+ENGINE = {"max_total_tokens": 1024, "max_running_requests": 8, "chunked_prefill_size": 64,
+          "host_kv_cache_gb": 0.01}
+BLOCK = 16
+PREFIX_TOKENS = 8 * BLOCK
+FETCH_TIMEOUT_S = 8.0
+MAX_TOKENS = 6
+
+
+def prompt(seed: int, tail: int) -> tuple[list[int], list[int]]:
+    """(a prefix of PREFIX_TOKENS ids, that prefix plus a tail of its own)."""
+    prefix = [3 + (seed * 131 + 17 * i) % 700 for i in range(PREFIX_TOKENS)]
+    return prefix, prefix + [3 + (tail * 7 + i) % 700 for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def app(request):
+    from ray import serve
+
+    from deployments.app import build_app
+
+    _, port = start_local_cluster(request, {"num_cpus": 2, "resources": {SLOT: 1}},
+                                  {"num_cpus": 1, "resources": {SLOT: 1}})
+    args = serve_config_args(
+        num_replicas=2, ingress_replicas=1, engine=ENGINE,
+        ray_actor_options={"num_cpus": 0.2, "resources": {SLOT: 1}},
+        # overflow as soon as the holder has a request in flight and the other none
+        router={"request_router_class": "prefix", "request_routing_stats_period_s": 0.5,
+                "request_router_kwargs": {"block_size": BLOCK, "abs_threshold": 0,
+                                          "rel_threshold": 1.0}},
+        prefix_fetch_timeout_s=FETCH_TIMEOUT_S, health_check_period_s=2.0,
+        graceful_shutdown_timeout_s=2.0)
+    serve.run(build_app(args), name="radixserve", route_prefix="/")
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM(model=ensure_demo_model(), **ENGINE)
+
+
+def complete(base: str, ids: list[int], max_tokens: int = MAX_TOKENS) -> dict:
+    r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def replicas():
+    from scripts.serve_replicas import list_replicas
+
+    found = list_replicas("radixserve", "EngineReplica")
+    assert len(found) == 2
+    return found
+
+
+def holder_of(prefix: list[int], timeout: float = 30.0) -> str:
+    """The one replica whose digest holds `prefix`, once the routers can know it too."""
+    from scripts.serve_replicas import holds_prefix, routing_stats
+
+    deadline = time.monotonic() + timeout
+    while True:
+        held = [rid for rid, yes in holds_prefix(routing_stats(replicas()), prefix).items() if yes]
+        if len(held) == 1:
+            time.sleep(1.5)  # three routing-stats periods: every router has the digest
+            return held[0]
+        assert time.monotonic() < deadline, f"no single holder of the prefix: {held}"
+        time.sleep(0.3)
+
+
+def engine_stats() -> dict[str, dict]:
+    from scripts.serve_replicas import call_each
+
+    return call_each(replicas(), "stats")
+
+
+def busy(base: str, ids: list[int]) -> tuple[threading.Thread, dict]:
+    """A long request for `ids` (its holder's), running in a thread until it ends."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["response"] = httpx.post(f"{base}/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": ids, "max_tokens": 200, "temperature": 0,
+                "ignore_eos": True})
+        except httpx.HTTPError as e:
+            out["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def wait_running(holder: str, timeout: float = 30.0) -> None:
+    from scripts.serve_replicas import routing_stats
+
+    deadline = time.monotonic() + timeout
+    while routing_stats(replicas())[holder]["num_running"] < 1:
+        assert time.monotonic() < deadline, "the long request never ran on the holder"
+        time.sleep(0.1)
+    time.sleep(1.0)  # two routing-stats periods: the router sees the holder's load
+
+
+def reference(offline: LLM, ids: list[int]):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
+    offline.engine.flush_cache()
+    return offline.generate([ids], params)[0]
+
+
+def test_a_busy_holders_prefix_is_fetched_by_the_other_replica(app, offline):
+    prefix, first = prompt(1, 1)
+    complete(app, first)
+    holder = holder_of(prefix)
+    before = engine_stats()
+    thread, _ = busy(app, prompt(1, 2)[1])
+    wait_running(holder)
+
+    ids = prompt(1, 3)[1]
+    body = complete(app, ids)
+    thread.join(120)
+    after = engine_stats()
+    other = next(rid for rid in after if rid != holder)
+    fetched = after[other]["prefix_fetched_tokens"] - before[other]["prefix_fetched_tokens"]
+    assert after[other]["prefix_fetches"] - before[other]["prefix_fetches"] == 1
+    assert fetched == PREFIX_TOKENS
+    assert after[other]["prefix_fetched_bytes"] > before[other]["prefix_fetched_bytes"]
+    assert after[holder]["prefix_exports"] - before[holder]["prefix_exports"] == 1
+    # the fetched tokens came from the host tier, not a prefill: usage counts them
+    assert after[other]["host_cached_tokens"] - before[other]["host_cached_tokens"] >= PREFIX_TOKENS
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= PREFIX_TOKENS
+    # the same as computing it all here
+    ref = reference(offline, ids)
+    choice = body["choices"][0]
+    assert choice["text"] == ref.text
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(ref.logprobs, abs=1e-4)
+
+
+def test_a_holder_killed_mid_fetch_leaves_the_request_to_be_computed(app, offline):
+    from scripts.serve_replicas import replica_pids
+
+    prefix, first = prompt(2, 1)
+    complete(app, first)
+    holder = holder_of(prefix)
+    pid = replica_pids(replicas())[holder]
+    before = engine_stats()
+    thread, _ = busy(app, prompt(2, 2)[1])
+    wait_running(holder)
+
+    os.kill(pid, signal.SIGSTOP)  # the holder answers nothing from now on: a fetch hangs
+    try:
+        ids = prompt(2, 3)[1]
+        result: dict = {}
+        worker = threading.Thread(target=lambda: result.update(body=complete(app, ids)), daemon=True)
+        start = time.monotonic()
+        worker.start()
+        time.sleep(1.5)  # the receiver is waiting on the holder
+        assert worker.is_alive()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    worker.join(FETCH_TIMEOUT_S + 60)
+    assert "body" in result, "the request did not finish after its holder died"
+    assert time.monotonic() - start < FETCH_TIMEOUT_S + 60
+    other = next(rid for rid in before if rid != holder)
+    from scripts.serve_replicas import call_each, list_replicas
+
+    after = call_each({other: list_replicas("radixserve", "EngineReplica")[other]}, "stats")[other]
+    assert after["prefix_fetch_failures"] - before[other]["prefix_fetch_failures"] == 1
+    assert after["prefix_fetches"] == before[other]["prefix_fetches"]
+    body = result["body"]
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    ref = reference(offline, ids)
+    assert body["choices"][0]["text"] == ref.text
+    thread.join(120)  # the holder's own long request failed with it
