@@ -71,8 +71,9 @@ def plan(replica: Holding, holdings: Sequence[Holding], prompt_tokens: int,
             + costs.host_load_s_per_token * max(0, own - replica.gpu_tokens))
     compute_rest = costs.compute_s_per_token * (prompt_tokens - own)
     best = Plan(replica.replica_id, None, 0, base + compute_rest)
+    # (among equal holders, the one with more on its GPU: less to write back first)
     holder = max((h for h in holdings if h.replica_id != replica.replica_id),
-                 key=lambda h: h.held, default=None)
+                 key=lambda h: (h.held, h.gpu_tokens), default=None)
     if holder is None or min(holder.held, prompt_tokens) <= own:
         return best
     fetched = min(holder.held, prompt_tokens) - own

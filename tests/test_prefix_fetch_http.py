@@ -26,7 +26,7 @@ ENGINE = {"max_total_tokens": 1024, "max_running_requests": 8, "chunked_prefill_
           "host_kv_cache_gb": 0.01}
 BLOCK = 16
 PREFIX_TOKENS = 8 * BLOCK
-FETCH_TIMEOUT_S = 8.0
+FETCH_TIMEOUT_S = 5.0
 MAX_TOKENS = 6
 
 
@@ -98,31 +98,34 @@ def engine_stats() -> dict[str, dict]:
     return call_each(replicas(), "stats")
 
 
-def busy(base: str, ids: list[int]) -> tuple[threading.Thread, dict]:
-    """A long request for `ids` (its holder's), running in a thread until it ends."""
-    out: dict = {}
+class Busy:
+    """A long streamed request (to its prefix's holder) that runs until the block ends,
+    when the client leaves and the engine aborts it. The router counts it on the holder
+    from the moment it sends it, so a request after it finds the holder loaded."""
 
-    def run():
+    def __init__(self, base: str, ids: list[int]) -> None:
+        self.base, self.ids, self.stop = base, ids, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        body = {"model": MODEL, "prompt": self.ids, "max_tokens": 350, "temperature": 0,
+                "ignore_eos": True, "stream": True}
         try:
-            out["response"] = httpx.post(f"{base}/v1/completions", timeout=120, json={
-                "model": MODEL, "prompt": ids, "max_tokens": 200, "temperature": 0,
-                "ignore_eos": True})
-        except httpx.HTTPError as e:
-            out["error"] = e
+            with httpx.stream("POST", f"{self.base}/v1/completions", json=body, timeout=120) as r:
+                for _ in r.iter_lines():
+                    if self.stop.is_set():
+                        return
+        except httpx.HTTPError:
+            pass  # (a killed holder takes its own request with it)
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, out
+    def __enter__(self) -> Busy:
+        self.thread.start()
+        time.sleep(0.5)  # routed before the next request
+        return self
 
-
-def wait_running(holder: str, timeout: float = 30.0) -> None:
-    from scripts.serve_replicas import routing_stats
-
-    deadline = time.monotonic() + timeout
-    while routing_stats(replicas())[holder]["num_running"] < 1:
-        assert time.monotonic() < deadline, "the long request never ran on the holder"
-        time.sleep(0.1)
-    time.sleep(1.0)  # two routing-stats periods: the router sees the holder's load
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(60)
 
 
 def reference(offline: LLM, ids: list[int]):
@@ -131,17 +134,21 @@ def reference(offline: LLM, ids: list[int]):
     return offline.generate([ids], params)[0]
 
 
+def test_the_replicas_run_on_two_nodes(app):
+    from scripts.serve_replicas import call_each
+
+    nodes = {info["node_ids"][0] for info in call_each(replicas(), "tp_info").values()}
+    assert len(nodes) == 2
+
+
 def test_a_busy_holders_prefix_is_fetched_by_the_other_replica(app, offline):
     prefix, first = prompt(1, 1)
     complete(app, first)
     holder = holder_of(prefix)
     before = engine_stats()
-    thread, _ = busy(app, prompt(1, 2)[1])
-    wait_running(holder)
-
     ids = prompt(1, 3)[1]
-    body = complete(app, ids)
-    thread.join(120)
+    with Busy(app, prompt(1, 2)[1]):
+        body = complete(app, ids)
     after = engine_stats()
     other = next(rid for rid in after if rid != holder)
     fetched = after[other]["prefix_fetched_tokens"] - before[other]["prefix_fetched_tokens"]
@@ -167,21 +174,19 @@ def test_a_holder_killed_mid_fetch_leaves_the_request_to_be_computed(app, offlin
     holder = holder_of(prefix)
     pid = replica_pids(replicas())[holder]
     before = engine_stats()
-    thread, _ = busy(app, prompt(2, 2)[1])
-    wait_running(holder)
-
-    os.kill(pid, signal.SIGSTOP)  # the holder answers nothing from now on: a fetch hangs
-    try:
-        ids = prompt(2, 3)[1]
-        result: dict = {}
-        worker = threading.Thread(target=lambda: result.update(body=complete(app, ids)), daemon=True)
-        start = time.monotonic()
-        worker.start()
-        time.sleep(1.5)  # the receiver is waiting on the holder
-        assert worker.is_alive()
-    finally:
-        os.kill(pid, signal.SIGKILL)
-    worker.join(FETCH_TIMEOUT_S + 60)
+    ids = prompt(2, 3)[1]
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(body=complete(app, ids)), daemon=True)
+    with Busy(app, prompt(2, 2)[1]):
+        os.kill(pid, signal.SIGSTOP)  # the holder answers nothing from now on: a fetch hangs
+        try:
+            start = time.monotonic()
+            worker.start()
+            time.sleep(1.5)  # the receiver is waiting on the holder
+            assert worker.is_alive()
+        finally:
+            os.kill(pid, signal.SIGKILL)
+        worker.join(FETCH_TIMEOUT_S + 60)
     assert "body" in result, "the request did not finish after its holder died"
     assert time.monotonic() - start < FETCH_TIMEOUT_S + 60
     other = next(rid for rid in before if rid != holder)
@@ -194,4 +199,3 @@ def test_a_holder_killed_mid_fetch_leaves_the_request_to_be_computed(app, offlin
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     ref = reference(offline, ids)
     assert body["choices"][0]["text"] == ref.text
-    thread.join(120)  # the holder's own long request failed with it
