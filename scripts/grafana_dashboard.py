@@ -191,6 +191,8 @@ def engine_panels() -> list[dict[str, Any]]:
             target(rate("radixserve:prefix_exports"), "handed to others/s"),
             target(ratio("radixserve:prefix_fetch_seconds", "radixserve:prefix_fetches"),
                    "seconds per fetch"),
+            target(ratio("radixserve:prefix_fetched_bytes", "radixserve:prefix_fetch_seconds"),
+                   "bytes/s while fetching"),
         ], "short", "Prompt prefixes a replica took from another one's cache through Ray's "
                     "object store instead of computing them (the router names the holder). "
                     "Empty without a host tier."),
