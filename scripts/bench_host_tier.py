@@ -16,6 +16,9 @@ without it, on the Llama-3-8B-shaped dummy model (or the demo model: a CPU smoke
    against recomputed (cache flushed); the median of `--reps`.
 3. Host<->device bandwidth the tier's copies reached (bytes / copy time on their stream)
    against the link's measured peak (one large pinned copy each way).
+4. With `--replica-fetch`: the same returning conversation fetched from another replica
+   (two at 0.5 GPU each, through Ray Serve) against computed: scripts/bench_prefix_fetch.py
+   in a process of its own (it needs Ray Serve), its row added to the table.
 Prints a table; `--json PATH` writes the rows.
 """
 from __future__ import annotations
@@ -141,6 +144,8 @@ def main() -> None:
                     help="host_kv_cache_gb (default: twice the history's KV)")
     ap.add_argument("--ttft-tokens", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--replica-fetch", action="store_true",
+                    help="add the fetched-from-another-replica row (Ray Serve)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     pool = int(history_tokens(args) / args.history_over_pool)
@@ -168,6 +173,9 @@ def main() -> None:
     reached = {"h2d": stats["host_load_bytes"] / stats["host_load_seconds"] / 1e9,
                "d2h": stats["host_write_back_bytes"] / stats["host_write_back_seconds"] / 1e9}
     peak = link_peak_gb_s()
+    del llm
+    _free()
+    fetch = replica_fetch(args) if args.replica_fetch else None
     off, on, full = rows["host tier off"], rows["host tier on"], rows["unlimited pool"]
     print(f"\n| workload ({args.model}, {'GPU' if GPU else 'CPU'}) | tier off | tier on | unlimited |")
     print("|---|---|---|---|")
@@ -179,10 +187,28 @@ def main() -> None:
           f"recompute {ttft['ttft_recompute_s'] * 1e3:.1f} ms ({ttft['host_over_recompute']:.3f}x)")
     print(f"copy bandwidth reached h2d {reached['h2d']:.1f} GB/s, d2h {reached['d2h']:.1f} GB/s; "
           f"link peak h2d {peak['h2d']:.1f} GB/s, d2h {peak['d2h']:.1f} GB/s")
+    if fetch is not None:
+        print(f"TTFT of the same fetched from another replica (2 at 0.5 GPU, Ray): "
+              f"{fetch['fetched_s'] * 1e3:.1f} ms, computed there {fetch['computed_s'] * 1e3:.1f} ms "
+              f"({fetch['ratio']:.3f}x)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "pool": pool, "host_gb": host_gb, "rows": rows,
-                       "ttft": ttft, "reached_gb_s": reached, "peak_gb_s": peak}, f, indent=1)
+                       "ttft": ttft, "reached_gb_s": reached, "peak_gb_s": peak,
+                       "replica_fetch": fetch}, f, indent=1)
+
+
+def replica_fetch(args) -> dict:
+    """scripts/bench_prefix_fetch.py's result for a `ttft_tokens` history."""
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "bench_prefix_fetch.py"),
+                        "--model", args.model, "--history", str(args.ttft_tokens),
+                        "--reps", str(args.reps), "--json", out.name], check=True)
+        with open(out.name) as f:
+            return json.load(f)
 
 
 def _free() -> None:

@@ -21,7 +21,8 @@
 # those alone (no HAProxy: none of its caveats, docs/deploy.md); "process" runs batch-1 and W2
 # with the engine's step loop in a child process of the replica (engine_process: true); "hproc" runs
 # those two with the engine process under Ray's high-throughput mode ("fast"'s); "admission" measures the bound, request intake
-# and a 10 MB body with the stand-in engine. PATH_ARGS overrides the path bench's options; "ceiling"
+# and a 10 MB body with the stand-in engine; "fetch" runs scripts/bench_prefix_fetch.py (a returning
+# 8k-token history fetched from another replica, two at 0.5 GPU, against computed). PATH_ARGS overrides the path bench's options; "ceiling"
 # runs the path bench's HTTP hop at 512 streams under default Serve and under the high-throughput
 # mode (CEILING_ARGS overrides its options). POISSON_RATES (default "4 16 64") sets "serve"'s sweep.
 # After each part the table so far goes to $OUT/summary.txt and every file written to
@@ -128,7 +129,8 @@ if off and "W2" in off:
     w2, w3 = off.get("W2", {}), off.get("W3", {})
     print(f"offline W2 cache_on: {w2.get('cache_on_output_tok_s', 0):.0f} tok/s; "
           f"W3: TTFT {w3.get('ttft_ms', 0):.1f} ms, step {w3.get('step_ms', 0):.2f} ms")
-for name in ("online.txt", "online_table.txt", "path.txt", "ceiling.txt", "admission.txt", "intake.txt"):
+for name in ("online.txt", "online_table.txt", "path.txt", "ceiling.txt", "admission.txt", "intake.txt",
+             "prefix_fetch.txt"):
     path = os.path.join(out, name)
     if os.path.exists(path):
         print(f"\n{name}:\n" + open(path).read().rstrip())
@@ -311,6 +313,13 @@ if [[ $PARTS == *hproc* ]]; then  # "process" under Ray's high-throughput mode (
 fi
 if [[ $PARTS == *process* ]]; then  # the engine's step loop in a child process of the replica
   variant proc "engine_process: true"
+fi
+checkpoint
+
+if [[ $PARTS == *fetch* ]]; then  # a returning 8k-token history fetched from another replica (2 at 0.5 GPU) vs computed
+  python3 scripts/bench_prefix_fetch.py --json "$RES/prefix_fetch.json" > "$RES/prefix_fetch.log" 2>&1
+  grep -A2 "^| TTFT" "$RES/prefix_fetch.log" > "$RES/prefix_fetch.txt" || tail -5 "$RES/prefix_fetch.log" > "$RES/prefix_fetch.txt"
+  ray stop --force > /dev/null 2>&1
 fi
 checkpoint
 
