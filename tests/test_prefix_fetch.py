@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from deployments.prefix_fetch import PrefixFetch, PrefixFetcher
-from engine import AsyncEngine, EngineConfig, SamplingParams, ensure_demo_model
+from engine import AsyncEngine, EngineConfig, ProcessAsyncEngine, SamplingParams, ensure_demo_model
 from test_engine import assert_slots_accounted
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True)
@@ -48,15 +48,16 @@ class Handle:
         self.export_prefix = Method(export)
 
 
-def engine() -> AsyncEngine:
+def engine(kind: type = AsyncEngine):
     config = EngineConfig(model=ensure_demo_model(), dtype="float32", max_total_tokens=160,
                           chunked_prefill_size=32, host_kv_cache_gb=0.01)
-    return AsyncEngine(config, detokenize=False)
+    return AsyncEngine(config, detokenize=False) if kind is AsyncEngine else ProcessAsyncEngine(config)
 
 
 @pytest.fixture(scope="module")
 def engines():
-    a, b = engine(), engine()
+    """The holder's engine in a child process (as on a GPU replica), the receiver's on a thread."""
+    a, b = engine(ProcessAsyncEngine), engine()
     yield a, b
     a.shutdown()
     b.shutdown()
@@ -94,9 +95,16 @@ def test_a_fetched_prefix_is_loaded_not_computed(engines):
     assert on_b[:2] == on_a[:2]  # the same KV bytes: the same tokens and logprobs
     # the holder no longer has it: a miss, not a failure
     asyncio.run(a.flush_cache())
-    assert asyncio.run(PrefixFetcher(b, "b", lambda: Handle(holder.export)).fetch_for(
-        "a", [7] * 40, PARAMS)) == 0
+    missed = PrefixFetcher(b, "b", lambda: Handle(holder.export))
+    assert asyncio.run(missed.fetch_for("a", PROMPT, PARAMS)) == 0
+    assert missed.counters()["prefix_fetch_misses"] == 1
     assert_slots_accounted(b.engine, idle=True)
+    # and back: the engine in a process imports as well
+    back = PrefixFetcher(a, "a", lambda: Handle(receiver.export))
+    assert asyncio.run(back.fetch_for("b", PROMPT, PARAMS)) == len(PROMPT)
+    tokens, logprobs, last = outputs(a, "a-fetched")
+    assert last.cached_tokens == len(PROMPT) - 1  # (its last token is computed: it samples)
+    assert tokens == on_a[0] and logprobs == pytest.approx(on_a[1], abs=1e-4)
 
 
 def test_a_hanging_holder_costs_the_timeout_then_the_request_computes(engines):
