@@ -16,12 +16,15 @@ Enable it on the engine deployment:
       request_router_class: "router.request_router:PrefixAwareRequestRouter"
       request_router_kwargs: {block_size: 16, key_blocks: 4, abs_threshold: 16,
                               rel_threshold: 1.5, min_match_ratio: 0.1,
-                              max_blocks_per_replica: 262144, kv_high_water: 0.95}
+                              max_blocks_per_replica: 262144, kv_high_water: 0.95,
+                              fetch_costs: {}}   # router/fetch_cost.py FetchCosts fields
       request_routing_stats_period_s: 1
 
 Request contract: the handle call's first positional argument (or keyword argument
 `request`) is an object with attribute `prompt_token_ids: list[int]`, or a dict with that
 key. Requests without it (or shorter than a block) are ranked by their request id: spread.
+A `fetch_from` attribute gets the holder to fetch the prefix from (router/fetch_hints.py);
+a call with a `holder_replica` (a prefix fetch) goes to that replica only.
 
 Routing-stats contract: the replica's `record_routing_stats()` returns a dict with these
 keys (all optional; missing ones fall back to what the router itself knows):
