@@ -15,15 +15,16 @@ import time
 import httpx
 import pytest
 
-from engine import LLM, SamplingParams, ensure_demo_model
+from engine import LLM, SamplingParams
 from serve_helpers import serve_config_args, start_local_cluster
 
 pytestmark = pytest.mark.slow
 
 SLOT = "engine_slot"  # one per node: one engine replica on each
 MODEL = "radixserve-demo"
-ENGINE = {"max_total_tokens": 1024, "max_running_requests": 8, "chunked_prefill_size": 64,
+ENGINE = {"max_total_tokens": 4096, "max_running_requests": 8, "chunked_prefill_size": 64,
           "host_kv_cache_gb": 0.01}
+BUSY_TOKENS = 3000  # a few seconds at the least, on any machine: the holder stays busy
 BLOCK = 16
 PREFIX_TOKENS = 8 * BLOCK
 FETCH_TIMEOUT_S = 5.0
@@ -37,7 +38,13 @@ def prompt(seed: int, tail: int) -> tuple[list[int], list[int]]:
 
 
 @pytest.fixture(scope="module")
-def app(request):
+def model(tiny_model_factory) -> str:
+    """The demo model's shape with room for a long request (the demo's context is 512)."""
+    return tiny_model_factory("llama", max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def app(request, model):
     from ray import serve
 
     from deployments.app import build_app
@@ -45,7 +52,7 @@ def app(request):
     _, port = start_local_cluster(request, {"num_cpus": 2, "resources": {SLOT: 1}},
                                   {"num_cpus": 1, "resources": {SLOT: 1}})
     args = serve_config_args(
-        num_replicas=2, ingress_replicas=1, engine=ENGINE,
+        model=model, num_replicas=2, ingress_replicas=1, engine=ENGINE,
         ray_actor_options={"num_cpus": 0.2, "resources": {SLOT: 1}},
         # overflow as soon as the holder has a request in flight and the other none
         router={"request_router_class": "prefix", "request_routing_stats_period_s": 0.5,
@@ -58,8 +65,8 @@ def app(request):
 
 
 @pytest.fixture(scope="module")
-def offline():
-    return LLM(model=ensure_demo_model(), **ENGINE)
+def offline(model):
+    return LLM(model=model, **ENGINE)
 
 
 def complete(base: str, ids: list[int], max_tokens: int = MAX_TOKENS) -> dict:
@@ -108,7 +115,7 @@ class Busy:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        body = {"model": MODEL, "prompt": self.ids, "max_tokens": 350, "temperature": 0,
+        body = {"model": MODEL, "prompt": self.ids, "max_tokens": BUSY_TOKENS, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         try:
             with httpx.stream("POST", f"{self.base}/v1/completions", json=body, timeout=120) as r:
