@@ -12,8 +12,8 @@ holding it on its host, then one that can fetch it, then one that computes it; a
 queue at the holders moves the request to a replica that fetches (or computes) instead.
 
 The defaults are order-of-magnitude estimates for an 8B model (bf16 KV, 128 KiB per token)
-on one H100 (scripts/bench_prefix_fetch.py and bench_host_tier.py measure them on a GPU; the router's
-`fetch_costs` kwarg sets others); only their ratios matter:
+on one H100 (scripts/bench_prefix_fetch.py and bench_host_tier.py measure them on a GPU;
+the router's `fetch_costs` kwarg sets others); only their ratios matter:
 - computing a prompt token: ~1e-4 s (prefill at ~10k tokens/s);
 - loading one from the host tier: ~5e-6 s (PCIe at ~25 GB/s);
 - fetching one from another replica: ~2e-5 s (object store copy, then the host load),
