@@ -16,10 +16,13 @@ appeared or disappeared, and the node covers `tokens[start:]`.
   are still held by the ancestors. Each block hash belongs to exactly one node (the one
   holding its last token): siblings differ at their first token, so their straddling
   blocks hash differently, and no reference counting is needed.
+- to_host / to_device (a host KV tier): the node's blocks (as for evict) now live on the
+  host only / are back on the device; an insert puts a node's blocks on the device.
 
 Wire format (msgpack map; hashes little-endian uint64, oldest first so the router can
 keep the replica's recency order):
-    {"fmt": 1, "bs": block_size, "ver": version, "ts": unix time, "h": bytes}
+    {"fmt": 1, "bs": block_size, "ver": version, "ts": unix time, "h": bytes,
+     "host": bytes}   # (optional) those of "h" held on the host tier only
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ class CacheEventLike(Protocol):
     """Any object shaped like `engine.core.radix_cache.CacheEvent`."""
 
     @property
-    def kind(self) -> str: ...  # "insert" | "evict"
+    def kind(self) -> str: ...  # "insert" | "evict" | "to_host" | "to_device"
 
     @property
     def tokens(self) -> Sequence[int]: ...
@@ -63,6 +66,7 @@ class Digest:
     version: int  # increases with every encode() of one CacheDigest
     timestamp: float  # replica's time.time() at encode()
     hashes: list[int]  # oldest first
+    host_hashes: frozenset[int] = frozenset()  # those held on the host tier only
 
 
 class CacheDigest:
@@ -85,6 +89,7 @@ class CacheDigest:
         self.max_hashes = max_hashes
         self._clock = clock
         self._hashes: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._host: set[int] = set()  # of those, the blocks on the host tier only
         self._version = 0
         self._lock = threading.Lock()
 
@@ -95,6 +100,8 @@ class CacheDigest:
             self.insert(event.tokens)
         elif event.kind == "evict":
             self.evict(event.tokens, event.start)
+        elif event.kind in ("to_host", "to_device"):
+            self.move(event.tokens, event.start, to_host=event.kind == "to_host")
         else:
             raise ValueError(f"unknown cache event kind {event.kind!r}")
 
@@ -105,13 +112,14 @@ class CacheDigest:
     def insert(self, tokens: Sequence[int]) -> None:
         hashes = block_hashes(tokens, self.block_size)
         with self._lock:
+            self._host.difference_update(hashes)  # (a new node is on the device)
             # Root block last, so it is the newest: trimming drops leaves first and never
             # cuts a chain at its head.
             for h in reversed(hashes):
                 self._hashes.pop(h, None)
                 self._hashes[h] = None
             while len(self._hashes) > self.max_hashes:
-                self._hashes.popitem(last=False)
+                self._host.discard(self._hashes.popitem(last=False)[0])
 
     def evict(self, tokens: Sequence[int], start: int) -> None:
         # Block i ends at (i + 1) * B; it ends inside the node iff start < (i+1)*B <= len,
@@ -121,10 +129,21 @@ class CacheDigest:
         with self._lock:
             for h in hashes[first:]:
                 self._hashes.pop(h, None)
+                self._host.discard(h)
+
+    def move(self, tokens: Sequence[int], start: int, to_host: bool) -> None:
+        """The node's blocks (those `evict` would drop) went to the host tier, or back."""
+        hashes = block_hashes(tokens, self.block_size)[max(start, 0) // self.block_size:]
+        with self._lock:
+            if to_host:
+                self._host.update(h for h in hashes if h in self._hashes)
+            else:
+                self._host.difference_update(hashes)
 
     def clear(self) -> None:
         with self._lock:
             self._hashes.clear()
+            self._host.clear()
 
     # -- queries ------------------------------------------------------------------------
 
@@ -146,10 +165,12 @@ class CacheDigest:
         gets a new, larger version so the router can drop out-of-order copies."""
         with self._lock:
             packed = array("Q", self._hashes)
+            host = array("Q", (h for h in self._host if h in self._hashes))
             self._version += 1
             version = self._version
         if sys.byteorder == "big":
             packed.byteswap()
+            host.byteswap()
         return msgpack.packb(
             {
                 "fmt": FORMAT_VERSION,
@@ -157,6 +178,7 @@ class CacheDigest:
                 "ver": version,
                 "ts": self._clock(),
                 "h": packed.tobytes(),
+                "host": host.tobytes(),
             },
             use_bin_type=True,
         )
@@ -178,11 +200,18 @@ def decode_digest(data: bytes) -> Digest:
     if not (isinstance(block_size, int) and block_size > 0 and isinstance(version, int)
             and isinstance(ts, (int, float)) and isinstance(raw, bytes)):
         raise ValueError("cache digest has missing or mistyped fields")
+    host_raw = obj.get("host", b"")
+    if not isinstance(host_raw, bytes):
+        raise ValueError("cache digest has missing or mistyped fields")
+    return Digest(block_size=block_size, version=version, timestamp=float(ts),
+                  hashes=_uint64s(raw), host_hashes=frozenset(_uint64s(host_raw)))
+
+
+def _uint64s(raw: bytes) -> list[int]:
     if len(raw) % 8:
         raise ValueError("cache digest hash payload is not a whole number of uint64s")
-    hashes = array("Q")
-    hashes.frombytes(raw)
+    out = array("Q")
+    out.frombytes(raw)
     if sys.byteorder == "big":
-        hashes.byteswap()
-    return Digest(block_size=block_size, version=version, timestamp=float(ts),
-                  hashes=hashes.tolist())
+        out.byteswap()
+    return out.tolist()

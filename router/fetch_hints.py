@@ -40,12 +40,16 @@ class FetchHints:
         """The ReplicaID `pick` should fetch from, or None (nothing worth fetching)."""
         if not hashes or lora is not None:
             return None
-        matches = self._index.match(hashes, [r.replica_id for r in replicas])
-        block = self._index.block_size
-        # (the digests do not tell the tiers apart: what a replica holds counts as on its GPU)
-        holdings = [Holding(r.replica_id, gpu_tokens=matches[r.replica_id] * block, load=load(r))
-                    for r in replicas]
+        holdings = [self._holding(r.replica_id, hashes, load(r)) for r in replicas]
         mine = next((h for h in holdings if h.replica_id == pick), None)
         if mine is None:
             return None
-        return plan(mine, holdings, len(hashes) * block, self._costs).fetch_from
+        return plan(mine, holdings, len(hashes) * self._index.block_size, self._costs).fetch_from
+
+    def _holding(self, replica_id: Any, hashes: list[int], load: float) -> Holding:
+        """What the replica's digest holds of the prompt, on its GPU and on its host (the
+        device part leads: a node leaves the device only after its children)."""
+        matched = self._index.match(hashes, [replica_id])[replica_id]
+        host = self._index.on_host(replica_id, hashes[:matched])
+        block = self._index.block_size
+        return Holding(replica_id, (matched - host) * block, host * block, load)

@@ -54,6 +54,7 @@ class ReplicaBlocks:
         self.max_blocks = max_blocks
         self.entries: OrderedDict[int, float] = OrderedDict()
         self.digest_version = -1  # last digest applied, to drop stale or repeated ones
+        self.on_host: frozenset[int] = frozenset()  # held on its host tier only (last digest)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -161,7 +162,13 @@ class PrefixIndex:
             return False
         blocks.replace(digest.hashes, keep_routed_after=digest.timestamp - grace_s)
         blocks.digest_version = digest.version
+        blocks.on_host = digest.host_hashes
         return True
+
+    def on_host(self, replica_id: ReplicaKey, hashes: Sequence[int]) -> int:
+        """How many of `hashes` (a matched prefix) the replica holds on its host tier only."""
+        blocks = self._replicas.get(replica_id)
+        return sum(h in blocks.on_host for h in hashes) if blocks else 0
 
     def add_replica(self, replica_id: ReplicaKey) -> None:
         self._blocks(replica_id)

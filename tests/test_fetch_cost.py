@@ -135,3 +135,32 @@ def test_a_fetch_goes_only_to_its_holder():
         ranks = await router.choose_replicas([a], pending(PrefixFetch("b", toks(1, 2))))
         assert all(not rank for rank in ranks)
     asyncio.run(scenario())
+
+
+def test_the_digests_say_which_holder_keeps_the_prefix_on_its_gpu():
+    """Two holders of the same prefix, one with it on its host tier only (its digest says
+    so): the replica the router sends the request to fetches from the other."""
+    prefix = toks(*range(1, 65))
+
+    def digest(on_host: bool, **stats) -> dict:
+        d = CacheDigest(block_size=BS)
+        d.insert(prefix)
+        if on_host:
+            d.move(prefix, 0, to_host=True)
+        return {"cache_digest": d.encode(), **stats}
+
+    async def holder_for(host_first: bool) -> str | None:
+        router = make_router(abs_threshold=0, rel_threshold=1.0)
+        a = FakeReplica("a", **digest(host_first, num_running=3, ts=999.0))
+        b = FakeReplica("b", **digest(not host_first, num_running=3, ts=999.0))
+        c = FakeReplica("c", num_running=0, ts=999.0)
+        router.update_replicas([a, b, c])
+        call = Call(prefix + toks(99))
+        ranks = await router.choose_replicas([a, b, c], pending(call))
+        assert ranks[0][0] is c
+        return call.fetch_from
+
+    assert asyncio.run(holder_for(host_first=True)) == "b"
+    assert asyncio.run(holder_for(host_first=False)) == "a"
+    # the host part costs its load on the holder's own plan
+    assert plan(Holding("h", 0, 512), [], 520).estimate_s > plan(Holding("g", 512), [], 520).estimate_s

@@ -2,7 +2,8 @@
 without a model: real CPU KV pools whose rows hold a value derived from each token's
 prefix, so every move between the tiers is checked byte for byte; eviction and reload
 order; and a property test of random operation streams (no device or host slot leaks,
-host memory within its size, the tree's shape)."""
+host memory within its size, the tree's shape, the routing digest's blocks and which of
+them are on the host only)."""
 from __future__ import annotations
 
 import torch
@@ -13,7 +14,7 @@ from engine.attention.kv_pool import KVPool
 from engine.core.host_tier import HostTier
 from engine.core.radix_cache import RadixCache, TreeNode
 from engine.executor.kv_transfer import KVTransfer
-from router.cache_digest import CacheDigest
+from router.cache_digest import CacheDigest, decode_digest
 from router.hashing import block_hashes
 
 LAYERS, HEADS, DIM = 2, 1, 4
@@ -66,6 +67,8 @@ def check(t: Tiered) -> None:
     t.digest.apply_all(cache.drain_events())
     assert set(t.digest.hashes()) == held_blocks(cache.root, ()), \
         "the events do not say what the tree holds (in either tier)"
+    assert decode_digest(t.digest.encode()).host_hashes == host_only_blocks(cache.root, ()), \
+        "the events do not say which blocks are on the host only"
     device = cache.all_slots()
     assert sorted(device + cache.allocator.free_slots()) == list(range(1, t.pool.num_slots + 1)), \
         "a device slot leaked or is held twice"
@@ -81,6 +84,18 @@ def held_blocks(node: TreeNode, path: tuple[int, ...]) -> set[int]:
     out = set(block_hashes(path, 2)) if path else set()
     for child in node.children.values():
         out |= held_blocks(child, path + child.key)
+    return out
+
+
+def host_only_blocks(node: TreeNode, path: tuple[int, ...]) -> set[int]:
+    """The blocks that end in a host-only node (each block belongs to the node holding its
+    last token)."""
+    out: set[int] = set()
+    for child in node.children.values():
+        full = path + child.key
+        if not child.value:
+            out |= set(block_hashes(full, 2)[len(path) // 2:])
+        out |= host_only_blocks(child, full)
     return out
 
 

@@ -58,8 +58,8 @@ class HostTier:
         self.stats = HostTierStats()
 
     def attach(self, root: TreeNode, record: Callable[[str, TreeNode], None]) -> None:
-        """Serve the tree under `root`; `record("insert" | "evict", node)` as nodes enter
-        or leave it here (the tree's cache events)."""
+        """Serve the tree under `root`; `record("insert" | "evict" | "to_host", node)` as
+        nodes enter or leave it here (the tree's cache events)."""
         self.root, self.record = root, record
 
     @property
@@ -137,6 +137,7 @@ class HostTier:
         node = TreeNode(key=key, value=(), parent=parent, host_value=tuple(slots))
         parent.children[key[0]] = node
         self.record("insert", node)
+        self.record("to_host", node)
         self.stats.imported_tokens += len(key)
         return len(key)
 

@@ -4,8 +4,8 @@ Each node holds a run of tokens (`key`) and the KV slots of those tokens (`value
 request locks the node its cached prefix ends at, which protects the whole path to the
 root; unlocked leaves are evicted least-recently-used first when the pool runs short.
 Inserts and evictions are recorded as `CacheEvent`s so a router can learn what this
-replica really holds; with a host tier, in either tier (a node moving to the host is no
-event: a request finding it there loads it instead of computing it).
+replica really holds; with a host tier, in either tier, and which: a node moving to the
+host is a "to_host" event, one loaded back a "to_device" one.
 
 With a host tier (`host`, engine/core/host_tier.py) an evicted node stays in the tree with
 its KV on the host (`value` empty, `host_value` set) and `load_back` brings it back before a
@@ -27,12 +27,16 @@ from typing import Literal, Protocol
 from engine.core.slot_allocator import SlotAllocator
 
 
+# A node appeared, disappeared, or (with a host tier) moved between the tiers.
+EventKind = Literal["insert", "evict", "to_host", "to_device"]
+
+
 @dataclass(frozen=True)
 class CacheEvent:
     """A node appeared or disappeared. `tokens` is the full path from the root to the
     node's end; the node itself covers `tokens[start:]`."""
 
-    kind: Literal["insert", "evict"]
+    kind: EventKind
     tokens: tuple[int, ...]
     start: int
 
@@ -248,6 +252,8 @@ class RadixCache:
             parent = leaf.parent
             if not kept:
                 self.remove(leaf)
+            else:
+                self._record("to_host", leaf)
             if parent is not self.root and parent.lock_ref == 0 and _is_device_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
@@ -299,6 +305,7 @@ class RadixCache:
             slots = self.allocator.alloc(n)
             self.host.load(node, slots)
             node.value = tuple(slots)
+            self._record("to_device", node)
             self._added_to_device(node)
             self.lock(node)
             self.unlock(anchor)
@@ -327,7 +334,7 @@ class RadixCache:
 
     # -- events and stats ---------------------------------------------------------------
 
-    def _record(self, kind: Literal["insert", "evict"], node: TreeNode) -> None:
+    def _record(self, kind: EventKind, node: TreeNode) -> None:
         # (adapters' prefixes stay out of the routing digest, which hashes base tokens)
         if self.record_events and node.key[0] < _NAMESPACE_STRIDE:
             tokens = node.path_tokens()
