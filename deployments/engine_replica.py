@@ -18,15 +18,17 @@ from deployments.channel import (
 )
 from deployments.errors import OVERLOADED_MESSAGE
 from deployments.local_metrics import process_metrics
-from deployments.prefix_fetch import DEFAULT_FETCH_TIMEOUT_S, PrefixFetch, PrefixFetcher, engine_handle
+from deployments.prefix_fetch import (
+    DEFAULT_FETCH_TIMEOUT_S, PrefixFetch, PrefixFetcher, engine_handle,
+)
 from deployments.engine_metrics import EngineMetrics
 from deployments.metrics import record_gc_pauses
 from deployments.served_metrics import StatHighWater
 from deployments.tp_workers import TPWorkers
 from engine import (
-    AsyncEngine, Engine, EngineClient, EngineConfig, ExportedPrefix, LoRANotFoundError, ProcessAsyncEngine,
-    QueueFullError, QueueTimeoutError, SamplingParams, StepReport, StreamDelta, WireDelta,
-    ensure_demo_model, freeze_after_start, process_age_s, wire_of,
+    AsyncEngine, Engine, EngineClient, EngineConfig, ExportedPrefix, LoRANotFoundError,
+    ProcessAsyncEngine, QueueFullError, QueueTimeoutError, SamplingParams, StepReport,
+    StreamDelta, WireDelta, ensure_demo_model, freeze_after_start, process_age_s, wire_of,
 )
 from router.cache_digest import CacheDigest
 

@@ -46,7 +46,8 @@ class PrefixFetch:
 
 @dataclass
 class FetchStats:
-    """This replica's side of prefix fetches, in /v1/stats and the metrics (summed over replicas)."""
+    """This replica's side of prefix fetches, in /v1/stats and the metrics (summed over
+    replicas)."""
 
     prefix_fetches: int = 0  # fetches whose KV went into this replica's host tier
     prefix_fetch_failures: int = 0  # holder gone, stopped, past the timeout, or unusable KV
@@ -149,6 +150,6 @@ def engine_handle() -> Any:
 
     from router import ray_adapter
 
-    replica = serve.get_replica_context().replica_id
-    deployment = replica.deployment_id
-    return ray_adapter.by_reference(serve.get_deployment_handle(deployment.name, deployment.app_name))
+    deployment = serve.get_replica_context().replica_id.deployment_id
+    handle = serve.get_deployment_handle(deployment.name, deployment.app_name)
+    return ray_adapter.by_reference(handle)
