@@ -22,6 +22,7 @@ from typing import Any
 
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import OpenAIIngress
+from deployments.ingress import lora_admin as http_lora_admin
 
 
 class LocalStream:
@@ -89,6 +90,28 @@ class LocalEngineHandle:
         return _Broadcast(functools.partial(getattr(self.replica, method), *args))
 
 
+class PeerEngines:
+    """Broadcasts to the engines of every replica of this deployment (through a handle to
+    it, made on first use: a replica's context exists once Serve runs its constructor), so
+    that a LoRA adapter loaded through one replica's HTTP reaches them all; outside Serve,
+    to this replica's engine alone."""
+
+    def __init__(self, local: LocalEngineHandle) -> None:
+        self.local = local
+        self._peers: Any | None = None
+
+    def broadcast(self, method: str, *args: Any) -> Any:
+        if self._peers is None:
+            try:
+                from ray import serve
+
+                context = serve.get_replica_context()
+                self._peers = serve.get_deployment_handle(context.deployment, context.app_name)
+            except Exception:  # noqa: BLE001 - not inside Serve
+                return self.local.broadcast(method, *args)
+        return self._peers.broadcast(method, *args)
+
+
 class EngineIngress(OpenAIIngress):
     """Serve deployment class of `ingress: colocated` (wrapped in `app.py`): the OpenAI
     API of deployments/ingress.py over an EngineReplica built in this replica."""
@@ -107,6 +130,11 @@ class EngineIngress(OpenAIIngress):
             await super().__init__(handle, model, served_model_name, **ingress_kwargs)
         finally:
             self.replica = handle.replica = await build
+        http_lora_admin.configure(PeerEngines(handle))
+
+    async def lora_admin(self, op: str, *args: str) -> dict[str, Any]:
+        """This replica's part of a LoRA load/unload/list broadcast (PeerEngines)."""
+        return await self.replica.lora_admin(op, *args)
 
     def check_health(self) -> None:
         self.replica.check_health()
