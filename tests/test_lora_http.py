@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 import frontend as sgl
@@ -23,7 +24,7 @@ from deployments.engine_replica import EngineCall
 from engine import LLM, SamplingParams, ensure_demo_model
 from lora_adapters import SPECS, make_adapter
 from scripts.serve_replicas import call_each, call_replica, list_replicas, stream_replica
-from serve_helpers import BASE, run_app, serve_config_args, start_ray, stop_ray
+from serve_helpers import BASE, run_app, serve_config_args, start_ray, stop_ray, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "radixserve-demo"
@@ -34,21 +35,26 @@ ENGINE = {"max_total_tokens": 2048, "max_loras": 2, "max_lora_rank": 16}
 
 
 @pytest.fixture(scope="module")
-def adapters(tmp_path_factory, tiny_model_factory) -> dict[str, str]:
+def adapters(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("lora-http")
     base = ensure_demo_model()
-    names = ["boot", "late", "dyn/found", "dyn/third", "solo", "both", "busy"]
-    for i, name in enumerate(names):
+    for i, name in enumerate(["boot", "late", "dyn/found"]):
         make_adapter(base, str(root / name), seed=i, **SPECS["qv-mlp-r8"])
     make_adapter(base, str(root / "wide"), r=32, lora_alpha=32, target_modules=["q_proj"])
-    # made for another base (wider), and one naming a layer the demo model lacks
-    make_adapter(tiny_model_factory("llama", hidden_size=96), str(root / "other"),
-                 **SPECS["qv-mlp-r8"])
-    shutil.copytree(root / "boot", root / "moved")
-    tensors = load_file(str(root / "moved" / "adapter_model.safetensors"))
-    save_file({k.replace("layers.0.", "layers.99."): v for k, v in tensors.items()},
-              str(root / "moved" / "adapter_model.safetensors"))
-    return {name: str(root / name) for name in names + ["wide", "other", "moved", "dyn"]}
+    for name, like in (("dyn/third", "late"), ("solo", "late"), ("both", "boot"), ("busy", "late")):
+        shutil.copytree(root / like, root / name)  # a name of its own is all these need
+    # one made for another base (a wider q_proj input), one naming a layer the model lacks
+    _edited(root / "boot", root / "other", lambda k, v: (
+        k, torch.zeros(v.shape[0], 96) if "q_proj.lora_A" in k else v))
+    _edited(root / "boot", root / "moved", lambda k, v: (k.replace("layers.0.", "layers.99."), v))
+    names = ["boot", "late", "wide", "solo", "both", "busy", "other", "moved", "dyn"]
+    return {name: str(root / name) for name in names}
+
+
+def _edited(src: Path, dst: Path, edit) -> None:
+    shutil.copytree(src, dst)
+    file = dst / "adapter_model.safetensors"
+    save_file(dict(edit(k, v) for k, v in load_file(str(file)).items()), str(file))
 
 
 @pytest.fixture(scope="module")
@@ -277,11 +283,26 @@ COLOCATED = f"{BASE}/lora-colocated"
 
 
 @pytest.fixture(scope="module")
-def colocated(server):
+def colocated():
+    from ray import serve
+
+    start_ray()
     run_app(serve_config_args(ingress="colocated", num_replicas=2,
                               engine={**ENGINE, "enable_lora": True}),
             name="lora-colocated", route_prefix="/lora-colocated")
-    return list_replicas("lora-colocated", "EngineIngress")
+    # A handle learns of the replicas from the controller's broadcasts, a moment after the
+    # app is ready: until /metrics (a broadcast too) reaches both, a load might not either.
+    assert wait_until(lambda: _scraped_replicas() == 2, timeout=30, interval=0.2)
+    yield list_replicas("lora-colocated", "EngineIngress")
+    serve.delete("lora-colocated")
+
+
+def _scraped_replicas() -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{COLOCATED}/metrics", timeout=30).text
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if f.name == "radixserve:scrape_replicas" and s.labels.get("role") == "ingress")
 
 
 def _adapters_of(replicas) -> list[set[str]]:

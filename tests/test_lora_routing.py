@@ -58,8 +58,8 @@ def test_policy_ranks_gpu_then_cpu_then_any_keeping_the_prefix_order_within_a_ti
 
 def test_router_sends_engine_calls_by_tier():
     """Through the Serve router with the ingress's real EngineCall: a replica holding the
-    adapter in its GPU pool takes every prefix's request, then one holding it in host
-    memory; with no holder, requests spread by prefix."""
+    adapter in its GPU pool takes every prefix's request (unless past its load bound), then
+    one holding it in host memory; with no holder, requests spread by prefix."""
     async def send(router, replicas, prompt: list[int], lora: str | None) -> str:
         pr = pending(call(prompt, lora))
         chosen = await route(router, replicas, pr)
@@ -76,5 +76,7 @@ def test_router_sends_engine_calls_by_tier():
         assert {await send(router, replicas, p, "warm") for p in prompts(20, seed=2)} == {NAMES[1]}
         assert len({await send(router, replicas, p, "cold") for p in prompts(20, seed=3)}) > 1
         assert len({await send(router, replicas, p, None) for p in prompts(20, seed=4)}) > 1
+        replicas[3].routing_stats.update(num_running=50)  # past its bound: overflow
+        assert await send(router, replicas, prompts(1)[0], "tuned") != NAMES[3]
 
     asyncio.run(scenario())
