@@ -240,7 +240,7 @@ def test_bad_adapters_and_unloading_one_in_use(server, adapters):
     """400 naming the tensor for an adapter of another base and one targeting a layer the
     model lacks (a rank over max_lora_rank: the first test), with nothing registered; 404 model_not_found for
     an unknown name on every API; unloading an adapter that a request runs under is refused
-    (400) until the request ends (here: its client leaves)."""
+    (400), stalling nothing, until the request ends (here: its client leaves)."""
     for name, says in (("other", r"lora_[AB]\.weight'.*does not fit the base model"),
                        ("moved", r"layers\.99\..*has no .* in layer 99")):
         r = httpx.post(f"{BASE}/v1/load_lora_adapter", timeout=60,
@@ -265,6 +265,7 @@ def test_bad_adapters_and_unloading_one_in_use(server, adapters):
     next(iter(stream))  # running now (500 tokens: seconds on this model)
     r = httpx.post(f"{BASE}/v1/unload_lora_adapter", json={"lora_name": "busy"}, timeout=60)
     assert r.status_code == 400 and "in use" in r.json()["error"]["message"], r.text
+    assert complete(MODEL, PROMPT).status_code == 200  # the others go on meanwhile
     stream.close()  # the client leaves: the engine aborts the request and frees the adapter
     codes = []
     for _ in range(60):
