@@ -17,11 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import OpenAIIngress
+
+logger = logging.getLogger(__name__)
 
 
 class LocalStream:
@@ -55,12 +58,17 @@ class _Method:
 
 
 class _Broadcast:
-    def __init__(self, call: Callable) -> None:
+    """A broadcast's response, as Serve's: `call()` answers one replica's result, or (`many`)
+    a list of them."""
+
+    def __init__(self, call: Callable, many: bool = False) -> None:
         self._call = call
+        self._many = many
 
     async def results_async(self, timeout_s: float | None = None, return_exceptions: bool = False):
         try:
-            return [await asyncio.wait_for(self._call(), timeout_s)]
+            result = await asyncio.wait_for(self._call(), timeout_s)
+            return result if self._many else [result]
         except Exception as e:  # noqa: BLE001 - as Serve's broadcast reports a replica's failure
             if return_exceptions:
                 return [e]
@@ -89,6 +97,48 @@ class LocalEngineHandle:
         return _Broadcast(functools.partial(getattr(self.replica, method), *args))
 
 
+class PeerEngines:
+    """Broadcasts to the engines of every replica of this deployment, so that a LoRA adapter
+    loaded through one replica's HTTP reaches them all: through a handle to the deployment
+    (made on first use: a replica's context exists once Serve runs its constructor), and to
+    this replica directly when that handle did not reach it (a handle learns of replicas
+    from the controller's broadcasts, a moment behind a start). Outside Serve, this
+    replica alone. The method must answer a dict naming its "replica"."""
+
+    def __init__(self, local: LocalEngineHandle) -> None:
+        self.local = local
+        self._peers: Any | None = None
+
+    def broadcast(self, method: str, *args: Any) -> _Broadcast:
+        return _Broadcast(functools.partial(self._everywhere, method, *args), many=True)
+
+    async def _everywhere(self, method: str, *args: Any) -> list:
+        peers = self._peer_handle()
+        results: list = []
+        if peers is not None:
+            try:
+                results = await peers.broadcast(method, *args).results_async(
+                    return_exceptions=True)
+            except Exception as e:  # noqa: BLE001 - e.g. no replica known yet: this one still is
+                logger.warning("%s broadcast to the deployment failed: %r", method, e)
+                results = []
+        own = self.local.replica.replica_id
+        if not any(isinstance(r, dict) and r.get("replica") == own for r in results):
+            results.append(await getattr(self.local.replica, method)(*args))
+        return results
+
+    def _peer_handle(self) -> Any | None:
+        if self._peers is None:
+            try:
+                from ray import serve
+
+                context = serve.get_replica_context()
+                self._peers = serve.get_deployment_handle(context.deployment, context.app_name)
+            except Exception:  # noqa: BLE001 - not inside Serve
+                return None
+        return self._peers
+
+
 class EngineIngress(OpenAIIngress):
     """Serve deployment class of `ingress: colocated` (wrapped in `app.py`): the OpenAI
     API of deployments/ingress.py over an EngineReplica built in this replica."""
@@ -107,6 +157,11 @@ class EngineIngress(OpenAIIngress):
             await super().__init__(handle, model, served_model_name, **ingress_kwargs)
         finally:
             self.replica = handle.replica = await build
+        self.lora_api.configure(PeerEngines(handle))
+
+    async def lora_admin(self, op: str, *args: str) -> dict[str, Any]:
+        """This replica's part of a LoRA load/unload/list broadcast (PeerEngines)."""
+        return await self.replica.lora_admin(op, *args)
 
     def check_health(self) -> None:
         self.replica.check_health()

@@ -264,7 +264,8 @@ class EngineReplica:
             stats = dict(self._stats)
         return {"cache_digest": self.digest.encode(), "num_running": stats.get("running", 0),
                 "num_waiting": stats.get("waiting", 0), "kv_usage": stats.get("kv_usage", 0.0),
-                "loras": stats.get("lora_in_gpu", []), "ts": time.time()}
+                "loras": stats.get("lora_in_gpu", []), "loras_cpu": stats.get("lora_in_cpu", []),
+                "ts": time.time()}
 
     def check_health(self) -> None:
         if not self.engine.is_alive():

@@ -81,6 +81,7 @@ class OpenAIIngress:
         self.engine = engine_handle.options(stream=True)
         self.control = engine_handle
         lora_admin.configure(engine_handle)
+        self.lora_api = lora_admin  # this app's own (serve.ingress freezes a copy of the app)
         admission.replicas = lambda: engine_replica_ids(self.engine)
         # An engine in this process (deployments/colocated.py): deltas on each call's own iterator, no
         # channel, 503s without a hop (read off the type: a handle answers any attribute).

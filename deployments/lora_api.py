@@ -3,10 +3,14 @@
 and SGLang's (`/load_lora_adapter`, `/unload_lora_adapter`), behind the admin key when one
 is set (deployments/auth.py), and the adapters `/v1/models` lists.
 
-A load or unload goes to every engine replica (Serve's broadcast), so any replica can serve
-the adapter afterwards; an error of any replica is the answer's (400 naming the tensor for an
-adapter that cannot serve, 404 for an unknown name). Unloading an adapter that queued or
-running requests use is refused (400); retry once they finish.
+A load or unload goes to every engine replica (Serve's broadcast; under `ingress: colocated`
+to every replica of that deployment, deployments/colocated.py), so any replica can serve the
+adapter afterwards; an error of any replica is the answer's (400 naming the tensor for an
+adapter that cannot serve, 404 for a name no replica has). Unloading an adapter that queued
+or running requests use is refused (400) by the replicas running them: the others have
+unloaded it, so new requests go to the refusing ones (the router prefers replicas holding
+the adapter); retry once they finish. A replica that starts later (autoscaling, a restart)
+has the `lora_modules` adapters and loads others on first use from `lora_dynamic_path`.
 """
 from __future__ import annotations
 
@@ -61,7 +65,7 @@ class LoRAAdmin:
                            len(results) - len(answers), op)
         if not answers:
             raise APIError.unavailable("no engine replica answered")
-        error = next((a for a in answers if "error" in a), None)
+        error = first_error(op, answers)
         if error is not None:
             code = "model_not_found" if error["status"] == 404 else None
             raise APIError(error["error"], error["status"], param="lora_name", code=code)
@@ -88,6 +92,16 @@ class LoRAAdmin:
             raise APIError(f"The model '{model_id}' does not exist", 404, param="model",
                            code="model_not_found")
         return card
+
+
+def first_error(op: str, answers: list[dict]) -> dict | None:
+    """The error that answers a broadcast of `op`, or None. An unload succeeds where any
+    replica had the adapter: the others' 404 only says they never loaded it (an adapter
+    loaded on first use from `lora_dynamic_path` lives on the replicas that served it)."""
+    errors = [a for a in answers if "error" in a]
+    if op == "unload_lora" and any("error" not in a for a in answers):
+        errors = [a for a in errors if a["status"] != 404]
+    return errors[0] if errors else None
 
 
 async def _body(request: Request, kind: type[BaseModel]) -> Any:

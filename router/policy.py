@@ -25,6 +25,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from router.adapter_affinity import AdapterTier, by_adapter_tier
+
 
 class Decision(str, Enum):
     AFFINITY = "affinity"  # the first choice, holding a worthwhile match
@@ -39,7 +41,7 @@ class Candidate:
     matched_blocks: int = 0
     load: float = 0  # ongoing requests (running + waiting)
     kv_usage: float = 0.0  # fraction of the KV pool in use, 0..1
-    has_adapter: bool = True  # holds the request's LoRA adapter in its GPU pool (or none asked)
+    adapter_tier: int = AdapterTier.IN_GPU  # where it holds the request's LoRA adapter
 
 
 @dataclass(frozen=True)
@@ -94,9 +96,10 @@ def choose(request_blocks: int, ranked: Sequence[Candidate],
     """Rank `ranked` (the prefix's rendezvous order) for a request of `request_blocks`."""
     if not ranked:
         return Choice(ranks=[], decision=Decision.NO_MATCH, matched_blocks=0)
-    # Rule 0: a request for a LoRA adapter goes first to the replicas that hold it (the
-    # rest would load it first); the prefix's order stands among each group.
-    ranked = [c for c in ranked if c.has_adapter] + [c for c in ranked if not c.has_adapter]
+    # Rule 0: a request for a LoRA adapter goes first to the replicas holding it in their
+    # GPU pool, then in host memory (router/adapter_affinity.py); the prefix's order stands
+    # within each tier.
+    ranked = by_adapter_tier(ranked)
     order = corrected_order(request_blocks, ranked, config)
     corrected = order[0] is not ranked[0]
     first = order[0]

@@ -53,6 +53,7 @@ from ray.serve.request_router import (
 )
 
 from router import policy, ray_adapter, rendezvous
+from router.adapter_affinity import adapter_tier, lora_of
 from router.cache_digest import decode_digest
 from router.fetch_cost import FetchCosts
 from router.fetch_hints import FetchHints
@@ -71,7 +72,6 @@ STAT_NUM_RUNNING = "num_running"
 STAT_NUM_WAITING = "num_waiting"
 STAT_KV_USAGE = "kv_usage"
 STAT_TIMESTAMP = "ts"
-STAT_LORAS = "loras"  # the LoRA adapters in the replica's GPU pool
 
 # Requests between choose_replicas and on_request_routed (cancelled ones never reach the
 # latter, so the map is bounded).
@@ -94,14 +94,8 @@ def extract_token_ids(args: Sequence[Any], kwargs: dict[str, Any]) -> list[int] 
 
 
 def extract_lora(args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
-    """The LoRA adapter a handle call asks for (its sampling settings' `lora`), or None."""
-    request = args[0] if args else kwargs.get("request")
-    if isinstance(request, dict):
-        sampling = request.get("sampling")
-    else:
-        sampling = getattr(request, "sampling", None)
-    lora = sampling.get("lora") if isinstance(sampling, dict) else None
-    return lora if isinstance(lora, str) else None
+    """The LoRA adapter a handle call asks for, or None."""
+    return lora_of(args[0] if args else kwargs.get("request"))
 
 
 def channel_target(pending_request: PendingRequest | None) -> str | None:
@@ -250,7 +244,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         ranked = rendezvous.rank(routing.key, replicas, name=lambda r: r.replica_id.unique_id)
         matches = self._index.match(hashes, [r.replica_id for r in ranked])
         candidates = [Candidate(r.replica_id, matches[r.replica_id], self._load(r),
-                                self._kv_usage(r), self._has_adapter(r, routing.lora))
+                                self._kv_usage(r), adapter_tier(r.routing_stats, routing.lora))
                       for r in ranked]
         return policy.choose(len(hashes), candidates, self._policy)
 
@@ -355,11 +349,6 @@ class PrefixAwareRequestRouter(RequestRouter):
         if not isinstance(taken_at, (int, float)) or isinstance(taken_at, bool):
             return max(reported, float(self._sends.count(rid)))
         return reported + self._sends.unreported(rid, float(taken_at))
-
-    @staticmethod
-    def _has_adapter(replica: RunningReplica, lora: str | None) -> bool:
-        """Whether the replica reported `lora` in its GPU pool (True when no adapter is asked)."""
-        return lora is None or lora in ((replica.routing_stats or {}).get(STAT_LORAS) or ())
 
     def _kv_usage(self, replica: RunningReplica) -> float:
         return _number((replica.routing_stats or {}).get(STAT_KV_USAGE))

@@ -16,6 +16,7 @@ metadata, an internal interface (checked against Ray 2.60).
     stats = routing_stats(replicas)                              # {unique_id: dict}
     held = holds_prefix(stats, prompt_ids[:192])                 # {unique_id: bool}
     counters = call_each(replicas, "stats")                      # {unique_id: result}
+    items = stream_replica(replicas[rid], "generate", call)     # a streamed call's items
     pids = replica_pids(replicas)                                # {unique_id: pid}
 """
 from __future__ import annotations
@@ -83,6 +84,19 @@ def call_replica(actor: Any, method: str, *args: Any, **kwargs: Any):
     rid = uuid.uuid4().hex
     metadata = RequestMetadata(request_id=rid, internal_request_id=rid, call_method=method)
     return actor.handle_request.remote(pickle.dumps(metadata), *args, **kwargs)
+
+
+def stream_replica(actor: Any, method: str, *args: Any, timeout: float = 60.0) -> list:
+    """Every item of the streaming `method(*args)` run on this very replica (a generator
+    method, such as an engine replica's `generate`), as Serve's router sends it."""
+    from ray.serve._private.common import RequestMetadata
+
+    rid = uuid.uuid4().hex
+    metadata = RequestMetadata(request_id=rid, internal_request_id=rid, call_method=method,
+                               is_streaming=True)
+    refs = actor.handle_request_streaming.options(num_returns="streaming").remote(
+        pickle.dumps(metadata), *args)
+    return [ray.get(ref, timeout=timeout) for ref in refs]
 
 
 def call_each(replicas: Mapping[str, Any], method: str, *args: Any, timeout: float = 30.0,

@@ -25,10 +25,12 @@ def test_test_tooling_internal_is_there():
     try:
         from ray.serve._private.common import RequestMetadata
 
-        RequestMetadata(request_id="r", internal_request_id="r", call_method="stats")
+        RequestMetadata(request_id="r", internal_request_id="r", call_method="stats",
+                        is_streaming=True)
     except (ImportError, TypeError) as e:
         pytest.fail(f"ray.serve._private.common.RequestMetadata(request_id, internal_request_id, "
-                    f"call_method) moved or changed (scripts/serve_replicas.py uses it): {e!r}")
+                    f"call_method, is_streaming) moved or changed (scripts/serve_replicas.py "
+                    f"uses it): {e!r}")
 
 
 def test_missing_internal_is_named(monkeypatch):

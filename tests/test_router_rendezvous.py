@@ -397,36 +397,3 @@ def test_router_sends_a_channel_only_to_its_replica_and_nowhere_once_it_left():
         ranks = await router.choose_replicas([a], pending(ChannelOpen("ingress", "b")))
         assert all(not rank for rank in ranks)
     asyncio.run(scenario())
-
-
-@dataclass
-class LoRACall:
-    prompt_token_ids: list[int]
-    sampling: dict
-
-
-def test_adapter_requests_prefer_replicas_holding_the_adapter():
-    """A request for a LoRA adapter goes to a replica whose GPU pool holds it (reported in
-    its routing stats), whatever the prefix's own first choice; without one, by the prefix
-    (the adapter in the key); overloaded holders overflow to the others."""
-    async def send(router, replicas, prompt: list[int], sampling: dict) -> str:
-        pr = pending(LoRACall(prompt, sampling))
-        chosen = await route(router, replicas, pr)
-        router.on_request_completed(None, pr.metadata.internal_request_id)
-        return chosen
-
-    async def scenario():
-        router = make_router()
-        replicas = fleet(num_running=0, num_waiting=0, ts=1000.0)
-        replicas[2].routing_stats["loras"] = ["tuned"]
-        router.update_replicas(replicas)
-        sent = {await send(router, replicas, p, {"lora": "tuned"}) for p in prompts(20, seed=3)}
-        assert sent == {NAMES[2]}
-        plain = {await send(router, replicas, p, {}) for p in prompts(20)}
-        assert len(plain) > 1  # base requests spread by prefix as before
-        other = {await send(router, replicas, p, {"lora": "new"}) for p in prompts(20, seed=4)}
-        assert len(other) > 1  # no holder: by prefix
-        replicas[2].routing_stats.update(num_running=50)  # past its bound: overflow
-        assert await send(router, replicas, prompts(1)[0], {"lora": "tuned"}) != NAMES[2]
-
-    asyncio.run(scenario())

@@ -224,6 +224,10 @@ class LoRAManager:
         self.batch.stage([c.req.lora_slot for c in plan.chunks])
 
     def stats_dict(self) -> dict[str, int]:
+        """Counters, and where the adapters are: `lora_in_gpu` (in a pool slot) and
+        `lora_in_cpu` (a host copy, no slot), which the router ranks replicas by."""
         in_gpu = sorted(o.name for o in self.slot_owner if o is not None)
+        in_cpu = sorted(e.name for e in self.entries.values()
+                        if e.slot < 0 and e.adapter is not None)
         return dict(self.stats.as_dict(), lora_adapters=len(self.entries),
-                    lora_slots_used=len(in_gpu), lora_in_gpu=in_gpu)
+                    lora_slots_used=len(in_gpu), lora_in_gpu=in_gpu, lora_in_cpu=in_cpu)
