@@ -52,15 +52,15 @@ class KVTransfer:
         self.device_pool = device
         where = device.k[0].device
         self.cuda = where.type == "cuda"
-        shape = (host_slots + 1, *device.k[0].shape[1:])  # slot 0 unused, as on the device
 
-        def host_tensor() -> torch.Tensor:
-            # (not zeroed: a row is always written before it is read, and touching every
-            # page of tens of GiB would only slow the start)
-            return torch.empty(shape, dtype=device.dtype, pin_memory=self.cuda)
+        def host_tensor(like: torch.Tensor) -> torch.Tensor:
+            # slot 0 unused, as on the device (not zeroed: a row is always written before it
+            # is read, and touching every page of tens of GiB would only slow the start)
+            return torch.empty((host_slots + 1, *like.shape[1:]), dtype=device.dtype,
+                               pin_memory=self.cuda)
 
-        self.host_pool = KVPool.over([host_tensor() for _ in device.k],
-                                     [host_tensor() for _ in device.v])
+        self.host_pool = KVPool.over([host_tensor(t) for t in device.k],
+                                     [host_tensor(t) for t in device.v])
         self.row_bytes = token_bytes(device)
         self.stream = torch.cuda.Stream(where) if self.cuda else None
         self.kernel_ok = self.cuda and self._kernel_reaches_host()
@@ -202,4 +202,4 @@ def make_host_tier(config: EngineConfig, device: KVPool) -> tuple[HostTier, KVTr
 
 def token_bytes(pool: KVPool) -> int:
     """One token's K and V over every layer."""
-    return pool.k[0][0].numel() * pool.k[0].element_size() * 2 * len(pool.k)
+    return pool.token_bytes

@@ -1,0 +1,166 @@
+"""DeepSeek-V2 / V3 (tiny random weights, built here with transformers): multi-head latent
+attention over the latent KV pool, shared experts and grouped top-k routing.
+
+- V2 (V2-Lite's shape: no query LoRA), softmax routing limited to the best expert groups,
+  YaRN RoPE whose mscale also scales the softmax; V3: query LoRA, sigmoid routing with the
+  score-correction bias, renormalised and scaled weights, interleaved RoPE.
+- Greedy tokens and logprobs equal transformers' in float32 at TP 1 and TP 2 (gloo; V3 with
+  its experts split whole, EP); with chunked prefill and n-gram speculation too.
+- The pool keeps one latent + RoPE key per token and layer (bytes as the config implies);
+  a prompt whose prefix the radix cache holds gives the cold engine's outputs.
+- The Triton decode kernel against the torch path, under Triton's interpreter.
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from hf_reference import hf_greedy_logprobs, vocab_size_of
+
+NEW_TOKENS = 6
+COMMON = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+              num_hidden_layers=3, num_attention_heads=4, kv_lora_rank=32, qk_rope_head_dim=16,
+              qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2,
+              n_group=4, topk_group=2, first_k_dense_replace=1, initializer_range=0.2,
+              max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+              tie_word_embeddings=False)
+
+
+def _save(config, path, tokenizer_from: str) -> str:
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    with torch.no_grad():
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            if "norm" in name:
+                tensor.add_(torch.randn_like(tensor) * 0.1)
+            elif "e_score_correction_bias" in name:  # zeros at init: make it choose
+                tensor.copy_(torch.randn_like(tensor) * 0.3)
+    model.save_pretrained(path)
+    for f in Path(tokenizer_from).glob("tokenizer*"):
+        shutil.copy(f, path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def v2_dir(tmp_path_factory, tiny_llama) -> str:
+    from transformers import DeepseekV2Config
+
+    config = DeepseekV2Config(
+        vocab_size=vocab_size_of(tiny_llama), q_lora_rank=None, n_shared_experts=2,
+        topk_method="group_limited_greedy", routed_scaling_factor=1.5, norm_topk_prob=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64, "mscale": 0.707,
+                         "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
+        **COMMON)
+    return _save(config, tmp_path_factory.mktemp("deepseek_v2"), tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def v3_dir(tmp_path_factory, tiny_llama) -> str:
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(vocab_size=vocab_size_of(tiny_llama), q_lora_rank=48,
+                              n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                              **COMMON)
+    return _save(config, tmp_path_factory.mktemp("deepseek_v3"), tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    gen = random.Random(7)
+    shared = [gen.randint(3, 700) for _ in range(40)]
+    return [shared + [gen.randint(3, 700) for _ in range(n)] for n in (5, 23)]
+
+
+def check_against_transformers(llm: LLM, model_dir: str, prompts: list[list[int]]) -> list:
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
+    outs = [llm.generate([p], params)[0] for p in prompts]  # in turn: the second hits the cache
+    for prompt, out in zip(prompts, outs):
+        tokens, logprobs = hf_greedy_logprobs(model_dir, prompt, NEW_TOKENS)
+        assert out.token_ids == tokens
+        assert out.logprobs == pytest.approx(logprobs, abs=1e-4)
+    return outs
+
+
+@pytest.mark.parametrize("version", ["v2", "v3"])
+def test_greedy_tokens_and_logprobs_equal_transformers(request, version, prompts):
+    """Radix cache on, chunked prefill in 16-token chunks: the second prompt reuses the
+    first's cached latents and prefills the rest chunk by chunk over them."""
+    model_dir = request.getfixturevalue(f"{version}_dir")
+    llm = LLM(model=model_dir, dtype="float32", max_total_tokens=1024, chunked_prefill_size=16)
+    outs = check_against_transformers(llm, model_dir, prompts)
+    assert outs[1].cached_tokens >= 32, outs[1].cached_tokens
+
+
+@pytest.mark.parametrize("version,moe_parallel", [("v2", "tp"), ("v3", "ep")])
+def test_tp2_equals_transformers(request, version, moe_parallel, prompts):
+    model_dir = request.getfixturevalue(f"{version}_dir")
+    llm = LLM(model=model_dir, dtype="float32", max_total_tokens=1024, tp_size=2,
+              moe_parallel=moe_parallel, chunked_prefill_size=0)
+    check_against_transformers(llm, model_dir, prompts)
+
+
+def test_latent_pool_bytes_and_cached_prefix_equal_cold(v3_dir, prompts):
+    """The pool's rows are latent + RoPE key (no per-head K/V); a prompt served over its
+    cached prefix gives exactly the outputs of an engine without the cache."""
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
+    warm = LLM(model=v3_dir, dtype="float32", max_total_tokens=512, chunked_prefill_size=0)
+    pool = warm.engine.runner.kv_pool
+    layers, width = COMMON["num_hidden_layers"], COMMON["kv_lora_rank"] + COMMON["qk_rope_head_dim"]
+    assert pool.token_bytes == layers * width * 4  # float32
+    assert pool.token_bytes < layers * 2 * COMMON["num_attention_heads"] * 32 * 4 / 2
+    assert pool.k[0].shape == (513, 1, width) and pool.v[0].numel() == 0
+    warm.generate([prompts[0]], params)
+    hot = warm.generate([prompts[1]], params)[0]
+    assert hot.cached_tokens >= 32
+    cold_llm = LLM(model=v3_dir, dtype="float32", max_total_tokens=512, enable_radix_cache=False)
+    cold = cold_llm.generate([prompts[1]], params)[0]
+    assert cold.cached_tokens == 0
+    assert hot.token_ids == cold.token_ids
+    assert hot.logprobs == pytest.approx(cold.logprobs, abs=1e-5)
+
+
+def test_ngram_speculation_and_structured_output(v2_dir):
+    """n-gram drafts verified over the latent pool (multi-token extends), and a JSON schema."""
+    llm = LLM(model=v2_dir, dtype="float32", max_total_tokens=1024,
+              speculative_algorithm="ngram", speculative_num_draft_tokens=4)
+    prompt = [5, 6, 7, 8, 9] * 8
+    out = llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy_logprobs(v2_dir, prompt, 32)[0]
+    assert out.speculative["spec_drafted_tokens"] > 0
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    text = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=24, temperature=0.0,
+                                                    json_schema=schema))[0].text
+    assert set(json.loads(text)) == {"n"}
+
+
+def test_mla_decode_kernel_under_the_interpreter():
+    pytest.importorskip("triton")
+    from triton_on_cpu import run_under_interpreter
+
+    run_under_interpreter("test_mla_decode.py", allow_skipped=True)  # (bf16: GPU only)
+
+
+def test_mla_decode_kernel_compiles_for_hopper():
+    """At DeepSeek-V2/V3's widths (latent 512, RoPE key 64) in bf16 and over an FP8 pool."""
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
+    from triton_on_cpu import compile_for_sm90
+
+    from engine.kernels.attention.mla_decode import _mla_decode_kernel
+
+    for cache, fp8 in (("*bf16", False), ("*fp8e4nv", True)):
+        types = dict(QLat="*bf16", QRope="*bf16", Cache=cache, SeqLens="*i32", Out="*fp32",
+                     Lse="*fp32", scale_log2="fp32", kv_scale="fp32")
+        compile_for_sm90(_mla_decode_kernel, types, dict(C=512, R=64, BLOCK_H=16, BLOCK_N=32,
+                                                         F32_DOT=False, KV_FP8=fp8),
+                         num_warps=4, num_stages=2)
