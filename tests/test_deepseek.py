@@ -1,14 +1,15 @@
 """DeepSeek-V2 / V3 (tiny random weights, built here with transformers): multi-head latent
 attention over the latent KV pool, shared experts and grouped top-k routing.
 
-- V2 (V2-Lite's shape: no query LoRA), softmax routing limited to the best expert groups,
-  YaRN RoPE whose mscale also scales the softmax; V3: query LoRA, sigmoid routing with the
-  score-correction bias, renormalised and scaled weights, interleaved RoPE.
+- The models (tests/deepseek_models.py): V2 in V2-Lite's shape (no query LoRA) with
+  group-limited softmax routing and YaRN; V3 with query LoRA and biased sigmoid routing.
 - Greedy tokens and logprobs equal transformers' in float32 at TP 1 and TP 2 (gloo; V3 with
   its experts split whole, EP); with chunked prefill and n-gram speculation too.
 - The pool keeps one latent + RoPE key per token and layer (bytes as the config implies);
   a prompt whose prefix the radix cache holds gives the cold engine's outputs.
-- The Triton decode kernel against the torch path, under Triton's interpreter.
+- The Triton decode kernel against torch, and an engine decoding through it against the
+  torch backend, under Triton's interpreter (tests/test_mla_decode.py); on a GPU the engine
+  (CUDA graphs) against the CPU engine.
 """
 from __future__ import annotations
 
@@ -19,59 +20,20 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from hf_reference import hf_greedy_logprobs, vocab_size_of
+from deepseek_models import COMMON, deepseek_v2_dir, deepseek_v3_dir
+from hf_reference import hf_greedy_logprobs
 
 NEW_TOKENS = 6
-COMMON = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-              num_hidden_layers=3, num_attention_heads=4, kv_lora_rank=32, qk_rope_head_dim=16,
-              qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2,
-              n_group=4, topk_group=2, first_k_dense_replace=1, initializer_range=0.2,
-              max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-              tie_word_embeddings=False)
-
-
-def _save(config, path, tokenizer_from: str) -> str:
-    import shutil
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
-    with torch.no_grad():
-        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-            if "norm" in name:
-                tensor.add_(torch.randn_like(tensor) * 0.1)
-            elif "e_score_correction_bias" in name:  # zeros at init: make it choose
-                tensor.copy_(torch.randn_like(tensor) * 0.3)
-    model.save_pretrained(path)
-    for f in Path(tokenizer_from).glob("tokenizer*"):
-        shutil.copy(f, path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
 def v2_dir(tmp_path_factory, tiny_llama) -> str:
-    from transformers import DeepseekV2Config
-
-    config = DeepseekV2Config(
-        vocab_size=vocab_size_of(tiny_llama), q_lora_rank=None, n_shared_experts=2,
-        topk_method="group_limited_greedy", routed_scaling_factor=1.5, norm_topk_prob=False,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 64, "mscale": 0.707,
-                         "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
-        **COMMON)
-    return _save(config, tmp_path_factory.mktemp("deepseek_v2"), tiny_llama)
+    return deepseek_v2_dir(tmp_path_factory.mktemp("deepseek_v2"), tiny_llama)
 
 
 @pytest.fixture(scope="module")
 def v3_dir(tmp_path_factory, tiny_llama) -> str:
-    from transformers import DeepseekV3Config
-
-    config = DeepseekV3Config(vocab_size=vocab_size_of(tiny_llama), q_lora_rank=48,
-                              n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-                              **COMMON)
-    return _save(config, tmp_path_factory.mktemp("deepseek_v3"), tiny_llama)
+    return deepseek_v3_dir(tmp_path_factory.mktemp("deepseek_v3"), tiny_llama)
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +126,17 @@ def test_mla_decode_kernel_compiles_for_hopper():
         compile_for_sm90(_mla_decode_kernel, types, dict(C=512, R=64, BLOCK_H=16, BLOCK_N=32,
                                                          F32_DOT=False, KV_FP8=fp8),
                          num_warps=4, num_stages=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", ["v2", "v3"])
+def test_gpu_greedy_equals_cpu(request, version, prompts):
+    """The Triton decode kernel in CUDA graphs, the fused norms and RoPE, the MoE kernels."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model_dir = request.getfixturevalue(f"{version}_dir")
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    cpu = LLM(model=model_dir, device="cpu", dtype="float32", max_total_tokens=1024)
+    gpu = LLM(model=model_dir, device="cuda", dtype="float32", max_total_tokens=1024)
+    assert ([o.token_ids for o in gpu.generate(prompts, params)]
+            == [o.token_ids for o in cpu.generate(prompts, params)])

@@ -2,6 +2,8 @@
 softmax attention over the same latents in torch: ragged lengths (1 token, one tile, many
 splits), scattered slots, padded head blocks, and the graph-mode bound (splits sized by the
 context limit rather than the step's longest request).
+An engine whose decode steps go through the kernel (attention_backend="triton", no graphs)
+gives the torch backend's greedy tokens and logprobs on a tiny DeepSeek-V3.
 `TRITON_INTERPRET=1` runs these on the CPU (tests/test_deepseek.py does, float32 only: the
 interpreter's bf16 dot is not the GPU's)."""
 from __future__ import annotations
@@ -17,6 +19,13 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(DEVICE is None, reason="needs a CUDA GPU (or TRITON_INTERPRET=1)")]
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(scope="module")
+def v3_dir(tmp_path_factory, tiny_llama) -> str:
+    from deepseek_models import deepseek_v3_dir
+
+    return deepseek_v3_dir(tmp_path_factory.mktemp("deepseek_v3"), tiny_llama)
 
 
 def reference(q_lat, q_rope, cache, req_to_token, rows, lens, scale, c):
@@ -55,3 +64,19 @@ def test_mla_decode_matches_torch(dtype, heads, graph_bound):
                      context if graph_bound else int(lens.max()))
     assert got.dtype == dtype
     torch.testing.assert_close(got.float().cpu(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_engine_decodes_through_the_kernel(v3_dir):
+    from engine import LLM, SamplingParams
+
+    prompts = [[7, 8, 9, 10, 11] * 3, list(range(40, 90))]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(model=v3_dir, dtype="float32", device=DEVICE, attention_backend=backend,
+                  enable_cuda_graph=False, max_total_tokens=512)
+        assert llm.engine.runner.attn_backend.triton_decode == (backend == "triton")
+        outs[backend] = llm.generate(prompts, params)
+    for ours, ref in zip(outs["triton"], outs["torch"]):
+        assert ours.token_ids == ref.token_ids
+        assert ours.logprobs == pytest.approx(ref.logprobs, abs=1e-4)

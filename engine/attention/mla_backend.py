@@ -46,7 +46,7 @@ class MLABackend:
         pool = self.kv_pool
         cache = pool.k[attn.layer_id]
         cache[batch.out_slots, 0] = pool.encode(torch.cat([latent, k_rope], dim=-1))
-        if batch.is_decode and self.triton_decode and q_nope.is_cuda:
+        if batch.is_decode and self.triton_decode:
             return self._decode_triton(q_nope, q_rope, cache, attn, batch)
         out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], attn.v_dim)
         start = 0
