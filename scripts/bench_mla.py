@@ -27,7 +27,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import bench_offline as bo  # noqa: E402
+import bench_offline as bo
 
 DEEPSEEK_V2_LITE = {
     "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 2048,
@@ -138,7 +138,8 @@ def main() -> None:
     print(f"\nDeepSeek-V2-Lite-shaped dummy, bf16; copy rate {ceilings['copy_tb_s']:.2f} TB/s")
     for r in results.get("b1", []) + ([results["b64"]] if "b64" in results else []):
         print(f"decode step batch {r['batch']:>2} x {r['context']:>4} ctx: {r['step_ms']:.3f} ms, "
-              f"floor {r['floor_ms']:.3f} ms, ratio {r['ratio']:.2f} (KV {r['kv_gb_per_step']:.3f} GB/step)")
+              f"floor {r['floor_ms']:.3f} ms, ratio {r['ratio']:.2f} "
+              f"(KV {r['kv_gb_per_step']:.3f} GB/step)")
     if "kv" in results:
         kv = results["kv"]
         print(f"KV read per step at 64 x 4096: MLA {kv['mla_gb_per_step']:.2f} GB; per-head K/V "

@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import torch
-
 from hf_reference import vocab_size_of
 
 COMMON = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,

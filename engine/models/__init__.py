@@ -150,6 +150,6 @@ def _load_checkpoint(model: nn.Module, model_dir: str, hf_config: Any, tp: TPCon
                          + (" ..." if len(missing) > 8 else ""))
 
 
-__all__ = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MixtralForCausalLM", "MODEL_CLASSES",
-           "Phi3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "get_model_class",
+__all__ = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM",
+           "LlamaForCausalLM", "MixtralForCausalLM", "MODEL_CLASSES", "Phi3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "get_model_class",
            "load_hf_config", "load_model", "resolve_device", "resolve_dtype"]

@@ -10,8 +10,8 @@ A V3 checkpoint's multi-token-prediction layers (index >= num_hidden_layers) are
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from torch import nn

@@ -26,7 +26,11 @@ import torch
 from torch import nn
 
 from engine.attention.base import ForwardBatch
-from engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from engine.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import TPContext, divide
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
