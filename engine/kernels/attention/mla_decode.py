@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.attention.common import dot, pv_dot
+from engine.kernels.pdl import pdl_launch, pdl_prologue
 
 _LOG2E = 1.4426950408889634
 
@@ -26,7 +27,9 @@ def _mla_decode_kernel(QLat, QRope, Cache, ReqToToken, ReqRows, SeqLens, Out, Ls
                        stride_ob, stride_oh, stride_os, num_heads, split_len, scale_log2,
                        kv_scale,
                        C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr, KV_FP8: tl.constexpr):
+                       BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr, KV_FP8: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -102,7 +105,8 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), cache2d.stride(0),
         req_to_token.stride(0), out.stride(0), out.stride(1), out.stride(2), h, split_len,
         scale * _LOG2E, kv_scale, C=c, R=r, BLOCK_H=block_h, BLOCK_N=block_n,
-        F32_DOT=q_lat.dtype == torch.float32, KV_FP8=fp8, num_warps=4, num_stages=2)
+        F32_DOT=q_lat.dtype == torch.float32, KV_FP8=fp8, num_warps=4, num_stages=2,
+        **pdl_launch(q_lat.device))
     # base-2 lse -> natural; a padded graph row (length 0) has no keys: zeros, not NaN
     weights = torch.softmax(lse * (1.0 / _LOG2E), dim=-1).nan_to_num(0.0)
     return (out * weights.unsqueeze(-1)).sum(dim=2).to(q_lat.dtype)
