@@ -83,22 +83,31 @@ def test_tp2_equals_transformers(request, version, moe_parallel, prompts):
 
 def test_latent_pool_bytes_and_cached_prefix_equal_cold(v3_dir, prompts):
     """The pool's rows are latent + RoPE key (no per-head K/V); a prompt served over its
-    cached prefix gives exactly the outputs of an engine without the cache."""
+    cached prefix, on the device or brought back from the host tier, gives exactly the
+    outputs of an engine without the cache."""
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
-    warm = LLM(model=v3_dir, dtype="float32", max_total_tokens=512, chunked_prefill_size=0)
+    common = dict(model=v3_dir, dtype="float32", chunked_prefill_size=0)
+    cold_llm = LLM(max_total_tokens=512, enable_radix_cache=False, **common)
+    cold = cold_llm.generate([prompts[1]], params)[0]
+    assert cold.cached_tokens == 0
+    warm = LLM(max_total_tokens=512, **common)
     pool = warm.engine.runner.kv_pool
     layers, width = COMMON["num_hidden_layers"], COMMON["kv_lora_rank"] + COMMON["qk_rope_head_dim"]
     assert pool.token_bytes == layers * width * 4  # float32
-    assert pool.token_bytes < layers * 2 * COMMON["num_attention_heads"] * 32 * 4 / 2
+    per_head_kv = layers * COMMON["num_attention_heads"] * 2 * 32 * 4  # K and V, 32 wide
+    assert pool.token_bytes * 4 < per_head_kv
     assert pool.k[0].shape == (513, 1, width) and pool.v[0].numel() == 0
-    warm.generate([prompts[0]], params)
-    hot = warm.generate([prompts[1]], params)[0]
-    assert hot.cached_tokens >= 32
-    cold_llm = LLM(model=v3_dir, dtype="float32", max_total_tokens=512, enable_radix_cache=False)
-    cold = cold_llm.generate([prompts[1]], params)[0]
-    assert cold.cached_tokens == 0
-    assert hot.token_ids == cold.token_ids
-    assert hot.logprobs == pytest.approx(cold.logprobs, abs=1e-5)
+    # 80 device slots: the filler prompt pushes the first prompt's prefix out to the host.
+    tiered = LLM(max_total_tokens=80, host_kv_cache_gb=0.001, **common)
+    for llm in (warm, tiered):
+        llm.generate([prompts[0]], params)
+        if llm is tiered:
+            llm.generate([[9, 10, 11] * 20], params)
+        hot = llm.generate([prompts[1]], params)[0]
+        assert hot.cached_tokens >= 32
+        assert hot.token_ids == cold.token_ids
+        assert hot.logprobs == pytest.approx(cold.logprobs, abs=1e-5)
+    assert tiered.stats()["host_cached_tokens"] >= 32
 
 
 def test_mla_decode_kernel_under_the_interpreter():

@@ -114,7 +114,7 @@ class KVTransfer:
         if not self.cuda:
             began = time.perf_counter()
             si, di = torch.tensor(src_slots), torch.tensor(dst_slots)
-            for s, d in zip(src.k + src.v, dst.k + dst.v):
+            for s, d in _row_pairs(src, dst):
                 d.index_copy_(0, di, s.index_select(0, si))
             self._add_time(kind, time.perf_counter() - began)
             return
@@ -129,7 +129,7 @@ class KVTransfer:
             host_idx = torch.tensor([list(src_slots), list(dst_slots)], dtype=torch.int64).pin_memory()
             idx = host_idx.to(self.stream.device, non_blocking=True)
             start.record()
-            for s, d in zip(src.k + src.v, dst.k + dst.v):
+            for s, d in _row_pairs(src, dst):
                 self._copy_rows(s, d, idx, host_idx)
             end.record()
         compute.wait_event(end)
@@ -198,6 +198,12 @@ def make_host_tier(config: EngineConfig, device: KVPool) -> tuple[HostTier, KVTr
                 config.host_kv_write_back)
     transfer = KVTransfer(device, slots)
     return HostTier(slots, transfer, eager=config.host_kv_write_back == "eager"), transfer
+
+
+def _row_pairs(src: KVPool, dst: KVPool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(source, destination) tensors of every layer's K and V that hold bytes (MLA's latent
+    pool has 0-wide V)."""
+    return [(s, d) for s, d in zip(src.k + src.v, dst.k + dst.v) if s[0].numel()]
 
 
 def token_bytes(pool: KVPool) -> int:
