@@ -37,12 +37,15 @@ DEEPSEEK_V2_LITE = {
     "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
     "first_k_dense_replace": 1, "moe_layer_freq": 1, "topk_method": "greedy", "n_group": 1,
     "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0, "vocab_size": 102400,
-    "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
     "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
                      "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
     "rope_theta": 10000, "torch_dtype": "bfloat16", "hidden_act": "silu",
     "bos_token_id": 100000, "eos_token_id": 100001,
 }
+
+
+MAX_MODEL_LEN = 8192  # the engines' context limit (the request table's width)
 
 
 def model_dir() -> str:
@@ -66,7 +69,7 @@ def step_floor_ms(engine, batch: int, context_tokens: int, ceilings: dict) -> fl
 
 def decode_step(path: str, ceilings: dict, batch: int, context: int, out: int = 64) -> dict:
     """Mean GPU time of the decode steps that ran the whole batch, against their floor."""
-    engine = bo.make_engine(path, max_running_requests=max(batch, 8),
+    engine = bo.make_engine(path, max_running_requests=max(batch, 8), max_model_len=MAX_MODEL_LEN,
                             cuda_graph_max_bs=max(batch, 8), chunked_prefill_size=8192)
     rng, vocab = random.Random(3), engine.runner.vocab_size
     bo.run_requests(engine, [(bo.random_prompt(rng, vocab, context), 4)], "warm")
@@ -101,7 +104,7 @@ def kv_comparison(batch: int = 64, context: int = 4096) -> dict:
 
 
 def w1_shape(path: str) -> dict:
-    engine = bo.make_engine(path)
+    engine = bo.make_engine(path, max_model_len=MAX_MODEL_LEN)
     vocab = engine.runner.vocab_size
     reqs = [([t % vocab for t in ids], n) for ids, n in bo.w1()]
     bo.run_requests(engine, reqs[:64], "warm")
