@@ -122,7 +122,8 @@ def test_mla_decode_kernel_compiles_for_hopper():
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
     from triton_on_cpu import compile_for_sm90
 
-    from engine.kernels.attention.mla_decode import _mla_decode_kernel
+    from engine.kernels.attention.decode import decode_reduce_kernel
+    from engine.kernels.attention.mla_decode import MAX_SPLITS, _mla_decode_kernel
 
     for cache, fp8 in (("*bf16", False), ("*fp8e4nv", True)):
         types = dict(QLat="*bf16", QRope="*bf16", Cache=cache, SeqLens="*i32", Out="*fp32",
@@ -130,6 +131,10 @@ def test_mla_decode_kernel_compiles_for_hopper():
         compile_for_sm90(_mla_decode_kernel, types, dict(C=512, R=64, BLOCK_H=16, BLOCK_N=32,
                                                          F32_DOT=False, KV_FP8=fp8),
                          num_warps=4, num_stages=2)
+    types = dict(MidO="*fp32", MidLse="*fp32", SeqLens="*i32", Out="*bf16", PfxLens="*i32",
+                 PfxO="*bf16", PfxLse="*bf16", Ctrl="*i32", QoIndptr="*i32", ExtendLens="*i32")
+    compile_for_sm90(decode_reduce_kernel, types, dict(BLOCK_N=32, HEAD_DIM=512, BLOCK_D=512,
+                                                       BLOCK_S=MAX_SPLITS), num_warps=4)
 
 
 @pytest.mark.gpu

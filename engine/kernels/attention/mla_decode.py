@@ -3,10 +3,11 @@
 Every head of a token attends over the same cached rows [latent c (C wide), RoPE key k_r
 (R wide)], so a program takes BLOCK_H heads of one request and one split of its keys: each
 latent tile is loaded once for all of them (the point of MLA: C + R elements a token, not
-2 x heads x head_dim). Per split it writes the heads' unnormalised latent output and their
-log-sum-exp (base 2, as the other attention kernels); `mla_decode` merges the splits in
-torch. Lengths come from the device (`SeqLens`) and the split count from the host's bound,
-so a CUDA graph replays it for any lengths up to that bound.
+2 x heads x head_dim). Per split it writes the heads' normalised latent output and their
+log-sum-exp (base 2); the GQA decode's reduce kernel (decode.py) merges the splits, which
+are cut as it cuts them: each request's length over the split count, in whole BLOCK_N tiles.
+Lengths come from the device (`SeqLens`) and the split count from the host's bound, so a
+CUDA graph replays it for any lengths up to that bound.
 Conventions (slot widening to int64, F32_DOT, base-2 softmax): common.py.
 """
 from __future__ import annotations
@@ -16,15 +17,16 @@ import triton
 import triton.language as tl
 
 from engine.kernels.attention.common import dot, pv_dot
+from engine.kernels.attention.decode import decode_reduce_kernel
 from engine.kernels.pdl import pdl_launch, pdl_prologue
 
-_LOG2E = 1.4426950408889634
+_LOG2E = 1.4426950408889634  # softmax in base 2, as common.py's kernels
 
 
 @triton.jit
 def _mla_decode_kernel(QLat, QRope, Cache, ReqToToken, ReqRows, SeqLens, Out, Lse,
                        stride_qb, stride_qh, stride_rb, stride_rh, stride_c, stride_rt,
-                       stride_ob, stride_oh, stride_os, num_heads, split_len, scale_log2,
+                       stride_ob, stride_oh, stride_os, num_heads, scale_log2,
                        kv_scale,
                        C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
                        BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr, KV_FP8: tl.constexpr,
@@ -36,8 +38,9 @@ def _mla_decode_kernel(QLat, QRope, Cache, ReqToToken, ReqRows, SeqLens, Out, Ls
     head_ok = heads < num_heads
     seq_len = tl.load(SeqLens + b)
     row = tl.load(ReqRows + b).to(tl.int64)
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    chunk = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
     offs_c = tl.arange(0, C)
     offs_r = tl.arange(0, R)
     q_lat = tl.load(QLat + b * stride_qb + heads[:, None] * stride_qh + offs_c[None, :],
@@ -75,11 +78,14 @@ def _mla_decode_kernel(QLat, QRope, Cache, ReqToToken, ReqRows, SeqLens, Out, Ls
     tl.store(Lse + (b * num_heads + heads) * tl.num_programs(2) + split, lse, mask=head_ok)
 
 
+MAX_SPLITS = 16  # the reduce holds a request's splits x C partials in registers
+
+
 def num_splits(batch: int, head_blocks: int, max_len: int, block_n: int) -> int:
     """Enough programs to fill the GPU (about 2 per SM of 132) without splits shorter than
-    4 tiles."""
+    4 tiles; at most MAX_SPLITS (at batch 1 the latents are a small part of a step's reads)."""
     want = max(1, -(-264 // max(1, batch * head_blocks)))
-    return max(1, min(want, -(-max_len // (4 * block_n))))
+    return max(1, min(want, MAX_SPLITS, -(-max_len // (4 * block_n))))
 
 
 def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
@@ -95,18 +101,22 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
     assert c == triton.next_power_of_2(c) and r == triton.next_power_of_2(r) and r >= 16
     head_blocks = triton.cdiv(h, block_h)
     splits = num_splits(b, head_blocks, max_len, block_n)
-    split_len = triton.cdiv(triton.cdiv(max(max_len, 1), splits), block_n) * block_n
-    out = torch.empty((b, h, splits, c), dtype=torch.float32, device=q_lat.device)
+    mid = torch.empty((b, h, splits, c), dtype=torch.float32, device=q_lat.device)
     lse = torch.empty((b, h, splits), dtype=torch.float32, device=q_lat.device)
+    out = torch.empty((b, h, c), dtype=q_lat.dtype, device=q_lat.device)
     cache2d = cache.view(cache.shape[0], -1)
     fp8 = cache.dtype == torch.float8_e4m3fn
+    pdl = pdl_launch(q_lat.device)
     _mla_decode_kernel[(b, head_blocks, splits)](
-        q_lat, q_rope, cache2d, req_to_token, req_rows, seq_lens, out, lse,
+        q_lat, q_rope, cache2d, req_to_token, req_rows, seq_lens, mid, lse,
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), cache2d.stride(0),
-        req_to_token.stride(0), out.stride(0), out.stride(1), out.stride(2), h, split_len,
+        req_to_token.stride(0), mid.stride(0), mid.stride(1), mid.stride(2), h,
         scale * _LOG2E, kv_scale, C=c, R=r, BLOCK_H=block_h, BLOCK_N=block_n,
-        F32_DOT=q_lat.dtype == torch.float32, KV_FP8=fp8, num_warps=4, num_stages=2,
-        **pdl_launch(q_lat.device))
-    # base-2 lse -> natural; a padded graph row (length 0) has no keys: zeros, not NaN
-    weights = torch.softmax(lse * (1.0 / _LOG2E), dim=-1).nan_to_num(0.0)
-    return (out * weights.unsqueeze(-1)).sum(dim=2).to(q_lat.dtype)
+        F32_DOT=q_lat.dtype == torch.float32, KV_FP8=fp8, num_warps=4, num_stages=2, **pdl)
+    unused = (seq_lens, out, out, seq_lens)  # the reduce's prefix-group inputs: none here
+    decode_reduce_kernel[(h, b)](
+        mid, lse, seq_lens, out, splits, mid.stride(0), mid.stride(1), mid.stride(2),
+        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), *unused, seq_lens, seq_lens,
+        0, 0, 0, 0, 0, 0, BLOCK_N=block_n, HEAD_DIM=c, BLOCK_D=c,
+        BLOCK_S=triton.next_power_of_2(splits), num_warps=4, **pdl)
+    return out
