@@ -2,8 +2,10 @@
 softmax attention over the same latents in torch: ragged lengths (1 token, one tile, many
 splits), scattered slots, padded head blocks, and the graph-mode bound (splits sized by the
 context limit rather than the step's longest request).
-An engine whose decode steps go through the kernel (attention_backend="triton", no graphs)
-gives the torch backend's greedy tokens and logprobs on a tiny DeepSeek-V3.
+An engine whose decode steps, and its mixed steps' leading decoders (8-token prefill chunks:
+one prompt decodes while the other is still prefilled), go through the kernel
+(attention_backend="triton", no graphs) gives the torch backend's greedy tokens and logprobs
+on a tiny DeepSeek-V3.
 `TRITON_INTERPRET=1` runs these on the CPU (tests/test_deepseek.py does, float32 only: the
 interpreter's bf16 dot is not the GPU's)."""
 from __future__ import annotations
@@ -74,7 +76,7 @@ def test_engine_decodes_through_the_kernel(v3_dir):
     outs = {}
     for backend in ("torch", "triton"):
         llm = LLM(model=v3_dir, dtype="float32", device=DEVICE, attention_backend=backend,
-                  enable_cuda_graph=False, max_total_tokens=512)
+                  enable_cuda_graph=False, max_total_tokens=512, chunked_prefill_size=8)
         assert llm.engine.runner.attn_backend.triton_decode == (backend == "triton")
         outs[backend] = llm.generate(prompts, params)
     for ours, ref in zip(outs["triton"], outs["torch"]):

@@ -5,8 +5,9 @@ The pool is a `KVPool` with one "head" per token whose row is [latent c, RoPE ke
 all heads. The model's `MLAAttention` (engine/models/mla.py) hands its projections in as
 `attn` (absorb_query, expand_values, expand_kv); this module stores the new rows and attends:
 - a request with one new token (decode) in the absorbed form, reading only latents: torch
-  here, the Triton kernel (engine/kernels/attention/mla_decode.py) for a whole decode step on
-  a GPU, CUDA-graph safe (device lengths, fixed split count);
+  here, or the Triton kernel (engine/kernels/attention/mla_decode.py) for a whole decode step
+  or a mixed step's leading decoders (`ForwardBatch.decode_rows`) at once; CUDA-graph safe
+  (device lengths, fixed split count);
 - a request with several (prefill, chunked prefill's later chunks, a speculative draft's
   verification) by expanding its cached latents into per-head K and V.
 """
@@ -46,11 +47,17 @@ class MLABackend:
         pool = self.kv_pool
         cache = pool.k[attn.layer_id]
         cache[batch.out_slots, 0] = pool.encode(torch.cat([latent, k_rope], dim=-1))
-        if batch.is_decode and self.triton_decode:
-            return self._decode_triton(q_nope, q_rope, cache, attn, batch)
+        decoders = batch.batch_size if batch.is_decode else batch.decode_rows
+        decoders = decoders if self.triton_decode else 0
+        if decoders == batch.batch_size:
+            return self._decode_triton(q_nope, q_rope, cache, attn, batch, decoders)
         out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], attn.v_dim)
-        start = 0
-        for i, (seq_len, n_new) in enumerate(zip(batch.seq_lens_cpu, batch.extend_lens_cpu)):
+        if decoders:  # one token each, first in the step
+            out[:decoders] = self._decode_triton(q_nope[:decoders], q_rope[:decoders], cache,
+                                                 attn, batch, decoders)
+        start = decoders
+        for i in range(decoders, batch.batch_size):
+            seq_len, n_new = batch.seq_lens_cpu[i], batch.extend_lens_cpu[i]
             slots = batch.req_to_token[batch.req_rows[i], :seq_len].long()
             rows = pool.decode(cache[slots, 0], q_nope.dtype)
             c, k_r = rows[:, :self.kv_lora_rank], rows[:, self.kv_lora_rank:]
@@ -86,11 +93,16 @@ class MLABackend:
         return out.transpose(0, 1)
 
     def _decode_triton(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
-                       attn: Any, batch: ForwardBatch) -> torch.Tensor:
+                       attn: Any, batch: ForwardBatch, n: int) -> torch.Tensor:
+        """The first `n` requests of the step, one new token each."""
         from engine.kernels.attention.mla_decode import mla_decode
 
-        max_len = batch.req_to_token.shape[1] if self.graph_mode else batch.max_seq_len
+        if self.graph_mode and batch.is_decode:  # (a captured step: lengths change on replay)
+            max_len = batch.req_to_token.shape[1]
+        else:
+            max_len = max(batch.seq_lens_cpu[:n])
         latent_out = mla_decode(attn.absorb_query(q_nope), q_rope, cache, batch.req_to_token,
-                                batch.req_rows, batch.seq_lens, attn.scale, self.kv_lora_rank,
-                                max_len, kv_scale=self.kv_pool.scale if self.kv_pool.fp8 else 1.0)
+                                batch.req_rows[:n], batch.seq_lens[:n], attn.scale,
+                                self.kv_lora_rank, max_len,
+                                kv_scale=self.kv_pool.scale if self.kv_pool.fp8 else 1.0)
         return attn.expand_values(latent_out)
