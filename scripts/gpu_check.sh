@@ -7,7 +7,7 @@
 #   device run: command "PARTS=kernels bash scripts/gpu_check.sh"            (one part)
 # Parts: kernels (Triton kernels against the torch reference), engine (the engine on the GPU:
 # graphs, overlap, MoE, speculative, FP8 KV, start-up, priorities), features (Gemma 3, Phi-3,
-# LoRA, pooling on the GPU against the CPU engine), and any "tests/x.py" paths.
+# DeepSeek MLA, LoRA, pooling on the GPU against the CPU engine), and any "tests/x.py" paths.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -d .whl/gpu ]; then
@@ -20,12 +20,13 @@ kernels="tests/test_argmax.py tests/test_decode_store_kv.py tests/test_fp8_kerne
   tests/test_fp8_kv_triton.py tests/test_fused_kernels.py tests/test_gemv.py tests/test_graph_inputs.py
   tests/test_moe_kernels.py tests/test_sampling_cut.py tests/test_split_sums.py
   tests/test_triton_attention.py tests/test_triton_window.py tests/test_flashinfer_prefill.py
-  tests/test_lora_kernels.py tests/test_kv_copy.py"
+  tests/test_lora_kernels.py tests/test_kv_copy.py tests/test_mla_decode.py"
 engine="tests/test_gpu_engine.py tests/test_gpu_moe.py tests/test_gpu_speculative.py
   tests/test_prefix_groups.py tests/test_precompile.py tests/test_cold_start.py
   tests/test_priority.py"
-# the model families and features added since (Gemma 3, Phi-3, LoRA, pooling)
-features="tests/test_gemma3.py tests/test_phi3.py tests/test_lora.py tests/test_pooling.py"
+# the model families and features added since (Gemma 3, Phi-3, DeepSeek MLA, LoRA, pooling)
+features="tests/test_gemma3.py tests/test_phi3.py tests/test_deepseek.py tests/test_lora.py
+  tests/test_pooling.py"
 failed=()
 for part in ${PARTS:-kernels engine features}; do
   case $part in

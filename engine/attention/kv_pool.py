@@ -9,7 +9,8 @@ from engine.quantization.fp8 import FP8, to_fp8
 
 
 class KVPool:
-    """Per-layer K and V tensors of shape [num_slots + 1, kv_heads, head_dim].
+    """Per-layer K and V tensors of shape [num_slots + 1, kv_heads, head_dim] (V's last dim
+    `v_head_dim` when given: 0 for MLA's latent pool, whose K row is all a token keeps).
 
     Slot 0 is never handed out: padded batch entries (CUDA graphs) write their
     garbage there. Usable slots are 1..num_slots.
@@ -21,14 +22,16 @@ class KVPool:
     """
 
     def __init__(self, num_slots: int, num_layers: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, scale: float = 1.0) -> None:
+                 dtype: torch.dtype, device: torch.device | str, scale: float = 1.0,
+                 v_head_dim: int | None = None) -> None:
         self.num_slots = num_slots
         self.dtype = dtype
         self.fp8 = dtype == FP8
         self.scale = scale
         shape = (num_slots + 1, kv_heads, head_dim)
+        v_shape = shape if v_head_dim is None else (num_slots + 1, kv_heads, v_head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.allocator = SlotAllocator(num_slots)
 
     @classmethod
@@ -52,6 +55,14 @@ class KVPool:
         """Gathered pool rows -> values in the model's `dtype`."""
         return stored.to(dtype) * self.scale if self.fp8 else stored
 
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one token's slot holds over all layers (K and V)."""
+        return sum(t[0].numel() * t.element_size() for t in self.k + self.v)
+
     @staticmethod
-    def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+    def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        v_head_dim: int | None = None) -> int:
+        v_dim = head_dim if v_head_dim is None else v_head_dim
+        per_layer = kv_heads * (head_dim + v_dim)
+        return num_layers * per_layer * torch.tensor([], dtype=dtype).element_size()

@@ -52,15 +52,15 @@ class KVTransfer:
         self.device_pool = device
         where = device.k[0].device
         self.cuda = where.type == "cuda"
-        shape = (host_slots + 1, *device.k[0].shape[1:])  # slot 0 unused, as on the device
 
-        def host_tensor() -> torch.Tensor:
-            # (not zeroed: a row is always written before it is read, and touching every
-            # page of tens of GiB would only slow the start)
-            return torch.empty(shape, dtype=device.dtype, pin_memory=self.cuda)
+        def host_tensor(like: torch.Tensor) -> torch.Tensor:
+            # slot 0 unused, as on the device (not zeroed: a row is always written before it
+            # is read, and touching every page of tens of GiB would only slow the start)
+            return torch.empty((host_slots + 1, *like.shape[1:]), dtype=device.dtype,
+                               pin_memory=self.cuda)
 
-        self.host_pool = KVPool.over([host_tensor() for _ in device.k],
-                                     [host_tensor() for _ in device.v])
+        self.host_pool = KVPool.over([host_tensor(t) for t in device.k],
+                                     [host_tensor(t) for t in device.v])
         self.row_bytes = token_bytes(device)
         self.stream = torch.cuda.Stream(where) if self.cuda else None
         self.kernel_ok = self.cuda and self._kernel_reaches_host()
@@ -114,7 +114,7 @@ class KVTransfer:
         if not self.cuda:
             began = time.perf_counter()
             si, di = torch.tensor(src_slots), torch.tensor(dst_slots)
-            for s, d in zip(src.k + src.v, dst.k + dst.v):
+            for s, d in _row_pairs(src, dst):
                 d.index_copy_(0, di, s.index_select(0, si))
             self._add_time(kind, time.perf_counter() - began)
             return
@@ -129,7 +129,7 @@ class KVTransfer:
             host_idx = torch.tensor([list(src_slots), list(dst_slots)], dtype=torch.int64).pin_memory()
             idx = host_idx.to(self.stream.device, non_blocking=True)
             start.record()
-            for s, d in zip(src.k + src.v, dst.k + dst.v):
+            for s, d in _row_pairs(src, dst):
                 self._copy_rows(s, d, idx, host_idx)
             end.record()
         compute.wait_event(end)
@@ -200,6 +200,12 @@ def make_host_tier(config: EngineConfig, device: KVPool) -> tuple[HostTier, KVTr
     return HostTier(slots, transfer, eager=config.host_kv_write_back == "eager"), transfer
 
 
+def _row_pairs(src: KVPool, dst: KVPool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(source, destination) tensors of every layer's K and V that hold bytes (MLA's latent
+    pool has 0-wide V)."""
+    return [(s, d) for s, d in zip(src.k + src.v, dst.k + dst.v) if s[0].numel()]
+
+
 def token_bytes(pool: KVPool) -> int:
     """One token's K and V over every layer."""
-    return pool.k[0][0].numel() * pool.k[0].element_size() * 2 * len(pool.k)
+    return pool.token_bytes

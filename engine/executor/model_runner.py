@@ -19,6 +19,7 @@ from engine.attention.kv_pool import KVPool
 from engine.layers import set_fused_kernels
 from engine.layers.parallel import TPContext
 from engine.models import load_hf_config, load_model, resolve_device, resolve_dtype
+from engine.models.deepseek import is_mla_config, mla_pool_width
 from engine.models.llama import attention_scale, head_dim_of
 from engine.executor.prompt_logprobs import PromptScores, PromptTargets
 from engine.quantization.fp8 import FP8
@@ -44,9 +45,17 @@ class MemoryReserve:
 
 
 def kv_shape(hf_config, tp_size: int) -> tuple[int, int, int]:
-    """(layers, KV heads on one rank, head dim) of a model's KV cache."""
+    """(layers, KV heads on one rank, head dim) of a model's KV cache; for MLA (DeepSeek) one
+    "head" of latent + RoPE key per token, the same on every rank, and no V (`v_head_dim`)."""
+    if is_mla_config(hf_config):
+        return hf_config.num_hidden_layers, 1, mla_pool_width(hf_config)
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     return hf_config.num_hidden_layers, max(1, kv_heads // tp_size), head_dim_of(hf_config)
+
+
+def v_head_dim(hf_config) -> int | None:
+    """V's width in the pool when it is not K's: 0 for MLA's latent pool."""
+    return 0 if is_mla_config(hf_config) else None
 
 
 class ModelRunner:
@@ -123,7 +132,8 @@ class ModelRunner:
         cfg = self.config
         # (not with LoRA: an extend graph's segments would be fixed at capture)
         if not (cfg.enable_cuda_graph and self.device.type == "cuda"
-                and cfg.cuda_graph_max_extend_tokens > 0 and self.lora is None):
+                and cfg.cuda_graph_max_extend_tokens > 0 and self.lora is None
+                and getattr(self.attn_backend, "supports_extend_graphs", True)):
             return None
         from engine.executor.extend_graphs import TOKEN_BUCKETS, ExtendGraphs
 
@@ -167,13 +177,15 @@ class ModelRunner:
     def _make_kv_pool(self) -> KVPool:
         layers, kv_heads, head_dim = self._kv_shape()
         kv_dtype = self._kv_dtype()
-        per_token = KVPool.bytes_per_token(layers, kv_heads, head_dim, kv_dtype)
+        v_dim = v_head_dim(self.hf_config)
+        per_token = KVPool.bytes_per_token(layers, kv_heads, head_dim, kv_dtype, v_dim)
         num_slots = self.config.max_total_tokens
         if num_slots is None:
             # Ranks' free memory differs; all must hold the same slots, so take the least.
             num_slots = self.tp.min_over_ranks(self._slots_from_memory(per_token))
         logger.info("KV pool: %d slots (%.1f MiB)", num_slots, num_slots * per_token / 2**20)
-        return KVPool(num_slots, layers, kv_heads, head_dim, kv_dtype, self.device)
+        return KVPool(num_slots, layers, kv_heads, head_dim, kv_dtype, self.device,
+                      v_head_dim=v_dim)
 
     def _slots_from_memory(self, per_token: int) -> int:
         if self.device.type != "cuda":
@@ -201,6 +213,12 @@ class ModelRunner:
 
     def _make_attention_backend(self):
         name = self._attention_backend_name()
+        if is_mla_config(self.hf_config):
+            from engine.attention.mla_backend import MLABackend
+
+            graphs = self.config.enable_cuda_graph and self.device.type == "cuda"
+            return MLABackend(self.kv_pool, self.hf_config.kv_lora_rank,
+                              triton_decode=name == "triton", graph_mode=graphs)
         scale = attention_scale(self.hf_config)
         prefill = self.config.prefill_attention_backend
         if prefill == "flashinfer" and name != "triton":
@@ -223,6 +241,11 @@ class ModelRunner:
         (engine/attention/flashinfer_prefill.py); None when it will not serve."""
         prefill = self.config.prefill_attention_backend
         if prefill == "triton" or self._attention_backend_name() != "triton":
+            return None
+        if is_mla_config(self.hf_config):
+            if prefill == "flashinfer":
+                raise ValueError("prefill_attention_backend='flashinfer' does not serve MLA "
+                                 "models (DeepSeek); leave it 'auto' or 'triton'")
             return None
         from engine.attention import flashinfer_prefill
 

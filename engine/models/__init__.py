@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from engine.layers.parallel import TPContext
+from engine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
@@ -29,6 +30,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -147,6 +150,6 @@ def _load_checkpoint(model: nn.Module, model_dir: str, hf_config: Any, tp: TPCon
                          + (" ..." if len(missing) > 8 else ""))
 
 
-__all__ = ["Gemma3ForCausalLM", "LlamaForCausalLM", "MixtralForCausalLM", "MODEL_CLASSES",
-           "Phi3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "get_model_class",
+__all__ = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM",
+           "LlamaForCausalLM", "MixtralForCausalLM", "MODEL_CLASSES", "Phi3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "get_model_class",
            "load_hf_config", "load_model", "resolve_device", "resolve_dtype"]

@@ -87,6 +87,9 @@ class MoEForCausalLM(LlamaForCausalLM):
     def make_moe_block(self) -> SparseMoeBlock:
         raise NotImplementedError
 
+    def num_routed_experts(self) -> int:
+        return self.config.num_experts
+
     # -- building and loading -----------------------------------------------------------------
 
     def make_mlp(self, layer_id: int) -> nn.Module | None:
@@ -107,7 +110,7 @@ class MoEForCausalLM(LlamaForCausalLM):
                 prefix, expert, shard = match.group(1), int(match.group(2)), _SHARD[match.group(3)]
                 target = f"{prefix}.mlp.experts.{'w2' if shard == 'down' else 'w13'}"
                 param = params.get(target)
-                if param is None or not 0 <= expert < self.config.num_experts:
+                if param is None or not 0 <= expert < self.num_routed_experts():
                     raise ValueError(f"checkpoint weight {name!r} has no place in {type(self).__name__}")
                 param.weight_loader(param, loaded, expert, shard)
                 seen[target].add((expert, shard))
@@ -115,7 +118,7 @@ class MoEForCausalLM(LlamaForCausalLM):
         loaded_names = super().load_weights(dense_weights())
         for target, shards in seen.items():
             experts: FusedMoE = self.get_submodule(target.rsplit(".", 1)[0])
-            wanted = {(e, s) for e in range(self.config.num_experts) if experts.is_local(e)
+            wanted = {(e, s) for e in range(self.num_routed_experts()) if experts.is_local(e)
                       for s in (("down",) if target.endswith("w2") else ("gate", "up"))}
             if wanted <= shards:
                 loaded_names.add(target)
