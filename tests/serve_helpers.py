@@ -152,6 +152,19 @@ def run_app(args: dict, name: str = "radixserve", route_prefix: str = "/") -> No
     serve.run(build_app(args), name=name, route_prefix=route_prefix)
 
 
+def deploy_all(apps: list[tuple[str, str, dict]]) -> None:
+    """Deploy (name, route prefix, args) apps at once (as `serve run` does a config's
+    applications), so their replicas start side by side instead of one after another."""
+    from ray import serve
+    from ray.serve.api import RunTarget
+
+    from deployments.app import build_app
+
+    serve.start(http_options={"port": PORT})
+    serve.run_many([RunTarget(target=build_app(args), name=name, route_prefix=prefix)
+                    for name, prefix, args in apps])
+
+
 def call_deployment(deployment: str, method: str, *args, app: str = "radixserve",
                     timeout: float = 30.0):
     """`method(*args)` on one of `deployment`'s replicas, through a deployment handle, from

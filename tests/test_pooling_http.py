@@ -14,24 +14,11 @@ import pytest
 import torch
 import yaml
 
-from serve_helpers import BASE, PORT, ROOT, start_ray, stop_ray
+from serve_helpers import BASE, ROOT, deploy_all, start_ray, stop_ray
 from test_pooling import SENTENCES, assert_embeddings_equal, tiny_reranker  # noqa: F401
 
 pytestmark = pytest.mark.slow
 EMBED, RANK = f"{BASE}/embed", f"{BASE}/rank"
-
-
-def deploy_all(apps: list[tuple[str, str, dict]]) -> None:
-    """Deploy (name, route prefix, args) apps at once (as `serve run` does a config's
-    applications), so their replicas start side by side instead of one after another."""
-    from ray import serve
-    from ray.serve.api import RunTarget
-
-    from deployments.app import build_app
-
-    serve.start(http_options={"port": PORT})
-    serve.run_many([RunTarget(target=build_app(args), name=name, route_prefix=prefix)
-                    for name, prefix, args in apps])
 
 
 @pytest.fixture(scope="module")
