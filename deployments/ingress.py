@@ -28,10 +28,8 @@ from deployments.scrape import ingress_snapshot, install_prometheus_endpoint
 from deployments.stats import FleetStats
 from deployments.sse_chunks import PlainChunks
 from deployments.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
-from deployments.protocol_responses import (
-    SSE_DONE, ChatCompletionStreamResponse, CompletionStreamResponse, ModelCard, ModelList,
-    sse_event,
-)
+from deployments.protocol_responses import (SSE_DONE, ChatCompletionStreamResponse,
+                                            CompletionStreamResponse, ModelCard, ModelList, sse_event)
 from deployments.request_sampling import chat_sampling_kwargs, completion_sampling_kwargs
 from deployments import sglang_api, task_routes
 from deployments.responses import (TokenNamer, chat_chunk, chat_response, completion_chunk,
@@ -83,8 +81,8 @@ class OpenAIIngress:
         lora_admin.configure(engine_handle)
         self.lora_api = lora_admin  # this app's own (serve.ingress freezes a copy of the app)
         admission.replicas = lambda: engine_replica_ids(self.engine)
-        # An engine in this process (deployments/colocated.py): deltas on each call's own iterator, no
-        # channel, 503s without a hop (read off the type: a handle answers any attribute).
+        # An engine in this process (deployments/colocated.py): deltas on each call's own iterator,
+        # no channel, no hop for 503s (read off the type: a handle answers any attribute).
         in_process = getattr(type(engine_handle), "in_process", False)
         self.hub = None if in_process else ChannelHub(self.engine, loads=admission)
         if in_process:  # its engine is built before Serve lets this replica take requests

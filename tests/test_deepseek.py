@@ -108,6 +108,14 @@ def test_latent_pool_bytes_and_cached_prefix_equal_cold(v3_dir, prompts):
         assert hot.token_ids == cold.token_ids
         assert hot.logprobs == pytest.approx(cold.logprobs, abs=1e-5)
     assert tiered.stats()["host_cached_tokens"] >= 32
+    # Another replica imports the latents (as a fetch from a peer does) and serves them alike.
+    exported = tiered.engine.export_prefix(prompts[1])
+    peer = LLM(max_total_tokens=512, host_kv_cache_gb=0.001, **common)
+    assert peer.engine.import_prefix(exported) == len(exported.tokens) >= 32
+    fetched = peer.generate([prompts[1]], params)[0]
+    assert fetched.cached_tokens == min(len(exported.tokens), len(prompts[1]) - 1)
+    assert fetched.token_ids == cold.token_ids
+    assert fetched.logprobs == pytest.approx(cold.logprobs, abs=1e-5)
 
 
 def test_mla_decode_kernel_under_the_interpreter():

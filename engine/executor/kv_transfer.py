@@ -86,14 +86,14 @@ class KVTransfer:
         """Host rows `host_slots` = `rows`' tokens from `start` on (ValueError, nothing
         written, when their shape or dtype is not this pool's)."""
         n, pool = len(host_slots), self.host_pool
-        want = (len(pool.k), *pool.k[0].shape[1:])
-        for t in (rows.k, rows.v):
+        for t, layers in ((rows.k, pool.k), (rows.v, pool.v)):  # V is empty in a latent pool
+            want = (len(layers), *layers[0].shape[1:])
             if not isinstance(t, torch.Tensor) or t.dtype != pool.dtype \
                     or (t.shape[0], *t.shape[2:]) != want or t.shape[1] < start + n:
                 raise ValueError(f"prefix KV of shape {tuple(getattr(t, 'shape', ()))} "
                                  f"{getattr(t, 'dtype', type(t))} does not fit this pool "
-                                 f"(layers, tokens, heads, dim) = ({want[0]}, >= {start + n}, "
-                                 f"{want[1]}, {want[2]}) {pool.dtype}")
+                                 f"(layers, tokens, *row) = ({want[0]}, >= {start + n}, "
+                                 f"{', '.join(map(str, want[1:]))}) {pool.dtype}")
         self.synchronize()  # (a queued write-back may still be writing other rows)
         idx = torch.tensor(list(host_slots), dtype=torch.int64)
         for layer, (k, v) in enumerate(zip(pool.k, pool.v)):
