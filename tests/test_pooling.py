@@ -143,6 +143,32 @@ def test_reranker_scores_equal_transformers_logits(tiny_reranker):
         llm.embed("x")
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_decoder_reranker_scores_equal_transformers_logits(tiny_model_factory, tmp_path, family):
+    """A decoder *ForSequenceClassification (Qwen3-Reranker converted to one label, a Llama
+    classifier): the logit of the pair's last token, as transformers computes it."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    base = tiny_model_factory(family)
+    config = AutoConfig.from_pretrained(base)
+    config.architectures = [type(config).__name__.replace("Config", "ForSequenceClassification")]
+    config.num_labels, config.pad_token_id = 1, 0
+    torch.manual_seed(1)
+    AutoModelForSequenceClassification.from_config(config).to(torch.float32).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{base}/{name}", tmp_path / name)
+    llm = LLM(str(tmp_path), task="score", dtype="float32")
+    query = "what does a radix cache store?"
+    docs = ["prompt prefixes as a tree of token ids", "bananas", "a long document " * 20]
+    ours = llm.score(query, docs)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    hf = AutoModelForSequenceClassification.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    with torch.no_grad():  # one pair at a time: no padding for transformers to skip
+        ref = [hf(**tok(query, d, return_tensors="pt")).logits[0, 0].item() for d in docs]
+    assert ours == pytest.approx(ref, abs=1e-4)
+    assert len(set(round(x, 4) for x in ours)) == len(docs)  # the documents score apart
+
+
 def test_task_checks(tiny_qwen3):
     with pytest.raises(ValueError, match="task must be"):
         LLM(tiny_qwen3, task="classify")

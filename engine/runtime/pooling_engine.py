@@ -4,12 +4,14 @@ inputs, no KV cache, no decoding.
 Embedders: BERT-family encoders (engine/models/bert.py) pooled as their
 sentence-transformers config says, or a Llama/Qwen decoder pooled at its last token
 (engine/attention/varlen.py's packed causal backend: no KV is written). Scorers:
-`*ForSequenceClassification` cross-encoders, one logit per (query, document) pair.
+`*ForSequenceClassification` cross-encoders (BERT family) and decoder classifiers (their
+last token's hidden state through a linear), one logit per (query, document) pair.
 Inputs are sorted by length and packed into forwards of at most `max_prefill_tokens`
 tokens and `max_running_requests` sequences; an input's result does not depend on what it
 was packed with."""
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 
@@ -18,6 +20,7 @@ import torch
 from engine.attention.varlen import PackedCausalBackend, packed_batch
 from engine.config import EngineConfig
 from engine.layers.pooler import PoolingSpec, pool
+from engine.layers.score_head import LastTokenScoreHead
 from engine.loading.model_source import resolve_model_path
 from engine.loading.pooling_config import max_seq_length, read_pooling_spec
 from engine.loading.tokenizer import Tokenizer
@@ -58,9 +61,11 @@ class PoolingEngine:
         self.encoder = is_encoder(hf_config)
         archs = list(getattr(hf_config, "architectures", None) or [])
         self.classifier = any(a.endswith("ForSequenceClassification") for a in archs)
-        if self.task == "score" and not (self.encoder and self.classifier):
-            raise ValueError(f"task 'score' needs a cross-encoder (a BERT/RoBERTa/XLM-R "
-                             f"*ForSequenceClassification model); {config.model} is {archs}")
+        if self.task == "score" and not self.classifier:
+            raise ValueError(f"task 'score' needs a cross-encoder (a *ForSequenceClassification "
+                             f"model: BERT/RoBERTa/XLM-R, or a Llama/Qwen decoder); "
+                             f"{config.model} is {archs}")
+        self.score_head: LastTokenScoreHead | None = None
         self.model = self._load(path, hf_config)
         self.spec: PoolingSpec = read_pooling_spec(path, self.encoder)
         limits = [self.model.max_tokens if self.encoder else hf_config.max_position_embeddings,
@@ -90,20 +95,47 @@ class PoolingEngine:
     def _load_decoder(self, path: str, hf_config) -> torch.nn.Module:
         """A Llama/Qwen model whose attention is the packed causal backend. Embedding
         checkpoints saved from the base model (Qwen3-Embedding: `layers.0...`, no `model.`
-        prefix and no LM head) are read with the prefix put back; the unused head stays
-        as built."""
-        bare = self.config.load_format == "safetensors" and not any(
-            n.startswith(("model.", "lm_head.")) for n in tensor_shapes(path))
+        prefix and no LM head) are read with the prefix put back, and a classifier's
+        (`model.*` + `score.weight`) with its head apart; the unused LM head stays as built."""
+        names = tensor_shapes(path) if self.config.load_format == "safetensors" else {}
+        bare = bool(names) and not any(n.startswith(("model.", "lm_head.")) for n in names)
+        own_loader = bare or (self.classifier and bool(names))
+        causal = hf_config
+        if self.classifier:  # the same body as the family's causal LM
+            causal = copy.copy(hf_config)
+            causal.architectures = [a.replace("ForSequenceClassification", "ForCausalLM")
+                                    for a in hf_config.architectures]
         model = load_model(path, dtype=self.dtype, device=self.device, seed=self.config.seed,
-                           load_format="dummy" if bare else self.config.load_format,
-                           hf_config=hf_config)
-        if bare:
-            loaded = model.load_weights((f"model.{n}", t) for n, t in iterate_safetensors(path))
-            missing = [n for n in model.missing_weights(loaded) if not n.startswith("lm_head.")]
-            if missing:
-                raise ValueError(f"{path}: checkpoint lacks {len(missing)} weight(s), e.g. {missing[:4]}")
+                           load_format="dummy" if own_loader else self.config.load_format,
+                           hf_config=causal)
+        if own_loader:
+            self._load_body(model, path, prefix="model." if bare else "")
+        elif self.classifier:  # dummy weights: a random head of the configured labels
+            gen = torch.Generator().manual_seed(self.config.seed)
+            weight = torch.randn(hf_config.num_labels, hf_config.hidden_size, generator=gen) * 0.02
+            self.score_head = LastTokenScoreHead(weight.to(self.device, self.dtype))
         model.set_attention_backend(PackedCausalBackend(model.scale))
         return model
+
+    def _load_body(self, model: torch.nn.Module, path: str, prefix: str) -> None:
+        head: list[torch.Tensor] = []
+
+        def body():
+            for name, tensor in iterate_safetensors(path):
+                if self.classifier and name == "score.weight":
+                    head.append(tensor)
+                else:
+                    yield prefix + name, tensor
+
+        loaded = model.load_weights(body())
+        missing = [n for n in model.missing_weights(loaded) if not n.startswith("lm_head.")]
+        if missing:
+            raise ValueError(f"{path}: checkpoint lacks {len(missing)} weight(s), e.g. {missing[:4]}")
+        if self.classifier:
+            if not head:
+                raise ValueError(f"{path}: a *ForSequenceClassification checkpoint without "
+                                 "`score.weight`")
+            self.score_head = LastTokenScoreHead(head[0].to(self.device, self.dtype))
 
     # -- inputs -------------------------------------------------------------------------
 
@@ -152,7 +184,8 @@ class PoolingEngine:
     @torch.inference_mode()
     def score(self, items: list[PoolInput]) -> list[float]:
         """One relevance logit per (query, document) input (the classifier's first label)."""
-        rows = self._run(items, lambda hidden, lens: self.model.classify(hidden, lens)[:, 0])
+        classify = self.score_head if self.score_head is not None else self.model.classify
+        rows = self._run(items, lambda hidden, lens: classify(hidden, lens)[:, 0])
         return [float(r) for r in rows]
 
     def _run(self, items: list[PoolInput], head) -> list[torch.Tensor]:
