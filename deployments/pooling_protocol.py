@@ -9,9 +9,18 @@ import uuid
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 TokenIds = list[StrictInt]
+# Inputs (texts, token lists, documents, pairs) one request may carry: OpenAI's embeddings
+# limit, so one request cannot hold a replica's forwards for minutes.
+MAX_INPUTS = 2048
+
+
+def _check_count(n: int, what: str) -> None:
+    if n > MAX_INPUTS:
+        raise ValueError(f"{what} has {n} items, more than the {MAX_INPUTS} a request may "
+                         "carry; split it into several requests")
 
 
 class _Request(BaseModel):
@@ -29,6 +38,12 @@ class EmbeddingRequest(_Request):
     dimensions: int | None = None  # Matryoshka models only
     user: str | None = None
 
+    @model_validator(mode="after")
+    def _few_enough(self):
+        if isinstance(self.input, list) and self.input and not isinstance(self.input[0], int):
+            _check_count(len(self.input), "input")
+        return self
+
 
 class RerankDocument(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -41,6 +56,11 @@ class RerankRequest(_Request):
     top_n: int | None = Field(default=None, ge=0)  # None or 0: every document
     return_documents: bool = True
 
+    @model_validator(mode="after")
+    def _few_enough(self):
+        _check_count(len(self.documents), "documents")
+        return self
+
     def texts(self) -> list[str]:
         return [d if isinstance(d, str) else d.text for d in self.documents]
 
@@ -50,6 +70,14 @@ class ScoreRequest(_Request):
 
     text_1: StrictStr | list[StrictStr]
     text_2: StrictStr | list[StrictStr]
+
+    @model_validator(mode="after")
+    def _few_enough(self):
+        for name in ("text_1", "text_2"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                _check_count(len(value), name)
+        return self
 
     def pairs(self) -> list[tuple[str, str]]:
         first = [self.text_1] if isinstance(self.text_1, str) else self.text_1

@@ -113,6 +113,10 @@ def test_rerank_and_score_equal_transformers_logits(apps, tiny_reranker):  # noq
     (f"{EMBED}/v1/embeddings", {"input": "x", "model": "other"}, 404, "does not exist"),
     (f"{RANK}/v1/rerank", {"query": "", "documents": ["d"]}, 400, "non-empty"),
     (f"{RANK}/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, 400, "text_1"),
+    (f"{EMBED}/v1/embeddings", {"input": ["x"] * 2049}, 400, "split it"),
+    (f"{EMBED}/v1/embeddings", {"input": [[5]] * 2049}, 400, "split it"),
+    (f"{RANK}/v1/rerank", {"query": "q", "documents": ["d"] * 2049}, 400, "split it"),
+    (f"{RANK}/v1/score", {"text_1": "q", "text_2": ["d"] * 2049}, 400, "split it"),
 ])
 def test_bad_input_is_a_clear_4xx(apps, url, body, status, words):
     r = httpx.post(url, json=body)
