@@ -93,11 +93,21 @@ def end_ray() -> None:
 
 
 def free_port() -> int:
+    """A port free now, from 20000-32767: above Ray's worker ports (10002-19999) and below
+    the kernel's ephemeral range (32768+), so none of the sockets a starting Ray cluster
+    opens can take it before the server that was given it binds it."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(200):
+        port = random.randint(20000, 32767)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 def start_local_cluster(request, head: dict, *workers: dict) -> tuple[object, int]:
