@@ -21,6 +21,8 @@ from engine.attention.base import ForwardBatch
 from engine.attention.kv_pool import KVPool
 from engine.attention.torch_backend import attend
 
+EXTEND_QUERY_BLOCK = 512  # [16 heads, 512, 8k keys] float32 scores: 256 MiB
+
 
 class MLABackend:
     """`forward_mla(q_nope, q_rope, latent, k_rope, attn, batch)` -> [T, H, v_head_dim]."""
@@ -86,11 +88,18 @@ class MLABackend:
         """n new tokens against their request's S cached latents, expanded: [n, H, v]."""
         k_nope, v = attn.expand_kv(c)  # [S, H, nope], [S, H, v]
         heads = k_nope.shape[1]
-        k = torch.cat([k_nope, k_r.unsqueeze(1).expand(-1, heads, -1)], dim=-1)
-        q = torch.cat([q_nope, q_rope], dim=-1)
-        out = attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), prefix_len,
-                     attn.scale)
-        return out.transpose(0, 1)
+        k = torch.cat([k_nope, k_r.unsqueeze(1).expand(-1, heads, -1)], dim=-1).transpose(0, 1)
+        q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)
+        v = v.transpose(0, 1)
+        # Blocks of queries, so the masked attention's [H, block, S] scores stay small: a
+        # long prompt's whole [H, n, S] would not fit beside a full KV pool.
+        out = q_nope.new_empty(q_nope.shape[0], heads, v.shape[-1])
+        for lo in range(0, q.shape[1], EXTEND_QUERY_BLOCK):
+            hi = min(lo + EXTEND_QUERY_BLOCK, q.shape[1])
+            keys = prefix_len + hi
+            out[lo:hi] = attend(q[:, lo:hi], k[:, :keys], v[:, :keys], prefix_len + lo,
+                                attn.scale).transpose(0, 1)
+        return out
 
     def _decode_triton(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                        attn: Any, batch: ForwardBatch, n: int) -> torch.Tensor:

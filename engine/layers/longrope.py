@@ -57,5 +57,11 @@ class LongRopeEmbedding(RotaryEmbedding):
         requests (seq_lens, extend_lens: per request) longer than the pretraining context.
         Device ops only (no host sync), so it runs inside captured CUDA graphs."""
         long = (seq_lens > self.original_max_position).to(positions.dtype) * self.max_position
-        return positions + torch.repeat_interleave(long, extend_lens.long(),
-                                                   output_size=positions.shape[0])
+        # A captured decode graph pads its tokens past the live requests' (whose extend_lens
+        # then sum to less): one more zero entry covers the padding, so the lengths always
+        # sum to the token count that `output_size` promises.
+        lens = extend_lens.long()
+        total = positions.shape[0]
+        lens = torch.cat([lens, (total - lens.sum()).clamp(min=0).reshape(1)])
+        long = torch.cat([long, long.new_zeros(1)])
+        return positions + torch.repeat_interleave(long, lens, output_size=total)
