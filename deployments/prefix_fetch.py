@@ -12,9 +12,13 @@ them into its own host tier (`import_prefix`), where the request finds them and 
 like any host-tier hit: its prefill of that prefix is skipped, and `cached_tokens` in its
 usage counts them.
 
-Nothing here can fail a request: a holder that is gone, stopped or slow (past `timeout_s`),
-that no longer holds the prefix, or whose rows do not fit this engine costs the request the
-wait, then it computes the prefix as it would have. A request aborted during the fetch
+Nothing here can fail a request: a holder that is stopped or slow (past `timeout_s`), that
+no longer holds the prefix, or whose rows do not fit this engine costs the request the
+wait, then it computes the prefix as it would have. A holder that died costs less: while the
+call is out, the receiver looks the holder up in Ray's actor table every
+`HOLDER_CHECK_PERIOD_S` (router/ray_adapter.py `peer_replica_alive`), and gives up as soon
+as Ray reports it dead, whether the call was waiting in Serve's router for a replica that
+is gone or had reached it before it died. A request aborted during the fetch
 cancels the call; nothing was held for it (an import that already finished is plain cache,
 evictable like the rest).
 """
@@ -33,6 +37,11 @@ from engine import EngineClient, ExportedPrefix, SamplingParams
 logger = logging.getLogger(__name__)
 
 DEFAULT_FETCH_TIMEOUT_S = 10.0
+HOLDER_CHECK_PERIOD_S = 0.25
+
+
+class HolderGone(RuntimeError):
+    """Ray reports the holder's actor dead."""
 
 
 @dataclass
@@ -68,12 +77,14 @@ class PrefixFetcher:
     request's prefill) and `export` (the holder's)."""
 
     def __init__(self, engine: EngineClient, replica_id: str, handle: Callable[[], Any],
-                 timeout_s: float = DEFAULT_FETCH_TIMEOUT_S) -> None:
+                 timeout_s: float = DEFAULT_FETCH_TIMEOUT_S,
+                 holder_alive: Callable[[str], bool] = lambda holder: True) -> None:
         self.engine = engine
         self.replica_id = replica_id
         self._make_handle = handle
         self._handle: Any = None  # the engine deployment's, by reference: made on first use
         self.timeout_s = timeout_s
+        self.holder_alive = holder_alive  # (a blocking lookup: run on a thread)
         self.stats = FetchStats()
 
     @property
@@ -111,9 +122,9 @@ class PrefixFetcher:
             self._handle = self._make_handle()
         response = submit(self._handle.export_prefix, PrefixFetch(holder, list(tokens)))
         try:
-            prefix = await asyncio.wait_for(_result(response), self.timeout_s)
+            prefix = await self._answer_or_death(response, holder)
         except BaseException:
-            response.cancel()  # timed out or aborted: the holder need not finish
+            response.cancel()  # timed out, holder dead or aborted: the holder need not finish
             raise
         if prefix is None:
             self.stats.prefix_fetch_misses += 1
@@ -126,6 +137,28 @@ class PrefixFetcher:
         self.stats.prefix_fetched_tokens += added
         self.stats.prefix_fetched_bytes += kv_bytes(prefix)
         return added
+
+    async def _answer_or_death(self, response: Any, holder: str) -> ExportedPrefix | None:
+        """The holder's answer; TimeoutError past `timeout_s`, HolderGone once Ray reports
+        the holder dead."""
+        answer = asyncio.ensure_future(_result(response))
+        watch = asyncio.ensure_future(self._until_dead(holder))
+        try:
+            done, _ = await asyncio.wait((answer, watch), timeout=self.timeout_s,
+                                        return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not answer.done():
+                answer.cancel()
+        if answer in done:
+            return answer.result()
+        if watch in done:
+            raise HolderGone(f"replica {holder} died")
+        raise TimeoutError(f"no answer in {self.timeout_s} s")
+
+    async def _until_dead(self, holder: str) -> None:
+        while await asyncio.to_thread(self.holder_alive, holder):
+            await asyncio.sleep(HOLDER_CHECK_PERIOD_S)
 
     async def export(self, fetch: PrefixFetch) -> ExportedPrefix | None:
         """The holder's side: the longest cached prefix of `fetch.tokens`, or None."""

@@ -125,6 +125,31 @@ def test_a_hanging_holder_costs_the_timeout_then_the_request_computes(engines):
     assert len(tokens) == 4 and last.cached_tokens == 0
 
 
+def test_a_dead_holder_fails_the_fetch_at_once(engines):
+    """A holder whose call hangs but that Ray reports dead: the fetch gives up at the next
+    look-up, long before its timeout, and the request computes."""
+    _, b = engines
+    asyncio.run(b.flush_cache())
+    looked_up = []
+
+    async def never(fetch: PrefixFetch):
+        await asyncio.Event().wait()
+
+    def alive(holder: str) -> bool:
+        looked_up.append(holder)
+        return len(looked_up) < 3  # dead from the third look-up on
+
+    hung = Handle(never)
+    receiver = PrefixFetcher(b, "b", lambda: hung, timeout_s=60, holder_alive=alive)
+    assert asyncio.run(receiver.fetch_for("a", PROMPT, PARAMS)) == 0
+    s = receiver.counters()
+    assert s["prefix_fetch_failures"] == 1 and s["prefix_fetches"] == 0
+    assert s["prefix_fetch_seconds"] < 10 and looked_up == ["a"] * 3
+    assert hung.export_prefix.calls[0].task.cancelled()
+    tokens, _, last = outputs(b, "b-computed-dead")
+    assert len(tokens) == 4 and last.cached_tokens == 0
+
+
 def test_a_request_aborted_mid_fetch_leaves_nothing_behind(engines):
     _, b = engines
     asyncio.run(b.flush_cache())
