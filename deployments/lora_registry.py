@@ -89,12 +89,16 @@ def _end_this_actor() -> None:
     ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
 
+def registry_name(app: str) -> str:
+    return f"lora-registry:{app}"
+
+
 def registry_for(app: str) -> Any:
     """The app's registry actor, created by the first caller."""
     import ray
 
     actor = ray.remote(AdapterRegistry).options(
-        name=f"lora-registry:{app}", namespace=NAMESPACE, lifetime="detached",
+        name=registry_name(app), namespace=NAMESPACE, lifetime="detached",
         get_if_exists=True, num_cpus=0, max_restarts=0)
     return actor.remote(app)
 

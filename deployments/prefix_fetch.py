@@ -4,8 +4,9 @@ The request router (router/fetch_cost.py) may send a request to a replica that h
 of its prompt than another one does (the holder is busy, or the receiver is new), and then
 names the holder on the request's `EngineCall.fetch_from`. Before the request enters its
 engine, the receiving replica asks the holder for the prompt's longest cached prefix
-(`EngineReplica.export_prefix`, a call the request router sends to the holder alone). The
-holder's engine writes that prefix back to its host tier and reads its rows; they return as
+(`EngineReplica.export_prefix`, a call the request router sends to the holder alone), past
+the tokens the receiver holds already in either tier (`PrefixFetch.held`). The holder's
+engine writes that part back to its host tier and reads its rows; they return as
 the call's result, an object in Ray's object store (a Ray actor call, whatever transport
 Serve's handles use by default), which Ray pulls to the receiver's node. The receiver puts
 them into its own host tier (`import_prefix`), where the request finds them and loads them
@@ -51,6 +52,7 @@ class PrefixFetch:
 
     holder_replica: str
     tokens: list[int]
+    held: int = 0  # the leading tokens the receiver has: their KV is not sent
 
 
 @dataclass
@@ -60,12 +62,12 @@ class FetchStats:
 
     prefix_fetches: int = 0  # fetches whose KV went into this replica's host tier
     prefix_fetch_failures: int = 0  # holder gone, stopped, past the timeout, or unusable KV
-    prefix_fetch_misses: int = 0  # the holder had none of it (any more), or this replica had it all
+    prefix_fetch_misses: int = 0  # the holder had nothing more (any more), or this replica had it all
     prefix_fetched_tokens: int = 0  # tokens imported: prefill they skip
     prefix_fetched_bytes: int = 0
     prefix_fetch_seconds: float = 0.0  # request to import done, every fetch (failed ones too)
     prefix_exports: int = 0  # prefixes this replica handed to others
-    prefix_exported_tokens: int = 0
+    prefix_exported_tokens: int = 0  # tokens whose KV was sent (past what the receiver held)
 
 
 def kv_bytes(prefix: ExportedPrefix) -> int:
@@ -118,9 +120,13 @@ class PrefixFetcher:
             self.stats.prefix_fetch_seconds += time.perf_counter() - start
 
     async def _fetch(self, holder: str, tokens: list[int]) -> int:
+        held = await self.engine.cached_length(tokens)
+        if held >= len(tokens):
+            self.stats.prefix_fetch_misses += 1
+            return 0
         if self._handle is None:
             self._handle = self._make_handle()
-        response = submit(self._handle.export_prefix, PrefixFetch(holder, list(tokens)))
+        response = submit(self._handle.export_prefix, PrefixFetch(holder, list(tokens), held))
         try:
             prefix = await self._answer_or_death(response, holder)
         except BaseException:
@@ -161,11 +167,12 @@ class PrefixFetcher:
             await asyncio.sleep(HOLDER_CHECK_PERIOD_S)
 
     async def export(self, fetch: PrefixFetch) -> ExportedPrefix | None:
-        """The holder's side: the longest cached prefix of `fetch.tokens`, or None."""
-        prefix = await self.engine.export_prefix(fetch.tokens)
+        """The holder's side: the longest cached prefix of `fetch.tokens`, with the KV of
+        its tokens past `fetch.held`; None when nothing past them is cached here."""
+        prefix = await self.engine.export_prefix(fetch.tokens, fetch.held)
         if prefix is not None:
             self.stats.prefix_exports += 1
-            self.stats.prefix_exported_tokens += len(prefix.tokens)
+            self.stats.prefix_exported_tokens += len(prefix.tokens) - prefix.start
         return prefix
 
     def counters(self) -> dict[str, int | float]:

@@ -75,10 +75,10 @@ def server(adapters):
 def _registry_alive(app: str) -> bool:
     import ray
 
-    from deployments.lora_registry import NAMESPACE
+    from deployments.lora_registry import NAMESPACE, registry_name
 
     try:
-        ray.get_actor(f"lora-registry:{app}", namespace=NAMESPACE)
+        ray.get_actor(registry_name(app), namespace=NAMESPACE)
         return True
     except ValueError:
         return False
