@@ -148,7 +148,11 @@ def restore_adapters(engine: EngineClient, timeout_s: float = 120.0) -> dict[str
         return {}
     import ray
 
-    record = ray.get(registry_for(app).snapshot.remote(), timeout=timeout_s)
+    try:  # (made by the first load or unload: an app that had none has no registry)
+        registry = ray.get_actor(registry_name(app), namespace=NAMESPACE)
+    except ValueError:
+        return {}
+    record = ray.get(registry.snapshot.remote(), timeout=timeout_s)
     if record:
         # (the constructor may run on Serve's event loop, which it blocks: a loop of its own)
         with ThreadPoolExecutor(1) as pool:
