@@ -2,8 +2,9 @@
 SGLang's /generate (`lora_path`) and the front-end language. One app of two engine
 replicas: an adapter from the app args, ones loaded and unloaded at runtime (vLLM's and
 SGLang's endpoints) on every replica, ones loaded on first use from `lora_dynamic_path`,
-requests routed to the replica holding their adapter, and the errors; then the same
-load/unload on two `ingress: colocated` replicas."""
+requests routed to the replica holding their adapter, the errors, and a replica that Serve
+starts after one was killed applying the runtime loads and unloads (the app's registry);
+then the same load/unload on two `ingress: colocated` replicas."""
 from __future__ import annotations
 
 import random
