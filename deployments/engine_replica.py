@@ -18,6 +18,7 @@ from deployments.channel import (
 )
 from deployments.errors import OVERLOADED_MESSAGE
 from deployments.local_metrics import process_metrics
+from deployments.lora_registry import restore_adapters
 from deployments.prefix_fetch import (
     DEFAULT_FETCH_TIMEOUT_S, PrefixFetch, PrefixFetcher, engine_handle,
 )
@@ -30,6 +31,7 @@ from engine import (
     ProcessAsyncEngine, QueueFullError, QueueTimeoutError, SamplingParams, StepReport,
     StreamDelta, WireDelta, ensure_demo_model, freeze_after_start, process_age_s, wire_of,
 )
+from router import ray_adapter
 from router.cache_digest import CacheDigest
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,7 @@ class EngineReplica:
         self.tp_workers = None
         self.engine_process = engine_process
         self.engine: EngineClient = self._start_engine(config)
+        restore_adapters(self.engine)  # the app's runtime loads and unloads, before any request
         self.outboxes: dict[str, Outbox] = {}  # delta channels, by ingress id
         self._channel_waits: dict[str, asyncio.Future] = {}
         self._drain_watch: asyncio.Task | None = None  # started with the first channel
@@ -84,7 +87,7 @@ class EngineReplica:
         self.replica_id = _replica_id()
         self.engine.add_step_listener(self._after_step)
         self.prefixes = PrefixFetcher(self.engine, self.replica_id, engine_handle,
-                                      prefix_fetch_timeout_s)
+                                      prefix_fetch_timeout_s, ray_adapter.peer_replica_alive)
         # With the engine in this process its start-up froze the GC already; with it in a
         # child, this process forwards every delta and must not stop for full collections
         # either (engine/runtime/gc_freeze.py).

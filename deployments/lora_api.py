@@ -10,7 +10,8 @@ adapter that cannot serve, 404 for a name no replica has). Unloading an adapter 
 or running requests use is refused (400) by the replicas running them: the others have
 unloaded it, so new requests go to the refusing ones (the router prefers replicas holding
 the adapter); retry once they finish. A replica that starts later (autoscaling, a restart)
-has the `lora_modules` adapters and loads others on first use from `lora_dynamic_path`.
+has the `lora_modules` adapters, then applies the app's record of the loads and unloads made
+here (deployments/lora_registry.py), and loads others on first use from `lora_dynamic_path`.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from deployments.errors import APIError, as_api_error
+from deployments.lora_registry import UNLOADED, AppAdapters
 from deployments.protocol_responses import ModelCard
 from deployments.request_body import DEFAULT_MAX_BODY_BYTES, read_json_body
 
@@ -47,9 +49,27 @@ class LoRAAdmin:
 
     def __init__(self) -> None:
         self.engine: Any = None
+        self.record = AppAdapters()  # what replicas that start later apply
 
     def configure(self, engine_handle: Any) -> None:
         self.engine = engine_handle
+
+    async def load(self, name: str, path: str) -> None:
+        await self._change(name, path, "load_lora", name, path)
+
+    async def unload(self, name: str) -> None:
+        await self._change(name, UNLOADED, "unload_lora", name)
+
+    async def _change(self, name: str, path: str | None, op: str, *args: str) -> None:
+        """Record the change first (a replica starting meanwhile applies it), then make it
+        on every running replica; a change that failed (the answer is an error) is taken
+        back."""
+        previous = await self.record.record(name, path)
+        try:
+            await self.run(op, *args)
+        except APIError:
+            await self.record.put_back(name, previous)
+            raise
 
     async def run(self, op: str, *args: str) -> list[dict]:
         """`op` on every engine replica; their answers, or the first error as an APIError."""
@@ -116,22 +136,22 @@ def install_lora_api(api: FastAPI) -> LoRAAdmin:
 
     async def vllm_load(request: Request) -> PlainTextResponse:
         body = await _body(request, LoadLoRARequest)
-        await admin.run("load_lora", body.lora_name, body.lora_path)
+        await admin.load(body.lora_name, body.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     async def vllm_unload(request: Request) -> PlainTextResponse:
         body = await _body(request, UnloadLoRARequest)
-        await admin.run("unload_lora", body.lora_name)
+        await admin.unload(body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     async def sglang_load(request: Request) -> JSONResponse:
         body = await _body(request, LoadLoRARequest)
-        await admin.run("load_lora", body.lora_name, body.lora_path)
+        await admin.load(body.lora_name, body.lora_path)
         return await _sglang_answer()
 
     async def sglang_unload(request: Request) -> JSONResponse:
         body = await _body(request, UnloadLoRARequest)
-        await admin.run("unload_lora", body.lora_name)
+        await admin.unload(body.lora_name)
         return await _sglang_answer()
 
     async def _sglang_answer() -> JSONResponse:

@@ -84,6 +84,14 @@ def plan(replica: Holding, holdings: Sequence[Holding], prompt_tokens: int,
     return best
 
 
+def host_weight(costs: FetchCosts) -> float:
+    """What a block held on a replica's host tier is worth against one on its GPU (1) or
+    none (0): the share of its compute that loading it saves."""
+    if costs.compute_s_per_token <= 0:
+        return 1.0
+    return min(1.0, max(0.0, 1.0 - costs.host_load_s_per_token / costs.compute_s_per_token))
+
+
 def rank(holdings: Sequence[Holding], prompt_tokens: int,
          costs: FetchCosts = FetchCosts()) -> list[Plan]:
     """Every replica's plan, cheapest first (ties keep `holdings`' order: the prefix's

@@ -1,15 +1,17 @@
 """The routing decision as a pure function of what every ingress sees alike.
 
 Inputs: the candidates in the prefix's own rendezvous order (`router.rendezvous`), each with
-how many leading blocks of the request its last cache digest holds, its load and its KV
-usage. Output: one replica per rank, best first (Serve sends to the first rank unless that
+how many leading blocks of the request its last cache digest holds (and how many of those
+are on its host tier only), its load and its KV usage. Output: one replica per rank, best first (Serve sends to the first rank unless that
 replica is full, then tries the next).
 
 Rules:
 1. Digest correction: a replica whose digest holds a worthwhile number of blocks *more*
    than the prefix's first choice (at least `min_match_ratio` of the request, and one
    block) moves ahead of it, longest match first; equal matches keep the rendezvous order,
-   so a prefix cached on two replicas does not flap between them.
+   so a prefix cached on two replicas does not flap between them. A block on the host tier
+   only counts `host_weight` of one on the GPU (router/fetch_cost.py: the compute its load
+   saves), so a host holder ranks above a replica holding nothing and below a GPU holder.
 2. A replica whose KV usage is above `kv_high_water` would have to evict to take more: it
    moves to the back (unless every replica is that full).
 3. Bounded load: with fair = (total load + 1) / replicas, a replica is past its bound when
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from router.adapter_affinity import AdapterTier, by_adapter_tier
+from router.fetch_cost import FetchCosts, host_weight
 
 
 class Decision(str, Enum):
@@ -42,6 +45,7 @@ class Candidate:
     load: float = 0  # ongoing requests (running + waiting)
     kv_usage: float = 0.0  # fraction of the KV pool in use, 0..1
     adapter_tier: int = AdapterTier.IN_GPU  # where it holds the request's LoRA adapter
+    host_blocks: int = 0  # of `matched_blocks`, those on its host tier only
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class PolicyConfig:
     rel_threshold: float = 1.5  # ... and times the fair share
     min_match_ratio: float = 0.1
     kv_high_water: float = 0.95
+    host_weight: float = host_weight(FetchCosts())  # a host-tier block against a GPU one
 
     def __post_init__(self) -> None:
         if self.abs_threshold < 0:
@@ -60,6 +65,8 @@ class PolicyConfig:
             raise ValueError("min_match_ratio must be in [0, 1]")
         if self.kv_high_water <= 0.0:
             raise ValueError("kv_high_water must be > 0")
+        if not 0.0 <= self.host_weight <= 1.0:
+            raise ValueError("host_weight must be in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,12 @@ class Choice:
     corrected: bool = False  # a digest moved another replica ahead of the first choice
 
 
-def worthwhile(matched_blocks: int, request_blocks: int, config: PolicyConfig) -> bool:
+def held(c: Candidate, config: PolicyConfig) -> float:
+    """The candidate's match in GPU blocks' worth."""
+    return c.matched_blocks - c.host_blocks * (1.0 - config.host_weight)
+
+
+def worthwhile(matched_blocks: float, request_blocks: int, config: PolicyConfig) -> bool:
     """Is a match (or a difference of matches) long enough to steer the request by it?"""
     if matched_blocks <= 0 or request_blocks <= 0:
         return False
@@ -84,9 +96,9 @@ def past_bound(load: float, fair: float, config: PolicyConfig) -> bool:
 def corrected_order(request_blocks: int, ranked: Sequence[Candidate],
                     config: PolicyConfig) -> list[Candidate]:
     """Rule 1: replicas holding worthwhile more than the first choice go ahead of it."""
-    home = ranked[0].matched_blocks
-    ahead = [c for c in ranked if worthwhile(c.matched_blocks - home, request_blocks, config)]
-    ahead.sort(key=lambda c: -c.matched_blocks)  # stable: rendezvous order among equals
+    home = held(ranked[0], config)
+    ahead = [c for c in ranked if worthwhile(held(c, config) - home, request_blocks, config)]
+    ahead.sort(key=lambda c: -held(c, config))  # stable: rendezvous order among equals
     moved = {id(c) for c in ahead}
     return ahead + [c for c in ranked if id(c) not in moved]
 
@@ -113,7 +125,7 @@ def choose(request_blocks: int, ranked: Sequence[Candidate],
         decision = Decision.LOAD_FALLBACK
     elif pick is not first:
         decision = Decision.OVERFLOW
-    elif worthwhile(pick.matched_blocks, request_blocks, config):
+    elif worthwhile(held(pick, config), request_blocks, config):
         decision = Decision.AFFINITY
     else:
         decision = Decision.NO_MATCH

@@ -26,6 +26,10 @@ What each internal is for:
   high-throughput mode pickles results inline instead), for prefix KV between replicas.
 - `replica_shutting_down`: whether Serve started this replica's graceful shutdown (the
   replica actor's `_replica_impl._shutting_down`), to end idle delta channels early.
+- `peer_replica_alive`: whether another replica of this one's deployment is still alive in
+  Ray's actor table: Serve names each replica actor by its full id (the controller's
+  `ActorReplicaWrapper`), and Ray drops a dead actor's name at once; a prefix fetch from a
+  dead holder gives up without waiting for its timeout.
 """
 from __future__ import annotations
 
@@ -86,6 +90,27 @@ def replica_shutting_down() -> bool:
         return False
 
 
+def peer_replica_alive(unique_id: str) -> bool:
+    """Is the replica `unique_id` of the calling replica's deployment alive? False only
+    once Ray knows its actor is dead; True wherever that cannot be read (outside Serve)."""
+    import ray
+    from ray import serve
+    from ray.serve.request_router import ReplicaID
+
+    try:
+        deployment = serve.get_replica_context().replica_id.deployment_id
+    except Exception:  # noqa: BLE001 - not in a Serve replica
+        return True
+    name = ReplicaID(unique_id=unique_id, deployment_id=deployment).to_full_id_str()
+    try:
+        ray.get_actor(name, namespace="serve")
+    except ValueError:  # no live actor of that name
+        return False
+    except Exception:  # noqa: BLE001 - the GCS unreachable for a moment: no verdict
+        return True
+    return True
+
+
 # -- the check a Ray upgrade must pass ------------------------------------------------
 
 
@@ -131,6 +156,8 @@ def missing_internals() -> list[str]:
          lambda: _assigns(replica_module().ReplicaActor.__init__, "_replica_impl"))
     need("ray.serve._private.replica.Replica._shutting_down",
          lambda: _assigns(replica_module().Replica.__init__, "_shutting_down"))
+    need("replica actors named ReplicaID.to_full_id_str() in namespace 'serve'",
+         _replica_actor_naming)
     return problems
 
 
@@ -139,6 +166,14 @@ def _assigns(function: Callable, attr: str) -> bool:
     source shows without building the object)?"""
     source = inspect.getsource(function)
     return f"self.{attr} =" in source or f"self.{attr}:" in source
+
+
+def _replica_actor_naming() -> bool:
+    from ray.serve._private import constants, deployment_state
+
+    source = inspect.getsource(deployment_state.ActorReplicaWrapper.__init__)
+    return ("self._actor_name = replica_id.to_full_id_str()" in source
+            and constants.SERVE_NAMESPACE == "serve")
 
 
 def _params(function: Callable) -> set[str]:

@@ -55,7 +55,7 @@ from ray.serve.request_router import (
 from router import policy, ray_adapter, rendezvous
 from router.adapter_affinity import adapter_tier, lora_of
 from router.cache_digest import decode_digest
-from router.fetch_cost import FetchCosts
+from router.fetch_cost import FetchCosts, host_weight
 from router.fetch_hints import FetchHints
 from router.own_sends import OwnSends
 from router.policy import Candidate, Decision, PolicyConfig
@@ -194,11 +194,13 @@ class PrefixAwareRequestRouter(RequestRouter):
     ) -> None:
         if key_blocks <= 0:
             raise ValueError(f"key_blocks must be positive, got {key_blocks}")
+        costs = FetchCosts(**(fetch_costs or {}))
         self._policy = PolicyConfig(
             abs_threshold=abs_threshold,
             rel_threshold=rel_threshold,
             min_match_ratio=min_match_ratio,
             kv_high_water=kv_high_water,
+            host_weight=host_weight(costs),
         )
         self._key_blocks = key_blocks
         # Only the replicas' own digests go in: what every ingress knows alike.
@@ -206,7 +208,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._stats = RouterStats()
         self._routings: OrderedDict[str, _Routing] = OrderedDict()
         self._sends = OwnSends()
-        self._fetch_hints = FetchHints(self._index, FetchCosts(**(fetch_costs or {})))
+        self._fetch_hints = FetchHints(self._index, costs)
 
     # -- routing ------------------------------------------------------------------------
 
@@ -244,7 +246,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         ranked = rendezvous.rank(routing.key, replicas, name=lambda r: r.replica_id.unique_id)
         matches = self._index.match(hashes, [r.replica_id for r in ranked])
         candidates = [Candidate(r.replica_id, matches[r.replica_id], self._load(r),
-                                self._kv_usage(r), adapter_tier(r.routing_stats, routing.lora))
+                                self._kv_usage(r), adapter_tier(r.routing_stats, routing.lora),
+                                self._index.on_host(r.replica_id, hashes[:matches[r.replica_id]]))
                       for r in ranked]
         return policy.choose(len(hashes), candidates, self._policy)
 

@@ -10,9 +10,11 @@ router); the Llama-3-8B-shaped dummy model (or the demo model: a CPU smoke run).
 Each repetition: the history is computed on one replica (the holder); a long request then
 keeps the holder busy, so the router sends the returning conversation (history + a new
 turn) to the other replica and names the holder, and that replica fetches the history
-before its prefill. "computed" is the same with no replica holding the history (another
-replica kept busy the same way, so both rows share the GPU alike). TTFT is the first
-streamed token over HTTP; the median of `--reps`. Prints a table; `--json PATH` writes it.
+before its prefill. "tail" is the same with the receiver holding the history's first half
+already (computed there directly): only the second half's KV travels (the bytes column).
+"computed" is the same with no replica holding the history (another replica kept busy the
+same way, so every row shares the GPU alike). TTFT is the first streamed token over HTTP;
+the median of `--reps`. Prints a table; `--json PATH` writes it.
 """
 from __future__ import annotations
 
@@ -30,7 +32,9 @@ import httpx
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_offline import DEMO, LONG_MAX_POSITIONS, model_config, model_dir, random_prompt  # noqa: E402
-from serve_replicas import call_each, holds_prefix, list_replicas, routing_stats  # noqa: E402
+from serve_replicas import (  # noqa: E402
+    call_each, holds_prefix, list_replicas, routing_stats, stream_replica,
+)
 
 BASE = "http://127.0.0.1:8000"  # --port sets it
 MODEL_NAME = "bench"
@@ -111,29 +115,55 @@ def replicas() -> dict:
     return list_replicas("radixserve", "EngineReplica")
 
 
-def fetch_counters() -> dict[str, int]:
-    return {r: s["prefix_fetched_tokens"] for r, s in call_each(replicas(), "stats").items()}
+def fetch_counters() -> dict[str, tuple[int, int]]:
+    """{replica: (tokens fetched, bytes fetched)} since it started."""
+    return {r: (s["prefix_fetched_tokens"], s["prefix_fetched_bytes"])
+            for r, s in call_each(replicas(), "stats").items()}
+
+
+def compute_on(replica: str, ids: list[int]) -> None:
+    """`ids` prefilled on this very replica (no router), so its cache holds them."""
+    from deployments.engine_replica import EngineCall
+    from engine import SamplingParams
+
+    call = EngineCall(f"seed-{random.getrandbits(32)}", ids, SamplingParams(max_tokens=1))
+    stream_replica(replicas()[replica], "generate", call, timeout=600)
+
+
+def fetched_row(rng: random.Random, vocab: int, history: list[int], held: int) -> dict:
+    """TTFT of the history + a new turn on the replica that does not hold it, holding its
+    first `held` tokens itself; the tokens and bytes it fetched."""
+    n = len(history)
+    httpx.post(f"{BASE}/flush_cache", timeout=60).raise_for_status()
+    post(history)
+    holder = holder_of(history[:n - n % 16])
+    other = next(r for r in replicas() if r != holder)
+    if held:
+        compute_on(other, history[:held])
+        time.sleep(1.0)  # five routing-stats periods: the router has the digest
+    before = fetch_counters()
+    with Busy(history + random_prompt(rng, vocab, 16)):
+        ttft = ttft_s(history + random_prompt(rng, vocab, 32))
+    after = fetch_counters()
+    tokens, nbytes = (a - b for a, b in zip(after[other], before[other]))
+    if tokens < n - held - 16 or tokens > n - held:
+        raise RuntimeError(f"the other replica fetched {tokens} of the {n - held} history "
+                           "tokens it lacked")
+    return {"s": ttft, "tokens": tokens, "bytes": nbytes}
 
 
 def repetition(rng: random.Random, vocab: int, n: int) -> dict:
-    httpx.post(f"{BASE}/flush_cache", timeout=60).raise_for_status()
     history = random_prompt(rng, vocab, n)
-    post(history)
-    holder = holder_of(history[:n - n % 16])
-    before = fetch_counters()
-    with Busy(history + random_prompt(rng, vocab, 16)):
-        fetched = ttft_s(history + random_prompt(rng, vocab, 32))
+    whole = fetched_row(rng, vocab, history, 0)
+    tail = fetched_row(rng, vocab, random_prompt(rng, vocab, n), n // 2 - n // 2 % 16)
     after = fetch_counters()
-    other = next(r for r in after if r != holder)
-    got = after[other] - before[other]
-    if got < n - 16:
-        raise RuntimeError(f"the other replica fetched {got} of {n} history tokens")
     httpx.post(f"{BASE}/flush_cache", timeout=60).raise_for_status()
     with Busy(random_prompt(rng, vocab, 64)):
         computed = ttft_s(random_prompt(rng, vocab, n + 32))
     if fetch_counters() != after:
         raise RuntimeError("the computed row fetched")
-    return {"fetched_s": fetched, "computed_s": computed}
+    return {"fetched_s": whole["s"], "fetched_bytes": whole["bytes"], "tail_s": tail["s"],
+            "tail_bytes": tail["bytes"], "computed_s": computed}
 
 
 def main() -> None:
@@ -171,16 +201,20 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
-    fetched = statistics.median(r["fetched_s"] for r in rows)
-    computed = statistics.median(r["computed_s"] for r in rows)
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    fetched, tail, computed = med["fetched_s"], med["tail_s"], med["computed_s"]
     print(f"\n| TTFT, {args.history}-token history ({args.model}, {'GPU' if gpu else 'CPU'}, "
-          f"2 replicas) | fetched from the other replica | computed | fetched / computed |")
+          "2 replicas), median of " f"{len(rows)} | TTFT | / computed | KV fetched |")
     print("|---|---|---|---|")
-    print(f"| median of {len(rows)} | {fetched * 1e3:.1f} ms | {computed * 1e3:.1f} ms | "
-          f"{fetched / computed:.3f} |")
+    for label, key, nbytes in (("fetched from the other replica", "fetched_s", med["fetched_bytes"]),
+                               ("the same, the receiver holding the first half", "tail_s",
+                                med["tail_bytes"]),
+                               ("computed", "computed_s", 0)):
+        print(f"| {label} | {med[key] * 1e3:.1f} ms | {med[key] / computed:.3f} | "
+              f"{nbytes / 2**10:.0f} KiB |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows, "fetched_s": fetched,
+            json.dump({"args": vars(args), "rows": rows, "fetched_s": fetched, "tail_s": tail,
                        "computed_s": computed, "ratio": fetched / computed}, f, indent=1)
 
 

@@ -2,7 +2,8 @@
 request it sends away from the prefix (router/fetch_hints.py): the ranking of a GPU holder,
 a host holder, a replica that fetches and one that computes; the holder's queue moving the
 request; the hint set, cleared and kept off LoRA requests; a fetch call pinned to its
-holder. No Ray cluster (tests/test_prefix_fetch_http.py runs it on two nodes)."""
+holder; the policy's choice of replica weighing host-tier holdings by the cost model.
+No Ray cluster (tests/test_prefix_fetch_http.py runs it on two nodes)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +12,10 @@ from dataclasses import dataclass
 import pytest
 
 from router.cache_digest import CacheDigest
-from router.fetch_cost import FetchCosts, Holding, plan, rank
+from router import rendezvous
+from router.fetch_cost import FetchCosts, Holding, host_weight, plan, rank
+from router.policy import Candidate, PolicyConfig, choose
+from router.prefix_index import block_hashes
 from test_router_rendezvous import BS, FakeReplica, make_router, pending, toks
 
 PROMPT = 1024
@@ -131,7 +135,9 @@ def test_a_fetch_goes_only_to_its_holder():
         router.update_replicas([a, b])
         ranks = await router.choose_replicas([a, b], pending(PrefixFetch("b", toks(1, 2))))
         assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["b"]]
-        router.update_replicas([a])  # the holder is gone: the fetch waits (for its timeout)
+        # the holder is gone: the call waits here (the receiver gives up on the holder's
+        # death, deployments/prefix_fetch.py)
+        router.update_replicas([a])
         ranks = await router.choose_replicas([a], pending(PrefixFetch("b", toks(1, 2))))
         assert all(not rank for rank in ranks)
     asyncio.run(scenario())
@@ -164,3 +170,57 @@ def test_the_digests_say_which_holder_keeps_the_prefix_on_its_gpu():
     assert asyncio.run(holder_for(host_first=False)) == "a"
     # the host part costs its load on the holder's own plan
     assert plan(Holding("h", 0, 512), [], 520).estimate_s > plan(Holding("g", 512), [], 520).estimate_s
+
+
+# -- the policy's choice of replica: host-tier holdings count, weighted by the costs --------
+
+def test_the_policy_ranks_a_host_holder_below_a_gpu_holder_above_none():
+    cfg = PolicyConfig(abs_threshold=4, min_match_ratio=0.25)
+    none, host, gpu = Candidate("none"), Candidate("host", 8, host_blocks=8), Candidate("gpu", 8)
+    for rest in ([host, gpu], [gpu, host]):
+        assert [r[0] for r in choose(8, [none, *rest], cfg).ranks] == ["gpu", "host", "none"]
+    # more held on the host beats less on the GPU: loading is far cheaper than computing
+    fewer = Candidate("gpu", 5)
+    assert [r[0] for r in choose(8, [none, fewer, host], cfg).ranks] == ["host", "gpu", "none"]
+    # the first choice holding it on its host stays first: the GPU holder saves too little
+    assert choose(8, [host, none, gpu], cfg).ranks[0] == ["host"]
+    # a host as slow to load from as computing: its holdings are worth nothing
+    slow = FetchCosts(host_load_s_per_token=FetchCosts().compute_s_per_token)
+    assert host_weight(slow) == 0.0 and 0.9 < host_weight(FetchCosts()) < 1.0
+    worthless = PolicyConfig(abs_threshold=4, min_match_ratio=0.25, host_weight=host_weight(slow))
+    assert choose(8, [none, host], worthless).ranks[0] == ["none"]
+    assert choose(8, [none, host], cfg).ranks[0] == ["host"]
+    with pytest.raises(ValueError):
+        PolicyConfig(host_weight=1.5)
+
+
+def test_the_router_ranks_by_the_tiers_its_digests_report():
+    """Three idle replicas: the prefix's first choice holds nothing, the second holds the
+    prefix on its host tier only, the third on its GPU; the router sends the request to
+    the GPU holder, then the host holder. With `fetch_costs` that make the host as slow
+    as computing, the host holder is no better than nothing."""
+    prefix = toks(*range(1, 33))
+
+    def digest(on_host: bool) -> dict:
+        d = CacheDigest(block_size=BS)
+        d.insert(prefix)
+        if on_host:
+            d.move(prefix, 0, to_host=True)
+        return {"cache_digest": d.encode(), "num_running": 0, "ts": 999.0}
+
+    async def order(**router_kwargs) -> list[str]:
+        router = make_router(**router_kwargs)
+        names = ["r0", "r1", "r2"]
+        key = rendezvous.prefix_key(block_hashes(prefix, BS), 2)
+        home, second, third = rendezvous.rank(key, names)
+        replicas = [FakeReplica(home, num_running=0, ts=999.0),
+                    FakeReplica(second, **digest(on_host=True)),
+                    FakeReplica(third, **digest(on_host=False))]
+        router.update_replicas(replicas)
+        ranks = await router.choose_replicas(replicas, pending(Call(prefix + toks(99))))
+        roles = {home: "none", second: "host", third: "gpu"}
+        return [roles[r[0].replica_id.unique_id] for r in ranks]
+
+    assert asyncio.run(order()) == ["gpu", "host", "none"]
+    slow = {"host_load_s_per_token": FetchCosts().compute_s_per_token}
+    assert asyncio.run(order(fetch_costs=slow)) == ["gpu", "none", "host"]

@@ -2,8 +2,9 @@
 SGLang's /generate (`lora_path`) and the front-end language. One app of two engine
 replicas: an adapter from the app args, ones loaded and unloaded at runtime (vLLM's and
 SGLang's endpoints) on every replica, ones loaded on first use from `lora_dynamic_path`,
-requests routed to the replica holding their adapter, and the errors; then the same
-load/unload on two `ingress: colocated` replicas."""
+requests routed to the replica holding their adapter, the errors, and a replica that Serve
+starts after one was killed applying the runtime loads and unloads (the app's registry);
+then the same load/unload on two `ingress: colocated` replicas."""
 from __future__ import annotations
 
 import random
@@ -41,13 +42,14 @@ def adapters(tmp_path_factory) -> dict[str, str]:
     for i, name in enumerate(["boot", "late", "dyn/found"]):
         make_adapter(base, str(root / name), seed=i, **SPECS["qv-mlp-r8"])
     make_adapter(base, str(root / "wide"), r=32, lora_alpha=32, target_modules=["q_proj"])
-    for name, like in (("dyn/third", "late"), ("solo", "late"), ("both", "boot"), ("busy", "late")):
+    for name, like in (("dyn/third", "late"), ("solo", "late"), ("both", "boot"), ("busy", "late"),
+                       ("kept", "late")):
         shutil.copytree(root / like, root / name)  # a name of its own is all these need
     # one made for another base (a wider q_proj input), one naming a layer the model lacks
     _edited(root / "boot", root / "other", lambda k, v: (
         k, torch.zeros(v.shape[0], 96) if "q_proj.lora_A" in k else v))
     _edited(root / "boot", root / "moved", lambda k, v: (k.replace("layers.0.", "layers.99."), v))
-    names = ["boot", "late", "wide", "solo", "both", "busy", "other", "moved", "dyn"]
+    names = ["boot", "late", "wide", "solo", "both", "busy", "other", "moved", "dyn", "kept"]
     return {name: str(root / name) for name in names}
 
 
@@ -67,6 +69,20 @@ def server(adapters):
     run_app(args)
     yield
     stop_ray()
+    # the app's adapter registry (deployments/lora_registry.py) ends with the app
+    assert wait_until(lambda: not _registry_alive("radixserve"), timeout=20, interval=0.5)
+
+
+def _registry_alive(app: str) -> bool:
+    import ray
+
+    from deployments.lora_registry import NAMESPACE, registry_name
+
+    try:
+        ray.get_actor(registry_name(app), namespace=NAMESPACE)
+        return True
+    except ValueError:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -276,6 +292,43 @@ def test_bad_adapters_and_unloading_one_in_use(server, adapters):
         time.sleep(0.5)
     assert codes[-1] == 200, codes
     assert complete("busy", PROMPT).status_code == 404
+
+
+def test_a_replica_started_later_applies_the_runtime_loads_and_unloads(server, adapters,
+                                                                       reference):
+    """An adapter loaded at runtime and a start-up adapter unloaded at runtime: an engine
+    replica that Serve starts after its predecessor died has the first (same output as
+    the offline engine) and not the second, before it takes a request."""
+    import ray
+    from ray import serve
+
+    r = httpx.post(f"{BASE}/v1/load_lora_adapter", timeout=60,
+                   json={"lora_name": "kept", "lora_path": adapters["kept"]})
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{BASE}/v1/unload_lora_adapter", json={"lora_name": "boot"}, timeout=60)
+    assert r.status_code == 200, r.text
+    old = list_replicas("radixserve", "EngineReplica")
+    victim = sorted(old)[0]
+    ray.kill(old[victim], no_restart=True)
+
+    def replaced() -> dict | None:
+        now = list_replicas("radixserve", "EngineReplica")
+        running = serve.status().applications["radixserve"].status == "RUNNING"
+        return now if running and len(now) == 2 and victim not in now else None
+
+    now = wait_until(replaced, timeout=120, interval=1)
+    assert now, "Serve did not replace the killed engine replica"
+    (new,) = set(now) - set(old)
+    tokens = [t for d in _direct(now[new], "kept") for t in d.token_ids]
+    assert tokens == reference["late"]  # "kept" holds late's weights
+    (error,) = _direct(now[new], "boot")
+    assert error["status"] == 404 and error["code"] == "model_not_found"
+    listed = {c["id"] for c in httpx.get(f"{BASE}/v1/models", timeout=30).json()["data"]}
+    assert "kept" in listed and "boot" not in listed
+    r = httpx.post(f"{BASE}/v1/completions", timeout=60, json={
+        "model": "kept", "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+        "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == _text(reference["late"])
 
 
 # -- `ingress: colocated`: every replica of the one deployment ------------------------------

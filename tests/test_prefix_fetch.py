@@ -16,6 +16,7 @@ from test_engine import assert_slots_accounted
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True)
 HISTORY = [3 + (11 * i) % 500 for i in range(60)]
 PROMPT = HISTORY + [2] * 4
+TOKEN_BYTES = 2 * 2 * 2 * 16 * 4  # k+v, layers, kv heads, head dim, float32
 
 
 class Response:
@@ -88,7 +89,7 @@ def test_a_fetched_prefix_is_loaded_not_computed(engines):
     assert asyncio.run(receiver.fetch_for(None, PROMPT, PARAMS)) == 0
     s = receiver.counters()
     assert s["prefix_fetches"] == 1 and s["prefix_fetched_tokens"] == len(HISTORY)
-    assert s["prefix_fetched_bytes"] == 2 * 2 * len(HISTORY) * 2 * 16 * 4  # k+v, layers, heads, dim, f32
+    assert s["prefix_fetched_bytes"] == len(HISTORY) * TOKEN_BYTES
     assert holder.counters()["prefix_exports"] == 1
     on_b, on_a = outputs(b, "b-fetched"), outputs(a, "a-cached")
     assert on_b[2].cached_tokens == on_a[2].cached_tokens == len(HISTORY)
@@ -107,6 +108,34 @@ def test_a_fetched_prefix_is_loaded_not_computed(engines):
     assert tokens == on_a[0] and logprobs == pytest.approx(on_a[1], abs=1e-4)
 
 
+def test_only_what_the_receiver_lacks_travels(engines):
+    """The receiver holds the history's first part: the holder sends the rest alone, and
+    the output is the same as the holder's own."""
+    a, b = engines
+    asyncio.run(a.flush_cache())
+    asyncio.run(b.flush_cache())
+    outputs(a, "a-history-2", HISTORY)
+    outputs(b, "b-part", HISTORY[:32])
+    held = asyncio.run(b.cached_length(PROMPT))
+    assert 32 <= held < len(HISTORY)
+    holder = PrefixFetcher(a, "a", lambda: None)
+    receiver = PrefixFetcher(b, "b", lambda: Handle(holder.export))
+    assert asyncio.run(receiver.fetch_for("a", PROMPT, PARAMS)) == len(HISTORY) - held
+    assert holder.counters()["prefix_exported_tokens"] == len(HISTORY) - held
+    assert receiver.counters()["prefix_fetched_bytes"] == (len(HISTORY) - held) * TOKEN_BYTES
+    on_b, on_a = outputs(b, "b-fetched-tail"), outputs(a, "a-cached-2")
+    assert on_b[2].cached_tokens == on_a[2].cached_tokens == len(HISTORY)
+    assert on_b[:2] == on_a[:2]
+    # everything held: nothing is asked; rows past what an importer no longer holds: refused
+    assert asyncio.run(receiver.fetch_for("a", PROMPT, PARAMS)) == 0
+    assert holder.counters()["prefix_exports"] == 1
+    tail = asyncio.run(a.export_prefix(PROMPT, 32))
+    assert tail.start == 32 and tail.rows.k.shape[1] == len(tail.tokens) - 32
+    asyncio.run(b.flush_cache())
+    assert asyncio.run(b.import_prefix(tail)) == 0
+    assert_slots_accounted(b.engine, idle=True)
+
+
 def test_a_hanging_holder_costs_the_timeout_then_the_request_computes(engines):
     _, b = engines
     asyncio.run(b.flush_cache())
@@ -122,6 +151,31 @@ def test_a_hanging_holder_costs_the_timeout_then_the_request_computes(engines):
     assert 0.3 <= s["prefix_fetch_seconds"] < 5
     assert hung.export_prefix.calls[0].task.cancelled()  # the call was given up, not left running
     tokens, _, last = outputs(b, "b-computed")
+    assert len(tokens) == 4 and last.cached_tokens == 0
+
+
+def test_a_dead_holder_fails_the_fetch_at_once(engines):
+    """A holder whose call hangs but that Ray reports dead: the fetch gives up at the next
+    look-up, long before its timeout, and the request computes."""
+    _, b = engines
+    asyncio.run(b.flush_cache())
+    looked_up = []
+
+    async def never(fetch: PrefixFetch):
+        await asyncio.Event().wait()
+
+    def alive(holder: str) -> bool:
+        looked_up.append(holder)
+        return len(looked_up) < 3  # dead from the third look-up on
+
+    hung = Handle(never)
+    receiver = PrefixFetcher(b, "b", lambda: hung, timeout_s=60, holder_alive=alive)
+    assert asyncio.run(receiver.fetch_for("a", PROMPT, PARAMS)) == 0
+    s = receiver.counters()
+    assert s["prefix_fetch_failures"] == 1 and s["prefix_fetches"] == 0
+    assert s["prefix_fetch_seconds"] < 10 and looked_up == ["a"] * 3
+    assert hung.export_prefix.calls[0].task.cancelled()
+    tokens, _, last = outputs(b, "b-computed-dead")
     assert len(tokens) == 4 and last.cached_tokens == 0
 
 

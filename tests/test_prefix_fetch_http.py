@@ -3,8 +3,10 @@ this machine (`ray.cluster_utils.Cluster`, one engine replica per node, both wit
 tier): the router sends a request away from the replica holding its prefix when that one is
 busy, names the holder, and the receiver fetches the prefix instead of computing it (its
 stats show the fetch, the holder's the export, the response's usage the cached tokens);
-the output equals a recompute. Then a holder that is stopped mid-fetch and killed: the
-request is computed on the receiver and succeeds."""
+the output equals a recompute; a receiver that holds part of the prefix gets the rest
+alone. Then a holder that is stopped mid-fetch and killed: the
+receiver gives up as soon as Ray reports the holder dead, well before the fetch's timeout,
+and the request is computed on the receiver and succeeds."""
 from __future__ import annotations
 
 import os
@@ -27,7 +29,7 @@ ENGINE = {"max_total_tokens": 4096, "max_running_requests": 8, "chunked_prefill_
 BUSY_TOKENS = 3000  # a few seconds at the least, on any machine: the holder stays busy
 BLOCK = 16
 PREFIX_TOKENS = 8 * BLOCK
-FETCH_TIMEOUT_S = 5.0
+FETCH_TIMEOUT_S = 20.0  # far longer than the dead holder's fetch may take
 MAX_TOKENS = 6
 
 
@@ -173,6 +175,37 @@ def test_a_busy_holders_prefix_is_fetched_by_the_other_replica(app, offline):
     assert choice["logprobs"]["token_logprobs"] == pytest.approx(ref.logprobs, abs=1e-4)
 
 
+def test_the_holder_sends_only_what_the_receiver_lacks(app, offline):
+    """The receiver holds the prefix's first half (computed there directly): the holder
+    sends the other half alone, and the output equals a recompute."""
+    from deployments.engine_replica import EngineCall
+    from scripts.serve_replicas import stream_replica
+
+    prefix, first = prompt(3, 1)
+    complete(app, first)
+    holder = holder_of(prefix)
+    other = next(rid for rid in replicas() if rid != holder)
+    half = PREFIX_TOKENS // 2
+    seed = EngineCall("seed-half", prefix[:half], SamplingParams(max_tokens=1))
+    stream_replica(replicas()[other], "generate", seed)
+    time.sleep(1.5)  # three routing-stats periods: every router has the digest
+    before = engine_stats()
+    ids = prompt(3, 3)[1]
+    with Busy(app, prompt(3, 2)[1]):
+        body = complete(app, ids)
+    after = engine_stats()
+    gained = {k: after[other][k] - before[other][k]
+              for k in ("prefix_fetches", "prefix_fetched_tokens", "prefix_fetched_bytes")}
+    assert gained["prefix_fetches"] == 1 and gained["prefix_fetched_tokens"] == half, gained
+    exported = after[holder]["prefix_exported_tokens"] - before[holder]["prefix_exported_tokens"]
+    assert exported == half
+    assert gained["prefix_fetched_bytes"] == half * offline.engine.kv_transfer.row_bytes
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= PREFIX_TOKENS
+    ref = reference(offline, ids)
+    assert body["choices"][0]["text"] == ref.text
+    assert body["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(ref.logprobs, abs=1e-4)
+
+
 def test_a_holder_killed_mid_fetch_leaves_the_request_to_be_computed(app, offline):
     from scripts.serve_replicas import replica_pids
 
@@ -184,6 +217,7 @@ def test_a_holder_killed_mid_fetch_leaves_the_request_to_be_computed(app, offlin
     ids = prompt(2, 3)[1]
     result: dict = {}
     worker = threading.Thread(target=lambda: result.update(body=complete(app, ids)), daemon=True)
+    other = next(rid for rid in before if rid != holder)
     with Busy(app, prompt(2, 2)[1]):
         os.kill(pid, signal.SIGSTOP)  # the holder answers nothing from now on: a fetch hangs
         try:
@@ -196,12 +230,14 @@ def test_a_holder_killed_mid_fetch_leaves_the_request_to_be_computed(app, offlin
         worker.join(FETCH_TIMEOUT_S + 60)
     assert "body" in result, "the request did not finish after its holder died"
     assert time.monotonic() - start < FETCH_TIMEOUT_S + 60
-    other = next(rid for rid in before if rid != holder)
     from scripts.serve_replicas import call_each, list_replicas
 
     after = call_each({other: list_replicas("radixserve", "EngineReplica")[other]}, "stats")[other]
     assert after["prefix_fetch_failures"] - before[other]["prefix_fetch_failures"] == 1
     assert after["prefix_fetches"] == before[other]["prefix_fetches"]
+    # stopped for 1.5 s, then dead: the fetch ended on the death, not at the timeout
+    waited = after["prefix_fetch_seconds"] - before[other]["prefix_fetch_seconds"]
+    assert waited < FETCH_TIMEOUT_S / 2, waited
     body = result["body"]
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     ref = reference(offline, ids)

@@ -105,9 +105,10 @@ class HostTier:
 
     # -- prefixes between replicas ----------------------------------------------------------
 
-    def export(self, path: list[TreeNode]) -> tuple[int, Any]:
-        """The KV rows of a cached path (`RadixCache.cached_path`), written back first where
-        only the device holds them: (tokens covered, rows), as far as the tier can hold."""
+    def export(self, path: list[TreeNode], skip: int = 0) -> tuple[int, Any]:
+        """The KV rows of a cached path (`RadixCache.cached_path`) from its `skip`th token
+        on, written back first where only the device holds them: (tokens of the path
+        covered, from its start; the rows of those past `skip`), as far as the tier can hold."""
         covered = 0
         for node in path:
             if not self.keep(node):
@@ -118,8 +119,8 @@ class HostTier:
             if node.host_value is None:  # (making room for a later node dropped it)
                 break
             slots.extend(node.host_value)
-        self.stats.exported_tokens += len(slots)
-        return len(slots), self.mover.read(slots)
+        self.stats.exported_tokens += max(0, len(slots) - skip)
+        return len(slots), self.mover.read(slots[skip:])
 
     def import_(self, parent: TreeNode, key: tuple[int, ...], rows: Any, start: int) -> int:
         """Hang `key` (tokens whose KV is `rows[start:]`) under `parent` as a host-only

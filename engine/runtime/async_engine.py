@@ -176,8 +176,11 @@ class AsyncEngine:
         """`Engine.flush_cache` between steps."""
         await self.call(lambda engine: engine.flush_cache())
 
-    async def export_prefix(self, tokens: list[int]) -> ExportedPrefix | None:
-        return await self.call(lambda engine: engine.export_prefix(tokens))
+    async def export_prefix(self, tokens: list[int], skip: int = 0) -> ExportedPrefix | None:
+        return await self.call(lambda engine: engine.export_prefix(tokens, skip))
+
+    async def cached_length(self, tokens: list[int]) -> int:
+        return await self.call(lambda engine: engine.cached_length(tokens))
 
     async def import_prefix(self, prefix: ExportedPrefix) -> int:
         return await self.call(lambda engine: engine.import_prefix(prefix))

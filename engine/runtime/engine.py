@@ -17,7 +17,9 @@ from engine.core.outputs import RequestOutput
 from engine.runtime.overlap import OverlapStepper
 from engine.runtime.pooling_engine import PoolingEngine
 from engine.runtime.pooling_requests import OfflinePooling
-from engine.runtime.prefix_exchange import ExportedPrefix, export_prefix, import_prefix
+from engine.runtime.prefix_exchange import (
+    ExportedPrefix, cached_length, export_prefix, import_prefix,
+)
 from engine.core.queue_deadlines import QueueTimeoutError, timeout_error
 from engine.core.radix_cache import RadixCache
 from engine.core.request import Request, validate_request
@@ -272,10 +274,15 @@ class Engine:
         `enable_cache_events`; the replica folds them into its routing digest)."""
         return self.cache.drain_events()
 
-    def export_prefix(self, tokens: list[int]) -> ExportedPrefix | None:
-        """The KV of `tokens`' longest cached prefix, for another replica (host tier only;
-        None without one or without a match)."""
-        return export_prefix(self.cache, self.host_tier, tokens)
+    def export_prefix(self, tokens: list[int], skip: int = 0) -> ExportedPrefix | None:
+        """The KV of `tokens`' longest cached prefix past its first `skip` tokens (what the
+        importer holds), for another replica (host tier only; None without one or without
+        a match past `skip`)."""
+        return export_prefix(self.cache, self.host_tier, tokens, skip)
+
+    def cached_length(self, tokens: list[int]) -> int:
+        """The tokens of `tokens`' longest prefix cached here, on the device or the host."""
+        return cached_length(self.cache, tokens)
 
     def import_prefix(self, prefix: ExportedPrefix) -> int:
         """Take a prefix another replica exported into the host tier; tokens added."""

@@ -58,9 +58,13 @@ class EngineClient(Protocol):
         """Empty the radix cache between two steps."""
         ...
 
-    async def export_prefix(self, tokens: list[int]) -> ExportedPrefix | None:
+    async def export_prefix(self, tokens: list[int], skip: int = 0) -> ExportedPrefix | None:
         """`Engine.export_prefix` between steps: the KV of `tokens`' longest cached prefix
-        (None without a host tier or a match)."""
+        past its first `skip` tokens (None without a host tier or a match past them)."""
+        ...
+
+    async def cached_length(self, tokens: list[int]) -> int:
+        """`Engine.cached_length` between steps: the prompt's tokens cached in either tier."""
         ...
 
     async def import_prefix(self, prefix: ExportedPrefix) -> int:

@@ -65,7 +65,7 @@ class Call:
 
 # the Engine methods a Call may run
 CALLS = frozenset({"stats", "flush_cache", "load_lora", "unload_lora", "list_loras",
-                   "export_prefix", "import_prefix"})
+                   "export_prefix", "import_prefix", "cached_length"})
 
 
 @dataclass

@@ -184,8 +184,11 @@ class ProcessAsyncEngine:
         """`Engine.flush_cache` between steps."""
         await self._call(lambda reply: child.Call("flush_cache", reply))
 
-    async def export_prefix(self, tokens: list[int]) -> ExportedPrefix | None:
-        return await self._call(lambda reply: child.Call("export_prefix", reply, (tokens,)))
+    async def export_prefix(self, tokens: list[int], skip: int = 0) -> ExportedPrefix | None:
+        return await self._call(lambda reply: child.Call("export_prefix", reply, (tokens, skip)))
+
+    async def cached_length(self, tokens: list[int]) -> int:
+        return await self._call(lambda reply: child.Call("cached_length", reply, (tokens,)))
 
     async def import_prefix(self, prefix: ExportedPrefix) -> int:
         return await self._call(lambda reply: child.Call("import_prefix", reply, (prefix,)))
