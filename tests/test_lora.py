@@ -203,14 +203,17 @@ def test_lora_kernels_under_the_interpreter():
 
 def test_lora_kernels_compile_for_hopper():
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
-    from engine.kernels.lora import _expand_kernel, _shrink_kernel
+    from engine.kernels.lora import DECODE, LONG, _expand_kernel, _shrink_kernel
 
-    ints = dict(SegIndptr="*i32", SegSlots="*i32", Ranks="*i32")
+    ints = dict(Order="*i32", Tiles="*i32", Ranks="*i32", Part="*fp32")
     for f32_dot in (False, True):  # bf16 dots (GPUs), fp32 ones (fp32 models)
-        compile_for_sm90(_shrink_kernel, dict(X="*bf16", A="*bf16", Out="*bf16", **ints),
-                         dict(BLOCK_M=16, BLOCK_R=16, BLOCK_K=64, F32_DOT=f32_dot))
-        compile_for_sm90(_expand_kernel, dict(XA="*bf16", B="*bf16", Y="*bf16", **ints),
-                         dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=16, F32_DOT=f32_dot))
+        for tiling, block_r, block_n, splits in ((DECODE, 16, 256, 16), (LONG, 64, 128, 8)):
+            compile_for_sm90(_shrink_kernel, dict(X="*bf16", A="*bf16", **ints),
+                             dict(BLOCK_M=tiling.block_m, BLOCK_R=block_r,
+                                  BLOCK_K=tiling.block_k, F32_DOT=f32_dot))
+            compile_for_sm90(_expand_kernel, dict(B="*bf16", Y="*bf16", **ints),
+                             dict(BLOCK_M=tiling.block_m, BLOCK_N=block_n, BLOCK_K=16,
+                                  SPLITS=splits, F32_DOT=f32_dot))
 
 
 @pytest.mark.gpu

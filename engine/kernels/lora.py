@@ -1,15 +1,22 @@
-"""Segmented LoRA matmul (S-LoRA / Punica's SGMV): one step's tokens, cut into segments
-(a request's new tokens), each segment under its own adapter slot, or none (-1: the base).
+"""Segmented LoRA matmul (S-LoRA / Punica's SGMV) over a step's rows grouped by adapter.
 
-Two launches per adapted linear: shrink, x [T, in] @ A[slot]^T -> xa [T, parts * R], then
-expand, y[:, part cols] += xa[:, part's R] @ B[slot]^T. A slot's rank bounds the work (the
-pool pads every adapter to R): shrink skips rank tiles past it, expand loops K up to it.
-Sizes that change from step to step (segments, the longest segment) shape only the grid,
-so a CUDA graph captured for one batch size replays for any adapters in its slots.
+The rows arrive as tiles of a permutation sorted by adapter slot (engine/lora/tiles.py):
+`Order` lists the adapted rows, `Tiles` [3, cap] each tile's slot (-1: skip), first and end
+entry of `Order`. Two launches per adapted linear:
+- shrink: x[rows] @ A[slot]^T, with K split across programs (a long sequential K loop
+  is latency-bound: a decode step has a handful of tiles), each split writing its fp32
+  partial sums [splits, entries, parts * R];
+- expand: y[rows, part cols] += (sum of the partials)[:, part's R] @ B[slot]^T, the splits
+  summed in a fixed order as they load (deterministic, no reduction launch).
+A slot's rank bounds the work (the pool pads every adapter to R): shrink skips rank tiles
+past it, expand loops K up to it. The grid depends only on the row count, the linear's
+shape and the tiling (`Tiling`), so a CUDA graph captured for a batch size replays any mix
+of adapters staged into its static `Order` and `Tiles`.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -17,17 +24,46 @@ import triton.language as tl
 
 from engine.kernels.pdl import pdl_launch, pdl_prologue
 
-BLOCK_M = 16
-BLOCK_R = 16  # = the pool's rank alignment (engine/lora/pool.py)
+
+@dataclass(frozen=True)
+class Tiling:
+    """Tile sizes of one step's launches: decode (few rows per adapter, split K wide) or
+    long segments (prefill: big row tiles, fewer splits)."""
+
+    block_m: int
+    block_k: int
+    max_n: int  # the expand's widest column tile
+    max_splits: int
+    split_min: int = 512  # K per shrink program, at least
+
+
+DECODE = Tiling(block_m=16, block_k=128, max_n=256, max_splits=16)
+LONG = Tiling(block_m=64, block_k=64, max_n=128, max_splits=8)
+
+
+def tiling_for(block_m: int) -> Tiling:
+    return LONG if block_m == LONG.block_m else DECODE
+
+
+def k_splits(k: int, tiling: Tiling, num_tiles: int) -> tuple[int, int]:
+    """(splits, K per split): enough programs to fill the GPU, no split under split_min."""
+    splits = min(triton.cdiv(k, tiling.split_min), tiling.max_splits)
+    if tiling is LONG:  # many row tiles already fill the GPU
+        splits = max(1, min(splits, 64 // max(num_tiles, 1)))
+    per = triton.cdiv(triton.cdiv(k, splits), tiling.block_k) * tiling.block_k
+    return triton.cdiv(k, per), per
 
 
 @triton.jit
-def _segment(SegIndptr, SegSlots, BLOCK_M: tl.constexpr):
-    """This program's segment: its slot (-1: the base), first row and end row."""
-    seg = tl.program_id(0)
-    slot = tl.load(SegSlots + seg).to(tl.int64)
-    m0 = tl.load(SegIndptr + seg) + tl.program_id(1) * BLOCK_M
-    return slot, m0, tl.load(SegIndptr + seg + 1)
+def _tile(Order, Tiles, tile_cap, BLOCK_M: tl.constexpr):
+    """This program's tile: its entries of Order, their mask and their rows."""
+    tile = tl.program_id(0)
+    first = tl.load(Tiles + tile_cap + tile)
+    end = tl.load(Tiles + 2 * tile_cap + tile)
+    entries = first + tl.arange(0, BLOCK_M)
+    mask = entries < end
+    rows = tl.load(Order + entries, mask=mask, other=0).to(tl.int64)
+    return entries.to(tl.int64), mask, rows
 
 
 @triton.jit
@@ -38,94 +74,113 @@ def _dot(a, b, F32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _shrink_kernel(X, A, Out, SegIndptr, SegSlots, Ranks, k_dim, r_pool, stride_x, stride_as,
-                   stride_ar, stride_o, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr = False):
+def _shrink_kernel(X, A, Part, Order, Tiles, Ranks, tile_cap, k_dim, k_split, r_pool,
+                   stride_x, stride_as, stride_ar, stride_ps, stride_pt,
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   F32_DOT: tl.constexpr, PDL: tl.constexpr = False):
     pdl_prologue(PDL)
-    slot, m0, end = _segment(SegIndptr, SegSlots, BLOCK_M)
-    r0 = tl.program_id(2) * BLOCK_R
-    if slot >= 0 and m0 < end:
-        if r0 % r_pool < tl.load(Ranks + slot):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
+    slot = tl.load(Tiles + tl.program_id(0))
+    r0 = tl.program_id(1) * BLOCK_R
+    if slot >= 0:
+        rank = tl.load(Ranks + slot)
+        if r0 % r_pool < rank:
+            entries, mask_m, rows = _tile(Order, Tiles, tile_cap, BLOCK_M)
             offs_r = r0 + tl.arange(0, BLOCK_R)
-            mask_m = offs_m < end
+            mask_r = offs_r % r_pool < rank
+            k_lo = tl.program_id(2) * k_split
             acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for k0 in range(0, k_dim, BLOCK_K):
+            for k0 in range(k_lo, k_lo + k_split, BLOCK_K):
                 kk = k0 + tl.arange(0, BLOCK_K)
                 mk = kk < k_dim
-                x = tl.load(X + offs_m[:, None].to(tl.int64) * stride_x + kk[None, :],
+                x = tl.load(X + rows[:, None] * stride_x + kk[None, :],
                             mask=mask_m[:, None] & mk[None, :], other=0.0)
-                a = tl.load(A + slot * stride_as + offs_r[None, :] * stride_ar + kk[:, None],
-                            mask=mk[:, None], other=0.0)
+                a = tl.load(A + slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar
+                            + kk[:, None], mask=mask_r[None, :] & mk[:, None], other=0.0)
                 acc += _dot(x, a, F32_DOT)
-            tl.store(Out + offs_m[:, None].to(tl.int64) * stride_o + offs_r[None, :],
-                     acc.to(Out.dtype.element_ty), mask=mask_m[:, None])
+            ptrs = Part + tl.program_id(2).to(tl.int64) * stride_ps + entries[:, None] * stride_pt
+            tl.store(ptrs + offs_r[None, :], acc, mask=mask_m[:, None])
 
 
 @triton.jit
-def _expand_kernel(XA, B, Y, SegIndptr, SegSlots, Ranks, n_dim, r_pool, bound1, bound2, stride_xa,
-                   stride_bs, stride_bn, stride_y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr = False):
+def _expand_kernel(Part, B, Y, Order, Tiles, Ranks, tile_cap, n_dim, r_pool, splits, bound1,
+                   bound2, stride_ps, stride_pt, stride_bs, stride_bn, stride_y,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SPLITS: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr = False):
     pdl_prologue(PDL)
-    slot, m0, end = _segment(SegIndptr, SegSlots, BLOCK_M)
-    n0 = tl.program_id(2) * BLOCK_N
-    if slot >= 0 and m0 < end:
+    slot = tl.load(Tiles + tl.program_id(0))
+    if slot >= 0:
+        entries, mask_m, rows = _tile(Order, Tiles, tile_cap, BLOCK_M)
         rank = tl.load(Ranks + slot)
+        n0 = tl.program_id(1) * BLOCK_N
         # the fused linear's part this column tile belongs to (tiles never straddle parts)
         part = (n0 >= bound1).to(tl.int32) + (n0 >= bound2).to(tl.int32)
-        offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_m = offs_m < end
         mask_n = offs_n < n_dim
+        offs_s = tl.arange(0, SPLITS).to(tl.int64)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, rank, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             mk = kk < rank
-            xa = tl.load(XA + offs_m[:, None].to(tl.int64) * stride_xa + (part * r_pool + kk)[None, :],
-                         mask=mask_m[:, None] & mk[None, :], other=0.0)
-            b = tl.load(B + slot * stride_bs + offs_n[None, :] * stride_bn + kk[:, None],
-                        mask=mk[:, None] & mask_n[None, :], other=0.0)
-            acc += _dot(xa, b, F32_DOT)
-        ptrs = Y + offs_m[:, None].to(tl.int64) * stride_y + offs_n[None, :]
+            # every split's partial of this [rows, rank] tile in one load, summed in order
+            ptrs = (Part + offs_s[:, None, None] * stride_ps + entries[None, :, None] * stride_pt
+                    + (part * r_pool + kk)[None, None, :])
+            mask = (offs_s < splits)[:, None, None] & mask_m[None, :, None] & mk[None, None, :]
+            xa = tl.sum(tl.load(ptrs, mask=mask, other=0.0), axis=0)
+            b = tl.load(B + slot.to(tl.int64) * stride_bs + offs_n[None, :] * stride_bn
+                        + kk[:, None], mask=mk[:, None] & mask_n[None, :], other=0.0)
+            acc += _dot(xa.to(B.dtype.element_ty), b, F32_DOT)
+        ptrs = Y + rows[:, None] * stride_y + offs_n[None, :]
         mask = mask_m[:, None] & mask_n[None, :]
         y = tl.load(ptrs, mask=mask, other=0.0)
         tl.store(ptrs, (y.to(tl.float32) + acc).to(Y.dtype.element_ty), mask=mask)
 
 
 def column_tile(bounds: list[int]) -> int | None:
-    """The expand kernel's column tile: the largest of 64, 32, 16 that divides every part
-    boundary (None: the torch path must serve this linear)."""
-    for tile in (64, 32, 16):
+    """The expand kernel's widest column tile: the largest of 256 ... 16 that divides every
+    part boundary (None: the torch path must serve this linear)."""
+    for tile in (256, 128, 64, 32, 16):
         if all(b % tile == 0 for b in bounds):
             return tile
     return None
 
 
+def rank_tile(r_pool: int, tiling: Tiling) -> int:
+    """Shrink's rank tile: 16 for decode (more programs), up to 64 for long segments (one
+    load of x feeds more of the rank)."""
+    if tiling is DECODE:
+        return 16
+    return next(t for t in (64, 32, 16) if r_pool % t == 0)
+
+
 def lora_sgmv(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-              ranks: torch.Tensor, seg_indptr: torch.Tensor, seg_slots: torch.Tensor,
-              num_segments: int, max_seg_len: int, bounds: list[int], tile_n: int) -> None:
-    """y += each segment's LoRA delta, in place. x [T, in], y [T, out], a [slots, P*R, in],
-    b [slots, out, R], ranks [slots]; segment i is rows [seg_indptr[i], seg_indptr[i+1])
-    under slot seg_slots[i] (-1: untouched)."""
-    if num_segments == 0 or max_seg_len == 0:
+              ranks: torch.Tensor, order: torch.Tensor, tiles: torch.Tensor, num_tiles: int,
+              block_m: int, bounds: list[int], tile_n: int) -> None:
+    """y += each adapted row's LoRA delta, in place. x [T, in], y [T, out],
+    a [slots, P*R, in], b [slots, out, R], ranks [slots]; `order` and `tiles` [3, cap] as
+    engine/lora/tiles.py packs them; `num_tiles` the grid (tiles past the plan's are -1)."""
+    if num_tiles == 0:
         return
     x = x.contiguous()
     t, k = x.shape
-    pr, r = a.shape[1], b.shape[2]
-    n = b.shape[1]
-    xa = torch.empty(t, pr, dtype=x.dtype, device=x.device)
+    pr, r, n = a.shape[1], b.shape[2], b.shape[1]
+    tiling = tiling_for(block_m)
+    splits, k_split = k_splits(k, tiling, num_tiles)
+    part = torch.empty(splits, t, pr, dtype=torch.float32, device=x.device)
     # fp32 operands in IEEE precision for fp32 models and under the CPU interpreter (whose
     # bf16 dot is wrong); bf16/fp16 dots with fp32 accumulation otherwise
     f32_dot = x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
-    m_tiles = triton.cdiv(max_seg_len, BLOCK_M)
-    _shrink_kernel[(num_segments, m_tiles, pr // BLOCK_R)](
-        x, a, xa, seg_indptr, seg_slots, ranks, k, r, x.stride(0), a.stride(0), a.stride(1),
-        xa.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=64, F32_DOT=f32_dot,
-        **pdl_launch(x.device))
+    block_r = rank_tile(r, tiling)
+    tile_cap = tiles.shape[1]
+    _shrink_kernel[(num_tiles, pr // block_r, splits)](
+        x, a, part, order, tiles, ranks, tile_cap, k, k_split, r, x.stride(0), a.stride(0),
+        a.stride(1), part.stride(0), part.stride(1), BLOCK_M=tiling.block_m, BLOCK_R=block_r,
+        BLOCK_K=tiling.block_k, F32_DOT=f32_dot, **pdl_launch(x.device))
     big = n + 1  # a boundary past the last column: no part there
     b1 = bounds[0] if bounds else big
     b2 = bounds[1] if len(bounds) > 1 else big
-    _expand_kernel[(num_segments, m_tiles, triton.cdiv(n, tile_n))](
-        xa, b, y, seg_indptr, seg_slots, ranks, n, r, b1, b2, xa.stride(0), b.stride(0),
-        b.stride(1), y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=tile_n, BLOCK_K=BLOCK_R, F32_DOT=f32_dot,
+    block_n = min(tile_n, tiling.max_n)
+    _expand_kernel[(num_tiles, triton.cdiv(n, block_n))](
+        part, b, y, order, tiles, ranks, tile_cap, n, r, splits, b1, b2, part.stride(0),
+        part.stride(1), b.stride(0), b.stride(1), y.stride(0), BLOCK_M=tiling.block_m,
+        BLOCK_N=block_n, BLOCK_K=16, SPLITS=triton.next_power_of_2(splits), F32_DOT=f32_dot,
         **pdl_launch(x.device))

@@ -10,43 +10,81 @@ from __future__ import annotations
 import torch
 
 from engine.lora.pool import LoRAPool, PoolGroup
+from engine.lora.tiles import DECODE_BLOCK_M, TilePlan, block_m_for, split_packed, tile_bound
 
 
 class LoRABatch:
-    """The current step's adapter per segment (a request's new tokens); -1: the base."""
+    """The current step's adapter per segment (a request's new tokens; -1: the base), and
+    on a GPU its rows grouped by adapter for the kernels (engine/lora/tiles.py).
 
-    def __init__(self, capacity: int, device: torch.device) -> None:
-        # static: decode CUDA graphs read it (rows past the step's stay -1)
-        self.slots = torch.full((capacity,), -1, dtype=torch.int32, device=device)
+    Decode steps (one row per segment) use static device buffers and a grid fixed by the
+    row count, so a decode CUDA graph replays whatever `stage` wrote before it; longer steps
+    (never in a graph) launch exactly their tiles, and nothing when no row is adapted."""
+
+    def __init__(self, capacity: int, num_slots: int, device: torch.device) -> None:
+        self.rows_cap = capacity
+        self.num_slots = num_slots
+        self.tiles_cap = tile_bound(capacity, DECODE_BLOCK_M, num_slots)
+        self.on_gpu = device.type == "cuda"
+        self.static = torch.full((capacity + 3 * self.tiles_cap,), -1, dtype=torch.int32,
+                                 device=device)
+        self.static[:capacity] = 0  # valid rows, whatever a graph's warm-up reads
         self.host_slots: list[int] = []
-        self.seg_indptr: torch.Tensor | None = None
-        self.num_segments = 0
-        self.max_seg_len = 0
+        self.host_lens: list[int] = []
+        self.plan = TilePlan([], [], DECODE_BLOCK_M)
+        self.staged = split_packed(self.static, capacity)  # (order, tiles) of `plan`
+        self.order, self.tiles = self.staged
+        self.num_tiles = 0  # the kernels' grid this forward (0: no launch)
+        self.block_m = DECODE_BLOCK_M
         self.runs: list[tuple[int, int, int]] = []  # CPU path: (slot, first row, end row)
 
-    def stage(self, slots: list[int]) -> None:
-        """The next step's slot per segment, before its forward (and before any replay)."""
-        if slots == self.host_slots:
+    def stage(self, slots: list[int], lens: list[int]) -> None:
+        """The next step's slot and row count per segment, before its forward (and before
+        any replay)."""
+        if slots == self.host_slots and lens == self.host_lens:
             return
-        self.host_slots = slots
-        padded = slots + [-1] * (self.slots.numel() - len(slots))
-        self.slots.copy_(torch.tensor(padded, dtype=torch.int32))
+        self.host_slots, self.host_lens = slots, lens
+        self.plan = TilePlan.of(slots, lens, block_m_for(lens))
+        if not self.on_gpu:
+            return
+        rows, tiles = len(self.plan.order), len(self.plan.tiles)
+        if rows <= self.rows_cap and tiles <= self.tiles_cap:
+            # pinned and asynchronous: the in-flight step (overlap scheduling) is not waited for
+            host = self.plan.pack(self.rows_cap, self.tiles_cap).pin_memory()
+            self.static.copy_(host, non_blocking=True)
+            self.staged = split_packed(self.static, self.rows_cap)
+        else:
+            host = self.plan.pack(rows, tiles).pin_memory()
+            self.staged = split_packed(host.to(self.static.device, non_blocking=True), rows)
 
     def begin(self, batch) -> None:
         """Called by the model at the start of a forward over `batch` (a ForwardBatch)."""
-        self.seg_indptr = batch.qo_indptr
-        self.num_segments = batch.batch_size
-        self.max_seg_len = max(batch.extend_lens_cpu, default=0)
-        self.runs = []
-        if batch.input_ids.is_cuda:
-            return
-        at = 0  # adjacent segments of one slot merge into one run of rows
-        for slot, n in zip(self.host_slots, batch.extend_lens_cpu):
-            if slot >= 0 and self.runs and self.runs[-1][0] == slot and self.runs[-1][2] == at:
-                self.runs[-1] = (slot, self.runs[-1][1], at + n)
-            elif slot >= 0:
-                self.runs.append((slot, at, at + n))
-            at += n
+        lens = list(batch.extend_lens_cpu)
+        capturing = self.on_gpu and torch.cuda.is_current_stream_capturing()
+        if lens != self.host_lens and not capturing:  # a graph's warm-up: no adapter
+            self.stage([-1] * len(lens), lens)
+        self.runs = [] if self.on_gpu else _runs(self.host_slots, lens)
+        if max(lens, default=0) <= 1:  # decode: the static buffers, the row count's grid
+            self.order, self.tiles = split_packed(self.static, self.rows_cap)
+            self.num_tiles, self.block_m = tile_bound(len(lens), DECODE_BLOCK_M, self.num_slots), \
+                DECODE_BLOCK_M
+        else:
+            self.order, self.tiles = self.staged
+            self.num_tiles, self.block_m = len(self.plan.tiles), self.plan.block_m
+
+
+def _runs(slots: list[int], lens: list[int]) -> list[tuple[int, int, int]]:
+    """(slot, first row, end row) of each run of adapted rows, adjacent segments of one
+    slot merged."""
+    runs: list[tuple[int, int, int]] = []
+    at = 0
+    for slot, n in zip(slots, lens):
+        if slot >= 0 and runs and runs[-1][0] == slot and runs[-1][2] == at:
+            runs[-1] = (slot, runs[-1][1], at + n)
+        elif slot >= 0:
+            runs.append((slot, at, at + n))
+        at += n
+    return runs
 
 
 class LoRAHook:
@@ -61,8 +99,8 @@ class LoRAHook:
         if x.is_cuda:
             from engine.kernels.lora import lora_sgmv
 
-            lora_sgmv(x, y, g.a, g.b, self.pool.ranks, st.seg_indptr, st.slots, st.num_segments,
-                      st.max_seg_len, g.bounds, self.tile_n)
+            lora_sgmv(x, y, g.a, g.b, self.pool.ranks, st.order, st.tiles, st.num_tiles,
+                      st.block_m, g.bounds, self.tile_n)
             return y
         for slot, start, end in st.runs:
             y[start:end] += self.delta(x[start:end], slot)

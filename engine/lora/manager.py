@@ -59,7 +59,7 @@ class LoRAManager:
         self.shapes = target_shapes(model)
         self.pool = LoRAPool(model, config.max_loras, config.max_lora_rank, dtype, device)
         self.batch = LoRABatch(max(config.max_running_requests, config.cuda_graph_max_bs) + 1,
-                               device)
+                               config.max_loras, device)
         self._attach(model)
         self.entries: dict[str, _Entry] = {}
         self._ids = itertools.count(1)
@@ -221,7 +221,8 @@ class LoRAManager:
 
     def prepare(self, plan: StepPlan) -> None:
         """Stage the step's adapter slot per chunk before its forward."""
-        self.batch.stage([c.req.lora_slot for c in plan.chunks])
+        self.batch.stage([c.req.lora_slot for c in plan.chunks],
+                         [c.num_tokens for c in plan.chunks])
 
     def stats_dict(self) -> dict[str, int]:
         """Counters, and where the adapters are: `lora_in_gpu` (in a pool slot) and
