@@ -9,6 +9,7 @@ S-LoRA / Punica comparison; issue 51's goals):
   tokens/s against the base serving the same stream.
 
     python scripts/bench_lora.py [--model llama3-8b|demo] [--rank 16] [--json PATH]
+    python scripts/bench_lora.py --kernels   # the kernels alone, per 8B linear (GPU)
 
 The base rows run on an engine without LoRA; the adapter rows on one with `max_loras=8`
 (the pool of the 64-adapter row), so they include what enabling LoRA costs. One more row,
@@ -178,6 +179,57 @@ def run(model: str, rank: int, smoke: bool) -> dict:
     return rows
 
 
+def _kernel_case(k: int, parts: tuple[int, ...], rows: int, n_adapters: int, seg: int,
+                 rank: int, pool_rank: int, slots: int = 8, dev: str = "cuda") -> float:
+    """Microseconds of one lora_sgmv call: `rows` rows in segments of `seg`, adapters
+    interleaved over the segments (how a decode step's requests arrive)."""
+    import triton
+
+    from engine.kernels.lora import column_tile, lora_sgmv
+    from engine.lora.tiles import DECODE_BLOCK_M, TilePlan, block_m_for, split_packed, tile_bound
+
+    n = sum(parts)
+    a = torch.randn(slots, len(parts) * pool_rank, k, device=dev, dtype=torch.bfloat16) * 0.02
+    b = torch.randn(slots, n, pool_rank, device=dev, dtype=torch.bfloat16) * 0.02
+    ranks = torch.full((slots,), rank, dtype=torch.int32, device=dev)
+    x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
+    y = torch.zeros(rows, n, device=dev, dtype=torch.bfloat16)
+    lens = [seg] * (rows // seg)
+    plan = TilePlan.of([i % n_adapters for i in range(len(lens))], lens, block_m_for(lens))
+    decode = seg == 1  # the decode graphs' grid: the row count's bound, static buffers
+    num_tiles = tile_bound(rows, DECODE_BLOCK_M, slots) if decode else len(plan.tiles)
+    tiles_cap = max(num_tiles, len(plan.tiles))
+    order, tiles = split_packed(plan.pack(rows, tiles_cap).to(dev), rows)
+    bounds = [sum(parts[:i + 1]) for i in range(len(parts) - 1)]
+    tile_n = column_tile(bounds + [n])
+    return triton.testing.do_bench(lambda: lora_sgmv(
+        x, y, a, b, ranks, order, tiles, num_tiles, plan.block_m, bounds, tile_n)) * 1e3
+
+
+def bench_kernels(rank: int) -> None:
+    """lora_sgmv alone on the 8B model's four adapted linears, beside the base GEMM."""
+    import triton
+
+    h, inter, kv = 4096, 14336, 1024
+    linears = {"qkv": (h, (h, kv, kv)), "o": (h, (h,)), "gate_up": (h, (inter, inter)),
+               "down": (inter, (h,))}
+    cases = {"decode b1": (1, 1, 1), "decode b32, 4 adapters": (32, 4, 1),
+             "decode b32, 32 adapters": (32, 8, 1), "prefill 512": (512, 1, 512)}
+    print(f"\nlora_sgmv, rank {rank} (pool rank {rank}), {torch.cuda.get_device_name()}")
+    print(f"{'case':<26}{'linear':<9}{'lora us':>9}{'base us':>9}{'ratio':>7}")
+    for case, (rows, n_adapters, seg) in cases.items():
+        lora_total = base_total = 0.0
+        for name, (k, parts) in linears.items():
+            us = _kernel_case(k, parts, rows, n_adapters, seg, rank, rank)
+            w = torch.randn(sum(parts), k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            base = triton.testing.do_bench(lambda: x @ w.T) * 1e3
+            lora_total, base_total = lora_total + us, base_total + base
+            print(f"{case:<26}{name:<9}{us:>9.1f}{base:>9.1f}{us / base:>7.2f}")
+        print(f"{case:<26}{'layer':<9}{lora_total:>9.1f}{base_total:>9.1f}"
+              f"{lora_total / base_total:>7.2f}")
+
+
 def print_table(rows: dict, model: str, rank: int) -> None:
     device = torch.cuda.get_device_name() if GPU else "cpu"
     print(f"\nmulti-LoRA, {model}, rank {rank} on all 7 projections, {device}")
@@ -202,7 +254,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default="llama3-8b" if GPU else DEMO, choices=["llama3-8b", DEMO])
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--kernels", action="store_true",
+                    help="time the LoRA kernels alone per 8B linear (GPU), then stop")
     args = ap.parse_args(argv)
+    if args.kernels:
+        bench_kernels(args.rank)
+        return {}
     rows = run(args.model, args.rank, smoke=args.model == DEMO and not GPU)
     print_table(rows, args.model, args.rank)
     if args.json:

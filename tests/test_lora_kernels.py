@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.lora.layer import LoRAHook
+from engine.lora.layer import LoRABatch, LoRAHook
 from engine.lora.pool import PoolGroup
 from engine.lora.tiles import DECODE_BLOCK_M, TilePlan, block_m_for, split_packed, tile_bound
 from test_triton_attention import DEVICE
@@ -35,6 +35,29 @@ def test_plan_groups_rows_by_slot():
     assert len(plan.tiles) <= tile_bound(sum(lens), 4, 3)
     assert TilePlan.of([-1, -1], [1, 5], 16).tiles == []
     assert block_m_for([1] * 40) == DECODE_BLOCK_M and block_m_for([3, 64]) > DECODE_BLOCK_M
+
+
+def test_batch_stages_decode_into_static_buffers():
+    """Decode steps read the static buffers with the row count's grid (what a CUDA graph
+    captured); a longer step launches exactly its tiles, none without an adapted row; a
+    forward the staged plan is not for (a graph's warm-up) sees no adapter."""
+    batch = LoRABatch(capacity=8, num_slots=2, device=torch.device("cpu"))
+    step = SimpleNamespace
+    batch.stage([1, -1, 0, 1], [1, 1, 1, 1])
+    batch.begin(step(extend_lens_cpu=[1, 1, 1, 1]))
+    assert batch.num_tiles == tile_bound(4, DECODE_BLOCK_M, 2)
+    assert batch.order.data_ptr() == batch.static.data_ptr()
+    assert batch.order[:3].tolist() == [2, 0, 3] and batch.tiles[0, :3].tolist() == [0, 1, -1]
+    assert batch.runs == [(1, 0, 1), (0, 2, 3), (1, 3, 4)]
+    batch.begin(step(extend_lens_cpu=[1] * 6))  # a warm-up of six rows
+    assert batch.tiles[0].tolist() == [-1] * batch.tiles_cap and batch.runs == []
+    batch.stage([0, -1], [100, 30])
+    batch.begin(step(extend_lens_cpu=[100, 30]))
+    assert (batch.num_tiles, batch.block_m) == (2, 64)  # 100 rows > capacity: a fresh tensor
+    assert batch.order.data_ptr() != batch.static.data_ptr() and batch.order.numel() == 100
+    batch.stage([-1, -1], [100, 30])
+    batch.begin(step(extend_lens_cpu=[100, 30]))
+    assert batch.num_tiles == 0
 
 
 def _group(a, b, part_sizes) -> LoRAHook:

@@ -38,7 +38,7 @@ class Tiling:
 
 
 DECODE = Tiling(block_m=16, block_k=128, max_n=256, max_splits=16)
-LONG = Tiling(block_m=64, block_k=64, max_n=128, max_splits=8)
+LONG = Tiling(block_m=64, block_k=64, max_n=128, max_splits=4)
 
 
 def tiling_for(block_m: int) -> Tiling:

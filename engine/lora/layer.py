@@ -2,8 +2,8 @@
 on each adaptable linear, a hook (`LoRAHook`) that adds its slots' deltas to the output.
 
 On a GPU the hook runs the segmented Triton kernels (engine/kernels/lora.py) over the
-segment tensors (in a CUDA graph, static buffers the step writes before replay); on a CPU a
-torch matmul per run of rows under one adapter.
+step's rows grouped by adapter (engine/lora/tiles.py; in a CUDA graph, static buffers the
+step writes before replay); on a CPU a torch matmul per run of rows under one adapter.
 """
 from __future__ import annotations
 
@@ -45,17 +45,19 @@ class LoRABatch:
             return
         self.host_slots, self.host_lens = slots, lens
         self.plan = TilePlan.of(slots, lens, block_m_for(lens))
-        if not self.on_gpu:
-            return
         rows, tiles = len(self.plan.order), len(self.plan.tiles)
         if rows <= self.rows_cap and tiles <= self.tiles_cap:
-            # pinned and asynchronous: the in-flight step (overlap scheduling) is not waited for
-            host = self.plan.pack(self.rows_cap, self.tiles_cap).pin_memory()
-            self.static.copy_(host, non_blocking=True)
+            self.static.copy_(self._host(self.plan.pack(self.rows_cap, self.tiles_cap)),
+                              non_blocking=True)
             self.staged = split_packed(self.static, self.rows_cap)
         else:
-            host = self.plan.pack(rows, tiles).pin_memory()
-            self.staged = split_packed(host.to(self.static.device, non_blocking=True), rows)
+            packed = self._host(self.plan.pack(rows, tiles))
+            self.staged = split_packed(packed.to(self.static.device, non_blocking=True), rows)
+
+    def _host(self, packed: torch.Tensor) -> torch.Tensor:
+        # pinned, so the copy is asynchronous: the in-flight step (overlap scheduling) is
+        # not waited for
+        return packed.pin_memory() if self.on_gpu else packed
 
     def begin(self, batch) -> None:
         """Called by the model at the start of a forward over `batch` (a ForwardBatch)."""
