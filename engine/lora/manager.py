@@ -79,7 +79,7 @@ class LoRAManager:
 
         for g in self.pool.groups:
             tile = column_tile(g.bounds + [sum(g.part_sizes)])
-            if tile is None and self.batch.slots.is_cuda:
+            if tile is None and self.batch.on_gpu:
                 raise LoRAError(f"layer {g.layer}: output sizes {g.part_sizes} are not multiples "
                                 "of 16, which the LoRA kernels need")
             g.linear.lora = LoRAHook(g, self.pool, self.batch, tile)
