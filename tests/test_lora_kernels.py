@@ -58,6 +58,12 @@ def test_batch_stages_decode_into_static_buffers():
     batch.stage([-1, -1], [100, 30])
     batch.begin(step(extend_lens_cpu=[100, 30]))
     assert batch.num_tiles == 0
+    batch = LoRABatch(capacity=8, num_slots=2, device=torch.device("cpu"))
+    batch.stage([-1, -1], [3, 5])  # the first of its tiling: one tile (of slot -1) compiles it
+    batch.begin(step(extend_lens_cpu=[3, 5]))
+    assert batch.num_tiles == 1 and batch.tiles[0, 0] == -1
+    batch.begin(step(extend_lens_cpu=[3, 5]))
+    assert batch.num_tiles == 0
 
 
 def _group(a, b, part_sizes) -> LoRAHook:

@@ -73,7 +73,7 @@ def _dot(a, b, F32_DOT: tl.constexpr):
     return tl.dot(a, b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tile_cap"])
 def _shrink_kernel(X, A, Part, Order, Tiles, Ranks, tile_cap, k_dim, k_split, r_pool,
                    stride_x, stride_as, stride_ar, stride_ps, stride_pt,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -101,7 +101,7 @@ def _shrink_kernel(X, A, Part, Order, Tiles, Ranks, tile_cap, k_dim, k_split, r_
             tl.store(ptrs + offs_r[None, :], acc, mask=mask_m[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tile_cap", "splits"])
 def _expand_kernel(Part, B, Y, Order, Tiles, Ranks, tile_cap, n_dim, r_pool, splits, bound1,
                    bound2, stride_ps, stride_pt, stride_bs, stride_bn, stride_y,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

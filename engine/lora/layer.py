@@ -36,6 +36,7 @@ class LoRABatch:
         self.order, self.tiles = self.staged
         self.num_tiles = 0  # the kernels' grid this forward (0: no launch)
         self.block_m = DECODE_BLOCK_M
+        self.launched: set[int] = set()  # row tilings launched at least once (compiled)
         self.runs: list[tuple[int, int, int]] = []  # CPU path: (slot, first row, end row)
 
     def stage(self, slots: list[int], lens: list[int]) -> None:
@@ -72,7 +73,12 @@ class LoRABatch:
                 DECODE_BLOCK_M
         else:
             self.order, self.tiles = self.staged
-            self.num_tiles, self.block_m = len(self.plan.tiles), self.plan.block_m
+            self.block_m = self.plan.block_m
+            # nothing to launch without an adapted row, except once per tiling: every
+            # program exits, but the kernels compile in the warm-up, not at a first request
+            first = self.block_m not in self.launched
+            self.num_tiles = len(self.plan.tiles) or int(first)
+        self.launched.add(self.block_m)
 
 
 def _runs(slots: list[int], lens: list[int]) -> list[tuple[int, int, int]]:
