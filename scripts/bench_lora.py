@@ -182,7 +182,7 @@ def run(model: str, rank: int, smoke: bool) -> dict:
 def _kernel_case(k: int, parts: tuple[int, ...], rows: int, n_adapters: int, seg: int,
                  rank: int, pool_rank: int, slots: int = 8, dev: str = "cuda") -> float:
     """Microseconds of one lora_sgmv call: `rows` rows in segments of `seg`, adapters
-    interleaved over the segments (how a decode step's requests arrive)."""
+    interleaved over the segments (how a decode step's requests arrive; 0: none)."""
     import triton
 
     from engine.kernels.lora import column_tile, lora_sgmv
@@ -195,7 +195,8 @@ def _kernel_case(k: int, parts: tuple[int, ...], rows: int, n_adapters: int, seg
     x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
     y = torch.zeros(rows, n, device=dev, dtype=torch.bfloat16)
     lens = [seg] * (rows // seg)
-    plan = TilePlan.of([i % n_adapters for i in range(len(lens))], lens, block_m_for(lens))
+    slot_of = [i % n_adapters if n_adapters else -1 for i in range(len(lens))]
+    plan = TilePlan.of(slot_of, lens, block_m_for(lens))
     decode = seg == 1  # the decode graphs' grid: the row count's bound, static buffers
     num_tiles = tile_bound(rows, DECODE_BLOCK_M, slots) if decode else len(plan.tiles)
     tiles_cap = max(num_tiles, len(plan.tiles))
@@ -214,7 +215,8 @@ def bench_kernels(rank: int) -> None:
     linears = {"qkv": (h, (h, kv, kv)), "o": (h, (h,)), "gate_up": (h, (inter, inter)),
                "down": (inter, (h,))}
     cases = {"decode b1": (1, 1, 1), "decode b32, 4 adapters": (32, 4, 1),
-             "decode b32, 32 adapters": (32, 8, 1), "prefill 512": (512, 1, 512)}
+             "decode b32, 8 adapters": (32, 8, 1), "decode b32, no adapter": (32, 0, 1),
+             "prefill 512": (512, 1, 512)}
     print(f"\nlora_sgmv, rank {rank} (pool rank {rank}), {torch.cuda.get_device_name()}")
     print(f"{'case':<26}{'linear':<9}{'lora us':>9}{'base us':>9}{'ratio':>7}")
     for case, (rows, n_adapters, seg) in cases.items():
