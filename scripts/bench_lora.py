@@ -225,7 +225,7 @@ def bench_kernels(rank: int) -> None:
             us = _kernel_case(k, parts, rows, n_adapters, seg, rank, rank)
             w = torch.randn(sum(parts), k, device="cuda", dtype=torch.bfloat16)
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            base = triton.testing.do_bench(lambda: x @ w.T) * 1e3
+            base = triton.testing.do_bench(lambda x=x, w=w: x @ w.T) * 1e3
             lora_total, base_total = lora_total + us, base_total + base
             print(f"{case:<26}{name:<9}{us:>9.1f}{base:>9.1f}{us / base:>7.2f}")
         print(f"{case:<26}{'layer':<9}{lora_total:>9.1f}{base_total:>9.1f}"

@@ -69,8 +69,8 @@ class LoRABatch:
         self.runs = [] if self.on_gpu else _runs(self.host_slots, lens)
         if max(lens, default=0) <= 1:  # decode: the static buffers, the row count's grid
             self.order, self.tiles = split_packed(self.static, self.rows_cap)
-            self.num_tiles, self.block_m = tile_bound(len(lens), DECODE_BLOCK_M, self.num_slots), \
-                DECODE_BLOCK_M
+            self.block_m = DECODE_BLOCK_M
+            self.num_tiles = tile_bound(len(lens), DECODE_BLOCK_M, self.num_slots)
         else:
             self.order, self.tiles = self.staged
             self.block_m = self.plan.block_m
