@@ -45,9 +45,13 @@ def tiling_for(block_m: int) -> Tiling:
     return LONG if block_m == LONG.block_m else DECODE
 
 
+def most_splits(k: int, tiling: Tiling) -> int:
+    return min(triton.cdiv(k, tiling.split_min), tiling.max_splits)
+
+
 def k_splits(k: int, tiling: Tiling, num_tiles: int) -> tuple[int, int]:
     """(splits, K per split): enough programs to fill the GPU, no split under split_min."""
-    splits = min(triton.cdiv(k, tiling.split_min), tiling.max_splits)
+    splits = most_splits(k, tiling)
     if tiling is LONG:  # many row tiles already fill the GPU
         splits = max(1, min(splits, 64 // max(num_tiles, 1)))
     per = triton.cdiv(triton.cdiv(k, splits), tiling.block_k) * tiling.block_k
@@ -73,7 +77,8 @@ def _dot(a, b, F32_DOT: tl.constexpr):
     return tl.dot(a, b)
 
 
-@triton.jit(do_not_specialize=["tile_cap"])
+# (sizes that change from step to step are not specialized on: no recompiles)
+@triton.jit(do_not_specialize=["tile_cap", "stride_ps"])
 def _shrink_kernel(X, A, Part, Order, Tiles, Ranks, tile_cap, k_dim, k_split, r_pool,
                    stride_x, stride_as, stride_ar, stride_ps, stride_pt,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -101,7 +106,7 @@ def _shrink_kernel(X, A, Part, Order, Tiles, Ranks, tile_cap, k_dim, k_split, r_
             tl.store(ptrs + offs_r[None, :], acc, mask=mask_m[:, None])
 
 
-@triton.jit(do_not_specialize=["tile_cap", "splits"])
+@triton.jit(do_not_specialize=["tile_cap", "splits", "stride_ps"])
 def _expand_kernel(Part, B, Y, Order, Tiles, Ranks, tile_cap, n_dim, r_pool, splits, bound1,
                    bound2, stride_ps, stride_pt, stride_bs, stride_bn, stride_y,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -182,5 +187,5 @@ def lora_sgmv(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     _expand_kernel[(num_tiles, triton.cdiv(n, block_n))](
         part, b, y, order, tiles, ranks, tile_cap, n, r, splits, b1, b2, part.stride(0),
         part.stride(1), b.stride(0), b.stride(1), y.stride(0), BLOCK_M=tiling.block_m,
-        BLOCK_N=block_n, BLOCK_K=16, SPLITS=triton.next_power_of_2(splits), F32_DOT=f32_dot,
-        **pdl_launch(x.device))
+        BLOCK_N=block_n, BLOCK_K=16, SPLITS=triton.next_power_of_2(most_splits(k, tiling)),
+        F32_DOT=f32_dot, **pdl_launch(x.device))
