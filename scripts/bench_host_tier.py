@@ -38,13 +38,15 @@ from bench_offline import DEMO, LONG_MAX_POSITIONS, model_config, model_dir, ran
 import torch  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.loading.demo_model import ensure_demo_model  # noqa: E402
 
 GPU = torch.cuda.is_available()
 
 
 def make_llm(args, pool: int, host_gb: float) -> LLM:
     path = model_dir(args.model, None if args.model == DEMO else LONG_MAX_POSITIONS)
-    extra = {} if args.model == DEMO else dict(load_format="dummy", dtype="bfloat16")
+    extra = {} if args.model == DEMO else dict(load_format="dummy", dtype="bfloat16",
+                                               tokenizer=ensure_demo_model())
     return LLM(model=path, max_total_tokens=pool, host_kv_cache_gb=host_gb,
                chunked_prefill_size=args.chunk, **extra)
 
