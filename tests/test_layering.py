@@ -71,6 +71,12 @@ ENGINE_ROOMS = {
 }
 
 
+# Rule 5: the most layers of runtime imports (see `layers`) in all of engine/, and in a room.
+MAX_ENGINE_DEPTH = 10
+ROOM_DEPTH = {"core": 5, "executor": 6, "kernels": 7, "runtime": 8, "models": 4, "loading": 4,
+              "layers": 3, "attention": 3, "grammar": 4, "lora": 5, "speculative": 3}
+
+
 @dataclass(frozen=True)
 class Module:
     name: str
@@ -124,12 +130,29 @@ def imported_modules(module: Module,
         yield base, alias.name
 
 
-def dependencies(module: Module, modules: dict[str, Module]) -> set[str]:
-    """The project modules `module` imports (rule 1's edges)."""
+def is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING",
+                                                                    "typing.TYPE_CHECKING")
+
+
+def import_nodes(nodes, with_typing: bool) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement among `nodes` and below; those under `if TYPE_CHECKING:`
+    only `with_typing`."""
+    for node in nodes:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif is_type_checking(node) and not with_typing:
+            yield from import_nodes(node.orelse, with_typing)
+        else:
+            yield from import_nodes(ast.iter_child_nodes(node), with_typing)
+
+
+def dependencies(module: Module, modules: dict[str, Module],
+                 with_typing: bool = True) -> set[str]:
+    """The project modules `module` imports (rule 1's edges); without `with_typing`, only
+    those it needs to run (rule 5's edges: not the ones under `if TYPE_CHECKING:`)."""
     deps = set()
-    for node in ast.walk(module.tree):
-        if not isinstance(node, (ast.Import, ast.ImportFrom)):
-            continue
+    for node in import_nodes([module.tree], with_typing):
         for path, name in imported_modules(module, node):
             target = f"{path}.{name}" if name and f"{path}.{name}" in modules else path
             while target and target not in modules:  # `import a.b.c` of a non-module c
@@ -313,6 +336,31 @@ def room_violations(modules: dict[str, Module] = MODULES) -> list[str]:
     return found
 
 
+def layers(modules: dict[str, Module], within: str | None = None) -> dict[str, list[str]]:
+    """Rule 5: each engine module's longest chain of runtime imports, itself first (its
+    layer is the chain's length: a module sits above everything it imports). `within` a
+    room, only the imports inside that room count."""
+    names = [n for n in modules if n.split(".")[0] == "engine"
+             and (within is None or room_of(n) == within)]
+    graph = {n: [d for d in dependencies(modules[n], modules, with_typing=False) if d in names]
+             for n in names}
+    chains: dict[str, list[str]] = {}
+
+    def chain(n: str) -> list[str]:
+        if n not in chains:
+            chains[n] = [n] + max((chain(d) for d in graph[n]), key=len, default=[])
+        return chains[n]
+
+    for n in names:
+        chain(n)
+    return chains
+
+
+def too_deep(chains: dict[str, list[str]], limit: int) -> list[str]:
+    deepest = max(chains.values(), key=len, default=[])
+    return [f"{len(deepest)} layers: " + " -> ".join(deepest)] if len(deepest) > limit else []
+
+
 # -- the tests --------------------------------------------------------------------------
 
 def test_no_import_cycles():
@@ -379,3 +427,28 @@ def test_the_checker_sees_a_cycle():
     fake = {name: Module(name, ROOT / (name.replace(".", "/") + ".py"), ast.parse(src))
             for name, src in sources.items()}
     assert import_cycles(fake) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
+
+
+def test_engine_import_depth():
+    found = too_deep(layers(MODULES), MAX_ENGINE_DEPTH)
+    assert not found, f"engine/ deeper than {MAX_ENGINE_DEPTH} layers:\n  " + found[0]
+
+
+@pytest.mark.parametrize("room", sorted(ROOM_DEPTH))
+def test_room_import_depth(room):
+    found = too_deep(layers(MODULES, within=room), ROOM_DEPTH[room])
+    assert not found, f"engine/{room} deeper than {ROOM_DEPTH[room]} layers inside:\n  " + found[0]
+
+
+def test_the_depth_checker_sees_a_chain():
+    """Runtime imports count, also inside functions; those under TYPE_CHECKING do not."""
+    sources = {"engine.a.x": "from engine.a import y\n",
+               "engine.a.y": "def f():\n    import engine.b.z\n",
+               "engine.b.z": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                             "    import engine.b.w\n",
+               "engine.b.w": ""}
+    fake = {name: Module(name, ROOT / (name.replace(".", "/") + ".py"), ast.parse(src))
+            for name, src in sources.items()}
+    assert layers(fake)["engine.a.x"] == ["engine.a.x", "engine.a.y", "engine.b.z"]
+    assert layers(fake, within="a")["engine.a.x"] == ["engine.a.x", "engine.a.y"]
+    assert too_deep(layers(fake), 2) and not too_deep(layers(fake), 3)
