@@ -8,7 +8,8 @@ from engine.runtime.async_engine import AsyncEngine, EngineStepError
 from engine.config import EngineConfig
 from engine.loading.demo_model import ensure_demo_model
 from engine.executor.distributed import init_tp, open_rendezvous
-from engine.runtime.engine import Engine, QueueFullError
+from engine.runtime.engine import Engine
+from engine.core.queue_deadlines import QueueFullError
 from engine.runtime.llm import LLM
 from engine.runtime.pooling_engine import PoolingEngine
 from engine.runtime.pooling_requests import (

@@ -14,7 +14,7 @@ import torch
 import triton
 
 import engine
-from engine.kernels.pdl import pdl_launch
+from engine.kernels.launch import pdl_launch
 
 
 def engine_kernels() -> dict[str, triton.JITFunction]:
@@ -56,7 +56,7 @@ def test_the_check_catches_a_kernel_that_reads_first():
     import triton.language as tl
     from triton_on_cpu import compile_for_sm90
 
-    from engine.kernels.pdl import pdl_prologue
+    from engine.kernels.launch import pdl_prologue
 
     @triton.jit
     def reads_first_kernel(X, Y, PDL: tl.constexpr = False):
@@ -71,7 +71,7 @@ def test_the_check_catches_a_kernel_that_reads_first():
 def test_pdl_is_off_without_a_hopper_gpu(monkeypatch):
     assert pdl_launch(torch.device("cpu")) == {}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from engine.kernels import pdl
+    from engine.kernels import launch as pdl
 
     pdl._enabled.cache_clear()
     try:
@@ -86,8 +86,8 @@ def test_an_engine_config_turns_pdl_off(tiny_llama):
     config applies in turn."""
     from engine.config import EngineConfig
     from engine.executor.model_runner import ModelRunner
-    from engine.kernels import pdl
-    from engine.kernels.settings import kernel_settings
+    from engine.kernels import launch as pdl
+    from engine.kernels.launch import kernel_settings
 
     try:
         ModelRunner(EngineConfig(model=tiny_llama, device="cpu", kernels={"pdl": False}))

@@ -19,7 +19,7 @@ from engine.kernels.attention.decode import (decode_partial_kernel, decode_reduc
                                             prefix_attn_kernel)
 from engine.kernels.attention.extend import extend_kernel
 from engine.attention.kv_pool import KVPool
-from engine.kernels.pdl import pdl_launch
+from engine.kernels.launch import pdl_launch
 
 _LOG2E = 1.4426950408889634
 

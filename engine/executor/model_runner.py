@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kernels.settings import apply_kernel_config
+from engine.kernels.launch import apply_kernel_config
 from engine.attention.base import ForwardBatch, leading_decode_rows
 from engine.executor.batch_builder import build_step
 from engine.config import EngineConfig

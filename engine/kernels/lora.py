@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.pdl import pdl_launch, pdl_prologue
+from engine.kernels.launch import pdl_launch, pdl_prologue
 
 BLOCK_M = 16
 BLOCK_R = 16  # = the pool's rank alignment (engine/lora/pool.py)

@@ -22,7 +22,7 @@ from torch import nn
 
 from engine.layers.linear import ReplicatedLinear
 from engine.layers.moe import FusedMoE, MoEParallel
-from engine.kernels.moe.routing import select_experts
+from engine.kernels.moe.router import select_experts
 from engine.layers.parallel import Loadable, TPContext
 from engine.kernels.split_sums import SplitSums
 from engine.models.llama import LlamaForCausalLM, LlamaMLP

@@ -23,7 +23,7 @@ from engine.runtime.loop_handoff import deliver, set_exception, set_result
 from engine.core.outputs import StreamDelta, WireDelta
 from engine.core.queue_deadlines import QueueFullError
 from engine.core.sampling_params import SamplingParams
-from engine.runtime.step_report import EngineStepError, StepReport, step_for_streams, step_report
+from engine.runtime.step_report import StepReport, step_for_streams, step_report
 from engine.runtime.stream_deltas import stream_delta, wire_update
 
 if TYPE_CHECKING:

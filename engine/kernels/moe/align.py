@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.moe.routing import ExpertBlocks, max_blocks
-from engine.kernels.pdl import pdl_launch, pdl_prologue
+from engine.kernels.launch import pdl_launch, pdl_prologue
 from engine.kernels.precompile import compile_in_place
 
 CHUNK = 128

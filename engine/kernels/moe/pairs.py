@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.moe.grouped_gemm import choices_or_sum
-from engine.kernels.pdl import pdl_launch, pdl_prologue
+from engine.kernels.launch import pdl_launch, pdl_prologue
 from engine.kernels.split_sums import SplitSums
 from engine.kernels.tiles import Tiles
 
