@@ -4,7 +4,8 @@
 as `from engine import <name>` (tests/test_layering.py checks it). Everything else in the
 package is internal to the engine.
 """
-from engine.runtime.async_engine import AsyncEngine, EngineStepError
+from engine.runtime.async_engine import AsyncEngine
+from engine.runtime.step_report import EngineStepError
 from engine.config import EngineConfig
 from engine.loading.demo_model import ensure_demo_model
 from engine.executor.distributed import init_tp, open_rendezvous

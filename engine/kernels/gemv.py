@@ -306,3 +306,12 @@ def _launch(x, weight, weight_scale, out, n: int, k_per_split: int, split_k: int
         and x.dtype != torch.float32,
         GLU=glu, SCALE_GROUP=max(0, scale_group(k, weight_scale)),
         num_stages=config.num_stages, **pdl_launch(x.device))
+
+
+def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 config: Tiles | None = None, keep_splits: bool = False) -> torch.Tensor | SplitSums:
+    """x [M, K] (bf16/fp16/fp32), weight float8 [N, K], weight_scale float32 [N, 1] (or
+    [N, G]: block scales, G groups of a power-of-two width along K) -> [M, N] in x's dtype
+    (or, with `keep_splits`, possibly its K-slice partial sums). M is small (decode): the
+    whole batch is one row block."""
+    return gemv(x, weight, weight_scale, config, keep_splits)
