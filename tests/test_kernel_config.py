@@ -1,5 +1,5 @@
 """`EngineConfig.kernels` (engine/config.py `KernelConfig`): checked at construction, carried
-across processes, and handed to what reads it (engine/kernels/settings.py for the kernels'
+across processes, and handed to what reads it (engine/kernels/launch.py for the kernels'
 launch sites, the sampler, the attention backend, the linears)."""
 from __future__ import annotations
 

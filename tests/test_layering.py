@@ -28,6 +28,12 @@ Rules:
    (a client over HTTP) imports none of the other packages.
 4. The engine's rooms (`ENGINE_ROOMS`): each room of engine/ imports only the rooms listed
    for it (below it in the step's story); `core` imports neither `executor` nor `kernels`.
+5. Floors: a module sits one floor above the highest engine module it needs to run, so its
+   floor is the length of its longest chain of imports (`layers`). Here an import under
+   `if TYPE_CHECKING:` does not count (it names a type for annotations and never runs;
+   rule 1 still counts it, so it too points down), one inside a function does. engine/ has
+   at most `MAX_ENGINE_DEPTH` floors, and each room at most `ROOM_DEPTH[room]` counting only
+   the imports inside it.
 """
 from __future__ import annotations
 

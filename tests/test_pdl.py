@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (engine/kernels/pdl.py), checked without a GPU: every Triton
+"""Programmatic dependent launch (engine/kernels/launch.py), checked without a GPU: every Triton
 kernel the engine launches takes the `PDL` switch, each waits for the previous kernel
 before it touches memory (compiled for sm_90: here for the element-wise kernels, and in
 every other `compile_for_sm90` test through `assert_waits_before_memory`), and PDL stays off
@@ -82,7 +82,7 @@ def test_pdl_is_off_without_a_hopper_gpu(monkeypatch):
 
 def test_an_engine_config_turns_pdl_off(tiny_llama):
     """`kernels.pdl=False` reaches every launch site through the process's kernel settings
-    (engine/kernels/settings.py), applied when a model runner is built; the next engine's
+    (engine/kernels/launch.py), applied when a model runner is built; the next engine's
     config applies in turn."""
     from engine.config import EngineConfig
     from engine.executor.model_runner import ModelRunner

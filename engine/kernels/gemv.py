@@ -2,7 +2,7 @@
 
 Float8 weights (one scale per output row, `engine.kernels.fp8.w8a16_linear`)
 and, at batch 1, bf16 weights (`LinearBase.gemv_rows`): there the kernel
-matches cuBLAS on the weight bytes and, launched under PDL (engine/kernels/pdl.py), chains
+matches cuBLAS on the weight bytes and, launched under PDL (engine/kernels/launch.py), chains
 with the layer's other Triton kernels instead of breaking the chain at every linear.
 
 One row multiplies on the CUDA cores (a tl.dot needs 16); a K much longer than N is cut into

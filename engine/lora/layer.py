@@ -7,9 +7,12 @@ torch matmul per run of rows under one adapter.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from engine.lora.pool import LoRAPool, PoolGroup
+if TYPE_CHECKING:
+    from engine.lora.pool import LoRAPool, PoolGroup
 
 
 class LoRABatch:

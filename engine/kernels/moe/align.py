@@ -1,4 +1,4 @@
-"""`moe_routing.group_by_expert` in three Triton launches (GPU; also runs under TRITON_INTERPRET=1).
+"""`routing.group_by_expert` in three Triton launches (GPU; also runs under TRITON_INTERPRET=1).
 
 The torch version is ~15 small kernels: ~60 us per MoE layer on the H200 at a few tokens and
 ~100 us at 480 (a third of the layer at W1's decode batch). Here the pairs are cut in chunks
