@@ -14,20 +14,18 @@ import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from engine.config import EngineConfig
 from engine.runtime.engine import Engine
 from engine.runtime.engine_client import SHUTDOWN_TIMEOUT_S, DeltaSink, capacity_of, refuse_when_full
 from engine.runtime.loop_handoff import deliver, set_exception, set_result
+from engine.runtime.prefix_exchange import ExportedPrefix
 from engine.core.outputs import StreamDelta, WireDelta
 from engine.core.queue_deadlines import QueueFullError
 from engine.core.sampling_params import SamplingParams
 from engine.runtime.step_report import StepReport, step_for_streams, step_report
 from engine.runtime.stream_deltas import stream_delta, wire_update
-
-if TYPE_CHECKING:
-    from engine.runtime.prefix_exchange import ExportedPrefix
 
 logger = logging.getLogger(__name__)
 

@@ -9,16 +9,14 @@ tests/test_engine_interface.py checks their signatures against it.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from engine.config import EngineConfig
 from engine.core.outputs import StreamDelta, WireDelta
 from engine.core.sampling_params import SamplingParams
 from engine.core.queue_deadlines import QueueFullError
+from engine.runtime.prefix_exchange import ExportedPrefix
 from engine.runtime.step_report import StepReport
-
-if TYPE_CHECKING:
-    from engine.runtime.prefix_exchange import ExportedPrefix
 
 SHUTDOWN_TIMEOUT_S = 10.0
 

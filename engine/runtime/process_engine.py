@@ -22,7 +22,6 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,14 +33,12 @@ from engine.runtime.engine_client import SHUTDOWN_TIMEOUT_S, DeltaSink, capacity
 from engine.grammar import Grammars
 from engine.runtime.loop_handoff import call_soon, deliver, set_exception, set_result
 from engine.core.outputs import StreamDelta, WireDelta
+from engine.runtime.prefix_exchange import ExportedPrefix
 from engine.core.request import validate_request
 from engine.core.sampling_params import SamplingParams
 from engine.runtime.step_report import StepReport
 from engine.runtime.stream_deltas import WireToStreamDelta
 from engine.loading.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from engine.runtime.prefix_exchange import ExportedPrefix
 
 logger = logging.getLogger(__name__)
 
