@@ -4,11 +4,14 @@
 as `from engine import <name>` (tests/test_layering.py checks it). Everything else in the
 package is internal to the engine.
 """
-from engine.runtime.async_engine import AsyncEngine, EngineStepError
+from engine.runtime.async_engine import AsyncEngine
+from engine.runtime.step_report import EngineStepError
 from engine.config import EngineConfig
 from engine.loading.demo_model import ensure_demo_model
 from engine.executor.distributed import init_tp, open_rendezvous
-from engine.runtime.engine import LLM, Engine, QueueFullError
+from engine.runtime.engine import Engine
+from engine.core.queue_deadlines import QueueFullError
+from engine.runtime.llm import LLM
 from engine.runtime.pooling_engine import PoolingEngine
 from engine.runtime.pooling_requests import (
     AsyncPooling, PoolingQueueFull, embedding_inputs, pair_inputs,

@@ -19,7 +19,7 @@ class KernelConfig:
     """Kernel paths each GPU step may take: all on by default, each switchable off for A/B
     runs (docs/engine.md lists what each one turns off). CPU tensors take torch paths anyway."""
 
-    # Triton kernels launched under programmatic dependent launch (Hopper; engine/kernels/pdl.py).
+    # Triton kernels launched under programmatic dependent launch (Hopper; engine/kernels/launch.py).
     pdl: bool = True
     # bf16/fp16 linears of up to `bf16_gemv_rows` rows on the Triton GEMV; False: cuBLAS always.
     triton_gemv: bool = True

@@ -52,7 +52,9 @@ from engine.kernels.moe.pairs import tiles_for  # noqa: E402
 from engine.kernels.tiles import Tiles  # noqa: E402
 from engine.kernels.moe.router import softmax_topk  # noqa: E402
 from engine.kernels.moe.routing import group_by_expert  # noqa: E402
-from engine.quantization import fp8, fp8_kernels  # noqa: E402
+from engine.quantization import fp8  # noqa: E402
+from engine.kernels import fp8 as fp8_kernels  # noqa: E402
+from engine.kernels.gemv import w8a16_linear  # noqa: E402
 
 E, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 COPIES = 4  # weight copies used in turn (see bench_moe)
@@ -200,10 +202,10 @@ def bench_fp8(bw: float, batches: list[int], quick: bool) -> dict:
                    "scaled_mm_torch_quant_us": try_time(lambda: scaled_mm(x, *next(fp8_turn), fp8.quantize_rows)),
                    "scaled_mm_kernel_quant_us": try_time(lambda: scaled_mm(x, *next(fp8_turn), fp8_kernels.quantize_rows))}
             if m <= 32:
-                times = {c: try_time(lambda c=c: fp8_kernels.w8a16_linear(x, *next(fp8_turn), c)) for c in cfgs}
+                times = {c: try_time(lambda c=c: w8a16_linear(x, *next(fp8_turn), c)) for c in cfgs}
                 c = min(times, key=times.get)
                 row.update(w8a16_us=times[c], w8a16_cfg=str(c),
-                           w8a16_default_us=try_time(lambda: fp8_kernels.w8a16_linear(x, *next(fp8_turn))))
+                           w8a16_default_us=try_time(lambda: w8a16_linear(x, *next(fp8_turn))))
                 best[f"{name} m={m}"] = str(c)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -312,7 +314,7 @@ def bench_glu(bw: float, quick: bool) -> dict:
         def two_launches():
             w, s = next(cycle)
             h = gemv(x, w, keep_splits=True) if s is None else \
-                fp8_kernels.w8a16_linear(x, w, s, keep_splits=True)
+                w8a16_linear(x, w, s, keep_splits=True)
             return silu_and_mul(h)
 
         times = {c: try_time(lambda c=c: gemv_glu(x, *next(cycle), c))

@@ -29,7 +29,7 @@ def assert_no_leak(stats):
 
 
 def test_a_failed_step_ends_its_requests_and_the_engine_lives_on(tiny_llama):
-    from engine.runtime.async_engine import EngineStepError
+    from engine import EngineStepError
 
     eng = AsyncEngine(EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=512))
     runner = eng.engine.runner
@@ -65,7 +65,7 @@ def test_a_failed_step_ends_its_requests_and_the_engine_lives_on(tiny_llama):
 def test_a_step_failing_before_admission_ends_the_waiting_requests(tiny_llama):
     """A failure that recurs on every step before any request runs (here: every step
     raises) ends the waiting requests with EngineStepError instead of spinning forever."""
-    from engine.runtime.async_engine import EngineStepError
+    from engine import EngineStepError
 
     eng = AsyncEngine(EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=256))
 

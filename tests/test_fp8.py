@@ -146,7 +146,7 @@ def test_fp8_checkpoint_loads_exactly_and_matches_dequantized_greedy(checkpoints
 
 
 def test_on_the_fly_fp8_stays_close_and_generates(tiny_llama):
-    from engine.runtime.engine import LLM
+    from engine.runtime.llm import LLM
     from engine.core.sampling_params import SamplingParams
 
     model = load_model(tiny_llama, dtype="float32", device="cpu", quantization="fp8")

@@ -14,7 +14,8 @@ import torch
 
 from engine.quantization import fp8
 from engine.kernels.tiles import Tiles
-from engine.kernels.fp8 import quantize_rows, w8a16_linear
+from engine.kernels.fp8 import quantize_rows
+from engine.kernels.gemv import w8a16_linear
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if INTERPRET else None)

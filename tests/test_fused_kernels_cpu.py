@@ -23,7 +23,7 @@ def test_rope_kernel_compiles_for_hopper():
 
 
 def test_quantizing_norm_and_silu_compile_for_hopper():
-    """The FP8-quantizing variants (engine/quantization/fp8_kernels.store_quantized_row) at
+    """The FP8-quantizing variants (engine/kernels/inline.py: store_quantized_row) at
     Llama-3-8B's widths: float8 stores with the e4m3 conversion, IEEE divisions."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
     from engine.kernels.fused import _rmsnorm_kernel, _silu_and_mul_kernel

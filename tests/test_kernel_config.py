@@ -1,5 +1,5 @@
 """`EngineConfig.kernels` (engine/config.py `KernelConfig`): checked at construction, carried
-across processes, and handed to what reads it (engine/kernels/settings.py for the kernels'
+across processes, and handed to what reads it (engine/kernels/launch.py for the kernels'
 launch sites, the sampler, the attention backend, the linears)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.config import KernelConfig
-from engine.kernels.settings import kernel_settings
+from engine.kernels.launch import kernel_settings
 
 ALL_OFF = {f.name: False for f in dataclasses.fields(KernelConfig) if f.type in (bool, "bool")}
 
@@ -57,6 +57,6 @@ def test_an_engine_hands_its_settings_on(tiny_llama):
         assert on.engine.sampler.sort_free_cut
         assert on.generate(prompt, params)[0].token_ids == off
     finally:
-        from engine.kernels.settings import apply_kernel_config
+        from engine.kernels.launch import apply_kernel_config
 
         apply_kernel_config(KernelConfig())

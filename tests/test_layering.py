@@ -28,6 +28,12 @@ Rules:
    (a client over HTTP) imports none of the other packages.
 4. The engine's rooms (`ENGINE_ROOMS`): each room of engine/ imports only the rooms listed
    for it (below it in the step's story); `core` imports neither `executor` nor `kernels`.
+5. Floors: a module sits one floor above the highest engine module it needs to run, so its
+   floor is the length of its longest chain of imports (`floors`). Here an import under
+   `if TYPE_CHECKING:` does not count (it names a type for annotations and never runs;
+   rule 1 still counts it, so it too points down), one inside a function does. engine/ has
+   at most `MAX_ENGINE_DEPTH` floors, and each room at most `ROOM_DEPTH[room]` counting only
+   the imports inside it.
 """
 from __future__ import annotations
 
@@ -69,6 +75,14 @@ ENGINE_ROOMS = {
     "speculative": _MODEL_SIDE | {"grammar", "models", "executor", "lora"},
     "runtime": _MODEL_SIDE | {"grammar", "models", "executor", "speculative", "lora"},
 }
+
+
+# Rule 5: the most floors of runtime imports (see `floors`) in all of engine/, and in a room.
+# The floor plan, and what each floor above 10 stands for: docs/architecture.md.
+MAX_ENGINE_DEPTH = 14
+ROOM_DEPTH = {"config": 1, "core": 4, "grammar": 4, "kernels": 4, "quantization": 1, "layers": 3,
+              "loading": 4, "attention": 3, "models": 4, "lora": 4, "executor": 5,
+              "speculative": 2, "runtime": 4}
 
 
 @dataclass(frozen=True)
@@ -124,12 +138,29 @@ def imported_modules(module: Module,
         yield base, alias.name
 
 
-def dependencies(module: Module, modules: dict[str, Module]) -> set[str]:
-    """The project modules `module` imports (rule 1's edges)."""
+def is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING",
+                                                                    "typing.TYPE_CHECKING")
+
+
+def import_nodes(nodes, with_typing: bool) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement among `nodes` and below; those under `if TYPE_CHECKING:`
+    only `with_typing`."""
+    for node in nodes:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif is_type_checking(node) and not with_typing:
+            yield from import_nodes(node.orelse, with_typing)
+        else:
+            yield from import_nodes(ast.iter_child_nodes(node), with_typing)
+
+
+def dependencies(module: Module, modules: dict[str, Module],
+                 with_typing: bool = True) -> set[str]:
+    """The project modules `module` imports (rule 1's edges); without `with_typing`, only
+    those it needs to run (rule 5's edges: not the ones under `if TYPE_CHECKING:`)."""
     deps = set()
-    for node in ast.walk(module.tree):
-        if not isinstance(node, (ast.Import, ast.ImportFrom)):
-            continue
+    for node in import_nodes([module.tree], with_typing):
         for path, name in imported_modules(module, node):
             target = f"{path}.{name}" if name and f"{path}.{name}" in modules else path
             while target and target not in modules:  # `import a.b.c` of a non-module c
@@ -313,6 +344,31 @@ def room_violations(modules: dict[str, Module] = MODULES) -> list[str]:
     return found
 
 
+def floors(modules: dict[str, Module], within: str | None = None) -> dict[str, list[str]]:
+    """Rule 5: each engine module's longest chain of runtime imports, itself first (its
+    floor is the chain's length: a module sits above everything it imports). `within` a
+    room, only the imports inside that room count."""
+    names = [n for n in modules if n.split(".")[0] == "engine"
+             and (within is None or room_of(n) == within)]
+    graph = {n: [d for d in dependencies(modules[n], modules, with_typing=False) if d in names]
+             for n in names}
+    chains: dict[str, list[str]] = {}
+
+    def chain(n: str) -> list[str]:
+        if n not in chains:
+            chains[n] = [n] + max((chain(d) for d in graph[n]), key=len, default=[])
+        return chains[n]
+
+    for n in names:
+        chain(n)
+    return chains
+
+
+def too_deep(chains: dict[str, list[str]], limit: int) -> list[str]:
+    deepest = max(chains.values(), key=len, default=[])
+    return [f"{len(deepest)} floors: " + " -> ".join(deepest)] if len(deepest) > limit else []
+
+
 # -- the tests --------------------------------------------------------------------------
 
 def test_no_import_cycles():
@@ -379,3 +435,32 @@ def test_the_checker_sees_a_cycle():
     fake = {name: Module(name, ROOT / (name.replace(".", "/") + ".py"), ast.parse(src))
             for name, src in sources.items()}
     assert import_cycles(fake) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
+
+
+def test_engine_import_depth():
+    found = too_deep(floors(MODULES), MAX_ENGINE_DEPTH)
+    assert not found, f"engine/ deeper than {MAX_ENGINE_DEPTH} floors:\n  " + found[0]
+
+
+@pytest.mark.parametrize("room", sorted(ENGINE_ROOMS))
+def test_room_import_depth(room):
+    assert room in ROOM_DEPTH, f"engine/{room} has no bound in ROOM_DEPTH"
+    found = too_deep(floors(MODULES, within=room), ROOM_DEPTH[room])
+    assert not found, f"engine/{room} deeper than {ROOM_DEPTH[room]} floors inside:\n  " + found[0]
+
+
+def test_the_depth_checker_sees_a_chain():
+    """Runtime imports count, also inside functions; those under TYPE_CHECKING do not."""
+    sources = {"engine.a.x": "from engine.a import y\n",
+               "engine.a.y": "def f():\n    import engine.b.z\n",
+               "engine.b.z": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                             "    import engine.b.w\n",
+               "engine.b.w": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    pass\n"
+                             "else:\n    import engine.b.v\n",
+               "engine.b.v": ""}
+    fake = {name: Module(name, ROOT / (name.replace(".", "/") + ".py"), ast.parse(src))
+            for name, src in sources.items()}
+    assert floors(fake)["engine.a.x"] == ["engine.a.x", "engine.a.y", "engine.b.z"]
+    assert floors(fake, within="a")["engine.a.x"] == ["engine.a.x", "engine.a.y"]
+    assert floors(fake)["engine.b.w"] == ["engine.b.w", "engine.b.v"]
+    assert too_deep(floors(fake), 2) and not too_deep(floors(fake), 3)

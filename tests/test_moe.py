@@ -12,7 +12,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.layers.moe import FusedMoE, experts_torch
-from engine.kernels.moe.routing import group_by_expert, max_blocks, select_experts
+from engine.kernels.moe.router import select_experts
+from engine.kernels.moe.routing import group_by_expert, max_blocks
 from engine.layers.parallel import TPContext
 from engine.models import load_model
 from hf_reference import hf_greedy

@@ -16,7 +16,8 @@ from engine.kernels.moe.pairs import experts_per_pair
 from engine.kernels.tiles import Tiles
 from engine.kernels.moe.router import softmax_topk
 from engine.kernels.moe.align import group_by_expert_kernel
-from engine.kernels.moe.routing import group_by_expert, select_experts
+from engine.kernels.moe.router import select_experts
+from engine.kernels.moe.routing import group_by_expert
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if INTERPRET else None)

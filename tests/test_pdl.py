@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (engine/kernels/pdl.py), checked without a GPU: every Triton
+"""Programmatic dependent launch (engine/kernels/launch.py), checked without a GPU: every Triton
 kernel the engine launches takes the `PDL` switch, each waits for the previous kernel
 before it touches memory (compiled for sm_90: here for the element-wise kernels, and in
 every other `compile_for_sm90` test through `assert_waits_before_memory`), and PDL stays off
@@ -14,7 +14,7 @@ import torch
 import triton
 
 import engine
-from engine.kernels.pdl import pdl_launch
+from engine.kernels.launch import pdl_launch
 
 
 def engine_kernels() -> dict[str, triton.JITFunction]:
@@ -56,7 +56,7 @@ def test_the_check_catches_a_kernel_that_reads_first():
     import triton.language as tl
     from triton_on_cpu import compile_for_sm90
 
-    from engine.kernels.pdl import pdl_prologue
+    from engine.kernels.launch import pdl_prologue
 
     @triton.jit
     def reads_first_kernel(X, Y, PDL: tl.constexpr = False):
@@ -71,7 +71,7 @@ def test_the_check_catches_a_kernel_that_reads_first():
 def test_pdl_is_off_without_a_hopper_gpu(monkeypatch):
     assert pdl_launch(torch.device("cpu")) == {}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from engine.kernels import pdl
+    from engine.kernels import launch as pdl
 
     pdl._enabled.cache_clear()
     try:
@@ -82,12 +82,12 @@ def test_pdl_is_off_without_a_hopper_gpu(monkeypatch):
 
 def test_an_engine_config_turns_pdl_off(tiny_llama):
     """`kernels.pdl=False` reaches every launch site through the process's kernel settings
-    (engine/kernels/settings.py), applied when a model runner is built; the next engine's
+    (engine/kernels/launch.py), applied when a model runner is built; the next engine's
     config applies in turn."""
     from engine.config import EngineConfig
     from engine.executor.model_runner import ModelRunner
-    from engine.kernels import pdl
-    from engine.kernels.settings import kernel_settings
+    from engine.kernels import launch as pdl
+    from engine.kernels.launch import kernel_settings
 
     try:
         ModelRunner(EngineConfig(model=tiny_llama, device="cpu", kernels={"pdl": False}))

@@ -32,7 +32,7 @@ def compile_for_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int
     """PTX of `fn` compiled for sm_90. `types` gives Triton types by parameter name ("*bf16",
     "fp32", "i32"); other capitalised parameters are int64 pointers (ReqToToken int32), other
     lower-case ones int32 scalars; constexprs unset take their defaults, except `PDL`, which is
-    on as on an H200 (engine/kernels/pdl.py), and then checked to come before any global
+    on as on an H200 (engine/kernels/launch.py), and then checked to come before any global
     memory access. Also checks the kernel fits a block's shared memory on sm_90."""
     import triton
     from triton.backends.compiler import GPUTarget

@@ -19,7 +19,7 @@ from engine.kernels.attention.decode import (decode_partial_kernel, decode_reduc
                                             prefix_attn_kernel)
 from engine.kernels.attention.extend import extend_kernel
 from engine.attention.kv_pool import KVPool
-from engine.kernels.pdl import pdl_launch
+from engine.kernels.launch import pdl_launch
 
 _LOG2E = 1.4426950408889634
 
@@ -113,7 +113,7 @@ class TritonAttentionBackend(TritonLaunchConfigs):
         # fp32 models use IEEE fp32 dots; the CPU interpreter's bf16/fp16 dot is broken,
         # so it upcasts too.
         self.f32_dot = self.dot_dtype == torch.float32 or _interpreting()
-        self._pdl = pdl_launch(device)  # every launch below: see engine/kernels/pdl.py
+        self._pdl = pdl_launch(device)  # every launch below: see engine/kernels/launch.py
         self.smem_limit = smem_limit_of(device)
         # Kernel launch configs: None = heuristics below; a dict overrides them (the
         # benchmark script sweeps these).

@@ -1,4 +1,5 @@
-"""Queue deadlines: how long a request may wait for its first admission.
+"""Queue deadlines: how long a request may wait for its first admission (and the refusal of
+one that finds the queue full, `QueueFullError`).
 
 A request's limit is the shorter of the engine's `max_queue_time_s` and its own
 `queue_timeout_s`, counted from its arrival. A request still waiting for its first admission
@@ -18,6 +19,10 @@ import itertools
 from engine.core.request import Request, Status
 
 QUEUE_TIMEOUT = "queue_timeout"  # the finish reason of a request timed out in the queue
+
+
+class QueueFullError(RuntimeError):
+    """The engine's waiting queue is over `max_queued_requests`; retry later."""
 
 
 class QueueTimeoutError(RuntimeError):

@@ -4,11 +4,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engine.core.radix_cache import TreeNode
 from engine.core.sampling_params import SamplingParams
 from engine.core.spec_stats import SpecStats
+
+if TYPE_CHECKING:
+    from engine.core.radix_cache import TreeNode
 
 
 class Status(enum.Enum):

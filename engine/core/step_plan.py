@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from engine.core.request import Request
+if TYPE_CHECKING:
+    from engine.core.request import Request
 
 
 @dataclass

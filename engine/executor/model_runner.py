@@ -5,11 +5,9 @@ req_to_token entries and runs the model (a CUDA graph where one fits)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-
 import torch
 
-from engine.kernels.settings import apply_kernel_config
+from engine.kernels.launch import apply_kernel_config
 from engine.attention.base import ForwardBatch, leading_decode_rows
 from engine.executor.batch_builder import build_step
 from engine.config import EngineConfig
@@ -19,8 +17,9 @@ from engine.attention.kv_pool import KVPool
 from engine.layers import set_fused_kernels
 from engine.layers.parallel import TPContext
 from engine.models import load_hf_config, load_model, resolve_device, resolve_dtype
-from engine.models.deepseek import is_mla_config, mla_pool_width
+from engine.models.deepseek import is_mla_config
 from engine.models.llama import attention_scale, head_dim_of
+from engine.executor.kv_sizing import MemoryReserve, kv_shape, v_head_dim
 from engine.executor.prompt_logprobs import PromptScores, PromptTargets
 from engine.quantization.fp8 import FP8
 from engine.layers.fp8 import set_fast_accum_
@@ -32,30 +31,6 @@ from engine.executor.startup_timer import StartupTimer
 logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_SLOTS = 16384
-
-
-@dataclass(frozen=True)
-class MemoryReserve:
-    """Device memory that sizing the KV pool from `mem_fraction_static` leaves to another
-    user of the same budget (a speculative draft model): `fixed_bytes` once (its weights)
-    and `bytes_per_token` per KV slot (its own pool gets as many slots as this one)."""
-
-    fixed_bytes: int = 0
-    bytes_per_token: int = 0
-
-
-def kv_shape(hf_config, tp_size: int) -> tuple[int, int, int]:
-    """(layers, KV heads on one rank, head dim) of a model's KV cache; for MLA (DeepSeek) one
-    "head" of latent + RoPE key per token, the same on every rank, and no V (`v_head_dim`)."""
-    if is_mla_config(hf_config):
-        return hf_config.num_hidden_layers, 1, mla_pool_width(hf_config)
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    return hf_config.num_hidden_layers, max(1, kv_heads // tp_size), head_dim_of(hf_config)
-
-
-def v_head_dim(hf_config) -> int | None:
-    """V's width in the pool when it is not K's: 0 for MLA's latent pool."""
-    return 0 if is_mla_config(hf_config) else None
 
 
 class ModelRunner:
@@ -72,7 +47,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         torch.manual_seed(config.seed)
-        apply_kernel_config(config.kernels)  # before any launch: engine/kernels/settings.py
+        apply_kernel_config(config.kernels)  # before any launch: engine/kernels/launch.py
         self._flashinfer_load = self._start_flashinfer_load()  # beside the weight load
         self.model = load_model(config.model, dtype=self.dtype, device=self.device,
                                 load_format=config.load_format, seed=config.seed, tp=self.tp,

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.pdl import pdl_launch, pdl_prologue
+from engine.kernels.launch import pdl_launch, pdl_prologue
 from engine.kernels.precompile import compile_in_place
 
 MAX_ROWS = 16  # above this torch's one block per row has rows enough

@@ -1,9 +1,10 @@
 """Triton kernels for FP8 weights on the GPU (also run under TRITON_INTERPRET=1).
 
-- `w8a16_linear`: y = x (w * scale)^T for a float8 weight with one scale per output row,
-  the activations kept in bf16. For decode-sized batches the GEMM reads the weight once and
-  is bound by those bytes, so half the bytes is the whole gain; quantizing the activations
-  first (what `torch._scaled_mm` needs) only adds launches there.
+- `w8a16_linear` (in engine/kernels/gemv.py, the GEMV it runs): y = x (w * scale)^T for a
+  float8 weight with one scale per output row, the activations kept in bf16. For
+  decode-sized batches the GEMM reads the weight once and is bound by those bytes, so half
+  the bytes is the whole gain; quantizing the activations first (what `torch._scaled_mm`
+  needs) only adds launches there.
 - `quantize_rows`: the activations' per-row float8 quantization for `torch._scaled_mm` in
   one launch (the torch expression is seven). Where the kernel before the linear holds a
   whole row (RMSNorm, SiLU-and-mul: engine/kernels/fused.py), it quantizes in its own
@@ -15,25 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.gemv import gemv
-from engine.kernels.pdl import pdl_launch, pdl_prologue
-from engine.kernels.split_sums import SplitSums
-from engine.kernels.tiles import Tiles
-from engine.kernels.fp8_format import FP8, FP8_MAX, MIN_SCALE, Fp8Rows
-
-# Rows of activations up to which the weight-only kernel beats `torch._scaled_mm` (H200,
-# Llama-3-8B shapes: scripts/bench_layer_kernels.py).
-W8A16_MAX_ROWS = 16
-
-
-def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                 config: Tiles | None = None, keep_splits: bool = False) -> torch.Tensor | SplitSums:
-    """x [M, K] (bf16/fp16/fp32), weight float8 [N, K], weight_scale float32 [N, 1] (or
-    [N, G]: block scales, G groups of a power-of-two width along K) -> [M, N] in x's dtype
-    (or, with `keep_splits`, possibly its K-slice partial sums). M is small (decode): the
-    whole batch is one row block."""
-    return gemv(x, weight, weight_scale, config, keep_splits)
-
+from engine.kernels.launch import pdl_launch, pdl_prologue
+from engine.kernels.fp8_format import FP8, FP8_MAX, MIN_SCALE
 
 @triton.jit
 def _quantize_rows_kernel(X, Q, Scale, K, stride_x, stride_q, fp8_max, min_scale,
@@ -53,25 +37,6 @@ def _quantize_rows_kernel(X, Q, Scale, K, stride_x, stride_q, fp8_max, min_scale
         x = tl.load(X + row * stride_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
         q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
         tl.store(Q + row * stride_q + k0 + offs, q.to(Q.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def store_quantized_row(h, mask, Q, Scale, fp8_max, min_scale):
-    """Store one row `h` (in the model dtype: what an unfused kernel would store) through
-    pointers `Q` as float8, with its scale at `Scale`: the same arithmetic as
-    `_quantize_rows_kernel`, so a fused producer gives the same bits. The row stays in the
-    model dtype until its maximum is known (half the registers of float32 for bf16)."""
-    amax = tl.max(tl.where(mask, tl.abs(h), 0.0), axis=0).to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(amax, min_scale), fp8_max)
-    tl.store(Scale, scale)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(h.to(tl.float32), scale), -fp8_max), fp8_max)
-    tl.store(Q, q.to(Q.dtype.element_ty), mask=mask)
-
-
-def empty_quantized(rows: int, k: int, dtype: torch.dtype, device: torch.device) -> Fp8Rows:
-    """Buffers for `rows` quantized activation rows of width k (model dtype `dtype`)."""
-    return Fp8Rows(torch.empty((rows, k), dtype=FP8, device=device),
-                   torch.empty((rows, 1), dtype=torch.float32, device=device), dtype)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,3 +25,9 @@ class Fp8Rows:
     @property
     def shape(self) -> torch.Size:
         return self.q.shape
+
+
+def empty_quantized(rows: int, k: int, dtype: torch.dtype, device: torch.device) -> Fp8Rows:
+    """Buffers for `rows` quantized activation rows of width k (model dtype `dtype`)."""
+    return Fp8Rows(torch.empty((rows, k), dtype=FP8, device=device),
+                   torch.empty((rows, 1), dtype=torch.float32, device=device), dtype)

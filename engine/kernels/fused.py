@@ -14,11 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.gemv import add_split_sums, silu_mul
-from engine.kernels.pdl import pdl_launch, pdl_prologue
+from engine.kernels.inline import add_split_sums, silu_mul, store_quantized_row
+from engine.kernels.launch import pdl_launch, pdl_prologue
 from engine.kernels.split_sums import SplitSums
-from engine.kernels.fp8_format import FP8_MAX, MIN_SCALE, Fp8Rows
-from engine.kernels.fp8 import empty_quantized, store_quantized_row
+from engine.kernels.fp8_format import FP8_MAX, MIN_SCALE, Fp8Rows, empty_quantized
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 
 Float8 weights (one scale per output row, `engine.kernels.fp8.w8a16_linear`)
 and, at batch 1, bf16 weights (`LinearBase.gemv_rows`): there the kernel
-matches cuBLAS on the weight bytes and, launched under PDL (engine/kernels/pdl.py), chains
+matches cuBLAS on the weight bytes and, launched under PDL (engine/kernels/launch.py), chains
 with the layer's other Triton kernels instead of breaking the chain at every linear.
 
 One row multiplies on the CUDA cores (a tl.dot needs 16); a K much longer than N is cut into
@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.pdl import pdl_launch, pdl_prologue
-from engine.kernels.settings import kernel_settings
+from engine.kernels.inline import add_split_sums, silu_mul
+from engine.kernels.launch import kernel_settings, pdl_launch, pdl_prologue, split_sums_on
 from engine.kernels.split_sums import SplitSums
 from engine.kernels.tiles import Tiles
 
@@ -203,31 +203,6 @@ def _group_scales(Scale, rows, row_mask, stride_s, k0, SCALE_GROUP: tl.constexpr
 
 
 @triton.jit
-def silu_mul(gate, up):
-    """silu(gate) * up for gate and up in the model dtype, rounded where the torch path
-    (F.silu, then the multiply) rounds, so every SiLU-and-mul kernel agrees with it."""
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    return (act * up.to(tl.float32)).to(gate.dtype)
-
-
-@triton.jit
-def add_split_sums(ptrs, mask, stride_split, SPLITS: tl.constexpr, DTYPE: tl.constexpr):
-    """Load through `ptrs` as DTYPE; with SPLITS > 0 they point into split 0 of partial
-    sums `stride_split` elements apart, and the result is their sum, added in float32 in
-    split order and rounded to DTYPE: what `_sum_splits_kernel` stores, so a consumer that
-    adds the partials itself (engine/kernels/split_sums.py) reads the same values."""
-    if SPLITS == 0:
-        total = tl.load(ptrs, mask=mask, other=0.0).to(DTYPE)
-    else:
-        acc = tl.zeros(ptrs.shape, dtype=tl.float32)
-        for s in tl.static_range(SPLITS):
-            acc += tl.load(ptrs + s * stride_split, mask=mask, other=0.0)
-        total = acc.to(DTYPE)
-    return total
-
-
-@triton.jit
 def _sum_splits_kernel(Partial, Out, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
                        PDL: tl.constexpr = False):
     pdl_prologue(PDL)
@@ -245,12 +220,6 @@ def sum_splits(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     _sum_splits_kernel[(triton.cdiv(m * n, block),)](parts, out, m * n, SPLIT_K=splits,
                                                      BLOCK=block, **pdl_launch(parts.device))
     return out
-
-
-def split_sums_on() -> bool:
-    """Off (`kernels.split_sums`): every GEMV sums its own K slices and the MoE experts
-    their choices."""
-    return kernel_settings().split_sums
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
@@ -337,3 +306,12 @@ def _launch(x, weight, weight_scale, out, n: int, k_per_split: int, split_k: int
         and x.dtype != torch.float32,
         GLU=glu, SCALE_GROUP=max(0, scale_group(k, weight_scale)),
         num_stages=config.num_stages, **pdl_launch(x.device))
+
+
+def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 config: Tiles | None = None, keep_splits: bool = False) -> torch.Tensor | SplitSums:
+    """x [M, K] (bf16/fp16/fp32), weight float8 [N, K], weight_scale float32 [N, 1] (or
+    [N, G]: block scales, G groups of a power-of-two width along K) -> [M, N] in x's dtype
+    (or, with `keep_splits`, possibly its K-slice partial sums). M is small (decode): the
+    whole batch is one row block."""
+    return gemv(x, weight, weight_scale, config, keep_splits)

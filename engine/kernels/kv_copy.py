@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.pdl import pdl_prologue
+from engine.kernels.launch import pdl_prologue
 
 
 @triton.jit

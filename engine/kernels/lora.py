@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.pdl import pdl_launch, pdl_prologue
+from engine.kernels.launch import pdl_launch, pdl_prologue
 
 
 @dataclass(frozen=True)

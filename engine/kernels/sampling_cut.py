@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.pdl import pdl_launch, pdl_prologue
+from engine.kernels.launch import pdl_launch, pdl_prologue
 
 # Candidates per pass: 16 (8 passes) where few rows leave the launches' host time to
 # dominate, 8 (11 passes, half the comparisons) from MANY_ROWS on, where the GPU's

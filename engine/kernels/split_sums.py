@@ -5,8 +5,8 @@ launch to add them; in a decode step of a few hundred tiny kernels each launch b
 costs about a microsecond even under PDL. A linear whose consumer is one of our fused
 kernels (RMSNorm, SiLU-and-mul, RoPE: engine/kernels/fused.py) hands that consumer
 the partials instead, and the consumer's loads add them: in split order, rounded to the
-output dtype, exactly as the summing launch would (`add_split_sums` in gemv.py), so the
-result is bit for bit the same.
+output dtype, exactly as the summing launch would (`add_split_sums`, engine/kernels/inline.py),
+so the result is bit for bit the same.
 
 A linear produces one only when its `split_sums_ok` is set, by the module that owns the
 consumer and handles both forms; a consumer without such a kernel calls `total()`.

@@ -7,10 +7,14 @@ step writes before replay); on a CPU a torch matmul per run of rows under one ad
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from engine.lora.pool import LoRAPool, PoolGroup
 from engine.lora.tiles import DECODE_BLOCK_M, TilePlan, block_m_for, split_packed, tile_bound
+
+if TYPE_CHECKING:
+    from engine.lora.pool import LoRAPool, PoolGroup
 
 
 class LoRABatch:

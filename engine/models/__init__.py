@@ -13,10 +13,9 @@ from engine.layers.parallel import TPContext
 from engine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
-from engine.models.mixtral import MixtralForCausalLM
-from engine.models.moe import MoEForCausalLM
+from engine.models.moe import (MixtralForCausalLM, MoEForCausalLM, Qwen2MoeForCausalLM,
+                               Qwen3MoeForCausalLM)
 from engine.models.phi3 import Phi3ForCausalLM
-from engine.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 logger = logging.getLogger(__name__)
 

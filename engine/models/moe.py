@@ -1,4 +1,4 @@
-"""What the mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE) share.
+"""The mixture-of-experts decoders: Mixtral, Qwen2-MoE and Qwen3-MoE, and what they share.
 
 They are Llama-family decoders whose MLP is, in some or all layers, a sparse MoE block:
 a router picks `num_experts_per_tok` experts per token, the experts' outputs are summed
@@ -9,6 +9,16 @@ experts are `LlamaForCausalLM`'s.
 Checkpoints store one [out, in] matrix per expert and projection, named
 `...layers.L.{mlp|block_sparse_moe}.experts.E.{gate_proj|w1, up_proj|w3, down_proj|w2}.weight`;
 `load_weights` copies each into its expert's slice of the stacked `w13` / `w2`.
+
+Mixtral (MixtralForCausalLM): every layer's MLP is a sparse MoE block of
+`num_local_experts` experts, top `num_experts_per_tok` of a softmax, renormalised.
+
+Qwen2-MoE and Qwen3-MoE: MoE blocks in the layers picked by `decoder_sparse_step` and not
+in `mlp_only_layers` (the others keep a dense MLP of `intermediate_size`), experts of
+`moe_intermediate_size`, softmax top-k renormalised only when `norm_topk_prob`.
+Qwen2-MoE adds a shared expert (`shared_expert_intermediate_size`) scaled by
+sigmoid(`shared_expert_gate`(x)), and q/k/v biases (`qkv_bias`); Qwen3-MoE has neither, but
+per-head q/k RMSNorm (handled by the Llama attention, as for Qwen3).
 """
 from __future__ import annotations
 
@@ -22,7 +32,7 @@ from torch import nn
 
 from engine.layers.linear import ReplicatedLinear
 from engine.layers.moe import FusedMoE, MoEParallel
-from engine.kernels.moe.routing import select_experts
+from engine.kernels.moe.router import select_experts
 from engine.layers.parallel import Loadable, TPContext
 from engine.kernels.split_sums import SplitSums
 from engine.models.llama import LlamaForCausalLM, LlamaMLP
@@ -124,3 +134,31 @@ class MoEForCausalLM(LlamaForCausalLM):
                 loaded_names.add(target)
         return loaded_names
 
+
+class MixtralForCausalLM(MoEForCausalLM):
+    def make_moe_block(self) -> SparseMoeBlock:
+        cfg = self.config
+        return SparseMoeBlock(cfg, self.tp, self.moe_parallel, renormalize=True,
+                              moe_intermediate_size=cfg.intermediate_size)
+
+
+class Qwen2MoeForCausalLM(MoEForCausalLM):
+    def is_sparse_layer(self, layer_id: int) -> bool:
+        cfg = self.config
+        step = getattr(cfg, "decoder_sparse_step", 1) or 1
+        return (layer_id not in (getattr(cfg, "mlp_only_layers", None) or [])
+                and cfg.num_experts > 0 and (layer_id + 1) % step == 0)
+
+    def shared_intermediate_size(self) -> int:
+        return self.config.shared_expert_intermediate_size
+
+    def make_moe_block(self) -> SparseMoeBlock:
+        cfg = self.config
+        return SparseMoeBlock(cfg, self.tp, self.moe_parallel, renormalize=bool(cfg.norm_topk_prob),
+                              moe_intermediate_size=cfg.moe_intermediate_size,
+                              shared_intermediate_size=self.shared_intermediate_size())
+
+
+class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
+    def shared_intermediate_size(self) -> int:
+        return 0  # no shared expert

@@ -18,6 +18,10 @@ import torch.nn.functional as F
 
 from engine.kernels.fp8_format import FP8, FP8_MAX, MIN_SCALE, Fp8Rows
 
+# Rows of activations up to which the weight-only kernel beats `torch._scaled_mm` (H200,
+# Llama-3-8B shapes: scripts/bench_layer_kernels.py).
+W8A16_MAX_ROWS = 16
+
 
 def to_fp8(x: torch.Tensor) -> torch.Tensor:
     """Saturating cast: e4m3fn has no infinity, and an out-of-range cast may give NaN."""
@@ -50,7 +54,6 @@ def takes_weight_only_kernel(x: torch.Tensor, weight_scale: torch.Tensor) -> boo
     if not x.is_cuda:
         return False
     from engine.kernels.gemv import scale_group
-    from engine.kernels.fp8 import W8A16_MAX_ROWS
 
     return scale_group(x.shape[-1], weight_scale) >= 0 and x.numel() // x.shape[-1] <= W8A16_MAX_ROWS
 
@@ -62,7 +65,7 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
     weight-only kernel may return a `SplitSums` (engine/kernels/split_sums.py) instead. x may
     come quantized already (`Fp8Rows`, from the kernel before the linear).
 
-    On the GPU, decode-sized batches run the weight-only kernel (`fp8_kernels.w8a16_linear`:
+    On the GPU, decode-sized batches run the weight-only kernel (`w8a16_linear`:
     bf16 activations, half the weight bytes; per-channel scales, or block scales applied per
     K step). Otherwise per-channel weights with dynamic per-token activations run as one
     `torch._scaled_mm`; block-scaled weights above decode sizes, weight-only checkpoints (no
@@ -76,9 +79,9 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     if takes_weight_only_kernel(x, weight_scale):
-        from engine.kernels import fp8 as fp8_kernels
-        y = fp8_kernels.w8a16_linear(rows, weight, weight_scale,
-                                     keep_splits=keep_splits and bias is None and x.dim() == 2)
+        from engine.kernels.gemv import w8a16_linear
+        y = w8a16_linear(rows, weight, weight_scale,
+                         keep_splits=keep_splits and bias is None and x.dim() == 2)
         if not isinstance(y, torch.Tensor):
             return y  # a SplitSums
         y = y + bias if bias is not None else y
@@ -105,7 +108,5 @@ def _scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
 def takes_quantized_input(layer: torch.nn.Module, rows: int) -> bool:
     """Whether an FP8 `layer` (a LinearBase) would quantize an input of `rows` rows itself
     for `torch._scaled_mm`, so the kernel before it may hand it `Fp8Rows` instead."""
-    from engine.kernels.fp8 import W8A16_MAX_ROWS
-
     return (layer.weight_scale is not None and layer.quantize_input and rows > W8A16_MAX_ROWS
             and scaled_mm_ok(layer.weight, layer.weight_scale))

@@ -17,23 +17,17 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from engine.config import EngineConfig
-from engine.runtime.engine import Engine, QueueFullError
-from engine.runtime.prefix_exchange import ExportedPrefix
+from engine.runtime.engine import Engine
 from engine.runtime.engine_client import SHUTDOWN_TIMEOUT_S, DeltaSink, capacity_of, refuse_when_full
 from engine.runtime.loop_handoff import deliver, set_exception, set_result
-from engine.executor.output_processor import TokenUpdate
+from engine.runtime.prefix_exchange import ExportedPrefix
 from engine.core.outputs import StreamDelta, WireDelta
-from engine.core.queue_deadlines import QUEUE_TIMEOUT
-from engine.core.request import Request
+from engine.core.queue_deadlines import QueueFullError
 from engine.core.sampling_params import SamplingParams
-from engine.runtime.step_report import StepReport, step_report
+from engine.runtime.step_report import StepReport, step_for_streams, step_report
 from engine.runtime.stream_deltas import stream_delta, wire_update
 
 logger = logging.getLogger(__name__)
-
-
-class EngineStepError(RuntimeError):
-    """A step failed; the requests in it were ended, the engine lives on."""
 
 
 @dataclass
@@ -315,25 +309,3 @@ class AsyncEngine:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.put, item)
-
-
-def step_for_streams(engine: Engine) -> tuple[list[TokenUpdate], list[tuple[Request, Exception]]]:
-    """One engine step for a server that streams (AsyncEngine, the engine process): finished
-    requests leave `engine.requests` (their streams have what they need), a request timed
-    out in the queue ends with its QueueTimeoutError, and a step that raises ends the
-    requests it leaves in doubt, each with an EngineStepError, instead of killing the loop."""
-    try:
-        updates = engine.step()
-    except Exception as e:  # noqa: BLE001 - a bad step must not kill the engine
-        logger.exception("engine step failed")
-        return [], [(req, EngineStepError(f"engine step failed: {e}"))
-                    for req in engine.abort_after_failed_step()]
-    failed = []
-    for update in updates:
-        if update.finished:
-            engine.requests.pop(update.req.request_id, None)
-            if update.req.finish_reason == QUEUE_TIMEOUT:
-                failed.append((update.req, engine.queue_timeout_error(update.req)))
-    if failed:
-        updates = [u for u in updates if u.req.finish_reason != QUEUE_TIMEOUT]
-    return updates, failed

@@ -1,5 +1,5 @@
 """The engine (`Engine`: requests in, one step at a time through its stepper, outputs and
-stats out) and the offline facade (`LLM`)."""
+stats out); its offline facade `LLM` is in engine/runtime/llm.py."""
 from __future__ import annotations
 
 import logging
@@ -15,18 +15,17 @@ from engine.executor.model_runner import ModelRunner
 from engine.executor.output_processor import OutputProcessor, TokenUpdate, feed_detokenizer
 from engine.core.outputs import RequestOutput
 from engine.runtime.overlap import OverlapStepper
-from engine.runtime.pooling_engine import PoolingEngine
-from engine.runtime.pooling_requests import OfflinePooling
 from engine.runtime.prefix_exchange import (
     ExportedPrefix, cached_length, export_prefix, import_prefix,
 )
-from engine.core.queue_deadlines import QueueTimeoutError, timeout_error
+from engine.core.queue_deadlines import QueueFullError, QueueTimeoutError, timeout_error
 from engine.core.radix_cache import RadixCache
 from engine.core.request import Request, validate_request
 from engine.executor.sampler import Sampler
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
-from engine.speculative.draft_model import draft_memory_reserve
+from engine.speculative.draft_model import DraftModelProposer, draft_memory_reserve
+from engine.speculative.ngram import NgramProposer
 from engine.speculative.speculator import Speculator
 from engine.runtime.sync_step import SyncStepper
 from engine.loading.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -34,10 +33,6 @@ from engine.lora import LoRAError, LoRANotFoundError
 from engine.runtime.warmup import warm_up
 
 logger = logging.getLogger(__name__)
-
-
-class QueueFullError(RuntimeError):
-    """The engine's waiting queue is over `max_queued_requests`; retry later."""
 
 
 class Engine:
@@ -73,7 +68,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.speculator = None
         if config.speculative_algorithm:
-            self.speculator = Speculator(config, self.sampler, self.grammars, target=self.runner)
+            self.speculator = Speculator(config, self.sampler, self.grammars,
+                                         self._proposer(), target=self.runner)
             self.scheduler.release_hooks.append(self.speculator.release)
         self.stepper: SyncStepper | OverlapStepper = SyncStepper(
             self.scheduler, self.runner, self.sampler, self.processor, self.speculator)
@@ -82,6 +78,15 @@ class Engine:
         # Compile every Triton specialization before serving; logs the start-up phases.
         self.startup = warm_up(self)
         freeze_after_start(self, config.freeze_gc_after_start)
+
+    def _proposer(self) -> DraftModelProposer | NgramProposer:
+        """The draft model checks its vocabulary against the target's and sizes its own KV
+        pool like it; n-gram drafts come from each request's own tokens."""
+        config = self.config
+        if config.speculative_algorithm == "draft_model":
+            return DraftModelProposer(config, self.sampler, self.runner, self.grammars)
+        return NgramProposer(config.speculative_ngram_min_match,
+                             config.speculative_ngram_max_match)
 
     def close(self) -> None:
         """At tp > 1: stop the other ranks (call once the step loop has stopped)."""
@@ -299,86 +304,3 @@ def overlap_enabled(config: EngineConfig, device_type: str, tp_size: int) -> boo
     speculative decoding (a step's drafts come from the previous step's tokens)."""
     return (config.enable_overlap_schedule and device_type == "cuda" and tp_size == 1
             and config.speculative_algorithm is None)
-
-
-class LLM:
-    """Offline batch generation: `LLM(model=...).generate(prompts, params)`; with
-    `task="embed"` or `"score"`, `.embed(texts)` and `.score(query, documents)` instead."""
-
-    def __init__(self, model: str = "", **kwargs) -> None:
-        config = EngineConfig.from_kwargs(model=model, **kwargs)
-        self._workers = None
-        self.pooling = None
-        if config.task != "generate":
-            self.pooling = OfflinePooling(PoolingEngine(config))
-            return
-        if config.tp_size > 1:  # ranks 1..tp-1 as local processes; this process is rank 0
-            from engine.runtime.tp_worker import LocalWorkers, rank_config
-
-            self._workers = LocalWorkers(config)
-            config = rank_config(config, 0)
-        try:
-            self.engine = Engine(config, tp=self._workers.tp if self._workers else None)
-        except BaseException:
-            self.close()
-            raise
-        self._next_id = 0
-
-    def close(self) -> None:
-        """Stop the tensor-parallel worker processes (also at exit and on garbage collection)."""
-        workers, self._workers = getattr(self, "_workers", None), None
-        if workers is not None:
-            workers.close()
-
-    def __del__(self) -> None:
-        self.close()
-
-    def generate(self, prompts: list[str] | list[list[int]] | str,
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        if self.pooling is not None:
-            raise ValueError(f"this model serves task {self.pooling.engine.task!r}, not generation")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = params or SamplingParams()
-        all_params = params if isinstance(params, list) else [params] * len(prompts)
-        if len(all_params) != len(prompts):
-            raise ValueError("need one SamplingParams per prompt")
-        ids = [self._tokenize_and_check(p, sp) for p, sp in zip(prompts, all_params)]
-        reqs = []
-        for prompt_ids, sp in zip(ids, all_params):
-            self._next_id += 1
-            reqs.append(self.engine.add_request(f"offline-{self._next_id}", prompt_ids, sp))
-        while self.engine.has_work:
-            self.engine.step()
-        outputs = [self.engine.output_of(r) for r in reqs]
-        for r in reqs:
-            self.engine.requests.pop(r.request_id, None)
-        return outputs
-
-    def _tokenize_and_check(self, prompt, params: SamplingParams) -> list[int]:
-        # Validate the whole batch before queueing any of it.
-        ids = self.engine.tokenize_prompt(prompt)
-        self.engine.validate(ids, params)
-        return ids
-
-    def embed(self, inputs, dimensions: int | None = None,
-              truncate_prompt_tokens: int | None = None) -> list[list[float]]:
-        """One vector per input (texts or token ids, one or a list); task 'embed'."""
-        return self._pooling("embed").embed(inputs, dimensions, truncate_prompt_tokens)
-
-    def score(self, query: str, documents: list[str],
-              truncate_prompt_tokens: int | None = None) -> list[float]:
-        """The cross-encoder's logit for each (query, document); task 'score'."""
-        return self._pooling("score").score(query, documents, truncate_prompt_tokens)
-
-    def _pooling(self, task: str) -> OfflinePooling:
-        if self.pooling is None:
-            raise ValueError(f"{task}() needs task='{task}'; this model serves 'generate'")
-        return self.pooling
-
-    def stats(self) -> dict:
-        return self.pooling.engine.stats_dict() if self.pooling else self.engine.stats()
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self.pooling.engine.tokenizer if self.pooling else self.engine.tokenizer

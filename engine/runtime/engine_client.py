@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 from engine.config import EngineConfig
 from engine.core.outputs import StreamDelta, WireDelta
 from engine.core.sampling_params import SamplingParams
-from engine.runtime.engine import QueueFullError
+from engine.core.queue_deadlines import QueueFullError
 from engine.runtime.prefix_exchange import ExportedPrefix
 from engine.runtime.step_report import StepReport
 

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
-from engine.runtime.async_engine import EngineStepError, step_for_streams
 from engine.config import EngineConfig
-from engine.runtime.engine import Engine, QueueFullError
+from engine.core.queue_deadlines import QueueFullError
+from engine.runtime.engine import Engine
 from engine.lora import LoRAError, LoRANotFoundError
 from engine.core.outputs import WireBatch
 from engine.core.sampling_params import SamplingParams
-from engine.runtime.step_report import StepReport, step_report
+from engine.runtime.step_report import EngineStepError, StepReport, step_for_streams, step_report
 from engine.runtime.stream_deltas import wire_update
 
 from engine.executor.startup_timer import process_age_s

@@ -24,6 +24,7 @@ exercises the same bookkeeping; the engine only turns it on for CUDA.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,7 +34,9 @@ from engine.executor.prompt_logprobs import PromptScores
 from engine.core.request import Request, Status
 from engine.core.step_plan import Chunk, StepPlan
 from engine.executor.staging import take_rows, to_host
-from engine.runtime.sync_step import SyncStepper
+
+if TYPE_CHECKING:
+    from engine.runtime.sync_step import SyncStepper
 
 
 def needs_sync(req: Request, jump_forward: bool) -> bool:

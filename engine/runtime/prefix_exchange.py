@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from engine.core.radix_cache import RadixCache
-from engine.core.host_tier import HostTier
-from engine.executor.kv_transfer import PrefixRows
+if TYPE_CHECKING:  # the engine hands in its cache and tier; the clients carry the type
+    from engine.core.host_tier import HostTier
+    from engine.core.radix_cache import RadixCache
+    from engine.executor.kv_transfer import PrefixRows
 
 
 @dataclass

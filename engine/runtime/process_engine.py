@@ -33,8 +33,8 @@ from engine.runtime.engine_client import SHUTDOWN_TIMEOUT_S, DeltaSink, capacity
 from engine.grammar import Grammars
 from engine.runtime.loop_handoff import call_soon, deliver, set_exception, set_result
 from engine.core.outputs import StreamDelta, WireDelta
-from engine.core.request import validate_request
 from engine.runtime.prefix_exchange import ExportedPrefix
+from engine.core.request import validate_request
 from engine.core.sampling_params import SamplingParams
 from engine.runtime.step_report import StepReport
 from engine.runtime.stream_deltas import WireToStreamDelta

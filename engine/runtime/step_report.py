@@ -1,10 +1,24 @@
-"""What a server reads from the engine after each step: `StepReport`, the same whether the
-engine runs on a thread (AsyncEngine) or in a process of its own (ProcessAsyncEngine)."""
+"""A streaming server's side of one engine step, the same whether the engine runs on a
+thread (AsyncEngine) or in a process of its own (ProcessAsyncEngine's child): the step
+(`step_for_streams`) and what the server reads from the engine after it (`StepReport`)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from engine.runtime.engine import Engine
+from engine.core.queue_deadlines import QUEUE_TIMEOUT
+
+if TYPE_CHECKING:  # the engine is handed in; its module sits above this one
+    from engine.core.request import Request
+    from engine.executor.output_processor import TokenUpdate
+    from engine.runtime.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStepError(RuntimeError):
+    """A step failed; the requests in it were ended, the engine lives on."""
 
 
 @dataclass
@@ -23,3 +37,25 @@ def step_report(engine: Engine, last_stats: dict | None = None) -> StepReport:
     stats = engine.stats()
     return StepReport(engine.drain_cache_events(), None if stats == last_stats else stats,
                       engine.drain_grammar_compile_times())
+
+
+def step_for_streams(engine: Engine) -> tuple[list[TokenUpdate], list[tuple[Request, Exception]]]:
+    """One engine step for a server that streams (AsyncEngine, the engine process): finished
+    requests leave `engine.requests` (their streams have what they need), a request timed
+    out in the queue ends with its QueueTimeoutError, and a step that raises ends the
+    requests it leaves in doubt, each with an EngineStepError, instead of killing the loop."""
+    try:
+        updates = engine.step()
+    except Exception as e:  # noqa: BLE001 - a bad step must not kill the engine
+        logger.exception("engine step failed")
+        return [], [(req, EngineStepError(f"engine step failed: {e}"))
+                    for req in engine.abort_after_failed_step()]
+    failed = []
+    for update in updates:
+        if update.finished:
+            engine.requests.pop(update.req.request_id, None)
+            if update.req.finish_reason == QUEUE_TIMEOUT:
+                failed.append((update.req, engine.queue_timeout_error(update.req)))
+    if failed:
+        updates = [u for u in updates if u.req.finish_reason != QUEUE_TIMEOUT]
+    return updates, failed

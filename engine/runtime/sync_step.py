@@ -3,11 +3,14 @@ then plan the next one. The overlap loop (engine/runtime/overlap.py) falls back 
 whose requests need host-side work between steps."""
 from __future__ import annotations
 
-from engine.executor.model_runner import ModelRunner
-from engine.executor.output_processor import OutputProcessor, TokenUpdate
-from engine.executor.sampler import Sampler
-from engine.core.scheduler import Scheduler
-from engine.speculative.speculator import Speculator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the engine builds them and hands them in
+    from engine.core.scheduler import Scheduler
+    from engine.executor.model_runner import ModelRunner
+    from engine.executor.output_processor import OutputProcessor, TokenUpdate
+    from engine.executor.sampler import Sampler
+    from engine.speculative.speculator import Speculator
 
 
 class SyncStepper:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,7 +28,7 @@ from engine.config import EngineConfig
 from engine.grammar import Grammars
 from engine.attention.kv_pool import KVPool
 from engine.kernels.argmax import argmax_rows
-from engine.executor.model_runner import MemoryReserve, ModelRunner, kv_shape
+from engine.executor.kv_sizing import MemoryReserve, kv_shape
 from engine.models import load_hf_config, resolve_device, resolve_dtype
 from engine.quantization.fp8 import FP8
 from engine.core.request import Request
@@ -37,6 +38,9 @@ from engine.speculative.draft_kv import DraftKV, DraftSeq
 from engine.speculative.proposer import Proposer
 from engine.executor.step_input import PendingTokens
 from engine.core.step_plan import Chunk, StepPlan
+
+if TYPE_CHECKING:
+    from engine.executor.model_runner import ModelRunner
 
 
 def load_draft_config(config: EngineConfig):
@@ -88,7 +92,9 @@ class DraftModelProposer(Proposer):
                 f"of {hf.vocab_size} tokens, the target {config.model!r} {target.vocab_size}: "
                 "the draft must share the target's tokenizer")
         max_context = min(target.max_context, hf.max_position_embeddings)
-        self.runner = ModelRunner(draft_runner_config(config, target.kv_pool.num_slots, max_context))
+        # A runner of the target's kind (the engine builds the target's and hands it in).
+        runner_class = type(target)
+        self.runner = runner_class(draft_runner_config(config, target.kv_pool.num_slots, max_context))
         self.kv = DraftKV(self.runner.kv_pool.allocator, config.max_running_requests,
                           config.enable_radix_cache)
         self.sampler = sampler

@@ -4,38 +4,36 @@ token (`Scheduler.schedule(drafts)`: KV slots for them when memory allows), then
 the verified tokens and frees the KV of the rejected drafts (`Speculator.take_verdicts`)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.config import EngineConfig
 from engine.grammar import Grammars
-from engine.executor.model_runner import ModelRunner
 from engine.executor.output_processor import OutputProcessor, TokenUpdate
 from engine.core.request import Request
 from engine.executor.sampler import Sampler
 from engine.core.step_plan import Chunk, StepPlan
 from engine.speculative.constrained import cut_to_grammar, verify_masks
-from engine.speculative.draft_model import DraftModelProposer
-from engine.speculative.ngram import NgramProposer
 from engine.speculative.positions import TokenLogprobs, penalized, token_logprobs
 from engine.speculative.proposer import Proposer
 from engine.core.spec_stats import SpecStats
 from engine.speculative.verify import verify_chunks
 
+if TYPE_CHECKING:
+    from engine.executor.model_runner import ModelRunner
+
 
 class Speculator:
     def __init__(self, config: EngineConfig, sampler: Sampler, grammars: Grammars,
-                 target: ModelRunner | None = None) -> None:
-        """`target`: the target's runner (the draft model checks its vocabulary against it
-        and sizes its own KV pool like it)."""
+                 proposer: Proposer, target: ModelRunner | None = None) -> None:
+        """`proposer`: the drafts' source (`config.speculative_algorithm`'s; the engine
+        builds it); `target`: the target's runner (whose extend graphs bound a verify step)."""
         self.max_draft = config.speculative_num_draft_tokens
-        self.proposer: Proposer
         if config.speculative_algorithm == "draft_model":
             # One draft token per draft forward: at most num_steps of them.
             self.max_draft = min(self.max_draft, config.speculative_num_steps)
-            self.proposer = DraftModelProposer(config, sampler, target, grammars)
-        else:
-            self.proposer = NgramProposer(config.speculative_ngram_min_match,
-                                          config.speculative_ngram_max_match)
+        self.proposer = proposer
         self.sampler = sampler
         self.grammars = grammars
         self.stats = SpecStats()

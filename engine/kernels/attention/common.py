@@ -41,7 +41,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.kernels.pdl import pdl_prologue
+from engine.kernels.launch import pdl_prologue
 
 
 @triton.jit

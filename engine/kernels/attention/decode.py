@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.attention.common import attend_slots, store_encoded
-from engine.kernels.pdl import pdl_prologue
+from engine.kernels.launch import pdl_prologue
 
 # ----------------------------------------------------------------------------------------
 # Decode, stage 1: grid (Hkv, B, num_splits). One program = one request, one KV head, one

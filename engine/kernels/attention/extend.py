@@ -9,7 +9,7 @@ import triton.language as tl
 
 from engine.kernels.attention.common import (f16_operand, in_window, kv_decode, load_kv,
                                              softmax_step)
-from engine.kernels.pdl import pdl_prologue
+from engine.kernels.launch import pdl_prologue
 
 # ----------------------------------------------------------------------------------------
 # Extend / prefill: grid (Hq, B, num_m_blocks). One program = BLOCK_M new tokens of one

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from engine.kernels.attention.common import dot, pv_dot
 from engine.kernels.attention.decode import decode_reduce_kernel
-from engine.kernels.pdl import pdl_launch, pdl_prologue
+from engine.kernels.launch import pdl_launch, pdl_prologue
 
 _LOG2E = 1.4426950408889634  # softmax in base 2, as common.py's kernels
 

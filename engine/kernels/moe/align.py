@@ -1,4 +1,4 @@
-"""`moe_routing.group_by_expert` in three Triton launches (GPU; also runs under TRITON_INTERPRET=1).
+"""`routing.group_by_expert` in three Triton launches (GPU; also runs under TRITON_INTERPRET=1).
 
 The torch version is ~15 small kernels: ~60 us per MoE layer on the H200 at a few tokens and
 ~100 us at 480 (a third of the layer at W1's decode batch). Here the pairs are cut in chunks
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.moe.routing import ExpertBlocks, max_blocks
-from engine.kernels.pdl import pdl_launch, pdl_prologue
+from engine.kernels.launch import pdl_launch, pdl_prologue
 from engine.kernels.precompile import compile_in_place
 
 CHUNK = 128

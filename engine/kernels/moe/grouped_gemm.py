@@ -14,9 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.gemv import split_sums_on
 from engine.kernels.moe.routing import ExpertBlocks
-from engine.kernels.pdl import pdl_launch, pdl_prologue
+from engine.kernels.launch import pdl_launch, pdl_prologue, split_sums_on
 from engine.kernels.split_sums import SplitSums
 from engine.kernels.tiles import Tiles
 

@@ -1,7 +1,7 @@
 """MoE experts for decode-sized batches: one matrix-vector product per (token, choice) pair.
 
 At a handful of tokens almost every pair has an expert of its own, so grouping pairs by
-expert (`moe_routing.group_by_expert`: a sort and ~15 small kernels) buys nothing and costs
+expert (`routing.group_by_expert`: a sort and ~15 small kernels) buys nothing and costs
 more than the experts' weight reads. Here each pair reads its expert's rows directly:
 - `_gate_up_kernel`: program (pair, n-block) computes the gate and up rows of its block
   and writes silu(gate) * up: the SiLU-and-mul is fused;
@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.moe.grouped_gemm import choices_or_sum
-from engine.kernels.pdl import pdl_launch, pdl_prologue
+from engine.kernels.launch import pdl_launch, pdl_prologue
 from engine.kernels.split_sums import SplitSums
 from engine.kernels.tiles import Tiles
 

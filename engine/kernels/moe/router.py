@@ -1,4 +1,5 @@
-"""`moe_routing.select_experts` as one Triton kernel (GPU; also runs under TRITON_INTERPRET=1).
+"""Which experts each token goes to (`select_experts`: softmax, then top-k), on the GPU as one
+Triton kernel (`softmax_topk`; also runs under TRITON_INTERPRET=1).
 
 The torch version is six launches (cast, softmax, top-k, sum, divide, and the int64 ids),
 each a few microseconds on a decode step where the whole MoE layer has ~30 us of weights to
@@ -6,7 +7,7 @@ read. Here one program per token does the softmax in float32 and picks the top k
 arg-max passes over the row (k <= 8-ish, experts <= 512: all in registers).
 
 Ties between equal probabilities pick the lowest expert id; torch.topk leaves that order
-unspecified. Imported only by the GPU path of `engine.kernels.moe.routing`.
+unspecified.
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.gemv import add_split_sums
-from engine.kernels.pdl import pdl_launch, pdl_prologue
+from engine.kernels.inline import add_split_sums
+from engine.kernels.launch import pdl_launch, pdl_prologue
 from engine.kernels.split_sums import SplitSums
 from engine.kernels.precompile import compile_in_place
 
@@ -54,6 +55,26 @@ def _softmax_topk_kernel(Logits, Weights, Ids, num_experts, stride_l, stride_spl
     k_mask = offs_k < TOP_K
     tl.store(Weights + token * TOP_K + offs_k, weights, mask=k_mask)
     tl.store(Ids + token * TOP_K + offs_k, ids, mask=k_mask)
+
+
+def select_experts(router_logits: torch.Tensor | SplitSums, top_k: int, renormalize: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts (in float32, as HF), then the top_k per token.
+
+    With `renormalize` the chosen probabilities are rescaled to sum to 1 (Mixtral always,
+    Qwen MoE when `norm_topk_prob`). Returns (weights float32 [T, k], expert ids int64 [T, k]).
+    """
+    if router_logits.is_cuda:  # one launch instead of six (`softmax_topk`)
+        if isinstance(router_logits, SplitSums):  # the router GEMV's slices, added in the launch
+            return softmax_topk(router_logits, top_k, renormalize)
+        return softmax_topk(router_logits.contiguous(), top_k, renormalize)
+    if isinstance(router_logits, SplitSums):
+        router_logits = router_logits.total()
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
 
 
 def softmax_topk(router_logits: torch.Tensor | SplitSums, top_k: int, renormalize: bool

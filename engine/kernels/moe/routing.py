@@ -1,7 +1,7 @@
-"""Mixture-of-experts routing: which experts each token goes to, and the token order the
-grouped GEMM reads them in.
+"""Mixture-of-experts routing: the token order the grouped GEMM reads the (token, choice)
+pairs in (which experts each token goes to: `select_experts` in engine/kernels/moe/router.py).
 
-Every function here is plain torch (the GPU's `select_experts` is one Triton kernel) with shapes fixed by the number of tokens alone (no
+Every function here is plain torch with shapes fixed by the number of tokens alone (no
 `.item()`, no data-dependent sizes), so the GPU path can be captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -9,29 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from engine.kernels.split_sums import SplitSums
-
-
-def select_experts(router_logits: torch.Tensor | SplitSums, top_k: int, renormalize: bool
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over all experts (in float32, as HF), then the top_k per token.
-
-    With `renormalize` the chosen probabilities are rescaled to sum to 1 (Mixtral always,
-    Qwen MoE when `norm_topk_prob`). Returns (weights float32 [T, k], expert ids int64 [T, k]).
-    """
-    if router_logits.is_cuda:  # one launch instead of six (engine/kernels/moe/router.py)
-        from engine.kernels.moe.router import softmax_topk
-        if isinstance(router_logits, SplitSums):  # the router GEMV's slices, added in the launch
-            return softmax_topk(router_logits, top_k, renormalize)
-        return softmax_topk(router_logits.contiguous(), top_k, renormalize)
-    if isinstance(router_logits, SplitSums):
-        router_logits = router_logits.total()
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
 
 
 @dataclass

@@ -1,6 +1,17 @@
-"""Programmatic dependent launch (PDL, Hopper and later) for our Triton kernels.
+"""How this process launches its Triton kernels: the engine's kernel settings as they stand
+here, and programmatic dependent launch (PDL) under them. Every kernel imports this module
+and nothing else above it, so the kernels sit on one floor.
 
-A batch-1 decode step is a few hundred kernels of a few microseconds each, and in a plain
+Kernel settings (`EngineConfig.kernels`, `kernel_settings()`). PDL's launch option is chosen at every Triton launch (a dozen kernel files), the GEMV's tiles
+and partial-sum handling deep inside engine/kernels/gemv.py: threading a flag through each
+call would touch every launch wrapper for an A/B switch. So these are process-wide: every
+model runner applies its config here before it loads and captures anything, in each process
+that runs a model (the engine's own, an engine child process, every tensor-parallel rank).
+The last engine built in a process decides; CUDA graphs captured before keep the kernels
+they were captured with. Settings with an owner object (the attention backend, the sampler,
+the linears) are passed to that owner instead.
+
+PDL (Hopper and later). A batch-1 decode step is a few hundred kernels of a few microseconds each, and in a plain
 stream every one starts only after the one before has fully drained: its launch and
 ramp-up are paid again at every boundary. Launched with PDL, a kernel's grid may be
 scheduled while the previous kernel's last blocks still run; it then blocks in `gdc_wait`
@@ -14,7 +25,7 @@ a kernel two launches back is complete too, and kernels launched without PDL (cu
 wait for everything before them as usual. Kernels take a `PDL: tl.constexpr` that is False
 unless the launch passes `**pdl_launch(device)`: off on CPUs, under the interpreter (which
 has no grid-dependency instructions), before sm_90, where Triton lacks the launch option,
-and when the engine's `kernels.pdl` is off (to A/B it; applied by engine/kernels/settings.py).
+and when the engine's `kernels.pdl` is off (to A/B it; applied here).
 """
 from __future__ import annotations
 
@@ -25,7 +36,25 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.settings import kernel_settings
+from engine.config import KernelConfig
+
+_current = KernelConfig()
+
+
+def apply_kernel_config(kernels: KernelConfig) -> None:
+    global _current
+    _current = kernels
+
+
+def kernel_settings() -> KernelConfig:
+    return _current
+
+
+def split_sums_on() -> bool:
+    """Off (`kernels.split_sums`): every GEMV sums its own K slices and the MoE experts
+    their choices."""
+    return _current.split_sums
+
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -66,4 +95,4 @@ def pdl_launch(device: torch.device) -> dict:
     if device.type != "cuda":
         return {}
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _ON if _enabled(index, kernel_settings().pdl) else {}
+    return _ON if _enabled(index, _current.pdl) else {}
