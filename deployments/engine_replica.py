@@ -18,7 +18,7 @@ from deployments.channel import (
 )
 from deployments.errors import OVERLOADED_MESSAGE
 from deployments.local_metrics import process_metrics
-from deployments.lora_registry import restore_adapters
+from deployments.lora_registry import RestoredLoads, restore_adapters
 from deployments.prefix_fetch import (
     DEFAULT_FETCH_TIMEOUT_S, PrefixFetch, PrefixFetcher, engine_handle,
 )
@@ -74,7 +74,8 @@ class EngineReplica:
         self.tp_workers = None
         self.engine_process = engine_process
         self.engine: EngineClient = self._start_engine(config)
-        restore_adapters(self.engine)  # the app's runtime loads and unloads, before any request
+        # the app's runtime loads and unloads, before any request
+        self.restored_loads = RestoredLoads(restore_adapters(self.engine))
         self.outboxes: dict[str, Outbox] = {}  # delta channels, by ingress id
         self._channel_waits: dict[str, asyncio.Future] = {}
         self._drain_watch: asyncio.Task | None = None  # started with the first channel
@@ -253,6 +254,8 @@ class EngineReplica:
         (broadcast to every replica by deployments/lora_api.py)."""
         if op not in ("load_lora", "unload_lora", "list_loras"):
             return {"replica": self.replica_id, "error": f"unknown op {op!r}", "status": 400}
+        if self.restored_loads.acknowledges(op, args):
+            return {"replica": self.replica_id, "result": None}
         try:
             return {"replica": self.replica_id, "result": await getattr(self.engine, op)(*args)}
         except LoRANotFoundError as e:

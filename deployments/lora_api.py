@@ -11,7 +11,8 @@ or running requests use is refused (400) by the replicas running them: the other
 unloaded it, so new requests go to the refusing ones (the router prefers replicas holding
 the adapter); retry once they finish. A replica that starts later (autoscaling, a restart)
 has the `lora_modules` adapters, then applies the app's record of the loads and unloads made
-here (deployments/lora_registry.py), and loads others on first use from `lora_dynamic_path`.
+here (deployments/lora_registry.py), and loads others on first use from `lora_dynamic_path`;
+a load broadcast while such a replica started finds it applied, and is answered as done.
 """
 from __future__ import annotations
 

@@ -160,6 +160,20 @@ def restore_adapters(engine: EngineClient, timeout_s: float = 120.0) -> dict[str
     return record
 
 
+class RestoredLoads:
+    """The loads a replica applied from the record at its start. The broadcast of one of
+    them may still be on its way (the replica started while it was sent): that broadcast
+    is acknowledged once, as done, rather than refused as "already loaded", which would
+    fail the client's load. Any later operation on the name forgets it."""
+
+    def __init__(self, record: dict[str, str | None]) -> None:
+        self.loads = {name: path for name, path in record.items() if path is not UNLOADED}
+
+    def acknowledges(self, op: str, args: tuple[str, ...]) -> bool:
+        path = self.loads.pop(args[0], None) if args else None
+        return op == "load_lora" and path is not None and tuple(args[1:2]) == (path,)
+
+
 async def _apply(engine: EngineClient, record: dict[str, str | None]) -> None:
     have = {a["name"] for a in await engine.list_loras()}
     for name, path in record.items():

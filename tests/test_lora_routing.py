@@ -80,3 +80,21 @@ def test_router_sends_engine_calls_by_tier():
         assert await send(router, replicas, prompts(1)[0], "tuned") != NAMES[3]
 
     asyncio.run(scenario())
+
+
+def test_a_load_restored_at_start_acknowledges_its_broadcast_once():
+    """A replica that started while a load was being broadcast applied it from the app's
+    record: that broadcast is answered as done (not "already loaded"), once; a later load
+    of the name, a different path, or an unload in between are not."""
+    from deployments.lora_registry import UNLOADED, RestoredLoads
+
+    restored = RestoredLoads({"kept": "/a/kept", "boot": UNLOADED})
+    assert not restored.acknowledges("list_loras", ())
+    assert not restored.acknowledges("load_lora", ("boot", "/a/boot"))  # unloaded: not a load
+    assert restored.acknowledges("load_lora", ("kept", "/a/kept"))
+    assert not restored.acknowledges("load_lora", ("kept", "/a/kept"))  # a second load: refused
+    other = RestoredLoads({"kept": "/a/kept"})
+    assert not other.acknowledges("load_lora", ("kept", "/b/elsewhere"))
+    unloaded_since = RestoredLoads({"kept": "/a/kept"})
+    assert not unloaded_since.acknowledges("unload_lora", ("kept",))
+    assert not unloaded_since.acknowledges("load_lora", ("kept", "/a/kept"))
