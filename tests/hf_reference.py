@@ -1,7 +1,9 @@
 """Greedy reference outputs from Hugging Face transformers, for comparisons."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 
 import torch
 
@@ -11,6 +13,50 @@ def _hf_model(path: str):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@contextlib.contextmanager
+def one_gguf_parse():
+    """transformers opens a GGUF once for its config and once for its weights, and gguf-py's
+    `GGUFReader` takes tens of seconds per open on a large vocabulary: inside this block each
+    file is parsed once (the reader is read-only, a memory map)."""
+    import gguf
+
+    real = gguf.GGUFReader
+    readers: dict[tuple, object] = {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = real(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+
+
+def load_hf_gguf(gguf_path: str, with_tokenizer: bool = False):
+    """A fresh transformers model (float32, eval) dequantized from `gguf_path`, and its
+    tokenizer if asked, with the file parsed once."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
+    with one_gguf_parse():
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                     dtype=torch.float32).eval()
+        if not with_tokenizer:
+            return model
+        return model, AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@functools.lru_cache(maxsize=2)
+def shared_hf_gguf(gguf_path: str):
+    """`load_hf_gguf(gguf_path, with_tokenizer=True)` once per test session, for the files
+    that compare against the same model (they only run it, never change it)."""
+    return load_hf_gguf(gguf_path, with_tokenizer=True)
 
 
 def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

