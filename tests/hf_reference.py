@@ -69,6 +69,18 @@ def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int
     return out[0, len(prompt_ids):].tolist()
 
 
+def hf_argmax_given(model, prompt: list[int], new_tokens: list[int]
+                    ) -> tuple[list[int], list[float]]:
+    """transformers' argmax and its logprob at each position of `new_tokens`, given the
+    prompt and the tokens before it, in one forward: equal to `new_tokens` exactly when they
+    are `model`'s greedy continuation (one forward instead of a decode step per token)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + new_tokens[:-1]])).logits[0, len(prompt) - 1:]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    best = logprobs.argmax(dim=-1)
+    return best.tolist(), logprobs.gather(1, best[:, None])[:, 0].tolist()
+
+
 def hf_next_logprobs(path: str, token_ids: list[int]) -> torch.Tensor:
     model = _hf_model(path)
     with torch.no_grad():
