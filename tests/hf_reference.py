@@ -1,7 +1,9 @@
 """Greedy reference outputs from Hugging Face transformers, for comparisons."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 
 import torch
 
@@ -13,6 +15,50 @@ def _hf_model(path: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+@contextlib.contextmanager
+def one_gguf_parse():
+    """transformers opens a GGUF once for its config and once for its weights, and gguf-py's
+    `GGUFReader` takes tens of seconds per open on a large vocabulary: inside this block each
+    file is parsed once (the reader is read-only, a memory map)."""
+    import gguf
+
+    real = gguf.GGUFReader
+    readers: dict[tuple, object] = {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = real(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+
+
+def load_hf_gguf(gguf_path: str, with_tokenizer: bool = False):
+    """A fresh transformers model (float32, eval) dequantized from `gguf_path`, and its
+    tokenizer if asked, with the file parsed once."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
+    with one_gguf_parse():
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                     dtype=torch.float32).eval()
+        if not with_tokenizer:
+            return model
+        return model, AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@functools.lru_cache(maxsize=2)
+def shared_hf_gguf(gguf_path: str):
+    """`load_hf_gguf(gguf_path, with_tokenizer=True)` once per test session, for the files
+    that compare against the same model (they only run it, never change it)."""
+    return load_hf_gguf(gguf_path, with_tokenizer=True)
+
+
 def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """HF `generate` greedy continuation, EOS disabled so lengths are fixed."""
     model = _hf_model(path)
@@ -21,6 +67,18 @@ def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int
                              min_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
+
+
+def hf_argmax_given(model, prompt: list[int], new_tokens: list[int]
+                    ) -> tuple[list[int], list[float]]:
+    """transformers' argmax and its logprob at each position of `new_tokens`, given the
+    prompt and the tokens before it, in one forward: equal to `new_tokens` exactly when they
+    are `model`'s greedy continuation (one forward instead of a decode step per token)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + new_tokens[:-1]])).logits[0, len(prompt) - 1:]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    best = logprobs.argmax(dim=-1)
+    return best.tolist(), logprobs.gather(1, best[:, None])[:, 0].tolist()
 
 
 def hf_next_logprobs(path: str, token_ids: list[int]) -> torch.Tensor:

@@ -2,7 +2,11 @@
 so they change the outputs), saved in PEFT's format, and kept as the reference model."""
 from __future__ import annotations
 
+import os
+
 import torch
+
+from hf_reference import load_hf_gguf
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -16,10 +20,12 @@ SPECS = {
 
 
 def load_base(base: str, gguf_file: str | None = None):
+    """A fresh copy (PEFT wraps it in place), with a GGUF parsed once."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    return AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, **kwargs).eval()
+    if gguf_file:
+        return load_hf_gguf(os.path.join(base, gguf_file))
+    return AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
 
 
 def make_adapter(base: str, out_dir: str, seed: int = 0, gguf_file: str | None = None,

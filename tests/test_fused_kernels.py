@@ -33,8 +33,8 @@ def _compare(ref: torch.Tensor, got: torch.Tensor, dtype: torch.dtype) -> dict:
     return {"err": err, "tol": tol, "ok": bool(torch.isfinite(got).all()) and err <= tol}
 
 
-def _small(n: int) -> int:
-    return min(n, 40) if DEVICE == "cpu" else n
+def _small(n: int, cpu_cap: int = 40) -> int:
+    return min(n, cpu_cap) if DEVICE == "cpu" else n
 
 
 def check_rmsnorm(rows: int, hidden: int, dtype: torch.dtype, seed: int) -> dict:
@@ -74,7 +74,10 @@ def check_rope(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int,
     from engine.kernels.fused import rope
 
     torch.manual_seed(seed)
-    t = _small(t)
+    # One program per token and head block, and nothing masked along tokens: under the
+    # interpreter a dozen tokens exercise what forty do (the 16-head blocks of launches of
+    # 64 tokens or more: test_rope_head_blocks_give_the_same_values).
+    t = _small(t, cpu_cap=12)
     with torch.device(DEVICE):
         emb = RotaryEmbedding(d, 4096, {"rope_theta": 500000.0, "rope_type": "default"})
     qkv = torch.randn(t, (hq + 2 * hkv) * d, dtype=dtype, device=DEVICE)

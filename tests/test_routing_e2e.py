@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from serve_helpers import end_ray, free_port, start_ray, wait_until
+from serve_helpers import BASE, PORT, start_ray, stop_ray, wait_until
 
 APP, MODEL = "radixserve", "radixserve-demo"
 BLOCK = 16
@@ -38,14 +38,13 @@ ARGS = {
 
 @pytest.fixture(scope="module")
 def base_url():
+    """Serve on the session's Ray cluster; the test deploys (and redeploys) its own app."""
     from ray import serve
 
-    end_ray()  # Serve on a port of its own
     start_ray()
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield f"http://127.0.0.1:{port}"
-    end_ray()
+    serve.start(http_options={"port": PORT})
+    yield BASE
+    stop_ray()
 
 
 def deploy(**overrides) -> None:
