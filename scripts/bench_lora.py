@@ -173,6 +173,7 @@ def run(model: str, rank: int, smoke: bool) -> dict:
     rows["decode_b32_4_adapters_ms"] = decode_step_ms(lora, four, vocab, steps)
     rows["decode_b1_adapter_ms"] = decode_step_ms(lora, ["lora0"], vocab, steps)
     rows["ttft_512_adapter_ms"] = ttft_ms(lora, "lora0", vocab, 512, reps)
+    rows["ttft_512_lora_engine_base_ms"] = ttft_ms(lora, None, vocab, 512, reps)
     rows["stream_64_adapters_tok_s"] = stream_tok_s(lora, list(names), vocab, n_stream,
                                                     stream_tokens)
     rows["lora_stats"] = {k: v for k, v in lora.stats().items() if k.startswith("lora_")}
@@ -186,7 +187,7 @@ def _kernel_case(k: int, parts: tuple[int, ...], rows: int, n_adapters: int, seg
     import triton
 
     from engine.kernels.lora import column_tile, lora_sgmv
-    from engine.lora.tiles import DECODE_BLOCK_M, TilePlan, block_m_for, split_packed, tile_bound
+    from engine.lora.tiles import TilePlan, block_m_for, split_packed, tile_bound
 
     n = sum(parts)
     a = torch.randn(slots, len(parts) * pool_rank, k, device=dev, dtype=torch.bfloat16) * 0.02
@@ -196,9 +197,10 @@ def _kernel_case(k: int, parts: tuple[int, ...], rows: int, n_adapters: int, seg
     y = torch.zeros(rows, n, device=dev, dtype=torch.bfloat16)
     lens = [seg] * (rows // seg)
     slot_of = [i % n_adapters if n_adapters else -1 for i in range(len(lens))]
-    plan = TilePlan.of(slot_of, lens, block_m_for(lens))
-    decode = seg == 1  # the decode graphs' grid: the row count's bound, static buffers
-    num_tiles = tile_bound(rows, DECODE_BLOCK_M, slots) if decode else len(plan.tiles)
+    plan = TilePlan.of(slot_of, lens, block_m_for(sum(lens), seg == 1))
+    # a CUDA graph's grid (decode, and extends of up to cuda_graph_max_extend_tokens): the
+    # bound of the row count's tiles, over static buffers
+    num_tiles = tile_bound(rows, plan.block_m, slots)
     tiles_cap = max(num_tiles, len(plan.tiles))
     order, tiles = split_packed(plan.pack(rows, tiles_cap).to(dev), rows)
     bounds = [sum(parts[:i + 1]) for i in range(len(parts) - 1)]
@@ -243,6 +245,8 @@ def print_table(rows: dict, model: str, rank: int) -> None:
              "decode_b32_lora_engine_base_ms", None, False),
             ("decode step, batch 1 (ms)", "decode_b1_base_ms", "decode_b1_adapter_ms", 1.30, False),
             ("TTFT, 512-token prompt (ms)", "ttft_512_base_ms", "ttft_512_adapter_ms", 1.30, False),
+            ("TTFT, 512, LoRA on, no adapter (ms)", "ttft_512_base_ms",
+             "ttft_512_lora_engine_base_ms", None, False),
             ("stream, 64 adapters / 8 slots (tok/s)", "stream_base_tok_s",
              "stream_64_adapters_tok_s", None, True)):
         ratio = rows[a] / rows[b]

@@ -219,16 +219,25 @@ def test_lora_kernels_compile_for_hopper():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_engine_with_graphs_matches_cpu(tiny_llama, adapters, llm):
-    """The Triton kernels inside decode CUDA graphs (fp32 weights, so the CPU engine's
-    tokens are the reference), adapters mixed with the base in one batch."""
+    """The Triton kernels inside decode and extend CUDA graphs (fp32 weights, so the CPU
+    engine's tokens are the reference), adapters mixed with the base in one batch: short
+    prompts (16-row tiles) and prompts of over 32 tokens (64-row tiles) in the extend
+    graphs, and a 300-token step past the graphs' 256 tokens (eager)."""
     modules = {name: path for name, (path, _) in adapters.items()}
     gpu = LLM(model=tiny_llama, device="cuda", dtype="float32", max_total_tokens=4096,
-              max_lora_rank=16, lora_modules=modules)
-    assert gpu.engine.runner.graphs is not None
+              max_lora_rank=16, lora_modules=modules, cuda_graph_max_extend_tokens=256)
+    runner = gpu.engine.runner
+    assert runner.graphs is not None and runner.extend_graphs is not None
     names = [None, *SPECS] * 3
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
-    got = gpu.generate(prompts, [_greedy(n, 16) for n in names])
-    want = llm.generate(prompts, [_greedy(n, 16) for n in names])
+    prompts = [PROMPTS[i % len(PROMPTS)] * (1 + 9 * (i % 3 == 1)) for i in range(len(names))]
+    for batch in ([0], [1], [2, 3], list(range(len(names)))):  # alone, then together
+        got = gpu.generate([prompts[i] for i in batch], [_greedy(names[i], 16) for i in batch])
+        want = llm.generate([prompts[i] for i in batch], [_greedy(names[i], 16) for i in batch])
+        _same_tokens(got, want)
+    assert runner.extend_graphs.replays > 0
+
+
+def _same_tokens(got, want) -> None:
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
         assert max(abs(x - y) for x, y in zip(g.logprobs, w.logprobs)) < 1e-3

@@ -34,35 +34,59 @@ def test_plan_groups_rows_by_slot():
     assert tiles[0].tolist() == [0, 2, 2, -1, -1]
     assert len(plan.tiles) <= tile_bound(sum(lens), 4, 3)
     assert TilePlan.of([-1, -1], [1, 5], 16).tiles == []
-    assert block_m_for([1] * 40) == DECODE_BLOCK_M and block_m_for([3, 64]) > DECODE_BLOCK_M
+    assert block_m_for(40, is_decode=True) == DECODE_BLOCK_M
+    assert block_m_for(32, is_decode=False) == DECODE_BLOCK_M
+    assert block_m_for(33, is_decode=False) > DECODE_BLOCK_M
 
 
-def test_batch_stages_decode_into_static_buffers():
-    """Decode steps read the static buffers with the row count's grid (what a CUDA graph
-    captured); a longer step launches exactly its tiles, none without an adapted row; a
-    forward the staged plan is not for (a graph's warm-up) sees no adapter."""
-    batch = LoRABatch(capacity=8, num_slots=2, device=torch.device("cpu"))
-    step = SimpleNamespace
-    batch.stage([1, -1, 0, 1], [1, 1, 1, 1])
-    batch.begin(step(extend_lens_cpu=[1, 1, 1, 1]))
+def test_extend_graph_buckets_tile_as_the_steps_they_replay():
+    """An extend graph's kernels are captured with its bucket's tiling: every step it
+    replays (its bucket is the smallest that holds the step's tokens and requests) must
+    plan tiles of that height."""
+    from engine.executor.extend_graphs import BS_BUCKETS, TOKEN_BUCKETS
+
+    for tokens in range(1, TOKEN_BUCKETS[-1] + 1):
+        for bs in (1, 2, 5, 17, 40, 64):
+            if bs > tokens:
+                continue
+            cap = next(b for b in BS_BUCKETS if b >= bs)
+            bucket = next(t for t in TOKEN_BUCKETS if t >= max(tokens, cap))
+            assert block_m_for(tokens, False) == block_m_for(bucket, False), (tokens, bs)
+
+
+def test_batch_stages_steps_into_static_buffers():
+    """A step that fits the static buffers is staged there; a graph being captured reads
+    them with the grid of its shape's most tiles; an eager forward launches exactly its
+    tiles, none without an adapted row; a forward the staged plan is not for (a graph's
+    warm-up) sees no adapter."""
+    batch = LoRABatch(capacity=80, num_slots=2, device=torch.device("cpu"))
+    batch.stage([1, -1, 0, 1], [1, 1, 1, 1], True)
+    batch.bind([1, 1, 1, 1], True, capturing=True)
     assert batch.num_tiles == tile_bound(4, DECODE_BLOCK_M, 2)
     assert batch.order.data_ptr() == batch.static.data_ptr()
     assert batch.order[:3].tolist() == [2, 0, 3] and batch.tiles[0, :3].tolist() == [0, 1, -1]
     assert batch.runs == [(1, 0, 1), (0, 2, 3), (1, 3, 4)]
-    batch.begin(step(extend_lens_cpu=[1] * 6))  # a warm-up of six rows
+    batch.bind([1, 1, 1, 1], True, capturing=False)
+    assert batch.num_tiles == 2  # eager: slot 0's tile, slot 1's
+    batch.bind([1] * 6, True, capturing=False)  # a warm-up of six rows
     assert batch.tiles[0].tolist() == [-1] * batch.tiles_cap and batch.runs == []
-    batch.stage([0, -1], [100, 30])
-    batch.begin(step(extend_lens_cpu=[100, 30]))
+    batch.stage([0, -1], [50, 30], False)  # an extend graph's step: 64-row tiles, static
+    batch.bind([50, 30], False, capturing=True)
+    assert (batch.num_tiles, batch.block_m) == (tile_bound(80, 64, 2), 64)
+    assert batch.order.data_ptr() == batch.static.data_ptr()
+    assert batch.tiles[:, 0].tolist() == [0, 0, 50] and batch.tiles[0, 1] == -1
+    batch.stage([0, -1], [100, 30], False)
+    batch.bind([100, 30], False, capturing=False)
     assert (batch.num_tiles, batch.block_m) == (2, 64)  # 100 rows > capacity: a fresh tensor
     assert batch.order.data_ptr() != batch.static.data_ptr() and batch.order.numel() == 100
-    batch.stage([-1, -1], [100, 30])
-    batch.begin(step(extend_lens_cpu=[100, 30]))
+    batch.stage([-1, -1], [100, 30], False)
+    batch.bind([100, 30], False, capturing=False)
     assert batch.num_tiles == 0
     batch = LoRABatch(capacity=8, num_slots=2, device=torch.device("cpu"))
-    batch.stage([-1, -1], [3, 5])  # the first of its tiling: one tile (of slot -1) compiles it
-    batch.begin(step(extend_lens_cpu=[3, 5]))
+    batch.stage([-1, -1], [3, 5], False)  # the first of its tiling: one tile (of slot -1)
+    batch.bind([3, 5], False, capturing=False)  # compiles it
     assert batch.num_tiles == 1 and batch.tiles[0, 0] == -1
-    batch.begin(step(extend_lens_cpu=[3, 5]))
+    batch.begin(SimpleNamespace(extend_lens_cpu=[3, 5], is_decode=False))
     assert batch.num_tiles == 0
 
 
@@ -100,7 +124,7 @@ def _run(dtype, seg_lens, slots, part_sizes, k=80, r_pool=32, ranks=(8, 32, 20),
         if slot >= 0:
             expected[at:at + n] += ref.delta(x[at:at + n].float().cpu(), slot)
         at += n
-    plan = TilePlan.of(slots, seg_lens, block_m_for(seg_lens))
+    plan = TilePlan.of(slots, seg_lens, block_m_for(sum(seg_lens), max(seg_lens, default=1) == 1))
     num_tiles = tile_bound(sum(seg_lens), plan.block_m, 3) if graph_grid else len(plan.tiles)
     rows_cap, tiles_cap = max(len(plan.order), 1) + spare, max(num_tiles, 1) + spare
     order, tiles = split_packed(plan.pack(rows_cap, tiles_cap).to(DEVICE), rows_cap)

@@ -105,9 +105,8 @@ class ModelRunner:
     def _make_extend_graphs(self):
         """Graphs for short prefill/extend steps (engine/executor/extend_graphs.py)."""
         cfg = self.config
-        # (not with LoRA: an extend graph's segments would be fixed at capture)
         if not (cfg.enable_cuda_graph and self.device.type == "cuda"
-                and cfg.cuda_graph_max_extend_tokens > 0 and self.lora is None
+                and cfg.cuda_graph_max_extend_tokens > 0
                 and getattr(self.attn_backend, "supports_extend_graphs", True)):
             return None
         from engine.executor.extend_graphs import TOKEN_BUCKETS, ExtendGraphs

@@ -2,8 +2,9 @@
 on each adaptable linear, a hook (`LoRAHook`) that adds its slots' deltas to the output.
 
 On a GPU the hook runs the segmented Triton kernels (engine/kernels/lora.py) over the
-step's rows grouped by adapter (engine/lora/tiles.py; in a CUDA graph, static buffers the
-step writes before replay); on a CPU a torch matmul per run of rows under one adapter.
+step's rows grouped by adapter (engine/lora/tiles.py; in a CUDA graph, decode or extend,
+static buffers the step writes before replay); on a CPU a torch matmul per run of rows
+under one adapter.
 """
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ class LoRABatch:
     """The current step's adapter per segment (a request's new tokens; -1: the base), and
     on a GPU its rows grouped by adapter for the kernels (engine/lora/tiles.py).
 
-    Decode steps (one row per segment) use static device buffers and a grid fixed by the
-    row count, so a decode CUDA graph replays whatever `stage` wrote before it; longer steps
-    (never in a graph) launch exactly their tiles, and nothing when no row is adapted."""
+    A step's plan goes to static device buffers when it fits them (`capacity` rows: the
+    largest step a CUDA graph runs). A graph captures a grid that bounds every step of its
+    shape and replays whatever `stage` wrote before it; an eager forward launches exactly
+    its tiles, and nothing when no row is adapted."""
 
     def __init__(self, capacity: int, num_slots: int, device: torch.device) -> None:
         self.rows_cap = capacity
@@ -33,8 +35,7 @@ class LoRABatch:
         self.static = torch.full((capacity + 3 * self.tiles_cap,), -1, dtype=torch.int32,
                                  device=device)
         self.static[:capacity] = 0  # valid rows, whatever a graph's warm-up reads
-        self.host_slots: list[int] = []
-        self.host_lens: list[int] = []
+        self.host_key: tuple[list[int], list[int], bool] = ([], [], True)
         self.plan = TilePlan([], [], DECODE_BLOCK_M)
         self.staged = split_packed(self.static, capacity)  # (order, tiles) of `plan`
         self.order, self.tiles = self.staged
@@ -43,13 +44,13 @@ class LoRABatch:
         self.launched: set[int] = set()  # row tilings launched at least once (compiled)
         self.runs: list[tuple[int, int, int]] = []  # CPU path: (slot, first row, end row)
 
-    def stage(self, slots: list[int], lens: list[int]) -> None:
+    def stage(self, slots: list[int], lens: list[int], is_decode: bool) -> None:
         """The next step's slot and row count per segment, before its forward (and before
         any replay)."""
-        if slots == self.host_slots and lens == self.host_lens:
+        if (slots, lens, is_decode) == self.host_key:
             return
-        self.host_slots, self.host_lens = slots, lens
-        self.plan = TilePlan.of(slots, lens, block_m_for(lens))
+        self.host_key = (slots, lens, is_decode)
+        self.plan = TilePlan.of(slots, lens, block_m_for(sum(lens), is_decode))
         rows, tiles = len(self.plan.order), len(self.plan.tiles)
         if rows <= self.rows_cap and tiles <= self.tiles_cap:
             self.static.copy_(self._host(self.plan.pack(self.rows_cap, self.tiles_cap)),
@@ -66,18 +67,21 @@ class LoRABatch:
 
     def begin(self, batch) -> None:
         """Called by the model at the start of a forward over `batch` (a ForwardBatch)."""
-        lens = list(batch.extend_lens_cpu)
         capturing = self.on_gpu and torch.cuda.is_current_stream_capturing()
-        if lens != self.host_lens and not capturing:  # a graph's warm-up: no adapter
-            self.stage([-1] * len(lens), lens)
-        self.runs = [] if self.on_gpu else _runs(self.host_slots, lens)
-        if max(lens, default=0) <= 1:  # decode: the static buffers, the row count's grid
+        self.bind(list(batch.extend_lens_cpu), batch.is_decode, capturing)
+
+    def bind(self, lens: list[int], is_decode: bool, capturing: bool) -> None:
+        """Point the kernels at this forward's plan: a graph being captured at the static
+        buffers, with the grid of the most tiles a step of its shape can make."""
+        if not capturing and (self.host_key[1], self.host_key[2]) != (lens, is_decode):
+            self.stage([-1] * len(lens), lens, is_decode)  # a graph's warm-up: no adapter
+        self.runs = [] if self.on_gpu else _runs(self.host_key[0], lens)
+        self.block_m = block_m_for(sum(lens), is_decode)
+        if capturing:
             self.order, self.tiles = split_packed(self.static, self.rows_cap)
-            self.block_m = DECODE_BLOCK_M
-            self.num_tiles = tile_bound(len(lens), DECODE_BLOCK_M, self.num_slots)
+            self.num_tiles = tile_bound(sum(lens), self.block_m, self.num_slots)
         else:
             self.order, self.tiles = self.staged
-            self.block_m = self.plan.block_m
             # nothing to launch without an adapted row, except once per tiling: every
             # program exits, but the kernels compile in the warm-up, not at a first request
             first = self.block_m not in self.launched

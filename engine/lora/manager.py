@@ -58,8 +58,10 @@ class LoRAManager:
         self.config = config
         self.shapes = target_shapes(model)
         self.pool = LoRAPool(model, config.max_loras, config.max_lora_rank, dtype, device)
-        self.batch = LoRABatch(max(config.max_running_requests, config.cuda_graph_max_bs) + 1,
-                               config.max_loras, device)
+        # the largest step a CUDA graph runs: a decode batch, or an extend's tokens
+        graph_rows = max(config.max_running_requests, config.cuda_graph_max_bs,
+                         config.cuda_graph_max_extend_tokens)
+        self.batch = LoRABatch(graph_rows + 1, config.max_loras, device)
         self._attach(model)
         self.entries: dict[str, _Entry] = {}
         self._ids = itertools.count(1)
@@ -222,7 +224,7 @@ class LoRAManager:
     def prepare(self, plan: StepPlan) -> None:
         """Stage the step's adapter slot per chunk before its forward."""
         self.batch.stage([c.req.lora_slot for c in plan.chunks],
-                         [c.num_tokens for c in plan.chunks])
+                         [c.num_tokens for c in plan.chunks], plan.is_decode)
 
     def stats_dict(self) -> dict[str, int]:
         """Counters, and where the adapters are: `lora_in_gpu` (in a pool slot) and

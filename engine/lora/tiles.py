@@ -16,13 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
-DECODE_BLOCK_M = 16  # rows per tile when every request brings one token
-LONG_BLOCK_M = 64  # rows per tile of steps with long segments (prefill)
-LONG_SEGMENT = 64  # a step with a segment this long tiles by LONG_BLOCK_M
+DECODE_BLOCK_M = 16  # rows per tile of decode steps and of short extends
+LONG_BLOCK_M = 64  # rows per tile of longer extends (prefill)
+LONG_ROWS = 33  # an extend step of this many rows or more tiles by LONG_BLOCK_M
 
 
-def block_m_for(lens: list[int]) -> int:
-    return LONG_BLOCK_M if max(lens, default=0) >= LONG_SEGMENT else DECODE_BLOCK_M
+def block_m_for(rows: int, is_decode: bool) -> int:
+    """A step's tile height, from its kind and row count only: an extend CUDA graph captured
+    for a token bucket must tile as every step it replays, and a step of up to 32 tokens
+    never replays a bucket above 32 (engine/executor/extend_graphs.py's buckets hold 32)."""
+    return LONG_BLOCK_M if not is_decode and rows >= LONG_ROWS else DECODE_BLOCK_M
 
 
 def tile_bound(rows: int, block_m: int, num_slots: int) -> int:
