@@ -107,7 +107,7 @@ def test_fused_store_with_prefix_groups():
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="inspects the binaries compiled on a GPU")
 @kernels[0]
-def test_launched_binaries_read_the_pool_coherently(monkeypatch):
+def test_launched_binaries_read_the_pool_coherently():
     """The binaries the launches compiled (with their real alignment and divisibility
     specializations) read the pool with coherent loads in the generic proxy, which the
     barrier after the store orders: a read-only ld.global.nc could miss the program's own
@@ -115,7 +115,7 @@ def test_launched_binaries_read_the_pool_coherently(monkeypatch):
     from engine.kernels.attention.decode import decode_partial_kernel
 
     case = make_case(decode_reqs(7, 3000, 3), 32, 8, 128, BF16, DEVICE, seed=3)
-    run(case, True, monkeypatch, 0)
+    run(case, True, 0)
     binaries = [kernel for caches in decode_partial_kernel.device_caches.values()
                 for kernel in caches[0].values()]
     assert binaries
