@@ -137,8 +137,11 @@ def run(args: argparse.Namespace) -> dict[str, Probes]:
     print(f"serve run's log: {tmp / 'serve.log'}")
     if found["completion"].first(ok_only=True) is None:
         print(f"no completion within {args.timeout:.0f} s; the end of the log:\n{tail(tmp / 'serve.log')}")
-    for name, seconds in phases(tmp / "serve.log", launched):
+    lines = log_lines(tmp / "serve.log", proc.pid)
+    for name, seconds in phases(lines, launched):
         print(f"{seconds:7.2f} s  {name}")
+    for line in [line for line in lines if "engine-process" in line][:8]:
+        print("  " + line.split("engine-process", 1)[1].strip()[:150])
     return found
 
 
@@ -164,9 +167,18 @@ FAILED = ("DEPLOY_FAILED", "failed with exception", "failed to start with except
           "Exception raised in creation task")
 
 
-def phases(log: Path, launched: float) -> list[tuple[str, float]]:
-    """(phase, seconds after launch) for each of PHASES found in serve run's log."""
-    text = log.read_text(errors="replace").splitlines()
+def log_lines(log: Path, pid: int) -> list[str]:
+    """serve run's log, and Serve's own logs of the Ray session it started (named after its
+    pid; Serve writes some lines, a replica's constructor start and end among them, there
+    only)."""
+    lines = log.read_text(errors="replace").splitlines()
+    for path in sorted(Path("/tmp/ray").glob(f"session_*_{pid}/logs/serve/*.log")):
+        lines += path.read_text(errors="replace").splitlines()
+    return lines
+
+
+def phases(text: list[str], launched: float) -> list[tuple[str, float]]:
+    """(phase, seconds after launch) for each of PHASES found in the launch's log lines."""
     out = []
     for name, words in PHASES:
         line = next((line for line in text
