@@ -10,8 +10,8 @@ completion of one token is sent in a loop of its own (one at a time, so a server
 it while starting does not hide the probes). Prints, per endpoint, when it first answered
 at all and when it first answered 200 (seconds after launch), the latency of its probes
 while the engine was starting, and how many probe rounds saw /health and /v1/models
-disagree. Then the launch's phases, from `serve run`'s log (Serve's own lines go there, as
-`scripts/serve.sh` has them; so do the engine process's): Ray and Serve up, the app's build,
+disagree. Then the launch's phases, from `serve run`'s log and Serve's logs of the Ray
+session it started (the engine process's lines are in the former): Ray and Serve up, the app's build,
 each replica's constructor (it starts once Serve has imported the replica's module), the
 engine process's imports and start. If `serve run` exits or the app fails to deploy, it
 stops at once and prints the log's tail. No timing is asserted: it is a table for the GPU
@@ -88,9 +88,8 @@ def launch(config: str, port: int, plain: bool, sets: list[str]) -> tuple[subpro
     doc.setdefault("http_options", {})["port"] = port
     tmp = Path(tempfile.mkdtemp(prefix="bench_startup_"))
     (tmp / "config.yaml").write_text(yaml.safe_dump(doc))
-    # Serve's replica lines (constructor start and end) in serve run's log, as serve.sh has them
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               RAY_USAGE_STATS_ENABLED="0", RAY_SERVE_LOG_TO_STDERR="1")
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path, RAY_USAGE_STATS_ENABLED="0")
     log = open(tmp / "serve.log", "wb")
     command = ["serve", "run"] if plain else ["bash", str(ROOT / "scripts" / "serve.sh")]
     proc = subprocess.Popen([*command, str(tmp / "config.yaml")],
