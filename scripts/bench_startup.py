@@ -161,9 +161,9 @@ PHASES = [("`serve run` started (its imports done)", ("Running config file",)),
           ("engine started (model, KV, graphs, warm-up)", ("engine started in",)),
           ("engine replica ready", ("EngineReplica", "Finished initializing"))]
 LOG_TIME = re.compile(r"(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2},\d{3})")
-# Lines that say the app will not come up (Serve retries a failing constructor a few times)
-FAILED = ("DEPLOY_FAILED", "failed with exception", "failed to start with exception",
-          "Exception raised in creation task")
+# What says the launch failed: the app's build, or a replica's constructor (Serve retries
+# one a few times, a minute each on a slow box: the figure would not be a launch's anyway)
+FAILED = ("DEPLOY_FAILED", "failed with exception", "initialize_and_get_metadata()")
 
 
 def log_lines(log: Path, pid: int) -> list[str]:
