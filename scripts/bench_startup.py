@@ -190,7 +190,7 @@ def phases(text: list[str], launched: float) -> list[tuple[str, float]]:
 
 def deploy_failure(log: Path) -> str | None:
     text = log.read_text(errors="replace")
-    return next((f"the app failed to deploy ({marker!r} in the log)" for marker in FAILED
+    return next((f"the launch failed ({marker!r} in the log)" for marker in FAILED
                  if marker in text), None)
 
 
