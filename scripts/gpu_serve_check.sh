@@ -192,8 +192,8 @@ if [[ $PARTS == *startup* ]]; then  # launch to first token of the GPU config, p
   # first with this machine's Triton cache as it is (empty on a fresh machine), then again
   write_config
   for run in 1 2; do
-    timeout 330 python3 scripts/bench_startup.py /tmp/gpu_serve.yaml --plain --port 8000 \
-      --interval 0.1 --timeout 300 > "$RES/startup_$run.txt" 2>&1
+    timeout 280 python3 scripts/bench_startup.py /tmp/gpu_serve.yaml --plain --port 8000 \
+      --interval 0.1 --timeout 250 > "$RES/startup_$run.txt" 2>&1
     tail -32 "$RES/startup_$run.txt"
     ray stop --force > /dev/null 2>&1
   done
