@@ -93,7 +93,7 @@ class OpenAIIngress:
         self.fleet = FleetStats(engine_handle, in_process)  # /v1/stats
         self.model_name = served_model_name
         self.tokenizer = Tokenizer(tokenizer or path)  # the engine's `tokenizer` setting wins
-        from engine import load_hf_config  # torch, as the tokenizer's transformers: not on import
+        from engine import load_hf_config  # engine.models imports torch: here, not on import
 
         hf_config = load_hf_config(path)
         self.vocab_size = hf_config.vocab_size
