@@ -12,7 +12,6 @@ from deployments.colocated import EngineIngress
 from deployments.config import AppArgs
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import OpenAIIngress
-from deployments.pooling_server import PoolingServer
 from deployments.tp_workers import placement_options
 
 
@@ -65,6 +64,8 @@ def build_app_with(args: dict[str, Any] | None, replica_class: type = EngineRepl
     except ValidationError as e:
         raise ValueError(f"invalid radixserve app args:\n{e}") from None
     if app_args.engine.get("task", "generate") != "generate":  # embed / score
+        from deployments.pooling_server import PoolingServer  # its engine's imports, at once
+
         return serve.deployment(PoolingServer).options(
             name="PoolingServer", **{**engine_options(app_args), "max_queued_requests": -1}).bind(
             app_args.model, app_args.engine, app_args.model_name(),

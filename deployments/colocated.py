@@ -139,6 +139,15 @@ class PeerEngines:
         return self._peers
 
 
+def import_both_halves() -> None:
+    """The engine's and the tokenizer's imports (torch, Triton, transformers), here, before
+    the two halves build on two threads: one thread importing a package while another
+    imports it too can deadlock where the package's modules import each other."""
+    from transformers import AutoConfig, AutoTokenizer  # noqa: F401
+
+    from engine import AsyncEngine, Engine, ProcessAsyncEngine  # noqa: F401
+
+
 class EngineIngress(OpenAIIngress):
     """Serve deployment class of `ingress: colocated` (wrapped in `app.py`): the OpenAI
     API of deployments/ingress.py over an EngineReplica built in this replica."""
@@ -149,6 +158,7 @@ class EngineIngress(OpenAIIngress):
         # The engine builds on a thread while the ingress half (tokenizer, model config, chat
         # features) loads on this replica's event loop: start-up takes the longer of the two,
         # not their sum. Serve routes nothing here before both are done.
+        import_both_halves()
         handle = LocalEngineHandle(None)
         build = asyncio.get_running_loop().run_in_executor(None, functools.partial(
             EngineReplica, model, engine_kwargs, gil_switch_interval_ms=gil_switch_interval_ms,

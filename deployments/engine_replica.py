@@ -26,10 +26,12 @@ from deployments.engine_metrics import EngineMetrics
 from deployments.metrics import record_gc_pauses
 from deployments.served_metrics import StatHighWater
 from deployments.tp_workers import TPWorkers
+# Only light names here (no torch, transformers or Triton: tests/test_startup_imports.py):
+# this module is what Serve imports before the constructor starts the engine's process.
 from engine import (
-    AsyncEngine, Engine, EngineClient, EngineConfig, ExportedPrefix, LoRANotFoundError,
-    ProcessAsyncEngine, QueueFullError, QueueTimeoutError, SamplingParams, StepReport,
-    StreamDelta, WireDelta, ensure_demo_model, freeze_after_start, process_age_s, wire_of,
+    EngineClient, EngineConfig, ExportedPrefix, QueueFullError, QueueTimeoutError,
+    SamplingParams, StepReport, StreamDelta, WireDelta, ensure_demo_model, freeze_after_start,
+    process_age_s, wire_of,
 )
 from router import ray_adapter
 from router.cache_digest import CacheDigest
@@ -101,7 +103,11 @@ class EngineReplica:
     def _start_engine(self, config: EngineConfig) -> EngineClient:
         """The engine, streaming token ids only: the ingress decodes text, off this process."""
         if self.engine_process:  # the model is built in the child; this process never touches CUDA
+            from engine import ProcessAsyncEngine
+
             return ProcessAsyncEngine(config)
+        from engine import AsyncEngine, Engine
+
         # At tp_size > 1 this replica is rank 0; the other ranks are Ray actors in its
         # placement group (deployments/tp_workers.py).
         self.tp_workers = TPWorkers(config) if config.tp_size > 1 else None
@@ -127,6 +133,8 @@ class EngineReplica:
     async def generate(self, call: EngineCall) -> AsyncIterator[WireDelta | dict]:
         """Stream one request: WireDeltas here or on the caller's delta channel
         (deployments/channel.py), or one {"error": ..., "status": ...}."""
+        from engine import LoRANotFoundError  # loaded with the engine (torch)
+
         timer = self.metrics.track_request()
         outbox = self.outboxes.get(call.channel) if call.channel else None
         try:
@@ -252,6 +260,8 @@ class EngineReplica:
         """Run "load_lora" (name, path), "unload_lora" (name) or "list_loras" on this
         replica's engine: {"replica", "result"} or {"replica", "error", "status"}
         (broadcast to every replica by deployments/lora_api.py)."""
+        from engine import LoRANotFoundError
+
         if op not in ("load_lora", "unload_lora", "list_loras"):
             return {"replica": self.replica_id, "error": f"unknown op {op!r}", "status": 400}
         if self.restored_loads.acknowledges(op, args):

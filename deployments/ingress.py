@@ -37,7 +37,7 @@ from deployments.responses import (TokenNamer, chat_chunk, chat_response, comple
 from deployments.streams import ChoiceState, error_of, merge_deltas, merged_stream
 from engine import (
     ChatPrompt, IncrementalDetokenizer, SamplingParams, Tokenizer, freeze_after_start,
-    load_hf_config, validate_request,
+    validate_request,
 )
 
 api = FastAPI(title="radixserve", description="OpenAI-compatible API over radixserve engines")
@@ -93,6 +93,8 @@ class OpenAIIngress:
         self.fleet = FleetStats(engine_handle, in_process)  # /v1/stats
         self.model_name = served_model_name
         self.tokenizer = Tokenizer(tokenizer or path)  # the engine's `tokenizer` setting wins
+        from engine import load_hf_config  # engine.models imports torch: here, not on import
+
         hf_config = load_hf_config(path)
         self.vocab_size = hf_config.vocab_size
         self.max_context = max_model_len or hf_config.max_position_embeddings

@@ -18,7 +18,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engine import EngineConfig, init_tp, open_rendezvous, resolve_device, run_worker
+from engine import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,8 @@ class TPWorker:
         return ray.get_runtime_context().get_node_id()
 
     def _run(self, config: EngineConfig, rank: int, size: int, init_method: str) -> None:
+        from engine import run_worker  # torch: in the rank's actor only
+
         try:
             run_worker(config, rank, size, init_method)
         except BaseException as e:  # noqa: BLE001 - reported through ping
@@ -100,6 +102,8 @@ class TPWorkers:
     """Rank 0's handle on the other ranks of its replica; `tp` is rank 0's joined context."""
 
     def __init__(self, config: EngineConfig) -> None:
+        from engine import init_tp, open_rendezvous, resolve_device  # torch: tp_size > 1 only
+
         pg = ray.util.get_current_placement_group()
         size = config.tp_size
         if pg is None or pg.bundle_count < size:

@@ -12,7 +12,8 @@
 # ENGINE_EXTRA="quantization: fp8, kv_cache_dtype: fp8_e4m3" (FP8 weights and KV through HTTP;
 # OFFLINE_ARGS="--quantization fp8 --kv-cache-dtype fp8_e4m3" gives the offline rows the same).
 # ENGINE_EXTRA="kernels: {pdl: false}" switches a kernel path off (A/B; docs/engine.md).
-# PARTS (default "serve,offline,path") picks what runs; "profile" adds py-spy of the engine
+# PARTS (default "serve,offline,path") picks what runs; "startup" measures launch to first
+# token of this config twice (scripts/bench_startup.py, plain `serve run`); "profile" adds py-spy of the engine
 # replica and an ingress during W2 over HTTP; "gil" runs batch-1 and W2 again with the
 # replica's GIL switch interval at 0.5 ms ("sw05": that under "tput"'s mode); "fast" runs them (and batch-1 800/16: a prefill graph past 512 tokens) under Ray's high-throughput mode (the README's, scripts/serve.sh), and with "sampled" W2 again at temperature 1, then also with top_p 0.95 and repetition_penalty 1.05
 # (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, RAY_SERVE_ENABLE_HA_PROXY=1), "w2only" keeping only its W2 runs, "b1only" only its batch-1 ones;
@@ -55,7 +56,7 @@ export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
 MODEL=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import bench_offline; print(bench_offline.model_dir())")
 python3 scripts/dummy_tokenizer.py "$MODEL"
 
-serve_up() {  # start `serve run` and wait until it answers, or fail fast when it died
+write_config() {  # the GPU config: /tmp/gpu_serve.yaml
   cat > /tmp/gpu_serve.yaml <<EOF
 proxy_location: EveryNode
 http_options: {host: 127.0.0.1, port: 8000}
@@ -72,6 +73,10 @@ applications:
                mem_fraction_static: 0.88, max_queued_requests: 2048, grammar_backend: none${ENGINE_EXTRA:+, $ENGINE_EXTRA}}
       ${SERVE_EXTRA:-}
 EOF
+}
+
+serve_up() {  # start `serve run` and wait until it answers, or fail fast when it died
+  write_config
   setsid serve run /tmp/gpu_serve.yaml > "$RES/serve.log" 2>&1 &
   SERVE_PID=$!
   for _ in $(seq 1 240); do
@@ -129,7 +134,7 @@ if off and "W2" in off:
     w2, w3 = off.get("W2", {}), off.get("W3", {})
     print(f"offline W2 cache_on: {w2.get('cache_on_output_tok_s', 0):.0f} tok/s; "
           f"W3: TTFT {w3.get('ttft_ms', 0):.1f} ms, step {w3.get('step_ms', 0):.2f} ms")
-for name in ("online.txt", "online_table.txt", "path.txt", "ceiling.txt", "admission.txt", "intake.txt",
+for name in ("startup_1.txt", "startup_2.txt", "online.txt", "online_table.txt", "path.txt", "ceiling.txt", "admission.txt", "intake.txt",
              "prefix_fetch.txt"):
     path = os.path.join(out, name)
     if os.path.exists(path):
@@ -183,6 +188,18 @@ PY
 # "online": O1 (BENCHMARKS.md), the offline engine and then HTTP with the same arrivals;
 # ONLINE_MODES lists app-arg variants to serve ("default" = the app as configured)
 ONLINE_RATES=${ONLINE_RATES:-16,32} ONLINE_MIXES=${ONLINE_MIXES:-fixed} ONLINE_SECONDS=${ONLINE_SECONDS:-20}
+if [[ $PARTS == *startup* ]]; then  # launch to first token of the GPU config, plain `serve run`:
+  # first with this machine's Triton cache as it is (empty on a fresh machine), then again
+  write_config
+  for run in 1 2; do
+    timeout 280 python3 scripts/bench_startup.py /tmp/gpu_serve.yaml --plain --port 8000 \
+      --interval 0.1 --timeout 250 > "$RES/startup_$run.txt" 2>&1
+    tail -32 "$RES/startup_$run.txt"
+    ray stop --force > /dev/null 2>&1
+  done
+fi
+checkpoint
+
 if [[ $PARTS == *online* ]]; then
   python3 scripts/bench_online.py offline --rates "$ONLINE_RATES" --mixes "$ONLINE_MIXES" \
     --duration "$ONLINE_SECONDS" --reference --json "$RES/online_offline.json" ${ONLINE_ENGINE:+--engine $ONLINE_ENGINE} 2>&1 | grep -v "^[-m]"

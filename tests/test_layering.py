@@ -286,10 +286,12 @@ def private_access(module: Module) -> list[str]:
 
 
 def engine_public_names() -> set[str]:
+    """engine/__init__.py's `_EXPORTS` (name -> module, imported on first use): its
+    `__all__` is the keys."""
     tree = MODULES["engine"].tree
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
-                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+                isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets):
             return set(ast.literal_eval(node.value))
     return set()
 

@@ -127,7 +127,4 @@ class OutputProcessor:
 def feed_detokenizer(req: Request) -> None:
     """Bring the request's detokenizer up to its tokens. Output text is decoded lazily,
     off the step loop, except for requests with stop strings."""
-    detok = req.detok
-    outputs = req.output_ids
-    while detok.num_fed < len(outputs):
-        detok.add(outputs[detok.num_fed])
+    req.detok.catch_up(req.output_ids)

@@ -5,8 +5,10 @@ import json
 import os
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Used when the model's tokenizer config carries no chat template.
 DEFAULT_CHAT_TEMPLATE = (
@@ -27,6 +29,10 @@ class ChatPrompt:
 
 class Tokenizer:
     def __init__(self, path: str) -> None:
+        # transformers (and the torch it imports) when a tokenizer loads, not on import:
+        # a server's modules import this one before they start the engine
+        from transformers import AutoTokenizer
+
         from engine.loading.model_source import resolve_model_path
         from engine.loading.gguf import is_gguf
         from engine.loading.gguf_tokenizer import gguf_tokenizer
@@ -163,6 +169,11 @@ class IncrementalDetokenizer:
         """Append one token; sets `stopped` when a stop string appears."""
         self.offsets.append(len(self.text))
         self._add(token_id)
+
+    def catch_up(self, output_ids: list[int]) -> None:
+        """Add the tokens of `output_ids` (all output so far) not added yet."""
+        while self.num_fed < len(output_ids):
+            self.add(output_ids[self.num_fed])
 
     def _add(self, token_id: int) -> None:
         self.ids.append(token_id)

@@ -18,17 +18,19 @@ import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.core.queue_deadlines import QueueFullError
-from engine.runtime.engine import Engine
-from engine.lora import LoRAError, LoRANotFoundError
 from engine.core.outputs import WireBatch
 from engine.core.sampling_params import SamplingParams
 from engine.runtime.step_report import EngineStepError, StepReport, step_for_streams, step_report
 from engine.runtime.stream_deltas import wire_update
 
 from engine.executor.startup_timer import process_age_s
+
+if TYPE_CHECKING:
+    from engine.runtime.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -136,9 +138,15 @@ def run(config: EngineConfig, commands: Connection, out: Connection, parent_pid:
     """The child's entry point (multiprocessing "spawn")."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C of `serve run` reaches the parent
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-process %(levelname)s %(message)s")
-    logger.info("engine process up: imports took %.1fs; its parent was %.1fs old when it "
+    logger.info("engine process up %.1fs after it started; its parent was %.1fs old when it "
                 "started it", process_age_s(), parent_age_s)
     try:
+        # Here, not at the top: the parent imports this module to start the child, and
+        # must not wait for torch first (engine/runtime/process_engine.py).
+        from engine.runtime.engine import Engine
+
+        logger.info("engine process: the engine's imports done, %.1fs after it started",
+                    process_age_s())
         engine = Engine(config)
     except BaseException as e:  # noqa: BLE001 - the parent re-raises it
         out.send(StartupFailed(portable(e), traceback.format_exc()))
@@ -254,6 +262,8 @@ class EngineProcess:
 def portable(error: BaseException) -> BaseException:
     """An exception the parent can unpickle and the server maps as today (ValueError: 400,
     QueueFullError: 503); anything else as a RuntimeError naming its type."""
+    from engine.lora import LoRAError, LoRANotFoundError
+
     for kind in (QueueFullError, EngineStepError, LoRANotFoundError, LoRAError, ValueError,
                  FileNotFoundError, OSError):
         if isinstance(error, kind):

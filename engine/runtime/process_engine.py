@@ -23,14 +23,11 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-import torch
-
 from engine.core.admission import check_priority
 from engine.runtime import engine_process_main as child
 from engine.runtime.engine_process_main import EngineProcessError
 from engine.config import EngineConfig
 from engine.runtime.engine_client import SHUTDOWN_TIMEOUT_S, DeltaSink, capacity_of, refuse_when_full
-from engine.grammar import Grammars
 from engine.runtime.loop_handoff import call_soon, deliver, set_exception, set_result
 from engine.core.outputs import StreamDelta, WireDelta
 from engine.runtime.prefix_exchange import ExportedPrefix
@@ -38,7 +35,6 @@ from engine.core.request import validate_request
 from engine.core.sampling_params import SamplingParams
 from engine.runtime.step_report import StepReport
 from engine.runtime.stream_deltas import WireToStreamDelta
-from engine.loading.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +54,17 @@ class ProcessAsyncEngine:
             raise ValueError("the engine process does not support tp_size > 1 yet; "
                              "run the engine in the replica's process (engine_process: false)")
         self.config = config
+        # The child first: this module imports nothing heavy, so the child starts as soon as
+        # the caller's process can construct this; torch, transformers and the grammar
+        # backends load here while the child loads the model.
         self._process, self._commands, self._out = child.start(config)
         try:
-            self.tokenizer = Tokenizer(config.tokenizer or config.model)  # while the child loads
+            import torch
+
+            from engine.grammar import Grammars
+            from engine.loading.tokenizer import Tokenizer
+
+            self.tokenizer = Tokenizer(config.tokenizer or config.model)
             self.limits = child.wait_ready(self._process, self._out)
         except BaseException:
             child.kill(self._process)

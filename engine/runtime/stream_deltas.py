@@ -3,7 +3,6 @@ or the WireDelta a server forwards (engine/core/outputs.py); and back from a Wir
 to a StreamDelta (ProcessAsyncEngine's `generate`)."""
 from __future__ import annotations
 
-from engine.executor.output_processor import feed_detokenizer
 from engine.core.outputs import StreamDelta, WireDelta, wire_delta_of, wire_of
 from engine.core.request import Request
 
@@ -14,7 +13,7 @@ def stream_delta(req: Request, new_tokens: list[int], finished: bool,
     engine decodes anyway); counts and prompt logprobs ride on the first one."""
     text = ""
     if detokenize or req.params.stop:
-        feed_detokenizer(req)
+        req.detok.catch_up(req.output_ids)
         text = req.detok.take_delta(final=finished)
     n = len(new_tokens)
     first = req.num_output == n
