@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from engine import EngineConfig, PoolingEngine
 from engine.attention.varlen import PackedLayout, varlen_attention
 from engine.loading.demo_model import ensure_demo_model
-from engine.runtime.pooling_batch import PoolInput, flat_ids, forward_bounds, pack_call
+from engine.runtime.pooling_batch import (PoolInput, forward_bounds, input_lens, pack_forward,
+                                          plan_call, upload)
 from triton_on_cpu import compile_for_sm90, run_under_interpreter
 
 CASES = [  # lens, q heads, kv heads, head dim, causal
@@ -107,12 +108,18 @@ def test_varlen_kernel_compiles_for_hopper():
 
 
 def test_packing_sorts_cuts_and_keeps_positions():
-    items = [PoolInput([7] * n, [1] * n if n == 3 else None) for n in (5, 2, 9, 3, 2)]
-    lens, ids = flat_ids(items)
-    call = pack_call(items, lens, ids)
-    assert call.lens.tolist() == [2, 2, 3, 5, 9] and call.order.tolist() == [1, 4, 3, 0, 2]
-    assert call.positions.tolist() == [0, 1, 0, 1, 0, 1, 2] + list(range(5)) + list(range(9))
-    assert call.types.tolist() == [0] * 4 + [1] * 3 + [0] * 14
-    assert forward_bounds(call.lens, token_budget=7, max_seqs=8) == [(0, 3), (3, 4), (4, 5)]
-    assert forward_bounds(call.lens, token_budget=100, max_seqs=2) == [(0, 2), (2, 4), (4, 5)]
+    sizes = (5, 2, 9, 3, 2)
+    items = [PoolInput([10 * i + j for j in range(n)], [1] * n if n == 3 else None)
+             for i, n in enumerate(sizes)]
+    plan = plan_call(items, input_lens(items), token_budget=7, max_seqs=8)
+    assert plan.lens.tolist() == [2, 2, 3, 5, 9] and plan.order.tolist() == [1, 4, 3, 0, 2]
+    assert plan.bounds == [(0, 3), (3, 4), (4, 5)] and plan.has_types
+    host = pack_forward(items, plan, 0, 3)
+    ids, positions, cu, types = np.split(host, [7, 14, 18])
+    assert ids.tolist() == [10, 11, 40, 41, 30, 31, 32]
+    assert positions.tolist() == [0, 1, 0, 1, 0, 1, 2] and cu.tolist() == [0, 2, 4, 7]
+    assert types.tolist() == [0] * 4 + [1] * 3
+    fwd = upload(host, plan.lens[0:3], True, torch.device("cpu"))
+    assert fwd.cu_seqlens.dtype == torch.int32 and fwd.token_types.tolist() == types.tolist()
+    assert forward_bounds(plan.lens, token_budget=100, max_seqs=2) == [(0, 2), (2, 4), (4, 5)]
     assert forward_bounds(np.array([50, 60]), token_budget=10, max_seqs=8) == [(0, 1), (1, 2)]

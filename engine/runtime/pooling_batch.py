@@ -1,8 +1,9 @@
 """A pooling call's inputs packed into forwards on the host, with numpy: the inputs sorted
-by length, cut into forwards of a token and a sequence budget, and each forward's token ids,
-positions, token types and sequence bounds in one buffer that reaches the device in one
-copy (pinned, asynchronous on a GPU). Nothing here waits for the device, so the host packs
-forward N+1 while forward N runs."""
+by length and cut into forwards of a token and a sequence budget (`plan_call`), then each
+forward's token ids, positions, token types and sequence bounds gathered into one buffer
+that reaches the device in one copy (`pack_forward`, `upload`: pinned and asynchronous on
+a GPU). Nothing here waits for the device, and a forward's tokens are gathered only when
+it is next, so the host packs forward N+1 while the device runs forward N."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,14 +22,14 @@ class PoolInput:
 
 
 @dataclass
-class PackedCall:
-    """Every input of one call, flattened in length order (host arrays)."""
+class CallPlan:
+    """A call's inputs in length order (stable: equal lengths keep their order), cut into
+    forwards."""
 
     order: np.ndarray  # [N]: the call's input index of each sorted input
     lens: np.ndarray  # [N] int64, sorted
-    ids: np.ndarray  # [T] int64: the sorted inputs' tokens back to back
-    positions: np.ndarray  # [T] int64: each token's position in its own input
-    types: np.ndarray | None  # [T] int64 token types (sentence pairs), or None
+    bounds: list[tuple[int, int]]  # each forward's [first, end) of the sorted inputs
+    has_types: bool  # some input carries token types (sentence pairs)
 
 
 @dataclass
@@ -36,36 +37,28 @@ class DeviceForward:
     """One forward's inputs on the device."""
 
     input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64: each token's position in its own sequence
     token_types: torch.Tensor | None  # [T] int64
-    cu_seqlens: torch.Tensor  # [B + 1] int32
+    cu_seqlens: torch.Tensor  # [B + 1] int32: sequence i is rows [cu[i], cu[i+1])
     lens: list[int]
 
 
-def flat_ids(items: list[PoolInput]) -> tuple[np.ndarray, np.ndarray]:
-    """(lens [N], every input's ids back to back [T]) as int64 arrays."""
-    lens = np.fromiter((len(x.ids) for x in items), dtype=np.int64, count=len(items))
-    ids = np.fromiter(chain.from_iterable(x.ids for x in items), dtype=np.int64,
-                      count=int(lens.sum()))
-    return lens, ids
+def input_lens(items: list[PoolInput]) -> np.ndarray:
+    return np.fromiter((len(x.ids) for x in items), dtype=np.int64, count=len(items))
 
 
-def pack_call(items: list[PoolInput], lens: np.ndarray, ids: np.ndarray) -> PackedCall:
-    """The call's inputs in length order (stable: equal lengths keep their order)."""
+def flat_ids(items: list[PoolInput]) -> np.ndarray:
+    """Every input's ids back to back, int64 (OverflowError for an id past int64)."""
+    return np.fromiter(chain.from_iterable(x.ids for x in items), dtype=np.int64,
+                       count=sum(len(x.ids) for x in items))
+
+
+def plan_call(items: list[PoolInput], lens: np.ndarray, token_budget: int,
+              max_seqs: int) -> CallPlan:
     order = np.argsort(lens, kind="stable")
-    starts = np.cumsum(lens) - lens
     slens = lens[order]
-    total = int(slens.sum())
-    sstarts = np.cumsum(slens) - slens
-    within = np.arange(total, dtype=np.int64) - np.repeat(sstarts, slens)
-    gather = np.repeat(starts[order], slens) + within  # each sorted token's place in `ids`
-    types = None
-    if any(x.token_types for x in items):
-        all_types = np.fromiter(chain.from_iterable(x.token_types or [0] * len(x.ids)
-                                                    for x in items),
-                                dtype=np.int64, count=len(ids))
-        types = all_types[gather]
-    return PackedCall(order, slens, ids[gather], within, types)
+    has_types = any(x.token_types for x in items)
+    return CallPlan(order, slens, forward_bounds(slens, token_budget, max_seqs), has_types)
 
 
 def forward_bounds(lens: np.ndarray, token_budget: int, max_seqs: int) -> list[tuple[int, int]]:
@@ -82,24 +75,27 @@ def forward_bounds(lens: np.ndarray, token_budget: int, max_seqs: int) -> list[t
     return bounds
 
 
-def to_device(call: PackedCall, first: int, end: int, token_first: int,
-              device: torch.device) -> DeviceForward:
-    """Inputs [first, end) of `call` (their tokens start at `token_first`) as one forward's
-    device tensors, uploaded in one copy."""
-    lens = call.lens[first:end]
+def pack_forward(items: list[PoolInput], plan: CallPlan, first: int, end: int) -> np.ndarray:
+    """The host buffer of sorted inputs [first, end): ids [T] | positions [T] | cu [B + 1]
+    (| token types [T]), int64."""
+    lens = plan.lens[first:end]
+    picked = [items[i] for i in plan.order[first:end].tolist()]
     t = int(lens.sum())
-    rows = slice(token_first, token_first + t)
     cu = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=cu[1:])
-    parts = [call.ids[rows], call.positions[rows], cu]
-    if call.types is not None:
-        parts.append(call.types[rows])
-    host = torch.from_numpy(np.concatenate(parts))
-    if device.type == "cuda":
-        dev = host.pin_memory().to(device, non_blocking=True)
-    else:
-        dev = host.to(device)
-    b = len(lens)
-    types = dev[2 * t + b + 1:] if call.types is not None else None
+    parts = [flat_ids(picked), np.arange(t, dtype=np.int64) - np.repeat(cu[:-1], lens), cu]
+    if plan.has_types:
+        parts.append(np.fromiter(chain.from_iterable(x.token_types or [0] * len(x.ids)
+                                                     for x in picked), dtype=np.int64, count=t))
+    return np.concatenate(parts)
+
+
+def upload(host: np.ndarray, lens: np.ndarray, has_types: bool,
+           device: torch.device) -> DeviceForward:
+    """`pack_forward`'s buffer on the device, in one copy."""
+    t, b = int(lens.sum()), len(lens)
+    buf = torch.from_numpy(host)
+    dev = buf.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else buf.to(device)
+    types = dev[2 * t + b + 1:] if has_types else None
     return DeviceForward(dev[:t], dev[t:2 * t], types, dev[2 * t:2 * t + b + 1].to(torch.int32),
                          lens.tolist())

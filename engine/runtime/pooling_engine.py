@@ -31,8 +31,8 @@ from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import dummy_init_, iterate_safetensors, tensor_shapes
 from engine.models import load_hf_config, load_model, resolve_device, resolve_dtype
 from engine.models.bert import EncoderModel, is_encoder
-from engine.runtime.pooling_batch import (DeviceForward, PoolInput, flat_ids, forward_bounds,
-                                          pack_call, to_device)
+from engine.runtime.pooling_batch import (DeviceForward, PoolInput, flat_ids, input_lens,
+                                          pack_forward, plan_call, upload)
 
 Head = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden, cu_seqlens) -> rows
 
@@ -189,37 +189,51 @@ class PoolingEngine:
         classify = self.score_head if self.score_head is not None else self.model.classify
         return self._run(items, lambda hidden, cu: classify(hidden, cu)[:, 0]).tolist()
 
-    def check_all(self, items: list[PoolInput]) -> tuple[np.ndarray, np.ndarray]:
-        """`check` for every input at once; (lens, the ids back to back) as arrays."""
+    def check_all(self, items: list[PoolInput]) -> None:
+        """`check` for every input at once (vectorized; `check` names the first bad one)."""
+        self._check_lens(items, input_lens(items))
         try:
-            lens, ids = flat_ids(items)
+            ids = flat_ids(items)
         except OverflowError:  # an id past int64 is out of the vocabulary too
-            lens, ids = None, None
-        vocab = self.hf_config.vocab_size
-        if (lens is None or not lens.all() or lens.max(initial=0) > self.max_context
-                or (ids.size and (ids.min() < 0 or ids.max() >= vocab))):
+            ids = None
+        self._check_ids(items, ids)
+
+    def _check_lens(self, items: list[PoolInput], lens: np.ndarray) -> None:
+        if not lens.all() or lens.max(initial=0) > self.max_context:
             for item in items:
-                self.check(item)  # raises, naming what is wrong
-        return lens, ids
+                self.check(item)
+
+    def _check_ids(self, items: list[PoolInput], ids: np.ndarray | None) -> None:
+        if ids is None or (ids.size and (ids.min() < 0 or ids.max() >= self.hf_config.vocab_size)):
+            for item in items:
+                self.check(item)
 
     def _run(self, items: list[PoolInput], head: Head) -> torch.Tensor:
         if not items:
             return torch.empty(0)
         started = time.perf_counter()
-        call = pack_call(items, *self.check_all(items))
-        budget = max(self.config.max_prefill_tokens, self.max_context)
-        ends = np.cumsum(call.lens).tolist()
+        lens = input_lens(items)
+        self._check_lens(items, lens)
+        plan = plan_call(items, lens, max(self.config.max_prefill_tokens, self.max_context),
+                         self.config.max_running_requests)
         rows = []
-        for first, end in forward_bounds(call.lens, budget, self.config.max_running_requests):
-            fwd = to_device(call, first, end, ends[first - 1] if first else 0, self.device)
+        for first, end in plan.bounds:
+            try:
+                host = pack_forward(items, plan, first, end)
+            except OverflowError:
+                host = None
+            t = int(plan.lens[first:end].sum())
+            if host is None or host[:t].min() < 0 or host[:t].max() >= self.hf_config.vocab_size:
+                self._check_ids([items[i] for i in plan.order[first:end].tolist()], None)
+            fwd = upload(host, plan.lens[first:end], plan.has_types, self.device)
             rows.append(self._forward(fwd, head))
         sorted_rows = torch.cat(rows).cpu()  # the call's one wait for the device
         out = torch.empty_like(sorted_rows)
-        out[torch.from_numpy(call.order)] = sorted_rows
+        out[torch.from_numpy(plan.order)] = sorted_rows
         self.stats.forwards += len(rows)
         self.stats.forward_seconds += time.perf_counter() - started
         self.stats.inputs += len(items)
-        self.stats.prompt_tokens += int(call.lens.sum())
+        self.stats.prompt_tokens += int(lens.sum())
         return out
 
     def _forward(self, fwd: DeviceForward, head: Head) -> torch.Tensor:
