@@ -123,3 +123,19 @@ def test_packing_sorts_cuts_and_keeps_positions():
     assert fwd.cu_seqlens.dtype == torch.int32 and fwd.token_types.tolist() == types.tolist()
     assert forward_bounds(plan.lens, token_budget=100, max_seqs=2) == [(0, 2), (2, 4), (4, 5)]
     assert forward_bounds(np.array([50, 60]), token_budget=10, max_seqs=8) == [(0, 1), (1, 2)]
+
+
+def test_bad_token_ids_are_value_errors(tmp_path):
+    """Out of the vocabulary (past int64 too) or empty: a ValueError naming it, from the
+    servers' up-front check and from a call whose bad input is in a later forward."""
+    engine = PoolingEngine(EngineConfig(model=_tiny_bert(tmp_path), task="embed",
+                                        load_format="dummy", dtype="float32", device="cpu",
+                                        tokenizer=ensure_demo_model(), max_running_requests=2))
+    good = [PoolInput([5] * n) for n in (3, 40, 60)]
+    for bad in ([512], [-1], [2 ** 70], []):
+        with pytest.raises(ValueError, match="token ids must be in|input is empty"):
+            engine.check_all(good + [PoolInput(bad)])
+        with pytest.raises(ValueError, match="token ids must be in|input is empty"):
+            engine.embed(good + [PoolInput([7] * 50 + bad)] if bad else good + [PoolInput(bad)])
+    assert engine.stats.inputs == 0
+    assert engine.embed(good).shape == (3, 64) and engine.stats.inputs == 3
