@@ -68,8 +68,11 @@ class Encoder(nn.Module):
         if self.position_offset:
             positions = positions + self.position_offset
         x = self.word(input_ids) + self.position(positions)
-        # no token types: every token is type 0 (row 0 added without an index tensor)
-        x = x + (self.token_type(token_types) if token_types is not None else self.token_type.weight[0])
+        # no token types: every token is type 0 (its row added without an index tensor)
+        if token_types is None:
+            x = x + self.token_type.weight[0]
+        else:
+            x = x + self.token_type(token_types)
         x = self.norm(x)
         for layer in self.layers:
             x = layer(x, layout)
@@ -78,7 +81,8 @@ class Encoder(nn.Module):
 
 class EncoderModel(nn.Module):
     """`BertModel` / `XLMRobertaModel` (embedders): hidden states; `*ForSequenceClassification`
-    (rerankers): also `classify(hidden, cu_seqlens)` -> [B, num_labels] logits from each first token."""
+    (rerankers): also `classify(hidden, cu_seqlens)` -> [B, num_labels] logits from each
+    first token."""
 
     def __init__(self, cfg: Any, classifier: bool = False) -> None:
         super().__init__()

@@ -95,7 +95,9 @@ def upload(host: np.ndarray, lens: np.ndarray, has_types: bool,
     """`pack_forward`'s buffer on the device, in one copy."""
     t, b = int(lens.sum()), len(lens)
     buf = torch.from_numpy(host)
-    dev = buf.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else buf.to(device)
+    if device.type == "cuda":
+        buf = buf.pin_memory()  # so the copy is asynchronous: the host goes on packing
+    dev = buf.to(device, non_blocking=True)
     types = dev[2 * t + b + 1:] if has_types else None
     return DeviceForward(dev[:t], dev[t:2 * t], types, dev[2 * t:2 * t + b + 1].to(torch.int32),
                          lens.tolist())
