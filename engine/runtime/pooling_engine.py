@@ -78,6 +78,15 @@ class PoolingEngine:
         self.matryoshka = bool(getattr(hf_config, "is_matryoshka", False)
                                or getattr(hf_config, "matryoshka_dimensions", None))
         self.stats = PoolingStats()
+        if self.use_triton:
+            self._compile_kernels()
+
+    @torch.inference_mode()
+    def _compile_kernels(self) -> None:
+        """One tiny forward, so the attention kernel's compile happens at start-up and not
+        on the first request."""
+        self._run([PoolInput([0, 0])], lambda hidden, cu: hidden[cu[1:].long() - 1])
+        self.stats = PoolingStats()
 
     def _load(self, path: str, hf_config) -> torch.nn.Module:
         if not self.encoder:
