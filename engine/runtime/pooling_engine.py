@@ -31,8 +31,8 @@ from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import dummy_init_, iterate_safetensors, tensor_shapes
 from engine.models import load_hf_config, load_model, resolve_device, resolve_dtype
 from engine.models.bert import EncoderModel, is_encoder
-from engine.runtime.pooling_batch import (DeviceForward, PoolInput, flat_ids, input_lens,
-                                          pack_forward, plan_call, upload)
+from engine.runtime.pooling_batch import (CallPlan, DeviceForward, PoolInput, flat_ids,
+                                          input_lens, pack_forward, plan_call, upload)
 
 Head = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden, cu_seqlens) -> rows
 
@@ -227,13 +227,7 @@ class PoolingEngine:
                          self.config.max_running_requests)
         rows = []
         for first, end in plan.bounds:
-            try:
-                host = pack_forward(items, plan, first, end)
-            except OverflowError:
-                host = None
-            t = int(plan.lens[first:end].sum())
-            if host is None or host[:t].min() < 0 or host[:t].max() >= self.hf_config.vocab_size:
-                self._check_ids([items[i] for i in plan.order[first:end].tolist()], None)
+            host = self._packed(items, plan, first, end)
             fwd = upload(host, plan.lens[first:end], plan.has_types, self.device)
             rows.append(self._forward(fwd, head))
         sorted_rows = torch.cat(rows).cpu()  # the call's one wait for the device
@@ -244,6 +238,18 @@ class PoolingEngine:
         self.stats.inputs += len(items)
         self.stats.prompt_tokens += int(lens.sum())
         return out
+
+    def _packed(self, items: list[PoolInput], plan: CallPlan, first: int, end: int) -> np.ndarray:
+        """The host buffer of the forward of sorted inputs [first, end); ValueError for an
+        id out of the vocabulary (checked here, where the ids are gathered anyway)."""
+        try:
+            host = pack_forward(items, plan, first, end)
+        except OverflowError:  # an id past int64
+            host = None
+        t = int(plan.lens[first:end].sum())
+        if host is None or host[:t].min() < 0 or host[:t].max() >= self.hf_config.vocab_size:
+            self._check_ids([items[i] for i in plan.order[first:end].tolist()], None)
+        return host
 
     def _forward(self, fwd: DeviceForward, head: Head) -> torch.Tensor:
         layout = PackedLayout(fwd.lens, fwd.cu_seqlens, max(fwd.lens), self.use_triton)
