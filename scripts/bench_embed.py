@@ -5,17 +5,21 @@ prefill. Dummy weights (shapes are what cost time), random token ids.
     python scripts/bench_embed.py                 # GPU: 10,000 inputs of 16-256 tokens
     python scripts/bench_embed.py --tiny          # CPU smoke test at tiny sizes
     python scripts/bench_embed.py --skip-decoder  # encoders only
+    python scripts/bench_embed.py --attention-backend torch  # the padded SDPA path instead
 
 Rows: all-MiniLM-L6-v2-shaped and BGE-large-shaped (335M) encoders (embeddings/s: the engine
 packs length-sorted inputs, no padding in the linears; transformers runs batches of
 `--hf-batch` inputs padded to their longest, in arrival order and length-sorted), and an
 8B Llama-shaped decoder with last-token pooling (prefill tokens/s against `LLM.generate`
 with max_tokens=1 on the same inputs). GPU utilisation is sampled during the engine's run
-(pynvml, when installed). Prints a table; `--json PATH` writes the rows."""
+(pynvml, when installed). Prints a table; `--json PATH` writes the rows. The tokenizer does
+not matter (the inputs are token ids): MiniLM's when its package is installed, else the
+demo model's, so the GPU machine needs no model package."""
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import random
@@ -40,6 +44,7 @@ ENCODERS = {  # name -> (hidden, layers, heads, intermediate)
     "bge-large (335M)": (1024, 24, 16, 4096),
     "tiny-bert": (64, 2, 4, 128),
 }
+MINILM = "package:all_minilm_l6_v2"
 DECODERS = {  # name -> (hidden, layers, heads, kv heads, intermediate, vocab)
     "llama-8b": (4096, 32, 32, 8, 14336, 128256),
     "tiny-llama": (64, 2, 4, 2, 128, 512),
@@ -51,9 +56,10 @@ def encoder_dir(root: Path, shape: tuple[int, int, int, int], tokenizer_from: st
     hidden, layers, heads, inter = shape
     path = root / f"bert-{hidden}-{layers}"
     path.mkdir(parents=True, exist_ok=True)
-    src = resolve_model_path(tokenizer_from)
+    src = Path(resolve_model_path(tokenizer_from))
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(f"{src}/{name}", path / name)
+        if (src / name).exists():
+            shutil.copy(src / name, path / name)
     config = {"architectures": ["BertModel"], "model_type": "bert", "hidden_size": hidden,
               "num_hidden_layers": layers, "num_attention_heads": heads, "intermediate_size": inter,
               "vocab_size": 30522, "max_position_embeddings": 512, "type_vocab_size": 2,
@@ -166,7 +172,8 @@ def encoder_rows(args, root: Path, device: torch.device, dtype: str) -> list[dic
         engine = PoolingEngine(EngineConfig(model=path, task="embed", load_format="dummy",
                                             dtype=dtype, device=str(device),
                                             max_prefill_tokens=args.max_prefill_tokens,
-                                            max_running_requests=4096))
+                                            max_running_requests=4096,
+                                            attention_backend=args.attention_backend))
         seconds, util = time_engine(engine, inputs)
         del engine
         gc.collect()
@@ -187,7 +194,8 @@ def decoder_row(args, root: Path, device: torch.device, dtype: str) -> dict:
     tokens = sum(map(len, inputs))
     common = dict(load_format="dummy", dtype=dtype, device=str(device),
                   tokenizer=ensure_demo_model(), max_prefill_tokens=args.max_prefill_tokens)
-    engine = PoolingEngine(EngineConfig(model=path, task="embed", max_running_requests=4096, **common))
+    engine = PoolingEngine(EngineConfig(model=path, task="embed", max_running_requests=4096,
+                                        attention_backend=args.attention_backend, **common))
     seconds, util = time_engine(engine, inputs)
     del engine
     gc.collect()
@@ -237,10 +245,16 @@ def main() -> None:
     p.add_argument("--hf-batch", type=int, default=256)
     p.add_argument("--max-prefill-tokens", type=int, default=32768)
     p.add_argument("--skip-decoder", action="store_true")
-    p.add_argument("--tokenizer-from", default="package:all_minilm_l6_v2",
-                   help="the encoders' tokenizer: MiniLM's package, or a folder holding its files")
+    p.add_argument("--tokenizer-from", default=None,
+                   help="the encoders' tokenizer (a package: name or a folder); default: MiniLM's "
+                        "package when installed, else the demo model's")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="the engine's packed attention: auto = the Triton varlen kernel on a GPU")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.tokenizer_from is None:
+        args.tokenizer_from = (MINILM if importlib.util.find_spec("all_minilm_l6_v2")
+                               else ensure_demo_model())
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if args.device == "auto" else args.device))
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
@@ -253,7 +267,8 @@ def main() -> None:
         enc = encoder_rows(args, Path(tmp), device, dtype)
         dec = None if args.skip_decoder else decoder_row(args, Path(tmp), device, dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"bench_embed on {name}, {dtype}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"bench_embed on {name}, {dtype}, attention {args.attention_backend}, "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print_table(enc, dec)
     if args.json:
         Path(args.json).write_text(json.dumps({"device": name, "dtype": dtype, "encoders": enc,

@@ -23,7 +23,7 @@ kernels="tests/test_argmax.py tests/test_decode_store_kv.py tests/test_fp8_kerne
   tests/test_fp8_kv_triton.py tests/test_fused_kernels.py tests/test_gemv.py tests/test_graph_inputs.py
   tests/test_moe_kernels.py tests/test_sampling_cut.py tests/test_split_sums.py
   tests/test_triton_attention.py tests/test_triton_window.py tests/test_flashinfer_prefill.py
-  tests/test_lora_kernels.py tests/test_kv_copy.py tests/test_mla_decode.py"
+  tests/test_lora_kernels.py tests/test_kv_copy.py tests/test_mla_decode.py tests/test_pooling_varlen.py"
 engine="tests/test_gpu_engine.py tests/test_gpu_moe.py tests/test_gpu_speculative.py
   tests/test_prefix_groups.py tests/test_precompile.py tests/test_cold_start.py
   tests/test_priority.py"

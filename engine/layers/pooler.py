@@ -19,20 +19,21 @@ class PoolingSpec:
     normalize: bool
 
 
-def pool(hidden: torch.Tensor, lens: list[int], spec: PoolingSpec,
+def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, spec: PoolingSpec,
          dimensions: int | None = None) -> torch.Tensor:
-    """hidden [T, H] of sequences of `lens` tokens back to back -> [B, dimensions or H]
-    float32."""
-    lens_t = torch.tensor(lens, device=hidden.device)
-    ends = lens_t.cumsum(0)
+    """hidden [T, H] of sequences back to back, sequence i rows [cu[i], cu[i+1]) (a device
+    tensor: nothing syncs) -> [B, dimensions or H] float32."""
+    cu = cu_seqlens.long()
     if spec.mode == "cls":
-        out = hidden[ends - lens_t]
+        out = hidden[cu[:-1]]
     elif spec.mode == "last":
-        out = hidden[ends - 1]
+        out = hidden[cu[1:] - 1]
     else:
-        seq = torch.arange(len(lens), device=hidden.device).repeat_interleave(lens_t)
+        lens = cu[1:] - cu[:-1]
+        seq = torch.arange(len(lens), device=hidden.device).repeat_interleave(
+            lens, output_size=hidden.shape[0])
         sums = torch.zeros(len(lens), hidden.shape[1], device=hidden.device, dtype=torch.float32)
-        out = sums.index_add_(0, seq, hidden.float()) / lens_t[:, None]
+        out = sums.index_add_(0, seq, hidden.float()) / lens[:, None]
     out = out.float()
     if dimensions is not None:
         out = out[:, :dimensions]

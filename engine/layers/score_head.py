@@ -13,7 +13,8 @@ class LastTokenScoreHead(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)  # (num_labels, hidden)
 
-    def forward(self, hidden: torch.Tensor, lens: list[int]) -> torch.Tensor:
-        """(sum(lens), hidden) packed states -> (len(lens), num_labels) float32 logits."""
-        last = torch.tensor(lens, device=hidden.device).cumsum(0) - 1
+    def forward(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """(T, hidden) packed states, sequence i rows [cu[i], cu[i+1]) -> (B, num_labels)
+        float32 logits."""
+        last = cu_seqlens[1:].long() - 1
         return (hidden[last] @ self.weight.to(hidden.dtype).t()).float()

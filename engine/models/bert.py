@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.varlen import PackedLayout, packed_positions, varlen_attention
+from engine.attention.varlen import PackedLayout, varlen_attention
 
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
 _PREFIXES = ("bert.", "roberta.", "model.")
@@ -62,12 +62,18 @@ class Encoder(nn.Module):
         self.position_offset = (cfg.pad_token_id + 1) if roberta else 0
         self.max_tokens = cfg.max_position_embeddings - self.position_offset
 
-    def forward(self, input_ids: torch.Tensor, lens: list[int],
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: PackedLayout,
                 token_types: torch.Tensor | None = None) -> torch.Tensor:
-        positions = packed_positions(lens, input_ids.device) + self.position_offset
-        types = token_types if token_types is not None else torch.zeros_like(input_ids)
-        x = self.norm(self.word(input_ids) + self.position(positions) + self.token_type(types))
-        layout = PackedLayout.of(lens, causal=False, device=input_ids.device)
+        """`positions`: each token's place in its own sequence (from 0)."""
+        if self.position_offset:
+            positions = positions + self.position_offset
+        x = self.word(input_ids) + self.position(positions)
+        # no token types: every token is type 0 (its row added without an index tensor)
+        if token_types is None:
+            x = x + self.token_type.weight[0]
+        else:
+            x = x + self.token_type(token_types)
+        x = self.norm(x)
         for layer in self.layers:
             x = layer(x, layout)
         return x
@@ -75,7 +81,8 @@ class Encoder(nn.Module):
 
 class EncoderModel(nn.Module):
     """`BertModel` / `XLMRobertaModel` (embedders): hidden states; `*ForSequenceClassification`
-    (rerankers): also `classify(hidden, lens)` -> [B, num_labels] logits from each first token."""
+    (rerankers): also `classify(hidden, cu_seqlens)` -> [B, num_labels] logits from each
+    first token."""
 
     def __init__(self, cfg: Any, classifier: bool = False) -> None:
         super().__init__()
@@ -91,13 +98,12 @@ class EncoderModel(nn.Module):
     def max_tokens(self) -> int:
         return self.encoder.max_tokens
 
-    def forward(self, input_ids: torch.Tensor, lens: list[int],
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: PackedLayout,
                 token_types: torch.Tensor | None = None) -> torch.Tensor:
-        return self.encoder(input_ids, lens, token_types)
+        return self.encoder(input_ids, positions, layout, token_types)
 
-    def classify(self, hidden: torch.Tensor, lens: list[int]) -> torch.Tensor:
-        starts = torch.tensor([0] + lens[:-1], device=hidden.device).cumsum(0)
-        first = hidden[starts]
+    def classify(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        first = hidden[cu_seqlens[:-1].long()]
         return self.head_out(torch.tanh(self.head_dense(first))).float()
 
     def load_weights(self, weights) -> None:

@@ -7,17 +7,21 @@ sentence-transformers config says, or a Llama/Qwen decoder pooled at its last to
 `*ForSequenceClassification` cross-encoders (BERT family) and decoder classifiers (their
 last token's hidden state through a linear), one logit per (query, document) pair.
 Inputs are sorted by length and packed into forwards of at most `max_prefill_tokens`
-tokens and `max_running_requests` sequences; an input's result does not depend on what it
-was packed with."""
+tokens and `max_running_requests` sequences (engine/runtime/pooling_batch.py: numpy on the
+host, one upload per forward); an input's result does not depend on what it was packed
+with. The forwards' results stay on the device until the call's last one is queued, then
+come back in one copy: the host never waits for a forward in between."""
 from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from engine.attention.varlen import PackedCausalBackend, packed_batch
+from engine.attention.varlen import PackedCausalBackend, PackedLayout, packed_batch
 from engine.config import EngineConfig
 from engine.layers.pooler import PoolingSpec, pool
 from engine.layers.score_head import LastTokenScoreHead
@@ -27,14 +31,10 @@ from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import dummy_init_, iterate_safetensors, tensor_shapes
 from engine.models import load_hf_config, load_model, resolve_device, resolve_dtype
 from engine.models.bert import EncoderModel, is_encoder
+from engine.runtime.pooling_batch import (CallPlan, DeviceForward, PoolInput, flat_ids,
+                                          input_lens, pack_forward, plan_call, upload)
 
-
-@dataclass
-class PoolInput:
-    """One input: token ids, and for an encoder's sentence pair the token type of each."""
-
-    ids: list[int]
-    token_types: list[int] | None = None
+Head = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden, cu_seqlens) -> rows
 
 
 @dataclass
@@ -59,6 +59,9 @@ class PoolingEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         self.encoder = is_encoder(hf_config)
+        # the packed Triton kernel on a GPU unless the torch backend is asked for
+        backend = config.attention_backend
+        self.use_triton = backend == "triton" or (backend == "auto" and self.device.type == "cuda")
         archs = list(getattr(hf_config, "architectures", None) or [])
         self.classifier = any(a.endswith("ForSequenceClassification") for a in archs)
         if self.task == "score" and not self.classifier:
@@ -74,6 +77,15 @@ class PoolingEngine:
         self.hidden_size = hf_config.hidden_size
         self.matryoshka = bool(getattr(hf_config, "is_matryoshka", False)
                                or getattr(hf_config, "matryoshka_dimensions", None))
+        self.stats = PoolingStats()
+        if self.use_triton:
+            self._compile_kernels()
+
+    @torch.inference_mode()
+    def _compile_kernels(self) -> None:
+        """One tiny forward, so the attention kernel's compile happens at start-up and not
+        on the first request."""
+        self._run([PoolInput([0, 0])], lambda hidden, cu: hidden[cu[1:].long() - 1])
         self.stats = PoolingStats()
 
     def _load(self, path: str, hf_config) -> torch.nn.Module:
@@ -114,7 +126,7 @@ class PoolingEngine:
             gen = torch.Generator().manual_seed(self.config.seed)
             weight = torch.randn(hf_config.num_labels, hf_config.hidden_size, generator=gen) * 0.02
             self.score_head = LastTokenScoreHead(weight.to(self.device, self.dtype))
-        model.set_attention_backend(PackedCausalBackend(model.scale))
+        model.set_attention_backend(PackedCausalBackend(model.scale, self.use_triton))
         return model
 
     def _load_body(self, model: torch.nn.Module, path: str, prefix: str) -> None:
@@ -139,12 +151,11 @@ class PoolingEngine:
 
     # -- inputs -------------------------------------------------------------------------
 
-    def encode(self, text: str, truncate: int | None = None) -> PoolInput:
-        """Token ids of `text` with the tokenizer's special tokens; `truncate` (tokens)
-        cuts the text so the whole input, special tokens included, fits in it."""
-        if truncate is None:
-            return PoolInput(self.tokenizer.hf.encode(text))
-        return PoolInput(self.tokenizer.hf.encode(text, truncation=True, max_length=truncate))
+    def encode_many(self, texts: list[str], truncate: int | None = None) -> list[PoolInput]:
+        """Token ids of each text with the tokenizer's special tokens, in one batched call;
+        `truncate` (tokens) cuts a text so the whole input, special tokens included, fits."""
+        kw = {"truncation": True, "max_length": truncate} if truncate is not None else {}
+        return [PoolInput(ids) for ids in self.tokenizer.hf(texts, **kw)["input_ids"]]
 
     def encode_pair(self, query: str, document: str, truncate: int | None = None) -> PoolInput:
         """A cross-encoder's input: query and document as one sequence pair (the document
@@ -177,58 +188,77 @@ class PoolingEngine:
     # -- forwards -----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def embed(self, items: list[PoolInput], dimensions: int | None = None) -> list[torch.Tensor]:
-        """One float32 vector per input, in order."""
-        return self._run(items, lambda hidden, lens: pool(hidden, lens, self.spec, dimensions))
+    def embed(self, items: list[PoolInput], dimensions: int | None = None) -> torch.Tensor:
+        """[len(items), dimensions or hidden] float32 on the host, one row per input, in order."""
+        return self._run(items, lambda hidden, cu: pool(hidden, cu, self.spec, dimensions))
 
     @torch.inference_mode()
     def score(self, items: list[PoolInput]) -> list[float]:
         """One relevance logit per (query, document) input (the classifier's first label)."""
         classify = self.score_head if self.score_head is not None else self.model.classify
-        rows = self._run(items, lambda hidden, lens: classify(hidden, lens)[:, 0])
-        return [float(r) for r in rows]
+        return self._run(items, lambda hidden, cu: classify(hidden, cu)[:, 0]).tolist()
 
-    def _run(self, items: list[PoolInput], head) -> list[torch.Tensor]:
-        for item in items:
-            self.check(item)
-        order = sorted(range(len(items)), key=lambda i: len(items[i].ids))
-        out: list[torch.Tensor | None] = [None] * len(items)
-        for chunk in self._chunks(order, items):
-            batch = [items[i] for i in chunk]
-            for i, row in zip(chunk, self._forward(batch, head)):
-                out[i] = row
+    def check_all(self, items: list[PoolInput]) -> None:
+        """`check` for every input at once (vectorized; `check` names the first bad one)."""
+        self._check_lens(items, input_lens(items))
+        try:
+            ids = flat_ids(items)
+        except OverflowError:  # an id past int64 is out of the vocabulary too
+            ids = None
+        self._check_ids(items, ids)
+
+    def _check_lens(self, items: list[PoolInput], lens: np.ndarray) -> None:
+        if not lens.all() or lens.max(initial=0) > self.max_context:
+            for item in items:
+                self.check(item)
+
+    def _check_ids(self, items: list[PoolInput], ids: np.ndarray | None) -> None:
+        if ids is None or (ids.size and (ids.min() < 0 or ids.max() >= self.hf_config.vocab_size)):
+            for item in items:
+                self.check(item)
+
+    def _run(self, items: list[PoolInput], head: Head) -> torch.Tensor:
+        if not items:
+            return torch.empty(0)
+        started = time.perf_counter()
+        lens = input_lens(items)
+        self._check_lens(items, lens)
+        plan = plan_call(items, lens, max(self.config.max_prefill_tokens, self.max_context),
+                         self.config.max_running_requests)
+        rows = []
+        for first, end in plan.bounds:
+            host = self._packed(items, plan, first, end)
+            fwd = upload(host, plan.lens[first:end], plan.has_types, self.device)
+            rows.append(self._forward(fwd, head))
+        sorted_rows = torch.cat(rows).cpu()  # the call's one wait for the device
+        out = torch.empty_like(sorted_rows)
+        out[torch.from_numpy(plan.order)] = sorted_rows
+        self.stats.forwards += len(rows)
+        self.stats.forward_seconds += time.perf_counter() - started
         self.stats.inputs += len(items)
-        self.stats.prompt_tokens += sum(len(x.ids) for x in items)
+        self.stats.prompt_tokens += int(lens.sum())
         return out
 
-    def _chunks(self, order: list[int], items: list[PoolInput]) -> list[list[int]]:
-        budget = max(self.config.max_prefill_tokens, self.max_context)
-        chunks, current, tokens = [], [], 0
-        for i in order:
-            n = len(items[i].ids)
-            if current and (tokens + n > budget or len(current) >= self.config.max_running_requests):
-                chunks.append(current)
-                current, tokens = [], 0
-            current.append(i)
-            tokens += n
-        return chunks + ([current] if current else [])
+    def _packed(self, items: list[PoolInput], plan: CallPlan, first: int, end: int) -> np.ndarray:
+        """The host buffer of the forward of sorted inputs [first, end); ValueError for an
+        id out of the vocabulary (checked here, where the ids are gathered anyway)."""
+        try:
+            host = pack_forward(items, plan, first, end)
+        except OverflowError:  # an id past int64
+            host = None
+        t = int(plan.lens[first:end].sum())
+        if host is None or host[:t].min() < 0 or host[:t].max() >= self.hf_config.vocab_size:
+            self._check_ids([items[i] for i in plan.order[first:end].tolist()], None)
+        return host
 
-    def _forward(self, batch: list[PoolInput], head) -> torch.Tensor:
-        started = time.perf_counter()
-        lens = [len(x.ids) for x in batch]
-        ids = torch.tensor([t for x in batch for t in x.ids], device=self.device)
+    def _forward(self, fwd: DeviceForward, head: Head) -> torch.Tensor:
+        layout = PackedLayout(fwd.lens, fwd.cu_seqlens, max(fwd.lens), self.use_triton)
         if self.encoder:
-            types = None
-            if any(x.token_types for x in batch):
-                types = torch.tensor([t for x in batch for t in (x.token_types or [0] * len(x.ids))],
-                                     device=self.device)
-            hidden = self.model(ids, lens, types)
+            hidden = self.model(fwd.input_ids, fwd.positions, layout, fwd.token_types)
         else:
-            hidden = self.model(packed_batch(ids, lens, self.max_context))
-        rows = head(hidden, lens).cpu()
-        self.stats.forwards += 1
-        self.stats.forward_seconds += time.perf_counter() - started
-        return rows
+            hidden = self.model(packed_batch(fwd.input_ids, fwd.positions, layout,
+                                             self.max_context))
+        return head(hidden, fwd.cu_seqlens)
 
     def stats_dict(self) -> dict:
         s = self.stats

@@ -24,17 +24,18 @@ def embedding_inputs(engine: PoolingEngine, inputs: EmbedInput,
         inputs = [inputs]
     if not inputs:
         raise ValueError("input is empty")
+    texts = [x for x in inputs if isinstance(x, str)]
+    if any(not x for x in texts):
+        raise ValueError("input contains an empty string")
+    encoded = iter(engine.encode_many(texts, limit) if texts else [])
     items = []
     for x in inputs:
         if isinstance(x, str):
-            if not x:
-                raise ValueError("input contains an empty string")
-            items.append(engine.encode(x, limit))
+            items.append(next(encoded))
         else:
             ids = [int(t) for t in x]
             items.append(PoolInput(ids[-limit:] if limit else ids))
-    for item in items:
-        engine.check(item)
+    engine.check_all(items)
     return items
 
 
@@ -45,8 +46,7 @@ def pair_inputs(engine: PoolingEngine, pairs: Sequence[tuple[str, str]],
         raise ValueError("queries and documents must be non-empty strings")
     limit = _truncation(engine, truncate)
     items = [engine.encode_pair(q, d, limit) for q, d in pairs]
-    for item in items:
-        engine.check(item)
+    engine.check_all(items)
     return items
 
 
@@ -73,7 +73,7 @@ class OfflinePooling:
         self.engine.check_dimensions(dimensions)
         items = embedding_inputs(self.engine, inputs, truncate_prompt_tokens)
         self.engine.stats.requests += 1
-        return [v.tolist() for v in self.engine.embed(items, dimensions)]
+        return self.engine.embed(items, dimensions).tolist()
 
     def score(self, query: str, documents: Sequence[str],
               truncate_prompt_tokens: int | None = None) -> list[float]:
