@@ -19,7 +19,7 @@ from engine.runtime.pooling_requests import (
 from engine.runtime.engine_client import EngineClient
 from engine.runtime.gc_freeze import freeze_after_start
 from engine.lora import LoRAError, LoRANotFoundError
-from engine.models import load_hf_config, resolve_device
+from engine.loading.hf_config import load_hf_config, resolve_device
 from engine.core.outputs import RequestOutput, StreamDelta, WireBatch, WireDelta, wire_of
 from engine.runtime.process_engine import EngineProcessError, ProcessAsyncEngine
 from engine.runtime.prefix_exchange import ExportedPrefix

@@ -16,9 +16,9 @@ from engine.executor.graph_inputs import takes_packed
 from engine.attention.kv_pool import KVPool
 from engine.layers import set_fused_kernels
 from engine.layers.parallel import TPContext
-from engine.models import load_hf_config, load_model, resolve_device, resolve_dtype
-from engine.models.deepseek import is_mla_config
-from engine.models.llama import attention_scale, head_dim_of
+from engine.models import load_model
+from engine.loading.hf_config import load_hf_config, resolve_device, resolve_dtype
+from engine.loading.hf_shapes import attention_scale, head_dim_of, is_mla_config
 from engine.executor.kv_sizing import MemoryReserve, kv_shape, v_head_dim
 from engine.executor.prompt_logprobs import PromptScores, PromptTargets
 from engine.quantization.fp8 import FP8

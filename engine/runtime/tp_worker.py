@@ -21,7 +21,7 @@ from engine.config import EngineConfig
 from engine.executor.distributed import CMD_SHUTDOWN, DistributedTP, init_tp, open_rendezvous
 from engine.runtime.gc_freeze import freeze_after_start
 from engine.executor.model_runner import ModelRunner
-from engine.models import resolve_device
+from engine.loading.hf_config import resolve_device
 
 logger = logging.getLogger(__name__)
 

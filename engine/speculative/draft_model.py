@@ -29,7 +29,7 @@ from engine.grammar import Grammars
 from engine.attention.kv_pool import KVPool
 from engine.kernels.argmax import argmax_rows
 from engine.executor.kv_sizing import MemoryReserve, kv_shape
-from engine.models import load_hf_config, resolve_device, resolve_dtype
+from engine.loading.hf_config import load_hf_config, resolve_device, resolve_dtype
 from engine.quantization.fp8 import FP8
 from engine.core.request import Request
 from engine.executor.sampler import Sampler
