@@ -28,14 +28,7 @@ from engine.loading.weights import dummy_init_, iterate_safetensors, tensor_shap
 from engine.models import load_model
 from engine.loading.hf_config import load_hf_config, resolve_device, resolve_dtype
 from engine.models.bert import EncoderModel, is_encoder
-
-
-@dataclass
-class PoolInput:
-    """One input: token ids, and for an encoder's sentence pair the token type of each."""
-
-    ids: list[int]
-    token_types: list[int] | None = None
+from engine.runtime.pooling_input import PoolInput
 
 
 @dataclass

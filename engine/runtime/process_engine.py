@@ -29,6 +29,7 @@ from engine.core.admission import check_priority
 from engine.runtime import engine_process_main as child
 from engine.runtime.engine_process_main import EngineProcessError
 from engine.config import EngineConfig
+from engine.runtime.engine import Engine
 from engine.runtime.engine_client import SHUTDOWN_TIMEOUT_S, DeltaSink, capacity_of, refuse_when_full
 from engine.grammar import Grammars
 from engine.runtime.loop_handoff import call_soon, deliver, set_exception, set_result
@@ -58,7 +59,7 @@ class ProcessAsyncEngine:
             raise ValueError("the engine process does not support tp_size > 1 yet; "
                              "run the engine in the replica's process (engine_process: false)")
         self.config = config
-        self._process, self._commands, self._out = child.start(config)
+        self._process, self._commands, self._out = child.start(config, Engine)
         try:
             self.tokenizer = Tokenizer(config.tokenizer or config.model)  # while the child loads
             self.limits = child.wait_ready(self._process, self._out)

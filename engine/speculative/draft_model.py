@@ -94,7 +94,8 @@ class DraftModelProposer(Proposer):
         max_context = min(target.max_context, hf.max_position_embeddings)
         # A runner of the target's kind (the engine builds the target's and hands it in).
         runner_class = type(target)
-        self.runner = runner_class(draft_runner_config(config, target.kv_pool.num_slots, max_context))
+        self.runner = runner_class(draft_runner_config(config, target.kv_pool.num_slots, max_context),
+                                   load_model=target.load_model)
         self.kv = DraftKV(self.runner.kv_pool.allocator, config.max_running_requests,
                           config.enable_radix_cache)
         self.sampler = sampler
