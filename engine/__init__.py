@@ -53,11 +53,11 @@ _EXPORTS = {
     "ChatPrompt": "engine.loading.tokenizer",
     "IncrementalDetokenizer": "engine.loading.tokenizer",
     "Tokenizer": "engine.loading.tokenizer",
-    "load_hf_config": "engine.models",
+    "load_hf_config": "engine.loading.hf_config",
     # tensor parallelism across processes the caller starts (deployments/tp_workers.py)
     "init_tp": "engine.executor.distributed",
     "open_rendezvous": "engine.executor.distributed",
-    "resolve_device": "engine.models",
+    "resolve_device": "engine.loading.hf_config",
     "run_worker": "engine.runtime.tp_worker",
     # a server process's own start-up: full garbage collections skip what is alive by then
     "freeze_after_start": "engine.runtime.gc_freeze",

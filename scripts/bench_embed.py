@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from engine import LLM, EngineConfig, PoolingEngine, SamplingParams  # noqa: E402
 from engine.loading.demo_model import ensure_demo_model  # noqa: E402
 from engine.loading.model_source import resolve_model_path  # noqa: E402
-from engine.runtime.pooling_engine import PoolInput  # noqa: E402
+from engine.runtime.pooling_input import PoolInput  # noqa: E402
 
 ENCODERS = {  # name -> (hidden, layers, heads, intermediate)
     "minilm-l6 (22M)": (384, 6, 12, 1536),

@@ -261,7 +261,7 @@ def test_runner_builds_fp8_kv_pool(tiny_llama):
     from engine.executor.model_runner import ModelRunner
 
     runner = ModelRunner(EngineConfig(model=tiny_llama, device="cpu", kv_cache_dtype="fp8_e4m3",
-                                      max_total_tokens=64))
+                                      max_total_tokens=64), load_model=load_model)
     assert runner.kv_pool.k[0].dtype == FP8 and runner.kv_pool.fp8
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="fp8_e5m2")
@@ -302,7 +302,7 @@ def test_fast_accumulation_setting_reaches_scaled_mm(tiny_llama, monkeypatch, fa
 
     monkeypatch.setattr(torch, "_scaled_mm", recording)
     runner = ModelRunner(EngineConfig(model=tiny_llama, device="cpu", quantization="fp8",
-                                      fp8_fast_accum=fast, max_total_tokens=64))
+                                      fp8_fast_accum=fast, max_total_tokens=64), load_model=load_model)
     layers = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
     assert layers and all(m.fast_accum is fast for m in layers)
     layer = layers[0]

@@ -21,6 +21,16 @@ def test_every_switch_is_a_bool_defaulting_on():
     assert KernelConfig().bf16_gemv_rows == 1
 
 
+def test_the_kernels_read_the_defaults_before_any_engine(monkeypatch):
+    """engine/kernels/launch.py holds no KernelConfig of its own until one is applied."""
+    from engine.kernels import launch
+
+    monkeypatch.setattr(launch, "_current", None)
+    assert all(launch.setting_on(name) == getattr(KernelConfig(), name) for name in ALL_OFF)
+    monkeypatch.setattr(launch, "_current", KernelConfig(split_sums=False))
+    assert not launch.split_sums_on() and launch.setting_on("pdl")
+
+
 def test_checked_like_the_other_fields():
     assert EngineConfig(kernels={"pdl": False}).kernels == KernelConfig(pdl=False)
     with pytest.raises(ValueError, match=r"unknown kernel setting\(s\) \['pdl_off'\]"):

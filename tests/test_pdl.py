@@ -86,16 +86,18 @@ def test_an_engine_config_turns_pdl_off(tiny_llama):
     config applies in turn."""
     from engine.config import EngineConfig
     from engine.executor.model_runner import ModelRunner
+    from engine.models import load_model
     from engine.kernels import launch as pdl
     from engine.kernels.launch import kernel_settings
 
     try:
-        ModelRunner(EngineConfig(model=tiny_llama, device="cpu", kernels={"pdl": False}))
+        ModelRunner(EngineConfig(model=tiny_llama, device="cpu", kernels={"pdl": False}),
+                    load_model=load_model)
         assert not kernel_settings().pdl
         pdl._enabled.cache_clear()
         # a Hopper GPU would be asked for its capability only when PDL is wanted
         assert not pdl._enabled(0, kernel_settings().pdl)
-        ModelRunner(EngineConfig(model=tiny_llama, device="cpu"))
+        ModelRunner(EngineConfig(model=tiny_llama, device="cpu"), load_model=load_model)
         assert kernel_settings().pdl
     finally:
         pdl._enabled.cache_clear()

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from engine import EngineConfig, PoolingEngine
 from engine.attention.varlen import PackedLayout, varlen_attention
 from engine.loading.demo_model import ensure_demo_model
-from engine.runtime.pooling_batch import (PoolInput, forward_bounds, input_lens, pack_forward,
-                                          plan_call, upload)
+from engine.runtime.pooling_batch import forward_bounds, input_lens, pack_forward, plan_call, upload
+from engine.runtime.pooling_input import PoolInput
 from triton_on_cpu import compile_for_sm90, run_under_interpreter
 
 CASES = [  # lens, q heads, kv heads, head dim, causal

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.models.deepseek import is_mla_config, mla_pool_width
-from engine.models.llama import head_dim_of
+from engine.loading.hf_shapes import head_dim_of, is_mla_config, latent_width
 
 
 @dataclass(frozen=True)
@@ -24,7 +23,7 @@ def kv_shape(hf_config, tp_size: int) -> tuple[int, int, int]:
     """(layers, KV heads on one rank, head dim) of a model's KV cache; for MLA (DeepSeek) one
     "head" of latent + RoPE key per token, the same on every rank, and no V (`v_head_dim`)."""
     if is_mla_config(hf_config):
-        return hf_config.num_hidden_layers, 1, mla_pool_width(hf_config)
+        return hf_config.num_hidden_layers, 1, latent_width(hf_config)
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     return hf_config.num_hidden_layers, max(1, kv_heads // tp_size), head_dim_of(hf_config)
 

@@ -5,7 +5,10 @@ req_to_token entries and runs the model (a CUDA graph where one fits)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+
 import torch
+from torch import nn
 
 from engine.kernels.launch import apply_kernel_config
 from engine.attention.base import ForwardBatch, leading_decode_rows
@@ -16,9 +19,8 @@ from engine.executor.graph_inputs import takes_packed
 from engine.attention.kv_pool import KVPool
 from engine.layers import set_fused_kernels
 from engine.layers.parallel import TPContext
-from engine.models import load_hf_config, load_model, resolve_device, resolve_dtype
-from engine.models.deepseek import is_mla_config
-from engine.models.llama import attention_scale, head_dim_of
+from engine.loading.hf_config import load_hf_config, resolve_device, resolve_dtype
+from engine.loading.hf_shapes import attention_scale, head_dim_of, is_mla_config
 from engine.executor.kv_sizing import MemoryReserve, kv_shape, v_head_dim
 from engine.executor.prompt_logprobs import PromptScores, PromptTargets
 from engine.quantization.fp8 import FP8
@@ -35,8 +37,12 @@ _CPU_DEFAULT_SLOTS = 16384
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPContext | None = None,
-                 reserve: MemoryReserve | None = None) -> None:
+                 reserve: MemoryReserve | None = None, *,
+                 load_model: Callable[..., nn.Module]) -> None:
+        """`load_model`: engine/models/__init__.py's, handed in by who builds the runner (the
+        engine, a TP worker), so the executor stands below the model registry."""
         self.config = config
+        self.load_model = load_model
         self.reserve = reserve or MemoryReserve()
         self.startup = StartupTimer()  # per-phase start time (engine/runtime/warmup.py)
         self.tp = tp or TPContext()

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.inline import add_split_sums, silu_mul
-from engine.kernels.launch import kernel_settings, pdl_launch, pdl_prologue, split_sums_on
+from engine.kernels.launch import pdl_launch, pdl_prologue, setting_on, split_sums_on
 from engine.kernels.split_sums import SplitSums
 from engine.kernels.tiles import Tiles
 
@@ -67,7 +67,7 @@ def _fp8_tiles(rows: int, n: int, k: int) -> Tiles:
     down 19.9 -> 17.6, gate_up 33.5 on the CUDA cores vs 35.1); above one row each shape the
     sweep's fastest for qkv (n > k) and o (n == k). `kernels.fp8_row_dot` off: one row on
     the CUDA cores."""
-    if rows == 1 and kernel_settings().fp8_row_dot and n < 16384:
+    if rows == 1 and setting_on("fp8_row_dot") and n < 16384:
         return Tiles(block_n=64, block_k=256 if k >= 3 * n else 128, num_stages=4, split_k=4,
                      row_dot=True)
     if k >= 3 * n:

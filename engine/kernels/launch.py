@@ -1,6 +1,6 @@
 """How this process launches its Triton kernels: the engine's kernel settings as they stand
-here, and programmatic dependent launch (PDL) under them. Every kernel imports this module
-and nothing else above it, so the kernels sit on one floor.
+here, and programmatic dependent launch (PDL) under them. Every kernel imports this module,
+which imports no other engine module, so the kernels sit one floor above the ground.
 
 Kernel settings (`EngineConfig.kernels`, `kernel_settings()`). PDL's launch option is chosen at every Triton launch (a dozen kernel files), the GEMV's tiles
 and partial-sum handling deep inside engine/kernels/gemv.py: threading a flag through each
@@ -31,14 +31,20 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from engine.config import KernelConfig
+if TYPE_CHECKING:
+    from engine.config import KernelConfig
 
-_current = KernelConfig()
+# None until a model runner applies its settings: then every path is on, as in
+# `KernelConfig()` (whose switches all default to True: tests/test_kernel_config.py
+# test_every_switch_is_a_bool_defaulting_on). Holding the instance, not importing its class, keeps this module the kernels'
+# ground floor.
+_current: KernelConfig | None = None
 
 
 def apply_kernel_config(kernels: KernelConfig) -> None:
@@ -46,14 +52,20 @@ def apply_kernel_config(kernels: KernelConfig) -> None:
     _current = kernels
 
 
-def kernel_settings() -> KernelConfig:
+def kernel_settings() -> KernelConfig | None:
+    """The settings applied last in this process; None before any (every path on)."""
     return _current
+
+
+def setting_on(name: str) -> bool:
+    """One boolean switch of `EngineConfig.kernels` as applied here (on by default)."""
+    return _current is None or bool(getattr(_current, name))
 
 
 def split_sums_on() -> bool:
     """Off (`kernels.split_sums`): every GEMV sums its own K slices and the MoE experts
     their choices."""
-    return _current.split_sums
+    return setting_on("split_sums")
 
 
 try:
@@ -95,4 +107,4 @@ def pdl_launch(device: torch.device) -> dict:
     if device.type != "cuda":
         return {}
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _ON if _enabled(index, _current.pdl) else {}
+    return _ON if _enabled(index, setting_on("pdl")) else {}

@@ -13,7 +13,7 @@ from torch import nn
 
 from engine.layers.linear import LinearBase, RowParallelLinear
 from engine.layers.parallel import Loadable, copy_into, materialize, narrow
-from engine.quantization.fp8 import FP8, quantize_rows
+from engine.quantization.fp8 import FP8, FP8_LINEAR, quantize_rows
 
 
 def linear_layers(model: nn.Module) -> list[LinearBase]:
@@ -33,6 +33,7 @@ def quantize_linears_(model: nn.Module) -> None:
         weight, scale = quantize_rows(layer.weight.data)
         layer.weight = nn.Parameter(weight, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        layer.quant_method = FP8_LINEAR
     for experts in (m for m in model.modules() if isinstance(m, FusedMoE)):
         experts.quantize_fp8_()
 
@@ -63,6 +64,7 @@ def make_fp8_linears_(model: nn.Module, block_in: int | None, quantize_input: bo
         scale.weight_loader = (_row_parallel_scale_loader(layer) if isinstance(layer, RowParallelLinear)
                                else layer.weight_loader)
         layer.weight, layer.weight_scale = weight, scale
+        layer.quant_method = FP8_LINEAR
         layer.quantize_input = quantize_input
 
 

@@ -7,8 +7,9 @@ carries a `weight_loader` that copies this rank's shard out of a full checkpoint
 At tp size 1 every layer is one `F.linear` call, or at one row on a GPU our Triton GEMV
 (`gemv_rows`, engine/kernels/gemv.py), whose K-slice partial sums go unsummed to a consumer
 that adds them (`split_sums_ok`, engine/kernels/split_sums.py); an FP8 layer
-(engine/quantization/) holds a float8 `weight` and its `weight_scale`, and `matmul` runs the
-FP8 GEMM instead.
+(engine/quantization/) holds a float8 `weight`, its `weight_scale` and the `quant_method`
+that multiplies by them, both set by engine/layers/fp8.py: the layers never import the
+quantization, which stands below them.
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from torch import nn
 
 from engine.layers.parallel import Loadable, TPContext, copy_into, divide, materialize, narrow
 from engine.kernels.split_sums import SplitSums
-from engine.quantization.fp8 import fp8_linear, takes_weight_only_kernel
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -39,6 +39,7 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.register_parameter("weight_scale", None)  # set when the layer is FP8
+        self.quant_method = None  # set with `weight_scale` (engine/quantization/fp8.py Fp8LinearMethod)
         self.quantize_input = True  # FP8 layers: dynamic per-token activation scales
         self.fast_accum = False  # FP8 layers: `_scaled_mm`'s use_fast_accum (set_fast_accum_)
         self.keep_dtype = False  # never quantized to FP8 (MoE routers)
@@ -75,8 +76,7 @@ class LinearBase(nn.Module):
                 y = gemv(x, self.weight, keep_splits=keep_splits)
                 return y + bias if bias is not None else y
             return F.linear(x, self.weight, bias)
-        return fp8_linear(x, self.weight, self.weight_scale, bias, self.quantize_input, keep_splits,
-                          self.fast_accum)
+        return self.quant_method.apply(self, x, bias, keep_splits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitSums:
         return self.matmul(x, self.bias, self.split_sums_ok)
@@ -143,7 +143,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                 and self.lora is None and isinstance(x, torch.Tensor) and x.dim() == 2
                 and len(self.local_sizes) == 2
                 and self.local_sizes[0] == self.local_sizes[1]
-                and takes_weight_only_kernel(x, self.weight_scale)):
+                and self.quant_method.takes_weight_only_kernel(x, self.weight_scale)):
             return gemv_module.gemv_glu(x, self.weight, self.weight_scale)
         return None
 

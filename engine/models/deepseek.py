@@ -23,19 +23,11 @@ from engine.layers.parallel import Loadable, TPContext, copy_into, materialize
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.deepseek_moe import DeepseekMoE
 from engine.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
-from engine.models.mla import MLAAttention, latent_width, mla_rope
+from engine.models.mla import MLAAttention, mla_rope
+from engine.loading.hf_shapes import latent_width
 from engine.models.moe import MoEForCausalLM
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-def is_mla_config(hf_config: Any) -> bool:
-    return getattr(hf_config, "kv_lora_rank", None) is not None
-
-
-def mla_pool_width(hf_config: Any) -> int:
-    """Elements a token keeps per layer in the latent pool."""
-    return latent_width(hf_config)
 
 
 class DeepseekDecoderLayer(LlamaDecoderLayer):

@@ -26,7 +26,8 @@ from engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import Loadable, TPContext, materialize
 from engine.layers.rotary import RotaryEmbedding
-from engine.models.llama import LlamaAttention, LlamaForCausalLM, head_dim_of, sliding_windows
+from engine.models.llama import LlamaAttention, LlamaForCausalLM, sliding_windows
+from engine.loading.hf_shapes import head_dim_of
 
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 

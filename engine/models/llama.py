@@ -30,6 +30,7 @@ from engine.layers.norm import RMSNorm
 from engine.layers.parallel import Loadable, TPContext, copy_into, materialize
 from engine.layers.rotary import RotaryEmbedding, get_rope
 from engine.kernels.split_sums import SplitSums
+from engine.loading.hf_shapes import attention_scale, head_dim_of
 
 # checkpoint name piece -> (our fused parameter piece, shard id)
 _STACKED = [
@@ -68,16 +69,6 @@ def sliding_windows(hf_config: Any) -> list[int | None]:
         raise ValueError(f"layer_types {sorted(unknown)} are not supported "
                          "(only full_attention and sliding_attention)")
     return [window if kind == "sliding_attention" else None for kind in types[:n]]
-
-
-def head_dim_of(hf_config: Any) -> int:
-    head_dim = getattr(hf_config, "head_dim", None)
-    return head_dim or hf_config.hidden_size // hf_config.num_attention_heads
-
-
-def attention_scale(hf_config: Any) -> float:
-    """The softmax scale: 1/sqrt(head_dim), or Gemma's 1/sqrt(query_pre_attn_scalar)."""
-    return (getattr(hf_config, "query_pre_attn_scalar", None) or head_dim_of(hf_config)) ** -0.5
 
 
 class LlamaAttention(nn.Module):

@@ -34,6 +34,7 @@ from engine.layers.linear import (
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import TPContext, divide
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
+from engine.loading.hf_shapes import latent_width
 
 _LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers' default, not rms_norm_eps
 
@@ -57,11 +58,6 @@ def rope_interleaved(hf_config: Any) -> bool:
     if getattr(hf_config, "model_type", "") == "deepseek_v2":
         return True
     return bool(getattr(hf_config, "rope_interleave", True))
-
-
-def latent_width(hf_config: Any) -> int:
-    """Elements per token and layer in the latent pool: the latent and the RoPE key."""
-    return hf_config.kv_lora_rank + hf_config.qk_rope_head_dim
 
 
 class MLAAttention(nn.Module):

@@ -14,7 +14,8 @@ from engine.attention.base import ForwardBatch
 from engine.layers.longrope import LongRopeEmbedding
 from engine.layers.parallel import Loadable, TPContext, materialize
 from engine.layers.rotary import rope_parameters
-from engine.models.llama import LlamaForCausalLM, LlamaModel, head_dim_of
+from engine.models.llama import LlamaForCausalLM, LlamaModel
+from engine.loading.hf_shapes import head_dim_of
 
 
 class Phi3Model(LlamaModel):

@@ -105,6 +105,23 @@ def _scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
     return y + bias if bias is not None else y
 
 
+class Fp8LinearMethod:
+    """How a linear layer with a float8 weight multiplies (engine/layers/linear.py
+    `LinearBase.quant_method`, set with its `weight_scale` by engine/layers/fp8.py): handed
+    to the layer from here, so the layers do not import the quantization."""
+
+    takes_weight_only_kernel = staticmethod(takes_weight_only_kernel)
+
+    @staticmethod
+    def apply(layer: torch.nn.Module, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None,
+              keep_splits: bool) -> torch.Tensor:
+        return fp8_linear(x, layer.weight, layer.weight_scale, bias, layer.quantize_input,
+                          keep_splits, layer.fast_accum)
+
+
+FP8_LINEAR = Fp8LinearMethod()
+
+
 def takes_quantized_input(layer: torch.nn.Module, rows: int) -> bool:
     """Whether an FP8 `layer` (a LinearBase) would quantize an input of `rows` rows itself
     for `torch._scaled_mm`, so the kernel before it may hand it `Fp8Rows` instead."""

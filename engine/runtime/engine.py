@@ -30,6 +30,7 @@ from engine.speculative.speculator import Speculator
 from engine.runtime.sync_step import SyncStepper
 from engine.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.lora import LoRAError, LoRANotFoundError
+from engine.models import load_model
 from engine.runtime.warmup import warm_up
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class Engine:
         self.tokenizer = Tokenizer(config.tokenizer or config.model)
         # A draft model's weights and KV pool share the memory the target's pool is sized from.
         reserve = draft_memory_reserve(config) if config.speculative_algorithm == "draft_model" else None
-        self.runner = ModelRunner(config, tp=tp, reserve=reserve)
+        self.runner = ModelRunner(config, tp=tp, reserve=reserve, load_model=load_model)
         self.max_context = self.runner.max_context
         allocator = self.runner.kv_pool.allocator
         tier = make_host_tier(config, self.runner.kv_pool)

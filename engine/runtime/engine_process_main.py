@@ -1,6 +1,8 @@
 """The engine process's side of ProcessAsyncEngine (engine/runtime/process_engine.py): build the
 Engine, run its step loop, and after each step send the parent ONE message with every
 stream's deltas of that step. Also how the parent starts it (`start`, `wait_ready`, `kill`).
+The parent names the engine class to build (`start`'s `make_engine`), so this side needs only
+the engine's interface, not its module.
 
 Protocol (both pipes carry pickled objects; the parent's sender thread batches commands):
 - parent -> child: lists of commands, `Add`, `Abort`, `Call`, `STOP`.
@@ -15,6 +17,7 @@ import multiprocessing
 import os
 import signal
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -26,7 +29,6 @@ from engine.core.outputs import WireBatch
 from engine.core.sampling_params import SamplingParams
 from engine.runtime.step_report import EngineStepError, StepReport, step_for_streams, step_report
 from engine.runtime.stream_deltas import wire_update
-
 from engine.executor.startup_timer import process_age_s
 
 if TYPE_CHECKING:
@@ -94,14 +96,17 @@ class StepMessage:
     report: StepReport | None = None
 
 
-def start(config: EngineConfig) -> tuple[BaseProcess, Connection, Connection]:
-    """Spawn the engine process; returns it, the commands' sending end, the messages'
-    receiving end."""
+def start(config: EngineConfig, make_engine: Callable[[EngineConfig], Engine]
+          ) -> tuple[BaseProcess, Connection, Connection]:
+    """Spawn the engine process, which builds `make_engine(config)` (a class or top-level
+    function: it crosses to the child by name); returns the process, the commands' sending
+    end, the messages' receiving end."""
     ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
     child_commands, commands = ctx.Pipe(duplex=False)
     out, child_out = ctx.Pipe(duplex=False)
     process = ctx.Process(target=run, name="radixserve-engine", daemon=True,
-                          args=(config, child_commands, child_out, os.getpid(), process_age_s()))
+                          args=(make_engine, config, child_commands, child_out, os.getpid(),
+                                process_age_s()))
     process.start()
     # Only the child holds these ends now: its death is EOF for the parent, and the
     # parent's is EOF for it.
@@ -133,21 +138,16 @@ def kill(process: BaseProcess) -> None:
         process.join(5)
 
 
-def run(config: EngineConfig, commands: Connection, out: Connection, parent_pid: int,
-        parent_age_s: float = 0.0) -> None:
+def run(make_engine: Callable[[EngineConfig], Engine], config: EngineConfig, commands: Connection,
+        out: Connection, parent_pid: int, parent_age_s: float = 0.0) -> None:
     """The child's entry point (multiprocessing "spawn")."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C of `serve run` reaches the parent
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-process %(levelname)s %(message)s")
     logger.info("engine process up %.1fs after it started; its parent was %.1fs old when it "
                 "started it", process_age_s(), parent_age_s)
     try:
-        # Here, not at the top: the parent imports this module to start the child, and
-        # must not wait for torch first (engine/runtime/process_engine.py).
-        from engine.runtime.engine import Engine
-
-        logger.info("engine process: the engine's imports done, %.1fs after it started",
-                    process_age_s())
-        engine = Engine(config)
+        engine = make_engine(config)
+        logger.info("engine process: the engine built, %.1fs after it started", process_age_s())
     except BaseException as e:  # noqa: BLE001 - the parent re-raises it
         out.send(StartupFailed(portable(e), traceback.format_exc()))
         return

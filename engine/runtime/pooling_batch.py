@@ -9,16 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
-
-@dataclass
-class PoolInput:
-    """One input: token ids, and for an encoder's sentence pair the token type of each."""
-
-    ids: list[int]
-    token_types: list[int] | None = None
+if TYPE_CHECKING:
+    from engine.runtime.pooling_input import PoolInput
 
 
 @dataclass

@@ -29,10 +29,12 @@ from engine.loading.model_source import resolve_model_path
 from engine.loading.pooling_config import max_seq_length, read_pooling_spec
 from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import dummy_init_, iterate_safetensors, tensor_shapes
-from engine.models import load_hf_config, load_model, resolve_device, resolve_dtype
+from engine.models import load_model
+from engine.loading.hf_config import load_hf_config, resolve_device, resolve_dtype
 from engine.models.bert import EncoderModel, is_encoder
-from engine.runtime.pooling_batch import (CallPlan, DeviceForward, PoolInput, flat_ids,
-                                          input_lens, pack_forward, plan_call, upload)
+from engine.runtime.pooling_batch import (CallPlan, DeviceForward, flat_ids, input_lens,
+                                          pack_forward, plan_call, upload)
+from engine.runtime.pooling_input import PoolInput
 
 Head = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden, cu_seqlens) -> rows
 

@@ -8,8 +8,12 @@ import queue
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from engine.runtime.pooling_engine import PoolingEngine, PoolInput
+from engine.runtime.pooling_input import PoolInput
+
+if TYPE_CHECKING:
+    from engine.runtime.pooling_engine import PoolingEngine
 
 EmbedInput = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
 

@@ -22,6 +22,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.core.admission import check_priority
 from engine.runtime import engine_process_main as child
@@ -36,6 +37,9 @@ from engine.core.sampling_params import SamplingParams
 from engine.runtime.step_report import StepReport
 from engine.runtime.stream_deltas import WireToStreamDelta
 
+if TYPE_CHECKING:
+    from engine.runtime.engine import Engine
+
 logger = logging.getLogger(__name__)
 
 
@@ -44,6 +48,14 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     put: Callable[[WireDelta | BaseException], None]  # runs on `loop`
     seq: int  # this stream's number: deltas of an earlier stream with the same id are dropped
+
+
+def _make_engine(config: EngineConfig) -> Engine:
+    """What the child builds (it crosses by name): the engine's module is imported there,
+    never in this process, which must start the child before torch loads."""
+    from engine.runtime.engine import Engine
+
+    return Engine(config)
 
 
 class ProcessAsyncEngine:
@@ -57,7 +69,7 @@ class ProcessAsyncEngine:
         # The child first: this module imports nothing heavy, so the child starts as soon as
         # the caller's process can construct this; torch, transformers and the grammar
         # backends load here while the child loads the model.
-        self._process, self._commands, self._out = child.start(config)
+        self._process, self._commands, self._out = child.start(config, _make_engine)
         try:
             import torch
 

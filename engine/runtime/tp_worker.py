@@ -21,7 +21,8 @@ from engine.config import EngineConfig
 from engine.executor.distributed import CMD_SHUTDOWN, DistributedTP, init_tp, open_rendezvous
 from engine.runtime.gc_freeze import freeze_after_start
 from engine.executor.model_runner import ModelRunner
-from engine.models import resolve_device
+from engine.loading.hf_config import resolve_device
+from engine.models import load_model
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ def run_worker(config: EngineConfig, rank: int, size: int, init_method: str) -> 
     steps until rank 0 says shutdown. Returns the number of steps run."""
     tp = init_tp(rank, size, init_method, resolve_device(config.device), config.dist_timeout_s)
     try:
-        runner = ModelRunner(config, tp=tp)
+        runner = ModelRunner(config, tp=tp, load_model=load_model)
         freeze_after_start(runner, config.freeze_gc_after_start)
         return serve_steps(runner, tp)
     finally:

@@ -29,7 +29,7 @@ from engine.grammar import Grammars
 from engine.attention.kv_pool import KVPool
 from engine.kernels.argmax import argmax_rows
 from engine.executor.kv_sizing import MemoryReserve, kv_shape
-from engine.models import load_hf_config, resolve_device, resolve_dtype
+from engine.loading.hf_config import load_hf_config, resolve_device, resolve_dtype
 from engine.quantization.fp8 import FP8
 from engine.core.request import Request
 from engine.executor.sampler import Sampler
@@ -94,7 +94,8 @@ class DraftModelProposer(Proposer):
         max_context = min(target.max_context, hf.max_position_embeddings)
         # A runner of the target's kind (the engine builds the target's and hands it in).
         runner_class = type(target)
-        self.runner = runner_class(draft_runner_config(config, target.kv_pool.num_slots, max_context))
+        self.runner = runner_class(draft_runner_config(config, target.kv_pool.num_slots, max_context),
+                                   load_model=target.load_model)
         self.kv = DraftKV(self.runner.kv_pool.allocator, config.max_running_requests,
                           config.enable_radix_cache)
         self.sampler = sampler
