@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.attention.common import load_kv, softmax_step
+from engine.kernels.launch import pdl_launch, pdl_prologue
 
 _LOG2E = 1.4426950408889634
 BLOCK_M = 64
@@ -31,7 +32,8 @@ def varlen_attention_kernel(Q, K, V, Out, CuSeqlens, sm_scale_log2, num_m_blocks
                             stride_ot, stride_oh,
                             GROUP: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                            F32_DOT: tl.constexpr):
+                            F32_DOT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     mblk = num_m_blocks - 1 - tl.program_id(2)
@@ -100,5 +102,5 @@ def triton_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out.stride(0), out.stride(1),
         GROUP=hq // k.shape[1], CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=d,
         BLOCK_D=max(16, triton.next_power_of_2(d)), F32_DOT=f32_dot,
-        num_warps=4, num_stages=2)
+        num_warps=4, num_stages=2, **pdl_launch(q.device))
     return out
