@@ -57,10 +57,10 @@ class ModeFilesRun:
 
 def start() -> ModeFilesRun:
     """Start the files' pytest under the mode (output to a file, not a pipe nobody reads)."""
-    workdir = tempfile.TemporaryDirectory(prefix="radixserve-mode-")
-    haproxy = Path(workdir.name) / "haproxy"
-    haproxy.mkdir()
-    env = dict(os.environ, **THROUGHPUT_MODE_ENV, **private_haproxy_env(haproxy),
+    # Short: Serve puts HAProxy's sockets in a folder per node id (56 characters) under it,
+    # and a Unix socket's path may not pass 107.
+    workdir = tempfile.TemporaryDirectory(prefix="rsm-", dir="/tmp")
+    env = dict(os.environ, **THROUGHPUT_MODE_ENV, **private_haproxy_env(Path(workdir.name)),
                RADIXSERVE_TEST_PORT=str(free_port()), OMP_NUM_THREADS="1")
     log = Path(workdir.name) / "pytest.log"
     with log.open("wb") as out:

@@ -25,7 +25,8 @@ THROUGHPUT_MODE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_
 def private_haproxy_env(directory: Path) -> dict[str, str]:
     """HAProxy's ports, admin socket and files of its own (free ports, files under
     `directory`) instead of Serve's fixed defaults, so a run under the mode shares no port
-    or socket with another Serve on this machine."""
+    or socket with another Serve on this machine. `directory`: a short path (the sockets go
+    in a folder per node id under it, and a Unix socket's path may not pass 107 characters)."""
     files = {"CONFIG_FILE_LOC": "haproxy.cfg", "SOCKET_PATH": "admin.sock",
              "SERVER_STATE_FILE": "server-state", "METRICS_SOCKET_PATH": "metrics.sock"}
     env = {f"RAY_SERVE_HAPROXY_{k}": str(directory / v) for k, v in files.items()}
