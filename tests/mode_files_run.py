@@ -6,9 +6,10 @@ process).
 The subprocess mostly waits (cluster, Serve and app start-ups), so tests/conftest.py starts
 it as the session starts, beside the files that need no Ray, and the test collects its
 result when its turn comes. It serves on a free port and runs HAProxy on ports and sockets of
-its own, so it shares nothing with the session's own clusters; and the session yields the
-CPU to it (it has timeouts and health checks to meet; the session's CPU-bound tests have
-none), so it runs about as fast as alone.
+its own, so it shares nothing with the session's own clusters. It has timeouts and health
+checks to meet (Serve ends an HAProxy that misses three) and the session's CPU-bound tests
+have none, so the CPU goes to it first: its Ray workers run at niceness 0 (Ray starts them
+at 15, below any busy process) and the session at 5 until the run has ended.
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def start() -> ModeFilesRun:
     # and a Unix socket's path may not pass 107.
     workdir = tempfile.TemporaryDirectory(prefix="rsm-", dir="/tmp")
     env = dict(os.environ, **THROUGHPUT_MODE_ENV, **private_haproxy_env(Path(workdir.name)),
-               RADIXSERVE_TEST_PORT=str(free_port()), OMP_NUM_THREADS="1")
+               RADIXSERVE_TEST_PORT=str(free_port()), OMP_NUM_THREADS="1",
+               RAY_worker_niceness="0")
     log = Path(workdir.name) / "pytest.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
