@@ -69,6 +69,12 @@ def pytest_collection_finish(session):
         start_in_background()
 
 
+def pytest_runtest_setup(item):
+    from mode_files_run import restore_priority_once_ended
+
+    restore_priority_once_ended()
+
+
 def pytest_sessionfinish(session):
     from mode_files_run import stop_background
 

@@ -20,7 +20,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from serve_helpers import ROOT, THROUGHPUT_MODE_ENV, free_port, kill_session, private_haproxy_env
+from serve_helpers import (
+    ROOT,
+    THROUGHPUT_MODE_ENV,
+    free_port,
+    kill_session,
+    private_haproxy_env,
+)
 
 TEST_ID = "test_serve_throughput_mode.py::test_serve_test_files_under_the_mode"
 DEFAULT_FILES = "test_serve_path.py,test_colocated_serve.py,test_readiness.py"
@@ -74,28 +80,34 @@ def start() -> ModeFilesRun:
 
 
 _started: ModeFilesRun | None = None
+_niced = False
 
 
 def start_in_background() -> None:
     """Start the run now, for `take()` to collect later; lower this process's priority."""
-    global _started
+    global _started, _niced
     _started = start()
     os.nice(SESSION_NICENESS)
+    _niced = True
+
+
+def restore_priority_once_ended() -> None:
+    """The session's priority back once the background run has ended (called between tests,
+    on the main thread: a niceness is a thread's, and new threads and processes inherit it)."""
+    global _niced
+    if _niced and (_started is None or _started.proc.poll() is not None):
+        _niced = False
+        try:
+            os.nice(-SESSION_NICENESS)
+        except PermissionError:  # raising a priority needs privileges: the session stays lower
+            pass
 
 
 def take() -> ModeFilesRun:
-    """The run started in the background (the session's priority back once it has ended),
-    else one started now."""
+    """The run started in the background, else one started now."""
     global _started
     run, _started = _started, None
-    if run is None:
-        return start()
-    run.proc.wait(timeout=TIMEOUT_S)
-    try:
-        os.nice(-SESSION_NICENESS)
-    except PermissionError:  # raising a priority needs privileges; the session runs on lower
-        pass
-    return run
+    return run or start()
 
 
 def stop_background() -> None:
