@@ -93,8 +93,7 @@ class OpenAIIngress:
         self.fleet = FleetStats(engine_handle, in_process)  # /v1/stats
         self.model_name = served_model_name
         self.tokenizer = Tokenizer(tokenizer or path)  # the engine's `tokenizer` setting wins
-        from engine import load_hf_config  # engine.models imports torch: here, not on import
-
+        from engine import load_hf_config  # (torch and transformers: not on the module's import)
         hf_config = load_hf_config(path)
         self.vocab_size = hf_config.vocab_size
         self.max_context = max_model_len or hf_config.max_position_embeddings

@@ -466,3 +466,15 @@ def test_the_depth_checker_sees_a_chain():
     assert floors(fake, within="a")["engine.a.x"] == ["engine.a.x", "engine.a.y"]
     assert floors(fake)["engine.b.w"] == ["engine.b.w", "engine.b.v"]
     assert too_deep(floors(fake), 2) and not too_deep(floors(fake), 3)
+
+
+MAX_FILE_LINES = 400  # a product file past this holds more than one concept: split it
+
+
+def test_no_product_file_is_over_400_lines():
+    files = [p for room in ("engine", "deployments", "router", "frontend")
+             for p in (ROOT / room).rglob("*.py")]
+    assert len(files) > 100
+    long = sorted(f"{p.relative_to(ROOT)}: {n} lines" for p in files
+                  if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES)
+    assert not long, "\n".join(long)
