@@ -20,6 +20,8 @@ from engine.loading.demo_model import ARCHS, build_tiny_model  # noqa: E402
 # worker that runs a file without Ray lowers its own priority.
 _worker = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _worker.startswith("gw"):
+    if "RADIXSERVE_TEST_PORT" not in os.environ:
+        os.environ["RADIXSERVE_TEST_PORT"] = str(8100 + 10 * int(_worker[2:]))
     import torch  # the workers share the machine's cores
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 os.environ.setdefault("RAY_worker_niceness", "0")
