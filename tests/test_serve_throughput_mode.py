@@ -43,7 +43,7 @@ def test_serve_test_files_under_the_mode():
     (tests/mode_files_run.py). First in this module: the `app` fixture's cluster (port 8000,
     HAProxy's default ports) starts once the files' run has ended."""
     end_ray()  # this session's cluster idles while the files run
-    code, output = mode_files_run.result()
+    code, output = mode_files_run.take().result()
     assert code == 0 and " passed" in output, output[-6000:]
 
 
