@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test command: the whole CPU suite (GPU tests are selected with `-m gpu` on a GPU box),
 # in one process. TEST_WORKERS=2 spreads it over pytest-xdist workers, each file on one worker
-# (tests/conftest.py groups them); on two cores that was slower (31 min against ~19), and
-# Ray apps of two workers can collide on HAProxy's fixed ports. The 30 slowest tests are
+# (tests/conftest.py groups them). On two cores it does not pay: the Ray files keep both
+# cores busy too (benchmarks/RESULTS.md), and Ray apps of two workers can collide on
+# HAProxy's fixed ports. The 30 slowest tests are
 # listed at the end (where CI's time goes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
