@@ -15,11 +15,10 @@ from ray import serve
 from deployments.admission import engine_replica_ids, install_admission
 from deployments.auth import install_auth
 from deployments.channel import ChannelHub
-from deployments.chat_request import ChatFeatures
 from deployments.engine_replica import EngineCall, resolve_model
+from deployments.ingress_parts import IngressParts, PartsLoader, PartsSource, load_parts
 from deployments.errors import APIError, as_api_error, install_error_handlers
 from deployments.lora_api import install_lora_api
-from deployments.prompt_encoder import PromptEncoder
 from deployments.readiness import install_readiness
 from deployments.sampling_defaults import model_sampling_defaults, with_defaults
 from deployments.request_body import DEFAULT_MAX_BODY_BYTES, read_json_body
@@ -32,9 +31,9 @@ from deployments.protocol_responses import (SSE_DONE, ChatCompletionStreamRespon
                                             CompletionStreamResponse, ModelCard, ModelList, sse_event)
 from deployments.request_sampling import chat_sampling_kwargs, completion_sampling_kwargs
 from deployments import sglang_api, task_routes
-from deployments.responses import (TokenNamer, chat_chunk, chat_response, completion_chunk,
+from deployments.responses import (chat_chunk, chat_response, completion_chunk,
                                    completion_response, usage_of)
-from deployments.streams import ChoiceState, error_of, merge_deltas, merged_stream
+from deployments.streams import ChoiceState, error_of, merge_deltas, merged_stream, prepend
 from engine import (
     ChatPrompt, IncrementalDetokenizer, SamplingParams, Tokenizer, freeze_after_start,
     validate_request,
@@ -44,20 +43,13 @@ api = FastAPI(title="radixserve", description="OpenAI-compatible API over radixs
 install_error_handlers(api)
 # Middleware added last runs first: metrics, the key check, readiness, then admission.
 admission = install_admission(api)  # fed by the delta channels (deployments/admission.py)
-readiness = install_readiness(api)  # Serve's running engine replicas (deployments/readiness.py)
+parts_loader = PartsLoader()  # the tokenizer etc., loaded after the constructor (ingress_parts.py)
+readiness = install_readiness(api, parts_loader)  # Serve's running engine replicas, and those parts
 auth = install_auth(api)  # keys set by the ingress constructor
 install_http_metrics(api)
 prometheus = install_prometheus_endpoint(api)  # GET /metrics; configured by the constructor
 task_routes.install_pooling_refusals(api)  # /v1/embeddings etc.: 400, the pooling app serves them
 lora_admin = install_lora_api(api)  # LoRA adapters' load/unload (deployments/lora_api.py)
-
-
-# Module helpers come before the class: `serve.ingress` captures globals when applied.
-async def _prepend(first, stream) -> AsyncIterator:
-    if first is not None:
-        yield first
-    async for item in stream:
-        yield item
 
 
 @serve.ingress(api)
@@ -92,25 +84,33 @@ class OpenAIIngress:
         prometheus.configure(served_model_name, self.metrics_snapshot, None if in_process else self.control)
         self.fleet = FleetStats(engine_handle, in_process)  # /v1/stats
         self.model_name = served_model_name
-        self.tokenizer = Tokenizer(tokenizer or path)  # the engine's `tokenizer` setting wins
-        from engine import load_hf_config  # (torch and transformers: not on the module's import)
-        hf_config = load_hf_config(path)
-        self.vocab_size = hf_config.vocab_size
-        self.max_context = max_model_len or hf_config.max_position_embeddings
-        self.name_token = TokenNamer(self.tokenizer)
-        self.encoder = PromptEncoder(self.tokenizer, self.max_context)
         self.max_body_bytes = max_body_bytes
         # Ray's PrefixCacheAffinityRouter reads prompt text; ours hashes token ids, and
         # decoding every prompt again for nothing costs the event loop ~1 ms per 2k tokens.
         self.router_reads_text = router_reads_text
-        # Tools in the template, tool_choice grammars, tool-call and reasoning parsing.
-        self.chat_features = ChatFeatures(self.tokenizer.hf, hf_config.model_type,
-                                          tool_call_parser, reasoning_parser)
+        self.freeze_gc = freeze_gc
+        source = PartsSource(path, self.tokenizer_path, max_model_len, tool_call_parser,
+                             reasoning_parser)
+        if in_process:  # the replica's constructor waits for its engine anyway
+            self._adopt(load_parts(source))
+        else:  # answer probes while they load (deployments/ingress_parts.py)
+            source.check()
+            parts_loader.start(source, self._adopt)
+
+    def _adopt(self, parts: IngressParts) -> None:
+        self.tokenizer, self.vocab_size = parts.tokenizer, parts.vocab_size
+        self.max_context, self.name_token = parts.max_context, parts.name_token
+        self.encoder, self.chat_features = parts.encoder, parts.chat_features
         # Every stream through this replica waits out a full garbage collection: ~300 ms
         # over the libraries and tokenizer loaded by now (2-core box), unless frozen
         # (`freeze_gc`: the engine's freeze_gc_after_start).
-        freeze_after_start(self, freeze_gc)
+        freeze_after_start(self, self.freeze_gc)
         record_gc_pauses()  # (after the freeze: serving's pauses only)
+
+    def check_health(self) -> None:
+        """Serve replaces a replica whose parts failed to load (its /health says why)."""
+        if parts_loader.error is not None:
+            raise RuntimeError(f"the ingress could not load its parts: {parts_loader.error}")
 
     # -- plain endpoints ----------------------------------------------------------------
 
@@ -284,7 +284,7 @@ class OpenAIIngress:
         if first is not None and (err := error_of(first[0][1])) is not None:
             await stream.aclose()
             raise err
-        return _prepend(first, stream), stream
+        return prepend(first, stream), stream
 
     async def _body(self, request: Request) -> Any:
         return await read_json_body(request, self.max_body_bytes)

@@ -171,6 +171,14 @@ async def merged_stream(handle, calls: list[EngineCall], hub: ChannelHub | None 
                 hub.forget(call.request_id)
 
 
+async def prepend(first, stream: AsyncIterator) -> AsyncIterator:
+    """`stream` with `first` (already read off it; None: nothing) in front again."""
+    if first is not None:
+        yield first
+    async for item in stream:
+        yield item
+
+
 def merge_deltas(batch: list[tuple[int, WireDelta | dict]]) -> list[tuple[int, WireDelta | dict]]:
     """Join each call's consecutive deltas in a batch into one (first-seen call order).
     An error item ends its call's merging: it is kept as it is, after what came before."""

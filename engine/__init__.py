@@ -54,6 +54,7 @@ _EXPORTS = {
     "IncrementalDetokenizer": "engine.loading.tokenizer",
     "Tokenizer": "engine.loading.tokenizer",
     "load_hf_config": "engine.loading.hf_config",
+    "resolve_model_path": "engine.loading.model_source",  # package:, Hub ID or path -> local path
     # tensor parallelism across processes the caller starts (deployments/tp_workers.py)
     "init_tp": "engine.executor.distributed",
     "open_rendezvous": "engine.executor.distributed",

@@ -28,7 +28,9 @@ from fastapi import FastAPI
 
 from deployments import readiness as readiness_module
 from deployments.errors import install_error_handlers
-from deployments.readiness import STARTING_CODE, EngineReadiness, install_readiness, needs_engine
+from deployments.ingress_parts import PartsLoader, PartsSource
+from deployments.readiness import (PARTS_FAILED_CODE, STARTING_CODE, EngineReadiness,
+                                   install_readiness, needs_engine)
 from serve_helpers import ROOT, serve_config_args, start_local_cluster, wait_until
 
 APP = "radixserve"
@@ -78,7 +80,7 @@ def test_watch_retries_until_an_engine_answers(monkeypatch):
 def test_middleware_refuses_engine_requests_until_ready():
     api = FastAPI()
     install_error_handlers(api)
-    state = install_readiness(api)
+    state = install_readiness(api, PartsLoader())
     bodies_read = []
 
     @api.get("/health")
@@ -111,6 +113,68 @@ def test_middleware_refuses_engine_requests_until_ready():
     assert open_route.status_code == 200
     assert [r.status_code for r in ready] == [200, 200] and bodies_read == [{"a": 1}]
     assert state.refused == 2
+
+
+def test_while_the_ingress_parts_load_only_metrics_answers():
+    """The tokenizer and model config load after the constructor: until then every request
+    but a scrape gets the starting 503; once an engine is ready (Serve calls the app
+    running) a request waits for them instead; a failed load says why."""
+    api = FastAPI()
+    install_error_handlers(api)
+    parts = PartsLoader()
+    state = install_readiness(api, parts)
+    paths = ("/metrics", "/tokenize", "/v1/models")
+    for path in paths:
+        api.get(path)(lambda: {"ok": True})
+
+    async def get_all(arrive=None):
+        transport = httpx.ASGITransport(app=api)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            if arrive is not None:
+                asyncio.get_running_loop().call_later(0.3, arrive)
+            return {p: await client.get(p) for p in paths}
+
+    parts.loaded = False
+    loading = asyncio.run(get_all())
+    assert loading["/metrics"].status_code == 200
+    for path in paths[1:]:
+        r = loading[path]
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", path
+        assert r.json()["error"]["code"] == STARTING_CODE and "tokenizer" in r.json()["error"]["message"]
+
+    state.replicas = lambda: ["r1"]  # an engine replica runs: requests wait for the parts
+
+    def arrive():
+        parts.loaded = True
+
+    start = time.perf_counter()
+    waited = asyncio.run(get_all(arrive))
+    assert all(r.status_code == 200 for r in waited.values())
+    assert time.perf_counter() - start >= 0.3
+
+    parts.loaded, parts.error = False, "OSError: tokenizer.json is corrupt"
+    failed = asyncio.run(get_all())["/tokenize"]
+    assert failed.status_code == 503 and failed.json()["error"]["code"] == PARTS_FAILED_CODE
+    assert "corrupt" in failed.json()["error"]["message"] and "retry-after" not in failed.headers
+
+
+def test_parts_load_on_a_thread_and_a_missing_path_fails_at_once(tmp_path):
+    from deployments.engine_replica import resolve_model
+
+    model = resolve_model(None)  # the demo model
+    with pytest.raises(FileNotFoundError, match="tokenizer"):
+        PartsSource(model, str(tmp_path / "no-such-tokenizer")).check()
+    loader, got = PartsLoader(), []
+    loader.start(PartsSource(model, model, max_model_len=64), got.append)
+    assert not loader.loaded
+    assert wait_until(lambda: loader.loaded, timeout=120, interval=0.05)
+    parts = got[0]
+    assert parts.max_context == 64 and parts.vocab_size > 0
+    assert parts.tokenizer.decode(parts.tokenizer.encode("hello world")).strip() == "hello world"
+    bad = PartsLoader()
+    bad.start(PartsSource(model, str(tmp_path)), got.append)  # there, but no tokenizer in it
+    assert wait_until(lambda: bad.error is not None, timeout=60, interval=0.05)
+    assert not bad.loaded and len(got) == 1
 
 
 # -- a slow engine start through Serve ----------------------------------------------------
