@@ -158,6 +158,11 @@ PHASES = [("`serve run` started (its imports done)", ("Running config file",)),
            ("EngineReplica", "Started initializing")),
           ("engine process up (before the engine's imports)", ("engine process up",)),
           ("engine process: the engine's imports done", ("the engine's imports done",)),
+          ("engine: tokenizer loaded", ("tokenizer loaded in",)),
+          ("engine: model built", ("loaded ", "ForCausalLM")),
+          ("engine: KV pool allocated", ("KV pool:",)),
+          ("engine: decode CUDA graphs captured", ("captured decode CUDA graphs",)),
+          ("engine: extend CUDA graphs captured", ("captured extend CUDA graphs",)),
           ("engine started (model, KV, graphs, warm-up)", ("engine started in",)),
           ("engine replica ready", ("EngineReplica", "Finished initializing"))]
 LOG_TIME = re.compile(r"(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2},\d{3})")

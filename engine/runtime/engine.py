@@ -43,7 +43,9 @@ class Engine:
         """At tp_size > 1 this is rank 0: `tp` is its context, already joined with the other
         ranks (engine/runtime/tp_worker.py starts them locally, deployments/tp_workers.py on Ray)."""
         self.config = config
+        started = time.perf_counter()
         self.tokenizer = Tokenizer(config.tokenizer or config.model)
+        logger.info("tokenizer loaded in %.2fs", time.perf_counter() - started)
         # A draft model's weights and KV pool share the memory the target's pool is sized from.
         reserve = draft_memory_reserve(config) if config.speculative_algorithm == "draft_model" else None
         self.runner = ModelRunner(config, tp=tp, reserve=reserve, load_model=load_model)

@@ -34,6 +34,7 @@ from engine.core.outputs import StreamDelta, WireDelta
 from engine.runtime.prefix_exchange import ExportedPrefix
 from engine.core.request import validate_request
 from engine.core.sampling_params import SamplingParams
+from engine.executor.startup_timer import process_age_s
 from engine.runtime.step_report import StepReport
 from engine.runtime.stream_deltas import WireToStreamDelta
 
@@ -55,6 +56,7 @@ def _make_engine(config: EngineConfig) -> Engine:
     never in this process, which must start the child before torch loads."""
     from engine.runtime.engine import Engine
 
+    logger.info("engine process: the engine's imports done, %.1fs after it started", process_age_s())
     return Engine(config)
 
 
