@@ -71,23 +71,63 @@ def start_ray() -> None:
     import ray
 
     if ray.is_initialized():
+        _drop_idle_shared_app()
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=8, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
 
 
+# The demo app that the plain HTTP files share ("radixserve" on "/"), sized for the most
+# demanding of them: 300 concurrent streams + 30 requests (tests/test_serve_path.py) fit
+# running + queued. Its replicas start once for all of them (each start costs 15-30 s on a
+# 2-core box); conftest.py runs those files one after another. They read its counters as
+# deltas and its cache as warm or cold.
+SHARED_APP_ENGINE = {"max_running_requests": 64, "chunked_prefill_size": 256,
+                     "max_total_tokens": 16384, "max_queued_requests": 512}
+_shared = {"up": False, "held": False}
+
+
+def shared_app() -> None:
+    """Serve the shared demo app at BASE for this module: the one already running when an
+    earlier module left it healthy, else a fresh deploy. stop_ray() keeps it; the next
+    module that starts anything else removes it first."""
+    import ray
+    from ray import serve
+
+    if _shared["up"] and ray.is_initialized():
+        app = serve.status().applications.get("radixserve")
+        if app is not None and app.status == "RUNNING":
+            _shared["held"] = True
+            return
+    start_ray()
+    run_app(serve_config_args(engine=SHARED_APP_ENGINE))
+    _shared.update(up=True, held=True)
+
+
+def _drop_idle_shared_app() -> None:
+    """Delete the shared app when no module holds it, before another module's apps start."""
+    from ray import serve
+
+    if _shared["up"] and not _shared["held"]:
+        _shared["up"] = False
+        serve.delete("radixserve")
+
+
 def stop_ray() -> None:
-    """Delete this module's Serve apps, keeping the cluster and Serve for the next module; a
-    cluster that cannot delete them is ended."""
+    """Delete this module's Serve apps (all but the shared one), keeping the cluster and Serve
+    for the next module; a cluster that cannot delete them is ended."""
     import ray
     from ray import serve
 
     if not ray.is_initialized():
         return
+    keep = "radixserve" if _shared["up"] else None
+    _shared["held"] = False
     try:
         for name in list(serve.status().applications):
-            serve.delete(name)
+            if name != keep:
+                serve.delete(name)
     except Exception:  # noqa: BLE001 - a broken cluster is not worth keeping
         end_ray()
 
@@ -98,6 +138,7 @@ def end_ray() -> None:
     import ray
     from ray import serve
 
+    _shared.update(up=False, held=False)
     if ray.is_initialized():
         try:
             serve.shutdown()
