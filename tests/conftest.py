@@ -28,7 +28,7 @@ if _worker.startswith("gw"):
 # What a test file's source calls to serve: on the session's Ray cluster, or on one of its
 # own (ending the session's cluster first, so the next file to serve starts it again).
 SHARED_CLUSTER_CALLS = ("start_ray(", "run_app(", "deploy_all(", "shared_app(")
-OWN_CLUSTER_CALLS = ("end_ray(", "start_local_cluster(", "serve_run(")
+OWN_CLUSTER_CALLS = ("end_ray(", "start_local_cluster(", "two_node_cluster(", "serve_run(")
 
 
 def ray_rank(path: Path, cache: dict[Path, int] = {}) -> int:  # noqa: B006 - a memo
@@ -45,13 +45,17 @@ def ray_rank(path: Path, cache: dict[Path, int] = {}) -> int:  # noqa: B006 - a 
 # replica (Serve starts another), so it goes last.
 SHARED_APP_FILES = ("test_frontend.py", "test_structured_http.py", "test_serve_path.py",
                     "test_serve_app.py")
+# The files on serve_helpers.two_node_cluster(), first among those with a cluster of their
+# own, one after the other: the second finds the first's cluster.
+TWO_NODE_FILES = ("test_prefix_fetch_http.py", "test_tp_serve.py")
+FIRST_IN_RANK = {1: SHARED_APP_FILES, 2: TWO_NODE_FILES}
 
 
 def run_order(path: Path) -> tuple[int, int]:
-    """The Ray rank, then the shared app's files before the other files of rank 1."""
+    """The Ray rank, then within ranks 1 and 2 the files that share what they start first."""
     rank = ray_rank(path)
-    shared = SHARED_APP_FILES.index(path.name) if path.name in SHARED_APP_FILES else None
-    return (rank, shared if rank == 1 and shared is not None else len(SHARED_APP_FILES))
+    first = FIRST_IN_RANK.get(rank, ())
+    return (rank, first.index(path.name) if path.name in first else len(first))
 
 
 @pytest.hookimpl(trylast=True)
