@@ -27,8 +27,8 @@ if _worker.startswith("gw"):
 
 # What a test file's source calls to serve: on the session's Ray cluster, or on one of its
 # own (ending the session's cluster first, so the next file to serve starts it again).
-SHARED_CLUSTER_CALLS = ("start_ray(", "run_app(", "deploy_all(")
-OWN_CLUSTER_CALLS = ("end_ray(", "start_local_cluster(", "serve_run(")
+SHARED_CLUSTER_CALLS = ("start_ray(", "run_app(", "deploy_all(", "shared_app(")
+OWN_CLUSTER_CALLS = ("end_ray(", "start_local_cluster(", "two_node_cluster(", "serve_run(")
 
 
 def ray_rank(path: Path, cache: dict[Path, int] = {}) -> int:  # noqa: B006 - a memo
@@ -40,15 +40,33 @@ def ray_rank(path: Path, cache: dict[Path, int] = {}) -> int:  # noqa: B006 - a 
     return cache[path]
 
 
+# The files on serve_helpers.shared_app(), first among the shared cluster's files and in this
+# order, so its replicas start once for all of them; test_serve_app.py kills its engine
+# replica (Serve starts another), so it goes last.
+SHARED_APP_FILES = ("test_frontend.py", "test_structured_http.py", "test_serve_path.py",
+                    "test_serve_app.py")
+# The files on serve_helpers.two_node_cluster(), first among those with a cluster of their
+# own, one after the other: the second finds the first's cluster.
+TWO_NODE_FILES = ("test_prefix_fetch_http.py", "test_tp_serve.py")
+FIRST_IN_RANK = {1: SHARED_APP_FILES, 2: TWO_NODE_FILES}
+
+
+def run_order(path: Path) -> tuple[int, int]:
+    """The Ray rank, then within ranks 1 and 2 the files that share what they start first."""
+    rank = ray_rank(path)
+    first = FIRST_IN_RANK.get(rank, ())
+    return (rank, first.index(path.name) if path.name in first else len(first))
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """The files that serve on the session's Ray cluster run one after another, after the
     files without Ray and before those that end it: the cluster (and Serve) starts once
     instead of once after every file that ended it (tens of seconds on 2 cores), and idles
-    through no Ray-less file. One xdist group per file (its module-scoped servers start
+    through no Ray-less file; the files of the shared app come first (run_order). One xdist group per file (its module-scoped servers start
     once, on one worker), and one for every file that needs port 8000 or HAProxy's fixed
     ports."""
-    items[:] = sorted(items, key=lambda item: ray_rank(item.path))
+    items[:] = sorted(items, key=lambda item: run_order(item.path))
     for item in items:
         name = item.path.name
         group = "shared-ports" if name in SHARED_PORT_FILES else name

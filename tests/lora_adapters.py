@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from hf_reference import load_hf_gguf
+from hf_reference import shared_hf_gguf
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -20,11 +20,14 @@ SPECS = {
 
 
 def load_base(base: str, gguf_file: str | None = None):
-    """A fresh copy (PEFT wraps it in place), with a GGUF parsed once."""
+    """A fresh copy (PEFT wraps it in place); a GGUF's from the session's dequantized model
+    (hf_reference.shared_hf_gguf: parsing the file takes seconds, copying the model less)."""
+    import copy
+
     from transformers import AutoModelForCausalLM
 
     if gguf_file:
-        return load_hf_gguf(os.path.join(base, gguf_file))
+        return copy.deepcopy(shared_hf_gguf(os.path.join(base, gguf_file))[0])
     return AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
 
 

@@ -71,23 +71,63 @@ def start_ray() -> None:
     import ray
 
     if ray.is_initialized():
+        _drop_idle_shared_app()
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=8, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
 
 
+# The demo app that the plain HTTP files share ("radixserve" on "/"), sized for the most
+# demanding of them: 300 concurrent streams + 30 requests (tests/test_serve_path.py) fit
+# running + queued. Its replicas start once for all of them (each start costs 15-30 s on a
+# 2-core box); conftest.py runs those files one after another. They read its counters as
+# deltas and its cache as warm or cold.
+SHARED_APP_ENGINE = {"max_running_requests": 64, "chunked_prefill_size": 256,
+                     "max_total_tokens": 16384, "max_queued_requests": 512}
+_shared = {"up": False, "held": False}
+
+
+def shared_app() -> None:
+    """Serve the shared demo app at BASE for this module: the one already running when an
+    earlier module left it healthy, else a fresh deploy. stop_ray() keeps it; the next
+    module that starts anything else removes it first."""
+    import ray
+    from ray import serve
+
+    if _shared["up"] and ray.is_initialized():
+        app = serve.status().applications.get("radixserve")
+        if app is not None and app.status == "RUNNING":
+            _shared["held"] = True
+            return
+    start_ray()
+    run_app(serve_config_args(engine=SHARED_APP_ENGINE))
+    _shared.update(up=True, held=True)
+
+
+def _drop_idle_shared_app() -> None:
+    """Delete the shared app when no module holds it, before another module's apps start."""
+    from ray import serve
+
+    if _shared["up"] and not _shared["held"]:
+        _shared["up"] = False
+        serve.delete("radixserve")
+
+
 def stop_ray() -> None:
-    """Delete this module's Serve apps, keeping the cluster and Serve for the next module; a
-    cluster that cannot delete them is ended."""
+    """Delete this module's Serve apps (all but the shared one), keeping the cluster and Serve
+    for the next module; a cluster that cannot delete them is ended."""
     import ray
     from ray import serve
 
     if not ray.is_initialized():
         return
+    keep = "radixserve" if _shared["up"] else None
+    _shared["held"] = False
     try:
         for name in list(serve.status().applications):
-            serve.delete(name)
+            if name != keep:
+                serve.delete(name)
     except Exception:  # noqa: BLE001 - a broken cluster is not worth keeping
         end_ray()
 
@@ -98,6 +138,11 @@ def end_ray() -> None:
     import ray
     from ray import serve
 
+    _shared.update(up=False, held=False)
+    if _kept_cluster:
+        _kept_cluster.pop("finish")()
+        _kept_cluster.clear()
+        return
     if ray.is_initialized():
         try:
             serve.shutdown()
@@ -124,16 +169,36 @@ def free_port() -> int:
     raise RuntimeError("no free port in 20000-32767")
 
 
-def start_local_cluster(request, head: dict, *workers: dict) -> tuple[object, int]:
+# Both files' two nodes, kept from one to the other (conftest.py runs them in turn).
+TWO_NODE_RESOURCES = {"fake_gpu": 1, "engine_slot": 1}  # test_tp_serve's, test_prefix_fetch_http's
+_kept_cluster: dict = {}
+
+
+def two_node_cluster(request) -> tuple[object, int]:
+    """Head (2 CPUs) + worker (1 CPU), each with TWO_NODE_RESOURCES: start_local_cluster,
+    kept for the next module that asks for the same nodes."""
+    node = {"resources": TWO_NODE_RESOURCES}
+    return start_local_cluster(request, {"num_cpus": 2, **node}, {"num_cpus": 1, **node},
+                               keep=True)
+
+
+def start_local_cluster(request, head: dict, *workers: dict,
+                        keep: bool = False) -> tuple[object, int]:
     """A multi-node Ray cluster on this machine (`ray.cluster_utils.Cluster`: one raylet per
     node), connected, with Serve started on a free port behind one proxy (every node shares
     this machine's ports). `head`, `workers`: each node's `add_node` arguments. Torn down by
-    the test's finalizer. Returns (cluster, port)."""
+    the test's finalizer; with `keep`, the finalizer deletes the Serve apps only, and the
+    next call for the same nodes gets the same cluster (anything else ends it first).
+    Returns (cluster, port)."""
     import ray
     import ray._private.utils
     from ray import serve
     from ray.cluster_utils import Cluster
 
+    key = repr((head, workers))
+    if keep and _kept_cluster.get("key") == key and ray.is_initialized():
+        request.addfinalizer(_delete_kept_clusters_apps)
+        return _kept_cluster["cluster"], _kept_cluster["port"]
     end_ray()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Cluster records its head as "the latest cluster" (/tmp/ray/ray_current_cluster), which
@@ -158,13 +223,27 @@ def start_local_cluster(request, head: dict, *workers: dict) -> tuple[object, in
             cluster.shutdown()
             restore_address_file()
 
-    request.addfinalizer(finish)
     for worker in workers:
         cluster.add_node(**worker)
     ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     port = free_port()  # not 8000: other test runs on this machine may hold it
+    if keep:
+        _kept_cluster.update(key=key, cluster=cluster, port=port, finish=finish)
+        request.addfinalizer(_delete_kept_clusters_apps)
+    else:
+        request.addfinalizer(finish)
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     return cluster, port
+
+
+def _delete_kept_clusters_apps() -> None:
+    from ray import serve
+
+    try:
+        for name in list(serve.status().applications):
+            serve.delete(name)
+    except Exception:  # noqa: BLE001 - a broken cluster is not worth keeping
+        end_ray()
 
 
 def run_app(args: dict, name: str = "radixserve", route_prefix: str = "/") -> None:

@@ -10,16 +10,14 @@ import frontend as sgl
 from engine.loading.demo_model import ensure_demo_model
 from engine.loading.tokenizer import Tokenizer
 from hf_reference import hf_next_logprobs
-from serve_helpers import BASE, run_app, serve_config_args, start_ray, stats, stop_ray
+from serve_helpers import BASE, shared_app, stats, stop_ray
 
 MODEL = "radixserve-demo"
 
 
 @pytest.fixture(scope="module")
 def backend():
-    start_ray()
-    run_app(serve_config_args(engine={"max_running_requests": 32, "chunked_prefill_size": 256,
-                                      "max_total_tokens": 8192, "max_queued_requests": 64}))
+    shared_app()
     endpoint = sgl.RuntimeEndpoint(BASE)
     sgl.set_default_backend(endpoint)
     yield endpoint

@@ -37,13 +37,19 @@ def hf_model(gguf_path):
 
 
 @pytest.fixture(scope="module")
-def prompts(gguf_path) -> list[list[int]]:
+def tokenizer(gguf_path):
+    """Built once: reading a 262k vocabulary out of the GGUF takes seconds."""
     from engine.loading.tokenizer import Tokenizer
 
-    ids = Tokenizer(MODEL).encode(TEXT * 14)
+    return Tokenizer(MODEL)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    ids = tokenizer.encode(TEXT * 14)
     assert len(ids) > 600
     # The second shares the first's 560 tokens (past the window), then goes its own way.
-    return [ids[:590], ids[:560] + Tokenizer(MODEL).encode(" In the east,")[1:]]
+    return [ids[:590], ids[:560] + tokenizer.encode(" In the east,")[1:]]
 
 
 @pytest.fixture(scope="module")
@@ -131,10 +137,8 @@ def test_package_assembles_once(gguf_path):
     assert os.stat(gguf_path).st_mtime_ns == mtime  # reused, not written again
 
 
-def test_chat_template_and_turn_end(gguf_path):
-    from engine.loading.tokenizer import Tokenizer
-
-    tok = Tokenizer(MODEL)
+def test_chat_template_and_turn_end(tokenizer):
+    tok = tokenizer
     chat = tok.render_chat([{"role": "system", "content": "Be brief."},
                             {"role": "user", "content": "Hi"}])
     assert chat.text == ("<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"

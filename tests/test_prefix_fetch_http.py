@@ -18,11 +18,12 @@ import httpx
 import pytest
 
 from engine import LLM, SamplingParams
-from serve_helpers import serve_config_args, start_local_cluster
+from serve_helpers import TWO_NODE_RESOURCES, serve_config_args, two_node_cluster
 
 pytestmark = pytest.mark.slow
 
 SLOT = "engine_slot"  # one per node: one engine replica on each
+assert SLOT in TWO_NODE_RESOURCES
 MODEL = "radixserve-demo"
 ENGINE = {"max_total_tokens": 4096, "max_running_requests": 8, "chunked_prefill_size": 64,
           "host_kv_cache_gb": 0.01}
@@ -51,8 +52,7 @@ def app(request, model):
 
     from deployments.app import build_app
 
-    _, port = start_local_cluster(request, {"num_cpus": 2, "resources": {SLOT: 1}},
-                                  {"num_cpus": 1, "resources": {SLOT: 1}})
+    _, port = two_node_cluster(request)
     args = serve_config_args(
         model=model, num_replicas=2, ingress_replicas=1, engine=ENGINE,
         ray_actor_options={"num_cpus": 0.2, "resources": {SLOT: 1}},

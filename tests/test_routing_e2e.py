@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from serve_helpers import BASE, PORT, start_ray, stop_ray, wait_until
+from serve_helpers import BASE, PORT, deploy_all, start_ray, stop_ray, wait_until
 
 APP, MODEL = "radixserve", "radixserve-demo"
 BLOCK = 16
@@ -38,22 +38,13 @@ ARGS = {
 
 @pytest.fixture(scope="module")
 def base_url():
-    """Serve on the session's Ray cluster; the test deploys (and redeploys) its own app."""
+    """Serve on the session's Ray cluster; the test deploys its own apps."""
     from ray import serve
 
     start_ray()
     serve.start(http_options={"port": PORT})
     yield BASE
     stop_ray()
-
-
-def deploy(**overrides) -> None:
-    """A fresh app (new replicas, empty caches)."""
-    from ray import serve
-
-    from deployments.app import build_app
-
-    serve.run(build_app({**ARGS, **overrides}), name=APP, route_prefix="/")
 
 
 def burst(base_url: str, seed: int) -> list[list[int]]:
@@ -115,10 +106,11 @@ def measured_burst(base_url: str, ingress: int) -> tuple[float, dict]:
 
 
 def test_burst_through_every_ingress_hits_the_cache_as_through_one(base_url):
-    deploy()  # the default: two ingress replicas per engine replica
+    # Two fresh apps, started side by side: the default (two ingress replicas per engine
+    # replica) on "/", one ingress replica on "/one". Each burst reaches one app only.
+    deploy_all([(APP, "/", ARGS), (APP + "-one", "/one", {**ARGS, "ingress_replicas": 1})])
     fleet_hit, fleet_router = measured_burst(base_url, ingress=4)
-    deploy(ingress_replicas=1)
-    one_hit, _ = measured_burst(base_url, ingress=1)
+    one_hit, _ = measured_burst(f"{base_url}/one", ingress=1)
     # Ceiling: each group's first request misses, the rest hit the prefix.
     ceiling = (PER_GROUP - 1) / PER_GROUP * PREFIX_LEN / (PREFIX_LEN + QUESTION_LEN)
     print(f"burst hit rate: {fleet_hit:.1%} through 4 ingress replicas, {one_hit:.1%} through one "

@@ -12,8 +12,8 @@ import yaml
 from engine import LLM, SamplingParams
 from engine.loading.demo_model import ensure_demo_model
 from serve_helpers import (
-    BASE, ROOT, leave_a_non_streamed_request, run_app, serve_config_args, start_ray, stats,
-    stop_ray, wait_until,
+    BASE, ROOT, leave_a_non_streamed_request, serve_config_args, shared_app, stats, stop_ray,
+    wait_until,
 )
 
 MODEL = "radixserve-demo"
@@ -21,9 +21,7 @@ MODEL = "radixserve-demo"
 
 @pytest.fixture(scope="module")
 def server():
-    start_ray()
-    run_app(serve_config_args(engine={"max_running_requests": 32, "chunked_prefill_size": 128,
-                                      "max_total_tokens": 4096, "max_queued_requests": 64}))
+    shared_app()
     yield
     stop_ray()
 

@@ -16,7 +16,7 @@ import pytest
 from deployments.admission import REPORT_FRESH_S
 from deployments.errors import OVERLOADED_MESSAGE
 from engine.loading.demo_model import ensure_demo_model
-from serve_helpers import BASE, run_app, serve_config_args, start_ray, stop_ray, wait_until
+from serve_helpers import BASE, run_app, serve_config_args, shared_app, stop_ray, wait_until
 
 pytestmark = pytest.mark.slow
 SMALL = f"{BASE}/small"  # running 4 + queued 8 per replica, 1 MB bodies, tokenizer elsewhere
@@ -34,10 +34,7 @@ def _model_without_tokenizer() -> str:
 
 @pytest.fixture(scope="module")
 def server():
-    start_ray()
-    run_app(serve_config_args(ingress_replicas=2, engine={
-        "max_running_requests": 64, "chunked_prefill_size": 256, "max_total_tokens": 16384,
-        "max_queued_requests": 512}))
+    shared_app()  # two ingress replicas
     model = _model_without_tokenizer()
     run_app(serve_config_args(model=model, served_model_name="radixserve-demo",
                               ingress_replicas=1, max_request_body_bytes=BODY_LIMIT,

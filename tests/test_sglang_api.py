@@ -214,12 +214,17 @@ def test_sglang_bench_serving_sglang_backend_runs_unchanged(server):
     from serve_helpers import ROOT
 
     n, input_len, output_len = 16, 24, 12
+    # --model: the model's own folder, so bench_serving's chat-template check reads it there
+    # instead of asking the Hugging Face Hub for the served name (five retries per lookup,
+    # ~45 s, on a box without the Hub); the requests still name the served model.
+    model_path = httpx.get(f"{BASE}/get_model_info", timeout=30).json()["model_path"]
     result = Path(tmp_dir := ROOT / ".pytest_cache") / "sglang_bench_serving.jsonl"
     tmp_dir.mkdir(exist_ok=True)
     result.unlink(missing_ok=True)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "sglang_bench_serving.py"), "--backend", "sglang",
-         "--base-url", BASE, "--dataset-name", "random-ids", "--num-prompts", str(n),
+         "--base-url", BASE, "--model", model_path, "--served-model-name", "radixserve-demo",
+         "--dataset-name", "random-ids", "--num-prompts", str(n),
          "--random-input-len", str(input_len), "--random-output-len", str(output_len),
          "--random-range-ratio", "1", "--tokenize-prompt",  # ids as sampled, not re-tokenized
          "--request-rate", "inf", "--disable-tqdm",

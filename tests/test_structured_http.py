@@ -19,7 +19,7 @@ from engine.loading.demo_model import ensure_demo_model
 from engine.grammar import Grammars
 from engine.models import load_hf_config
 from engine.loading.tokenizer import Tokenizer
-from serve_helpers import BASE, run_app, serve_config_args, start_ray, stop_ray
+from serve_helpers import BASE, shared_app, stop_ray
 from test_structured import PROMPTS, REGEXES, SCHEMAS
 
 MODEL = "radixserve-demo"
@@ -30,9 +30,7 @@ MIN_STOPPED = 0.85  # of constrained choices that must end with "stop" (max_toke
 
 @pytest.fixture(scope="module")
 def client():
-    start_ray()
-    run_app(serve_config_args(engine={"max_running_requests": 64, "chunked_prefill_size": 512,
-                                      "max_total_tokens": 16384, "max_queued_requests": 256}))
+    shared_app()
     yield openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=120)
     stop_ray()
 

@@ -12,9 +12,10 @@ import httpx
 import pytest
 
 from engine import LLM, SamplingParams
-from serve_helpers import call_deployment, serve_config_args, start_local_cluster
+from serve_helpers import TWO_NODE_RESOURCES, call_deployment, serve_config_args, two_node_cluster
 
 GPU = "fake_gpu"
+assert GPU in TWO_NODE_RESOURCES
 MODEL = "radixserve-demo"  # serve_config.yaml's served_model_name
 PROMPTS = ["The old lighthouse keeper", "Once upon a time, in a small village"]
 MAX_TOKENS = 8
@@ -39,8 +40,7 @@ def cluster(request, tiny_llama):
 
     from deployments.app import build_app
 
-    cluster, port = start_local_cluster(request, {"num_cpus": 2, "resources": {GPU: 1}},
-                                        {"num_cpus": 1, "resources": {GPU: 1}})
+    cluster, port = two_node_cluster(request)
     serve.run(build_app(app_args(tiny_llama)), name="radixserve", route_prefix="/")
     cluster.node_ids = {cluster.head_node.node_id} | {n.node_id for n in cluster.worker_nodes}
     cluster.base = f"http://127.0.0.1:{port}"

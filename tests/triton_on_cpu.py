@@ -6,8 +6,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -15,16 +13,28 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_under_interpreter(test_file: str, allow_skipped: bool = False, select: str = "") -> None:
     """Run tests/`test_file`'s `gpu` tests (those `select` picks, as pytest's -k) on the CPU
-    through Triton's interpreter; assert they passed (and, unless `allow_skipped`, that none
-    was skipped)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-                           "-W", "ignore::RuntimeWarning", str(ROOT / "tests" / test_file)]
-                          + (["-k", select] if select else []),
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    ok = done.returncode == 0 and " passed" in done.stdout
-    assert ok and (allow_skipped or "skipped" not in done.stdout), \
-        done.stdout[-3000:] + done.stderr[-3000:]
+    through Triton's interpreter, in a fresh process; assert they passed (and, unless
+    `allow_skipped`, that none was skipped)."""
+    code, out = _interpreter_runs().run(
+        ["-q", "-p", "no:cacheprovider", "-m", "gpu", "-W", "ignore::RuntimeWarning",
+         str(ROOT / "tests" / test_file)] + (["-k", select] if select else []), timeout=300)
+    ok = code == 0 and " passed" in out
+    assert ok and (allow_skipped or "skipped" not in out), out[-6000:]
+
+
+_server = None
+
+
+def _interpreter_runs():
+    """The session's fork server for interpreter runs (tests/pytest_fork_server.py). No
+    plugin autoload: the kernel files use none, and loading them costs ~2 s a run."""
+    global _server
+    if _server is None:
+        from pytest_fork_server import ForkServer
+
+        _server = ForkServer(dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+                                  PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"))
+    return _server
 
 
 def compile_for_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int = 4,
