@@ -8,4 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
+# Bytecode for the project's own modules, as an installed package has it: where
+# PYTHONDONTWRITEBYTECODE is set (CI), every Ray worker and engine process would compile
+# them from source again.
+${PYTHON:-python3} -m compileall -q -j 0 engine deployments router frontend > /dev/null
 exec ${PYTHON:-python3} -m pytest -q -n "${TEST_WORKERS:-0}" --dist loadgroup --durations=30 "$@"
