@@ -28,12 +28,13 @@ Rules:
    (a client over HTTP) imports none of the other packages.
 4. The engine's rooms (`ENGINE_ROOMS`): each room of engine/ imports only the rooms listed
    for it (below it in the step's story); `core` imports neither `executor` nor `kernels`.
-5. Floors: a module sits one floor above the highest engine module it needs to run, so its
-   floor is the length of its longest chain of imports (`floors`). Here an import under
-   `if TYPE_CHECKING:` does not count (it names a type for annotations and never runs;
-   rule 1 still counts it, so it too points down), one inside a function does. engine/ has
-   at most `MAX_ENGINE_DEPTH` floors, and each room at most `ROOM_DEPTH[room]` counting only
-   the imports inside it.
+5. Floors: a module sits one floor above the highest engine module it imports, so its
+   floor is the length of its longest chain of imports (`floors`). Every import counts, as
+   in rule 1: one inside a function, and one under `if TYPE_CHECKING:` too (a type names
+   its module to the reader as surely as a call does: a collaborator handed in from above
+   is typed by a small `typing.Protocol` at the user's floor instead). engine/ has at most
+   `MAX_ENGINE_DEPTH` floors, and each room at most `ROOM_DEPTH[room]` counting only the
+   imports inside it.
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ ENGINE_ROOMS = {
 }
 
 
-# Rule 5: the most floors of runtime imports (see `floors`) in all of engine/, and in a room.
+# Rule 5: the most floors of imports (see `floors`) in all of engine/, and in a room.
 # The floor plan: docs/architecture.md.
 MAX_ENGINE_DEPTH = 10
 ROOM_DEPTH = {"config": 1, "core": 4, "grammar": 4, "kernels": 4, "quantization": 1, "layers": 3,
@@ -138,29 +139,12 @@ def imported_modules(module: Module,
         yield base, alias.name
 
 
-def is_type_checking(node: ast.AST) -> bool:
-    return isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING",
-                                                                    "typing.TYPE_CHECKING")
-
-
-def import_nodes(nodes, with_typing: bool) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement among `nodes` and below; those under `if TYPE_CHECKING:`
-    only `with_typing`."""
-    for node in nodes:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-        elif is_type_checking(node) and not with_typing:
-            yield from import_nodes(node.orelse, with_typing)
-        else:
-            yield from import_nodes(ast.iter_child_nodes(node), with_typing)
-
-
-def dependencies(module: Module, modules: dict[str, Module],
-                 with_typing: bool = True) -> set[str]:
-    """The project modules `module` imports (rule 1's edges); without `with_typing`, only
-    those it needs to run (rule 5's edges: not the ones under `if TYPE_CHECKING:`)."""
+def dependencies(module: Module, modules: dict[str, Module]) -> set[str]:
+    """The project modules `module` imports, wherever the import stands (rules 1 and 5)."""
     deps = set()
-    for node in import_nodes([module.tree], with_typing):
+    for node in ast.walk(module.tree):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
         for path, name in imported_modules(module, node):
             target = f"{path}.{name}" if name and f"{path}.{name}" in modules else path
             while target and target not in modules:  # `import a.b.c` of a non-module c
@@ -347,12 +331,12 @@ def room_violations(modules: dict[str, Module] = MODULES) -> list[str]:
 
 
 def floors(modules: dict[str, Module], within: str | None = None) -> dict[str, list[str]]:
-    """Rule 5: each engine module's longest chain of runtime imports, itself first (its
+    """Rule 5: each engine module's longest chain of imports, itself first (its
     floor is the chain's length: a module sits above everything it imports). `within` a
     room, only the imports inside that room count."""
     names = [n for n in modules if n.split(".")[0] == "engine"
              and (within is None or room_of(n) == within)]
-    graph = {n: [d for d in dependencies(modules[n], modules, with_typing=False) if d in names]
+    graph = {n: [d for d in dependencies(modules[n], modules) if d in names]
              for n in names}
     chains: dict[str, list[str]] = {}
 
@@ -372,6 +356,11 @@ def too_deep(chains: dict[str, list[str]], limit: int) -> list[str]:
 
 
 # -- the tests --------------------------------------------------------------------------
+
+def fake_modules(sources: dict[str, str]) -> dict[str, Module]:
+    return {name: Module(name, ROOT / (name.replace(".", "/") + ".py"), ast.parse(src))
+            for name, src in sources.items()}
+
 
 def test_no_import_cycles():
     cycles = import_cycles()
@@ -434,9 +423,7 @@ def test_the_checker_sees_a_cycle():
                "pkg.b": "def f():\n    from pkg import c\n",
                "pkg.c": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.a\n",
                "pkg.d": "import pkg.a\n"}
-    fake = {name: Module(name, ROOT / (name.replace(".", "/") + ".py"), ast.parse(src))
-            for name, src in sources.items()}
-    assert import_cycles(fake) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
+    assert import_cycles(fake_modules(sources)) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
 
 
 def test_engine_import_depth():
@@ -452,20 +439,38 @@ def test_room_import_depth(room):
 
 
 def test_the_depth_checker_sees_a_chain():
-    """Runtime imports count, also inside functions; those under TYPE_CHECKING do not."""
-    sources = {"engine.a.x": "from engine.a import y\n",
-               "engine.a.y": "def f():\n    import engine.b.z\n",
-               "engine.b.z": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                             "    import engine.b.w\n",
-               "engine.b.w": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    pass\n"
-                             "else:\n    import engine.b.v\n",
-               "engine.b.v": ""}
-    fake = {name: Module(name, ROOT / (name.replace(".", "/") + ".py"), ast.parse(src))
-            for name, src in sources.items()}
-    assert floors(fake)["engine.a.x"] == ["engine.a.x", "engine.a.y", "engine.b.z"]
+    """Every import counts: inside a function, and under TYPE_CHECKING (either branch)."""
+    fake = fake_modules({
+        "engine.a.x": "from engine.a import y\n",
+        "engine.a.y": "def f():\n    import engine.b.z\n",
+        "engine.b.z": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import engine.b.w\n",
+        "engine.b.w": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    pass\n"
+                      "else:\n    import engine.b.v\n",
+        "engine.b.v": ""})
+    assert floors(fake)["engine.a.x"] == ["engine.a.x", "engine.a.y", "engine.b.z", "engine.b.w",
+                                          "engine.b.v"]
     assert floors(fake, within="a")["engine.a.x"] == ["engine.a.x", "engine.a.y"]
-    assert floors(fake)["engine.b.w"] == ["engine.b.w", "engine.b.v"]
-    assert too_deep(floors(fake), 2) and not too_deep(floors(fake), 3)
+    assert floors(fake, within="b")["engine.b.z"] == ["engine.b.z", "engine.b.w", "engine.b.v"]
+    assert too_deep(floors(fake), 4) and not too_deep(floors(fake), 5)
+
+
+def test_the_depth_checker_sees_a_type_import_up():
+    """A low module that names a high one's class for its annotations sits above it: the
+    chain through the type-only import is too deep, where a Protocol of the low module's
+    own keeps it on the ground floor."""
+    top = {"engine.r.engine": "from engine.r.loop import Loop\nfrom engine.r.base import B\n",
+           "engine.r.loop": "from engine.r.base import B\n",
+           "engine.r.base": ""}
+    upward = fake_modules(top | {"engine.r.report": (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from engine.r.engine import Engine\n")})
+    assert floors(upward, within="r")["engine.r.report"] == [
+        "engine.r.report", "engine.r.engine", "engine.r.loop", "engine.r.base"]
+    assert too_deep(floors(upward, within="r"), 3)
+    protocol = fake_modules(top | {"engine.r.report": (
+        "from typing import Protocol\nclass Engine(Protocol):\n    def stats(self) -> dict: ...\n")})
+    assert floors(protocol, within="r")["engine.r.report"] == ["engine.r.report"]
+    assert not too_deep(floors(protocol, within="r"), 3)
 
 
 MAX_FILE_LINES = 400  # a product file past this holds more than one concept: split it

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.core.radix_cache import TreeNode
+from engine.core.tree_node import TreeNode
 from engine.core.slot_allocator import SlotAllocator
 
 

@@ -19,12 +19,12 @@ an H200) held as lists made every full collection walk two million items (engine
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from engine.core.slot_allocator import SlotAllocator
+from engine.core.tree_node import TreeNode
 
 
 # A node appeared, disappeared, or (with a host tier) moved between the tiers.
@@ -41,8 +41,6 @@ class CacheEvent:
     start: int
 
 
-_clock = itertools.count()
-
 # Prefixes computed under a LoRA adapter live in their own part of the tree: their tokens
 # are keyed as `namespace * _NAMESPACE_STRIDE + token` (token ids are below 2**32), so a
 # prefix under one adapter never matches another adapter's or the base model's.
@@ -54,27 +52,6 @@ def _keyed(tokens: Sequence[int], namespace: int) -> Sequence[int]:
         return tokens
     offset = namespace * _NAMESPACE_STRIDE
     return [offset + t for t in tokens]
-
-
-@dataclass(eq=False)
-class TreeNode:
-    key: tuple[int, ...] = ()
-    value: tuple[int, ...] = ()
-    parent: TreeNode | None = None
-    children: dict[int, TreeNode] = field(default_factory=dict)
-    lock_ref: int = 0
-    last_access: int = field(default_factory=lambda: next(_clock))
-    host_value: tuple[int, ...] | None = None  # host-tier slots of the same tokens
-
-    def touch(self) -> None:
-        self.last_access = next(_clock)
-
-    def path_tokens(self) -> tuple[int, ...]:
-        parts, node = [], self
-        while node is not None:
-            parts.append(node.key)
-            node = node.parent
-        return tuple(t for part in reversed(parts) for t in part)
 
 
 def _is_device_leaf(node: TreeNode) -> bool:

@@ -10,7 +10,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.spec_stats import SpecStats
 
 if TYPE_CHECKING:
-    from engine.core.radix_cache import TreeNode
+    from engine.core.tree_node import TreeNode
 
 
 class Status(enum.Enum):

@@ -4,17 +4,25 @@ when that size's graph decodes plainly), else the batch's own."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from engine.core.request import Request
 
 if TYPE_CHECKING:  # (imported by the runner only when grouped decode is on)
-    from engine.executor.cuda_graph import DecodeGraphs
     from engine.core.prefix_groups import PrefixGrouper
 
 
+class GroupedGraphs(Protocol):
+    """What this needs of the decode graphs (engine/executor/cuda_graph.py's DecodeGraphs,
+    built above this module by the runner)."""
+
+    max_bs: int
+
+    def grouped_capacity(self, bs: int) -> int | None: ...
+
+
 class GroupMetadata:
-    def __init__(self, grouper: PrefixGrouper, graphs: DecodeGraphs | None,
+    def __init__(self, grouper: PrefixGrouper, graphs: GroupedGraphs | None,
                  num_splits: Callable) -> None:
         self.grouper = grouper
         self.graphs = graphs

@@ -21,18 +21,10 @@ import torch
 from engine.attention.kv_pool import KVPool
 from engine.config import EngineConfig
 from engine.core.host_tier import HostTier
+from engine.core.prefix_rows import PrefixRows
 from engine.kernels.kv_copy import copy_rows
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PrefixRows:
-    """One prefix's KV as CPU tensors [layers, tokens, kv heads, head dim]: what replicas
-    hand each other (through Ray's object store)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
 
 
 @dataclass

@@ -4,8 +4,6 @@ extended by jump-forward, judged for stops and limits) and prompt logprobs. One
 (engine/runtime/overlap.py), so both finish requests by the same rules."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from engine.grammar import Grammars
@@ -14,16 +12,7 @@ from engine.executor.sampler import Sampler
 from engine.core.scheduler import Scheduler
 from engine.executor.staging import take_rows
 from engine.core.step_plan import StepPlan
-
-
-@dataclass
-class TokenUpdate:
-    """One request's progress in one step: the tokens it gained (0 or 1; more with
-    jump-forward or speculative decoding)."""
-
-    req: Request
-    new_tokens: list[int]
-    finished: bool
+from engine.core.token_update import TokenUpdate
 
 
 class OutputProcessor:

@@ -31,28 +31,34 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:
-    from engine.config import KernelConfig
+
+class KernelSwitches(Protocol):
+    """engine/config.py's KernelConfig as this module reads it: the switches it names; the
+    others are read by name (`setting_on`). Named here, not imported, so that this module
+    stays the kernels' ground floor."""
+
+    pdl: bool
+    split_sums: bool
+
 
 # None until a model runner applies its settings: then every path is on, as in
 # `KernelConfig()` (whose switches all default to True: tests/test_kernel_config.py
-# test_every_switch_is_a_bool_defaulting_on). Holding the instance, not importing its class, keeps this module the kernels'
-# ground floor.
-_current: KernelConfig | None = None
+# test_every_switch_is_a_bool_defaulting_on).
+_current: KernelSwitches | None = None
 
 
-def apply_kernel_config(kernels: KernelConfig) -> None:
+def apply_kernel_config(kernels: KernelSwitches) -> None:
     global _current
     _current = kernels
 
 
-def kernel_settings() -> KernelConfig | None:
+def kernel_settings() -> KernelSwitches | None:
     """The settings applied last in this process; None before any (every path on)."""
     return _current
 

@@ -8,14 +8,32 @@ under one adapter.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from engine.lora.tiles import DECODE_BLOCK_M, TilePlan, block_m_for, split_packed, tile_bound
 
-if TYPE_CHECKING:
-    from engine.lora.pool import LoRAPool, PoolGroup
+
+# What a hook reads of engine/lora/pool.py's LoRAPool and its PoolGroups (named here, so that
+# this module sits below the pool, which the manager builds and hands in).
+
+class LinearSlots(Protocol):
+    """One fused linear's adapter weights in every slot (a PoolGroup)."""
+
+    part_sizes: tuple[int, ...]
+    a: torch.Tensor  # [slots, len(parts) * R, in]
+    b: torch.Tensor  # [slots, out, R]
+
+    @property
+    def bounds(self) -> list[int]: ...
+
+
+class SlotRanks(Protocol):
+    """The pool's padded rank R and each slot's own rank (a LoRAPool)."""
+
+    rank: int
+    ranks: torch.Tensor
 
 
 class LoRABatch:
@@ -106,7 +124,7 @@ def _runs(slots: list[int], lens: list[int]) -> list[tuple[int, int, int]]:
 class LoRAHook:
     """Set as `linear.lora`: LinearBase.matmul calls it with the input and the base output."""
 
-    def __init__(self, group: PoolGroup, pool: LoRAPool, batch: LoRABatch,
+    def __init__(self, group: LinearSlots, pool: SlotRanks, batch: LoRABatch,
                  tile_n: int | None) -> None:
         self.group, self.pool, self.batch, self.tile_n = group, pool, batch, tile_n
 

@@ -12,7 +12,8 @@ from engine.grammar import Grammars
 from engine.layers.parallel import TPContext
 from engine.executor.kv_transfer import make_host_tier
 from engine.executor.model_runner import ModelRunner
-from engine.executor.output_processor import OutputProcessor, TokenUpdate, feed_detokenizer
+from engine.executor.output_processor import OutputProcessor, feed_detokenizer
+from engine.core.token_update import TokenUpdate
 from engine.core.outputs import RequestOutput
 from engine.runtime.overlap import OverlapStepper
 from engine.runtime.prefix_exchange import (

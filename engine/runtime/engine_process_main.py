@@ -21,18 +21,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.core.queue_deadlines import QueueFullError
 from engine.core.outputs import WireBatch
 from engine.core.sampling_params import SamplingParams
-from engine.runtime.step_report import EngineStepError, StepReport, step_for_streams, step_report
+from engine.runtime.step_report import (EngineStepError, ServedEngine, StepReport, step_for_streams,
+                                        step_report)
 from engine.runtime.stream_deltas import wire_update
 from engine.executor.startup_timer import process_age_s
-
-if TYPE_CHECKING:
-    from engine.runtime.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +93,7 @@ class StepMessage:
     report: StepReport | None = None
 
 
-def start(config: EngineConfig, make_engine: Callable[[EngineConfig], Engine]
+def start(config: EngineConfig, make_engine: Callable[[EngineConfig], ServedEngine]
           ) -> tuple[BaseProcess, Connection, Connection]:
     """Spawn the engine process, which builds `make_engine(config)` (a class or top-level
     function: it crosses to the child by name); returns the process, the commands' sending
@@ -138,7 +135,7 @@ def kill(process: BaseProcess) -> None:
         process.join(5)
 
 
-def run(make_engine: Callable[[EngineConfig], Engine], config: EngineConfig, commands: Connection,
+def run(make_engine: Callable[[EngineConfig], ServedEngine], config: EngineConfig, commands: Connection,
         out: Connection, parent_pid: int, parent_age_s: float = 0.0) -> None:
     """The child's entry point (multiprocessing "spawn")."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C of `serve run` reaches the parent
@@ -158,7 +155,7 @@ def run(make_engine: Callable[[EngineConfig], Engine], config: EngineConfig, com
 class EngineProcess:
     """The step loop: commands between steps, block when idle, one message per step."""
 
-    def __init__(self, engine: Engine, commands: Connection, out: Connection, parent_pid: int) -> None:
+    def __init__(self, engine: ServedEngine, commands: Connection, out: Connection, parent_pid: int) -> None:
         self.engine = engine
         self.commands = commands
         self.out = out

@@ -24,19 +24,34 @@ exercises the same bookkeeping; the engine only turns it on for CUDA.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from engine.executor.step_input import PendingTokens
-from engine.executor.output_processor import TokenUpdate
+from engine.core.token_update import TokenUpdate
 from engine.executor.prompt_logprobs import PromptScores
 from engine.core.request import Request, Status
 from engine.core.step_plan import Chunk, StepPlan
 from engine.executor.staging import take_rows, to_host
 
 if TYPE_CHECKING:
-    from engine.runtime.sync_step import SyncStepper
+    from engine.core.scheduler import Scheduler
+    from engine.executor.model_runner import ModelRunner
+    from engine.executor.output_processor import OutputProcessor
+    from engine.executor.sampler import Sampler
+
+
+class SyncFallback(Protocol):
+    """The plain step loop (engine/runtime/sync_step.py's SyncStepper, a neighbour in this
+    room, hence named by use): the parts it was built with, and its step."""
+
+    scheduler: Scheduler
+    runner: ModelRunner
+    processor: OutputProcessor
+    sampler: Sampler
+
+    def step(self) -> list[TokenUpdate]: ...
 
 
 def needs_sync(req: Request, jump_forward: bool) -> bool:
@@ -64,7 +79,7 @@ class InFlight:
 
 
 class OverlapStepper:
-    def __init__(self, sync: SyncStepper, max_batch: int) -> None:
+    def __init__(self, sync: SyncFallback, max_batch: int) -> None:
         self.sync = sync
         self.scheduler = sync.scheduler
         self.runner = sync.runner

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
-
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from engine.runtime.pooling_input import PoolInput
+
+class PoolItem(Protocol):
+    """engine/runtime/pooling_input.py's PoolInput as packing reads it (named here, so
+    that this module needs no neighbour in its room)."""
+
+    ids: list[int]
+    token_types: list[int] | None
 
 
 @dataclass
@@ -40,17 +44,17 @@ class DeviceForward:
     lens: list[int]
 
 
-def input_lens(items: list[PoolInput]) -> np.ndarray:
+def input_lens(items: list[PoolItem]) -> np.ndarray:
     return np.fromiter((len(x.ids) for x in items), dtype=np.int64, count=len(items))
 
 
-def flat_ids(items: list[PoolInput]) -> np.ndarray:
+def flat_ids(items: list[PoolItem]) -> np.ndarray:
     """Every input's ids back to back, int64 (OverflowError for an id past int64)."""
     return np.fromiter(chain.from_iterable(x.ids for x in items), dtype=np.int64,
                        count=sum(len(x.ids) for x in items))
 
 
-def plan_call(items: list[PoolInput], lens: np.ndarray, token_budget: int,
+def plan_call(items: list[PoolItem], lens: np.ndarray, token_budget: int,
               max_seqs: int) -> CallPlan:
     order = np.argsort(lens, kind="stable")
     slens = lens[order]
@@ -72,7 +76,7 @@ def forward_bounds(lens: np.ndarray, token_budget: int, max_seqs: int) -> list[t
     return bounds
 
 
-def pack_forward(items: list[PoolInput], plan: CallPlan, first: int, end: int) -> np.ndarray:
+def pack_forward(items: list[PoolItem], plan: CallPlan, first: int, end: int) -> np.ndarray:
     """The host buffer of sorted inputs [first, end): ids [T] | positions [T] | cu [B + 1]
     (| token types [T]), int64."""
     lens = plan.lens[first:end]

@@ -8,17 +8,45 @@ import queue
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from engine.runtime.pooling_input import PoolInput
 
 if TYPE_CHECKING:
-    from engine.runtime.pooling_engine import PoolingEngine
+    import torch
+
+    from engine.config import EngineConfig
+
+
+class RequestCount(Protocol):
+    requests: int
+
+
+class PoolingBackend(Protocol):
+    """What the requests use of engine/runtime/pooling_engine.py's PoolingEngine (built
+    above this module and handed in)."""
+
+    task: str
+    config: EngineConfig
+    max_context: int
+    stats: RequestCount
+
+    def encode_many(self, texts: list[str], truncate: int | None = None) -> list[PoolInput]: ...
+
+    def encode_pair(self, query: str, document: str, truncate: int | None = None) -> PoolInput: ...
+
+    def check_all(self, items: list[PoolInput]) -> None: ...
+
+    def check_dimensions(self, dimensions: int | None) -> None: ...
+
+    def embed(self, items: list[PoolInput], dimensions: int | None = None) -> torch.Tensor: ...
+
+    def score(self, items: list[PoolInput]) -> list[float]: ...
 
 EmbedInput = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
 
 
-def embedding_inputs(engine: PoolingEngine, inputs: EmbedInput,
+def embedding_inputs(engine: PoolingBackend, inputs: EmbedInput,
                      truncate: int | None = None) -> list[PoolInput]:
     """Texts or token ids (one or a list) -> checked inputs. `truncate`: at most that many
     tokens per input (-1: the model's limit); texts keep their special tokens, token ids
@@ -43,7 +71,7 @@ def embedding_inputs(engine: PoolingEngine, inputs: EmbedInput,
     return items
 
 
-def pair_inputs(engine: PoolingEngine, pairs: Sequence[tuple[str, str]],
+def pair_inputs(engine: PoolingBackend, pairs: Sequence[tuple[str, str]],
                 truncate: int | None = None) -> list[PoolInput]:
     """(query, document) pairs -> checked cross-encoder inputs."""
     if not pairs or any(not q or not d for q, d in pairs):
@@ -54,7 +82,7 @@ def pair_inputs(engine: PoolingEngine, pairs: Sequence[tuple[str, str]],
     return items
 
 
-def _truncation(engine: PoolingEngine, truncate: int | None) -> int | None:
+def _truncation(engine: PoolingBackend, truncate: int | None) -> int | None:
     if truncate is None:
         return None
     if truncate == -1:
@@ -67,7 +95,7 @@ def _truncation(engine: PoolingEngine, truncate: int | None) -> int | None:
 class OfflinePooling:
     """`LLM(task=...)`'s pooling methods."""
 
-    def __init__(self, engine: PoolingEngine) -> None:
+    def __init__(self, engine: PoolingBackend) -> None:
         self.engine = engine
 
     def embed(self, inputs: EmbedInput, dimensions: int | None = None,
@@ -106,7 +134,7 @@ class AsyncPooling:
     packed run, so concurrent small requests share forwards. A job whose caller left (its
     future cancelled) before its round is dropped unrun."""
 
-    def __init__(self, engine: PoolingEngine) -> None:
+    def __init__(self, engine: PoolingBackend) -> None:
         self.engine = engine
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._pending: list[_Job] = []

@@ -14,12 +14,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
-if TYPE_CHECKING:  # the engine hands in its cache and tier; the clients carry the type
-    from engine.core.host_tier import HostTier
-    from engine.core.radix_cache import RadixCache
-    from engine.executor.kv_transfer import PrefixRows
+if TYPE_CHECKING:
+    from engine.core.prefix_rows import PrefixRows
+    from engine.core.tree_node import TreeNode
+
+
+# What the exchange uses of the engine's radix cache and host tier (engine/core/radix_cache.py,
+# host_tier.py), which the engine hands in.
+
+class PrefixCache(Protocol):
+    enabled: bool
+    root: TreeNode
+
+    def cached_path(self, tokens: Sequence[int]) -> list[TreeNode]: ...
+
+
+class PrefixTier(Protocol):
+    def export(self, path: list[TreeNode], skip: int = 0) -> tuple[int, Any]: ...
+
+    def import_(self, parent: TreeNode, key: tuple[int, ...], rows: Any, start: int) -> int: ...
 
 
 @dataclass
@@ -29,13 +44,13 @@ class ExportedPrefix:
     start: int = 0  # the tokens the importer said it held, whose rows stay home
 
 
-def cached_length(cache: RadixCache, tokens: Sequence[int]) -> int:
+def cached_length(cache: PrefixCache, tokens: Sequence[int]) -> int:
     """The tokens of `tokens`' longest cached prefix, in either tier (touched: a request
     is about to use them)."""
     return sum(len(node.key) for node in cache.cached_path(tokens)) if cache.enabled else 0
 
 
-def export_prefix(cache: RadixCache, tier: HostTier | None, tokens: Sequence[int],
+def export_prefix(cache: PrefixCache, tier: PrefixTier | None, tokens: Sequence[int],
                   skip: int = 0) -> ExportedPrefix | None:
     """The longest cached prefix of `tokens`, with the KV of its tokens past the first
     `skip`; None (no tier, nothing cached past `skip`)."""
@@ -53,7 +68,7 @@ def export_prefix(cache: RadixCache, tier: HostTier | None, tokens: Sequence[int
     return ExportedPrefix(list(tokens[:end]), rows, start=skip) if end > skip else None
 
 
-def import_prefix(cache: RadixCache, tier: HostTier | None, prefix: ExportedPrefix) -> int:
+def import_prefix(cache: PrefixCache, tier: PrefixTier | None, prefix: ExportedPrefix) -> int:
     """Put the part of `prefix` this cache lacks into the host tier; returns the tokens
     added (0: already cached, no room, or this cache no longer holds the tokens the rows
     start after). ValueError for rows of another shape."""

@@ -5,16 +5,54 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from engine.core.queue_deadlines import QUEUE_TIMEOUT
 
-if TYPE_CHECKING:  # the engine is handed in; its module sits above this one
+if TYPE_CHECKING:
+    from engine.core.queue_deadlines import QueueTimeoutError
     from engine.core.request import Request
-    from engine.executor.output_processor import TokenUpdate
-    from engine.runtime.engine import Engine
+    from engine.core.sampling_params import SamplingParams
+    from engine.core.token_update import TokenUpdate
+    from engine.speculative.target import KVSlots
 
 logger = logging.getLogger(__name__)
+
+
+# What a streaming server's loop (this module, the engine process in engine_process_main.py)
+# uses of the Engine (engine/runtime/engine.py), which is built above them and handed in.
+
+class RunnerSizes(Protocol):
+    vocab_size: int
+    kv_pool: KVSlots
+
+
+class ServedEngine(Protocol):
+    requests: dict[str, Request]
+    max_context: int
+    runner: RunnerSizes
+
+    @property
+    def has_work(self) -> bool: ...
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    validated: bool = False) -> Request: ...
+
+    def abort(self, request_id: str) -> Request | None: ...
+
+    def step(self) -> list[TokenUpdate]: ...
+
+    def abort_after_failed_step(self) -> list[Request]: ...
+
+    def queue_timeout_error(self, req: Request) -> QueueTimeoutError: ...
+
+    def stats(self) -> dict: ...
+
+    def drain_cache_events(self) -> list: ...
+
+    def drain_grammar_compile_times(self) -> list[float]: ...
+
+    def close(self) -> None: ...
 
 
 class EngineStepError(RuntimeError):
@@ -32,14 +70,14 @@ class StepReport:
     grammar_compile_times: list[float] = field(default_factory=list)
 
 
-def step_report(engine: Engine, last_stats: dict | None = None) -> StepReport:
+def step_report(engine: ServedEngine, last_stats: dict | None = None) -> StepReport:
     """Drain the engine's per-step data; stats only when they differ from `last_stats`."""
     stats = engine.stats()
     return StepReport(engine.drain_cache_events(), None if stats == last_stats else stats,
                       engine.drain_grammar_compile_times())
 
 
-def step_for_streams(engine: Engine) -> tuple[list[TokenUpdate], list[tuple[Request, Exception]]]:
+def step_for_streams(engine: ServedEngine) -> tuple[list[TokenUpdate], list[tuple[Request, Exception]]]:
     """One engine step for a server that streams (AsyncEngine, the engine process): finished
     requests leave `engine.requests` (their streams have what they need), a request timed
     out in the queue ends with its QueueTimeoutError, and a step that raises ends the

@@ -40,7 +40,7 @@ from engine.executor.step_input import PendingTokens
 from engine.core.step_plan import Chunk, StepPlan
 
 if TYPE_CHECKING:
-    from engine.executor.model_runner import ModelRunner
+    from engine.speculative.target import TargetRunner
 
 
 def load_draft_config(config: EngineConfig):
@@ -83,7 +83,7 @@ def draft_runner_config(config: EngineConfig, num_slots: int, max_context: int) 
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, config: EngineConfig, sampler: Sampler, target: ModelRunner,
+    def __init__(self, config: EngineConfig, sampler: Sampler, target: TargetRunner,
                  grammars: Grammars) -> None:
         hf = load_draft_config(config)
         if hf.vocab_size != target.vocab_size:

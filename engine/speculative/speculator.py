@@ -10,7 +10,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.grammar import Grammars
-from engine.executor.output_processor import OutputProcessor, TokenUpdate
+from engine.executor.output_processor import OutputProcessor
+from engine.core.token_update import TokenUpdate
 from engine.core.request import Request
 from engine.executor.sampler import Sampler
 from engine.core.step_plan import Chunk, StepPlan
@@ -21,12 +22,12 @@ from engine.core.spec_stats import SpecStats
 from engine.speculative.verify import verify_chunks
 
 if TYPE_CHECKING:
-    from engine.executor.model_runner import ModelRunner
+    from engine.speculative.target import TargetRunner
 
 
 class Speculator:
     def __init__(self, config: EngineConfig, sampler: Sampler, grammars: Grammars,
-                 proposer: Proposer, target: ModelRunner | None = None) -> None:
+                 proposer: Proposer, target: TargetRunner | None = None) -> None:
         """`proposer`: the drafts' source (`config.speculative_algorithm`'s; the engine
         builds it); `target`: the target's runner (whose extend graphs bound a verify step)."""
         self.max_draft = config.speculative_num_draft_tokens
