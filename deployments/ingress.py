@@ -16,7 +16,7 @@ from deployments.admission import engine_replica_ids, install_admission
 from deployments.auth import install_auth
 from deployments.channel import ChannelHub
 from deployments.engine_replica import EngineCall, resolve_model
-from deployments.ingress_parts import IngressParts, PartsLoader, PartsSource, load_parts
+from deployments.ingress_parts import IngressParts, PartsLoader, PartsSource
 from deployments.errors import APIError, as_api_error, install_error_handlers
 from deployments.lora_api import install_lora_api
 from deployments.readiness import install_readiness
@@ -91,11 +91,8 @@ class OpenAIIngress:
         self.freeze_gc = freeze_gc
         source = PartsSource(path, self.tokenizer_path, max_model_len, tool_call_parser,
                              reasoning_parser)
-        if in_process:  # the replica's constructor waits for its engine anyway
-            self._adopt(load_parts(source))
-        else:  # answer probes while they load (deployments/ingress_parts.py)
-            source.check()
-            parts_loader.start(source, self._adopt)
+        # At launch, on a thread: this replica answers probes meanwhile (ingress_parts.py).
+        parts_loader.load(source, self._adopt, on_thread=not in_process)
 
     def _adopt(self, parts: IngressParts) -> None:
         self.tokenizer, self.vocab_size = parts.tokenizer, parts.vocab_size

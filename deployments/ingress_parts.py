@@ -9,6 +9,10 @@ a thread after its constructor: it answers at once, with the readiness middlewar
 `engine_starting` until both the parts and an engine replica are ready
 (deployments/readiness.py). What can fail cheaply (a model path that is not there) is
 checked in the constructor, so a bad config still fails the deploy.
+
+Only while no replica of the ingress runs: a replica added later (autoscaling, a replaced
+one, an update) loads them in its constructor as before, since Serve would otherwise route
+live requests to it that then wait for its tokenizer while the others could serve them.
 """
 from __future__ import annotations
 
@@ -59,6 +63,20 @@ class PartsSource:
                                         f"(looked for {local!r})")
 
 
+def another_replica_serves() -> bool:
+    """Does Serve run another replica of this one's deployment already? False outside a
+    Serve replica."""
+    from ray import serve
+
+    try:
+        context = serve.get_replica_context()
+        app = serve.status().applications.get(context.app_name)
+    except Exception:  # noqa: BLE001 - not in a replica, or no controller to ask
+        return False
+    deployment = app.deployments.get(context.deployment) if app is not None else None
+    return deployment is not None and deployment.replica_states.get("RUNNING", 0) > 0
+
+
 def load_parts(source: PartsSource) -> IngressParts:
     from engine import load_hf_config  # torch and transformers: not on the module's import
 
@@ -79,6 +97,16 @@ class PartsLoader:
     def __init__(self) -> None:
         self.loaded = True  # nothing to wait for until `start`
         self.error: str | None = None
+
+    def load(self, source: PartsSource, on_loaded: Callable[[IngressParts], None],
+             on_thread: bool = True) -> None:
+        """`on_loaded(parts)`: now, or on a thread when `on_thread` and no other replica of
+        this deployment runs yet (then a missing path still raises here)."""
+        if not on_thread or another_replica_serves():
+            on_loaded(load_parts(source))
+            return
+        source.check()
+        self.start(source, on_loaded)
 
     def start(self, source: PartsSource, on_loaded: Callable[[IngressParts], None]) -> None:
         self.loaded = False

@@ -272,3 +272,23 @@ def test_probes_and_completions_during_a_slow_engine_start(starting_app):
         # The refused requests never reached the engine, and nothing is left running.
         stats = http.get("/v1/stats").json()
         assert stats["finished_requests"] == 1 and stats["running"] == 0 and stats["waiting"] == 0
+
+    # Only a launch loads the parts on a thread: a replica that Serve adds while another of
+    # its deployment runs (scale-out, a replacement) loads them in its constructor. Seen
+    # from a replica: none running while it constructs, itself once it runs.
+    from ray import serve
+
+    from deployments.ingress_parts import another_replica_serves
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0.1})
+    class Sibling:
+        def __init__(self) -> None:
+            self.saw_another = another_replica_serves()
+
+        def __call__(self) -> tuple[bool, bool]:
+            return self.saw_another, another_replica_serves()
+
+    handle = serve.run(Sibling.bind(), name="siblings", route_prefix=None)
+    assert handle.remote().result(timeout_s=60) == (False, True)
+    assert another_replica_serves() is False  # outside a replica
+    serve.delete("siblings")
