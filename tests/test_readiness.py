@@ -31,7 +31,7 @@ from deployments.errors import install_error_handlers
 from deployments.ingress_parts import PartsLoader, PartsSource
 from deployments.readiness import (PARTS_FAILED_CODE, STARTING_CODE, EngineReadiness,
                                    install_readiness, needs_engine)
-from serve_helpers import ROOT, serve_config_args, start_local_cluster, wait_until
+from serve_helpers import ROOT, call_deployment, serve_config_args, start_local_cluster, wait_until
 
 APP = "radixserve"
 MODEL = "radixserve-demo"
@@ -285,10 +285,10 @@ def test_probes_and_completions_during_a_slow_engine_start(starting_app):
         def __init__(self) -> None:
             self.saw_another = another_replica_serves()
 
-        def __call__(self) -> tuple[bool, bool]:
+        def seen(self) -> tuple[bool, bool]:
             return self.saw_another, another_replica_serves()
 
-    handle = serve.run(Sibling.bind(), name="siblings", route_prefix=None)
-    assert handle.remote().result(timeout_s=60) == (False, True)
+    serve.run(Sibling.bind(), name="siblings", route_prefix=None)
+    assert tuple(call_deployment("Sibling", "seen", app="siblings", timeout=60)) == (False, True)
     assert another_replica_serves() is False  # outside a replica
     serve.delete("siblings")

@@ -16,7 +16,8 @@ import pytest
 from deployments.admission import REPORT_FRESH_S
 from deployments.errors import OVERLOADED_MESSAGE
 from engine.loading.demo_model import ensure_demo_model
-from serve_helpers import BASE, run_app, serve_config_args, shared_app, stop_ray, wait_until
+from serve_helpers import (BASE, SHARED_APP_ENGINE, run_app, serve_config_args, start_ray,
+                           stop_ray, wait_until)
 
 pytestmark = pytest.mark.slow
 SMALL = f"{BASE}/small"  # running 4 + queued 8 per replica, 1 MB bodies, tokenizer elsewhere
@@ -34,7 +35,10 @@ def _model_without_tokenizer() -> str:
 
 @pytest.fixture(scope="module")
 def server():
-    shared_app()  # two ingress replicas
+    # Its own engine, not the shared app: the 300-stream and bound tests must not depend on
+    # what earlier files left running in a shared engine.
+    start_ray()
+    run_app(serve_config_args(ingress_replicas=2, engine=SHARED_APP_ENGINE))
     model = _model_without_tokenizer()
     run_app(serve_config_args(model=model, served_model_name="radixserve-demo",
                               ingress_replicas=1, max_request_body_bytes=BODY_LIMIT,
