@@ -8,6 +8,8 @@
 # fetches them into .whl/c1 and .whl/c2 and prints the procedure). Two device calls:
 #   1: carry [".whl/c1"], command: mkdir -p /tmp/chunks && cp .whl/c1/* /tmp/chunks/
 #   2: carry [".whl/c2"], command: bash scripts/gpu_serve_check.sh
+# Or one call, carrying .whl/one: Ray's wheel without its Java jar, stored and xz-compressed
+# (~30 MB), beside the other wheels of .whl/c2.
 # ENGINE_EXTRA adds engine settings to the served config, e.g.
 # ENGINE_EXTRA="quantization: fp8, kv_cache_dtype: fp8_e4m3" (FP8 weights and KV through HTTP;
 # OFFLINE_ARGS="--quantization fp8 --kv-cache-dtype fp8_e4m3" gives the offline rows the same).
@@ -36,10 +38,17 @@ OUT=${OUT:-/tmp/radixserve-out}
 RES=${RES:-/tmp/radixserve-results}  # everything the parts write; $OUT gets summary.txt + results.tgz
 PARTS=${PARTS:-serve,offline,path}
 mkdir -p "$OUT" "$RES"
-if [ -d .whl/c2 ] && [ ! -d /tmp/site/ray ]; then
-  cp .whl/c2/ray.part.* /tmp/chunks/ && cat /tmp/chunks/ray.part.* > "/tmp/$(cat .whl/c2/ray.name)" &&
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/ray-*.whl .whl/c2/*.whl \
+install_wheels() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$@" \
     || { echo "installing the Ray Serve wheels failed"; exit 1; }
+}
+if [ -d .whl/one ] && [ ! -d /tmp/site/ray ]; then  # one call: Ray's wheel xz-compressed
+  ray_xz=$(ls .whl/one/ray-*.whl.xz)
+  python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
+    "$ray_xz" "/tmp/$(basename "$ray_xz" .xz)" && install_wheels /tmp/ray-*.whl .whl/one/*.whl
+elif [ -d .whl/c2 ] && [ ! -d /tmp/site/ray ]; then
+  cp .whl/c2/ray.part.* /tmp/chunks/ && cat /tmp/chunks/ray.part.* > "/tmp/$(cat .whl/c2/ray.name)" &&
+    install_wheels /tmp/ray-*.whl .whl/c2/*.whl
 fi
 # Bytecode as a pip install leaves it: where PYTHONDONTWRITEBYTECODE is set, every Ray worker
 # would compile Ray's and this repo's sources again at import (~1.5 s a process here).
