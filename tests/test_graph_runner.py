@@ -49,7 +49,7 @@ def _recorder(key: GraphKey, view: ForwardBatch, seen: list):
 def _batch(lens: list[int], seq_lens: list[int], seed: int, is_decode: bool) -> ForwardBatch:
     g = torch.Generator().manual_seed(seed)
     n = sum(lens)
-    ints = lambda k: torch.randint(1, 1000, (k,), generator=g)  # noqa: E731
+    ints = lambda k: torch.randint(1, 1000, (k,), generator=g)
     qo = torch.tensor([0, *accumulate(lens)], dtype=torch.int32)
     return ForwardBatch(
         input_ids=ints(n), positions=ints(n), out_slots=ints(n), req_rows=ints(len(lens)),
@@ -65,7 +65,7 @@ def _padded(t: torch.Tensor, size: int, fill: int) -> torch.Tensor:
 
 def _check_extend(read: dict, batch: ForwardBatch, cap: int, tokens: int) -> None:
     """Padding tokens: id, position and slot 0; padding requests: no new tokens."""
-    n, bs = batch.num_tokens, batch.batch_size
+    n = batch.num_tokens
     for name in ("input_ids", "positions", "out_slots"):
         assert torch.equal(read[name], _padded(getattr(batch, name), tokens, 0)), name
     for name in ("req_rows", "seq_lens", "extend_lens"):

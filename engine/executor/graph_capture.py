@@ -4,9 +4,9 @@ one memory pool, with the Triton kernels the capture reaches compiled ahead in p
 runner's (engine/executor/graph_runner.py)."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-import time
 from typing import Protocol
 
 import torch

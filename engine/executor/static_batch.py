@@ -27,8 +27,8 @@ class StaticBatch:
         """Buffers for steps of up to `max_tokens` new tokens over `max_reqs` requests, and
         decode steps of up to `decode_bs` requests."""
         self.req_to_token = req_to_token
-        long = dict(dtype=torch.long, device=req_to_token.device)
-        i32 = dict(dtype=torch.int32, device=req_to_token.device)
+        long = {"dtype": torch.long, "device": req_to_token.device}
+        i32 = {"dtype": torch.int32, "device": req_to_token.device}
         self.input_ids = torch.zeros(max_tokens, **long)
         self.positions = torch.zeros(max_tokens, **long)
         self.out_slots = torch.zeros(max_tokens, **long)
