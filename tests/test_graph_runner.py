@@ -159,3 +159,33 @@ def test_grouped_decode_metadata_is_written_then_cleared():
                                           max_suffix=4)
     with pytest.raises(AssertionError, match="another capacity"):
         runner.run_decode(step)
+
+
+def test_each_capture_forward_runs_the_model_on_its_dummy_inputs(tiny_llama, monkeypatch):
+    """What the capture runs for every key (its dummy inputs written, then the forward up to
+    the hidden states) through the real model, eagerly on the CPU (torch attention): decode
+    graphs first, then extend graphs, one output row per token of the key."""
+    from engine import LLM
+    from engine.executor import graph_capture, graph_runner
+
+    runner = LLM(model=tiny_llama, device="cpu", dtype="float32", max_total_tokens=512).engine.runner
+    order = []
+
+    @torch.inference_mode()
+    def capture_eagerly(keys, run, pool=None, prepare=None, warmups=2):
+        outputs = {}
+        for key in keys:
+            prepare(key)
+            outputs[key] = run(key).clone()
+            order.append(key)
+        return graph_capture.Captured(dict.fromkeys(keys), outputs, "pool", {})
+
+    monkeypatch.setattr(graph_runner, "capture_graphs", capture_eagerly)
+    monkeypatch.setattr(graph_runner, "compile_decode_inputs", lambda *args: None)
+    graphs = GraphRunner(runner.model, runner.attn_backend, runner.req_to_token, 8,
+                         extend=(32, 4))
+    graphs.capture()
+    assert order == graphs.keys(True) + graphs.keys(False) and len(order) == 4 + 6
+    hidden = runner.hf_config.hidden_size
+    for key, out in graphs.outputs.items():
+        assert out.shape == (key.tokens, hidden) and torch.isfinite(out).all(), key
