@@ -203,7 +203,7 @@ ONLINE_RATES=${ONLINE_RATES:-16,32} ONLINE_MIXES=${ONLINE_MIXES:-fixed} ONLINE_S
 if [[ $PARTS == *startup* ]]; then  # launch to first token of the GPU config, plain `serve run`:
   # first with this machine's Triton cache as it is (empty on a fresh machine), then again
   write_config
-  for run in 1 2; do
+  for run in $(seq "${STARTUP_RUNS:-2}"); do
     timeout 280 python3 scripts/bench_startup.py /tmp/gpu_serve.yaml --plain --port 8000 \
       --interval 0.1 --timeout 250 > "$RES/startup_$run.txt" 2>&1
     tail -32 "$RES/startup_$run.txt"
