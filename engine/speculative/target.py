@@ -12,10 +12,8 @@ class KVSlots(Protocol):
 
 
 class GraphLimits(Protocol):
-    """The extend graphs' limits (0 when there are none)."""
-
-    max_extend_bs: int  # requests
-    max_extend_tokens: int
+    max_bs: int  # requests
+    max_tokens: int
 
 
 class TargetRunner(Protocol):
@@ -23,4 +21,4 @@ class TargetRunner(Protocol):
     max_context: int
     kv_pool: KVSlots
     load_model: Callable
-    graphs: GraphLimits | None
+    extend_graphs: GraphLimits | None
