@@ -9,7 +9,10 @@ result when its turn comes. It serves on a free port and runs HAProxy on ports a
 its own, so it shares nothing with the session's own clusters. It has timeouts and health
 checks to meet (Serve ends an HAProxy that misses three) and the session's CPU-bound tests
 have none, so the CPU goes to it first: its Ray workers run at niceness 0 (Ray starts them
-at 15, below any busy process) and the session at 5 until the run has ended.
+at 15, below any busy process) and the session at 5 until the run has ended. Meanwhile the
+session's torch runs on one thread: two OpenMP threads on a box whose other core is busy at a
+higher priority wait at every op's barrier for the one descheduled (a host-tier test on
+SmolLM2: 103 s with two threads beside one busy process, 16 s with one, 17 s alone with two).
 """
 from __future__ import annotations
 
@@ -80,27 +83,36 @@ def start() -> ModeFilesRun:
 
 
 _started: ModeFilesRun | None = None
-_niced = False
+_session_threads: int | None = None  # the session's torch threads while it yields, else None
 
 
 def start_in_background() -> None:
-    """Start the run now, for `take()` to collect later; lower this process's priority."""
-    global _started, _niced
+    """Start the run now, for `take()` to collect later; lower this process's priority and
+    run its torch on one thread until the run has ended."""
+    global _started, _session_threads
+    import torch
+
     _started = start()
     os.nice(SESSION_NICENESS)
-    _niced = True
+    _session_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
 
 
 def restore_priority_once_ended() -> None:
-    """The session's priority back once the background run has ended (called between tests,
-    on the main thread: a niceness is a thread's, and new threads and processes inherit it)."""
-    global _niced
-    if _niced and (_started is None or _started.proc.poll() is not None):
-        _niced = False
-        try:
-            os.nice(-SESSION_NICENESS)
-        except PermissionError:  # raising a priority needs privileges: the session stays lower
-            pass
+    """The session's priority and torch threads back once the background run has ended
+    (called between tests, on the main thread: a niceness is a thread's, and new threads and
+    processes inherit it)."""
+    global _session_threads
+    if _session_threads is None or (_started is not None and _started.proc.poll() is None):
+        return
+    import torch
+
+    torch.set_num_threads(_session_threads)
+    _session_threads = None
+    try:
+        os.nice(-SESSION_NICENESS)
+    except PermissionError:  # raising a priority needs privileges: the session stays lower
+        pass
 
 
 def take() -> ModeFilesRun:
