@@ -28,6 +28,7 @@ MODEL = "radixserve-demo"
 ENGINE = {"max_total_tokens": 4096, "max_running_requests": 8, "chunked_prefill_size": 64,
           "host_kv_cache_gb": 0.01}
 BUSY_TOKENS = 3000  # a few seconds at the least, on any machine: the holder stays busy
+STATS_PERIOD_S = 0.5  # the engine replicas' routing stats
 BLOCK = 16
 PREFIX_TOKENS = 8 * BLOCK
 FETCH_TIMEOUT_S = 20.0  # far longer than the dead holder's fetch may take
@@ -57,7 +58,7 @@ def app(request, model):
         model=model, num_replicas=2, ingress_replicas=1, engine=ENGINE,
         ray_actor_options={"num_cpus": 0.2, "resources": {SLOT: 1}},
         # overflow as soon as the holder has a request in flight and the other none
-        router={"request_router_class": "prefix", "request_routing_stats_period_s": 0.5,
+        router={"request_router_class": "prefix", "request_routing_stats_period_s": STATS_PERIOD_S,
                 "request_router_kwargs": {"block_size": BLOCK, "abs_threshold": 0,
                                           "rel_threshold": 1.0}},
         prefix_fetch_timeout_s=FETCH_TIMEOUT_S, health_check_period_s=2.0,
@@ -114,6 +115,7 @@ class Busy:
 
     def __init__(self, base: str, ids: list[int]) -> None:
         self.base, self.ids, self.stop = base, ids, threading.Event()
+        self.streaming = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
@@ -122,14 +124,21 @@ class Busy:
         try:
             with httpx.stream("POST", f"{self.base}/v1/completions", json=body, timeout=120) as r:
                 for _ in r.iter_lines():
+                    self.streaming.set()
                     if self.stop.is_set():
                         return
         except httpx.HTTPError:
             pass  # (a killed holder takes its own request with it)
+        finally:
+            self.streaming.set()
 
     def __enter__(self) -> Busy:
         self.thread.start()
-        time.sleep(0.5)  # routed before the next request
+        # Running on the holder, then two stats periods: every ingress replica's router has
+        # the holder's load from its report, not only the one that sent it (on a loaded box
+        # the send alone can take longer than any fixed wait).
+        assert self.streaming.wait(60), "the busy request never started streaming"
+        time.sleep(2 * STATS_PERIOD_S)
         return self
 
     def __exit__(self, *exc) -> None:
