@@ -11,8 +11,8 @@ checks to meet (Serve ends an HAProxy that misses three) and the session's CPU-b
 have none, so the CPU goes to it first: its Ray workers run at niceness 0 (Ray starts them
 at 15, below any busy process) and the session at 5 until the run has ended. Meanwhile the
 session's torch runs on one thread: two OpenMP threads on a box whose other core is busy at a
-higher priority wait at every op's barrier for the one descheduled (a host-tier test on
-SmolLM2: 103 s with two threads beside one busy process, 16 s with one, 17 s alone with two).
+higher priority wait at every op's barrier for the one descheduled (four host-tier tests:
+103 s with two threads beside one busy process, 16 s with one, 17 s alone with two).
 """
 from __future__ import annotations
 

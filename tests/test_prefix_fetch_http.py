@@ -134,9 +134,8 @@ class Busy:
 
     def __enter__(self) -> Busy:
         self.thread.start()
-        # Running on the holder, then two stats periods: every ingress replica's router has
-        # the holder's load from its report, not only the one that sent it (on a loaded box
-        # the send alone can take longer than any fixed wait).
+        # Running on the holder (on a loaded box the send alone can outlast any fixed wait),
+        # then two stats periods: the holder's own report carries the load too.
         assert self.streaming.wait(60), "the busy request never started streaming"
         time.sleep(2 * STATS_PERIOD_S)
         return self
