@@ -144,7 +144,7 @@ class EngineConfig:
     enable_fused_kernels: bool = True
     cuda_graph_max_bs: int = 256
     # Prefill/extend steps of at most this many new tokens over at most _bs requests replay
-    # a CUDA graph (engine/executor/extend_graphs.py): short prompts are launch-bound. 0 disables.
+    # a CUDA graph (engine/executor/graph_runner.py): short prompts are launch-bound. 0 disables.
     # None = 16 requests, or 64 with speculative decoding (its verify steps are extends of
     # k + 1 tokens per decoding request, and drafts are only made for steps a graph covers).
     cuda_graph_max_extend_tokens: int = 1024

@@ -596,6 +596,8 @@ def kv_read_per_step(engine: Engine) -> dict:
 def bench_w3(path: str, ceilings: dict, profile_steps: tuple[int, int] | None = None) -> dict:
     """Batch-1 latency, with the overlap scheduler and without, plus the forward alone
     (graph replay timed with CUDA events): host overhead = sync step - forward."""
+    from engine.executor.graph_runner import GraphKey
+
     (ids, n_out), = w3()
     out = {}
     for overlap in (True, False):
@@ -610,7 +612,7 @@ def bench_w3(path: str, ceilings: dict, profile_steps: tuple[int, int] | None = 
         out[key] = 1e3 * (res["wall_s"] - res["ttft_s"]) / (n_out - 1)
         if overlap:
             out["ttft_ms"] = 1e3 * res["ttft_s"]
-            graph = engine.runner.graphs.graphs[1]
+            graph = engine.runner.graphs.graphs[GraphKey(decode=True, bs=1, tokens=1)]
             out["forward_ms"] = _time_ms(graph.replay, reps=50)
             weights = decode_weight_bytes(engine.runner.model, batch=1)
             out["floor_ms"] = 1e3 * weights / (ceilings["copy_tb_s"] * 1e12)
@@ -624,14 +626,14 @@ def bench_w3(path: str, ceilings: dict, profile_steps: tuple[int, int] | None = 
 
 def unfused_forward_ms(engine: Engine) -> float:
     """The batch-1 decode graph re-captured with the torch RMSNorm / RoPE / SiLU-mul path."""
-    from engine.executor.cuda_graph import DecodeGraphs
+    from engine.executor.graph_runner import GraphKey, GraphRunner
     from engine.layers import set_fused_kernels
 
     runner = engine.runner
     set_fused_kernels(runner.model, False, engine.config.kernels)
-    graphs = DecodeGraphs(runner.model, runner.attn_backend, runner.req_to_token, 1)
+    graphs = GraphRunner(runner.model, runner.attn_backend, runner.req_to_token, 1)
     graphs.capture()
-    ms = _time_ms(graphs.graphs[1].replay, reps=50)
+    ms = _time_ms(graphs.graphs[GraphKey(decode=True, bs=1, tokens=1)].replay, reps=50)
     set_fused_kernels(runner.model, True, engine.config.kernels)
     return ms
 

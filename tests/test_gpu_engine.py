@@ -192,11 +192,11 @@ def test_extend_graphs_match_eager(tiny_llama):
         # The last group (two long prompts) runs eagerly.
         groups = [[base], ps[:3], ps[3:6], ps[6:9], ps[9:12], ps[12:]]
         runs[limit] = [o for g in groups for o in llm.generate(g, params)]
-        graphs = llm.engine.runner.extend_graphs
+        graphs = llm.engine.runner.graphs
         if limit:
-            assert graphs.replays >= 5
+            assert graphs.extend_replays >= 5
         else:
-            assert graphs is None
+            assert graphs.max_extend_tokens == 0 and graphs.extend_replays == 0
     for a, b in zip(runs[256], runs[0]):
         assert a.token_ids == b.token_ids
         for x, y in zip(a.logprobs, b.logprobs):
@@ -217,7 +217,7 @@ def test_extend_graphs_with_decoders_match_eager(tiny_llama):
                   cuda_graph_max_extend_bs=8, chunked_prefill_size=512)
         runs[limit] = run_with_arrivals(llm.engine, ps, arrivals, params)
         if limit:
-            assert llm.engine.runner.extend_graphs.replays >= 4
+            assert llm.engine.runner.graphs.extend_replays >= 4
     for (ids_g, lp_g), (ids_e, lp_e) in zip(runs[256], runs[0]):
         assert ids_g == ids_e
         assert max(abs(x - y) for x, y in zip(lp_g, lp_e)) < 1e-4

@@ -119,7 +119,7 @@ def test_gpu_moe_sliding_window_matches_hf(moe_factory, arch, overrides, graphs)
     shared = prompts(1, 70, 70, seed=4)[0]
     llm.generate([shared], SamplingParams(max_tokens=1))  # cache it: the batch then shares it
     # 16 requests: with graphs on, only the 16-wide decode graph runs grouped decode
-    # (DecodeGraphs' grouped_min_bs), so with 8 the grouped_steps check could not pass (the
+    # (GraphRunner's grouped_min_bs), so with 8 the grouped_steps check could not pass (the
     # first GPU run failed both graphs-on cases, no details came back; graphs off passed)
     ps = prompts(4, 5, 120, seed=5) + [shared + p for p in prompts(12, 1, 10, seed=6)]
     assert_equal_hf(path, llm.generate(ps, GREEDY))

@@ -15,19 +15,20 @@ pytestmark = [pytest.mark.gpu,
 KW = dict(dtype="float32", device="cuda", max_total_tokens=8192, cuda_graph_max_bs=16)
 
 
-def record_runs(graphs) -> list[tuple[int, int]]:
-    """(logits rows, requests) of each step the graphs run, as they happen: `run`, and for
-    decode graphs `run_packed` too (a packed decode step, engine/executor/graph_inputs.py, since
-    c670303: recording `run` alone missed every draft decode step)."""
+def record_runs(graphs, decode: bool = False) -> list[tuple[int, int]]:
+    """(logits rows, requests) of each step one kind of the runner's graphs runs, as they
+    happen: extend replays (`run_extend`), or decode replays: `run_decode` and `run_packed`
+    (a packed decode step, engine/executor/graph_inputs.py)."""
     seen: list[tuple[int, int]] = []
-    run = graphs.run
+    name = "run_decode" if decode else "run_extend"
+    run = getattr(graphs, name)
 
     def recording(batch):
         seen.append((int(batch.logits_indices.numel()), batch.batch_size))
         return run(batch)
 
-    graphs.run = recording
-    if hasattr(graphs, "run_packed"):
+    setattr(graphs, name, recording)
+    if decode:
         run_packed = graphs.run_packed
 
         def recording_packed(flat, lengths, pending_tokens):
@@ -49,7 +50,7 @@ def test_ngram_verify_replays_extend_graphs(looping):
     params = SamplingParams(max_tokens=40, **GREEDY)
     plain = LLM(model=looping, **KW).generate(prompts, params)
     llm = LLM(model=looping, **KW, speculative_algorithm="ngram", speculative_num_draft_tokens=4)
-    seen = record_runs(llm.engine.runner.extend_graphs)
+    seen = record_runs(llm.engine.runner.graphs)
     spec = llm.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     s = llm.stats()
@@ -68,10 +69,10 @@ def test_draft_model_replays_its_graphs(looping):
               speculative_draft_model=looping, speculative_num_steps=4,
               speculative_num_draft_tokens=4)
     draft_runner = llm.engine.speculator.proposer.runner
-    assert draft_runner.graphs is not None and draft_runner.extend_graphs is not None
-    draft_decode = record_runs(draft_runner.graphs)
-    draft_extend = record_runs(draft_runner.extend_graphs)
-    target_extend = record_runs(llm.engine.runner.extend_graphs)
+    assert draft_runner.graphs is not None and draft_runner.graphs.max_extend_tokens > 0
+    draft_decode = record_runs(draft_runner.graphs, decode=True)
+    draft_extend = record_runs(draft_runner.graphs)
+    target_extend = record_runs(llm.engine.runner.graphs)
     spec = llm.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     s = llm.stats()
@@ -86,7 +87,7 @@ def test_prompt_logprobs_through_graphs_equal_eager(tiny_llama):
     outs = {}
     for graphs in (True, False):
         llm = LLM(model=tiny_llama, **KW, enable_cuda_graph=graphs)
-        seen = record_runs(llm.engine.runner.extend_graphs) if graphs else []
+        seen = record_runs(llm.engine.runner.graphs) if graphs else []
         outs[graphs] = [llm.generate([p], params)[0] for p in prompts]
         if graphs:  # each prompt's one prefill step replayed a graph (prompt rows and all)
             assert len(seen) == len(prompts), seen

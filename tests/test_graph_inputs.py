@@ -36,7 +36,7 @@ def _step(bs: int, inflight: list[int], seed: int) -> StepInput:
 
 def _reference(step: StepInput, pending: torch.Tensor, r2t: torch.Tensor, padded: int):
     """What the unpacked path leaves in the static inputs (model_runner._make_batch, then
-    DecodeGraphs.run's copies and dummy rows)."""
+    GraphRunner.run_decode's copies and dummy rows)."""
     bs = len(step.input_ids)
     pad = padded - bs
     ids = torch.tensor(step.input_ids)

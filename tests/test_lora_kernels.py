@@ -43,7 +43,7 @@ def test_extend_graph_buckets_tile_as_the_steps_they_replay():
     """An extend graph's kernels are captured with its bucket's tiling: every step it
     replays (its bucket is the smallest that holds the step's tokens and requests) must
     plan tiles of that height."""
-    from engine.executor.extend_graphs import BS_BUCKETS, TOKEN_BUCKETS
+    from engine.executor.graph_runner import BS_BUCKETS, TOKEN_BUCKETS
 
     for tokens in range(1, TOKEN_BUCKETS[-1] + 1):
         for bs in (1, 2, 5, 17, 40, 64):

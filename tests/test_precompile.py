@@ -155,7 +155,7 @@ def test_parallel_compile_on_an_empty_cache_matches_serial(tiny_model_factory, m
     assert on_launch <= precompile._IN_PLACE, on_launch
     assert {n for n, _, _ in serial_compiles} == {n for n, _, _ in compiles}
     times = llm.engine.runner.capture_times
-    assert times["compile_ahead"] > 0 and {"DecodeGraphs", "ExtendGraphs"} <= set(times)
+    assert times["compile_ahead"] > 0 and {"decode_graphs", "extend_graphs"} <= set(times)
     assert llm.engine.startup["compile_ahead"]["compile_ahead"] > 0  # the warm-up's kernels
 
 
@@ -180,24 +180,15 @@ def test_a_failed_compile_ahead_leaves_the_kernel_to_its_first_launch(monkeypatc
     assert calls == ["{}"] and "tests.unbuildable" in caplog.text
 
 
-def test_capture_all_compiles_every_set_ahead_in_one_round_then_captures_in_order(monkeypatch):
-    """engine/cuda_graph.capture_all: one deferred pass over every graph set's work (so one
-    compile round), then each set captured in order into the pool the previous one returned,
-    with one warm-up run per graph after the pass and two without it."""
-    from engine.executor import cuda_graph
+def test_capture_all_compiles_ahead_in_one_round_then_captures_decode_then_extend(monkeypatch):
+    """engine/executor/graph_capture.capture_all: one deferred pass over every graph's work
+    (so one compile round), then the decode graphs (largest first) and the extend graphs
+    captured into the pool the decode capture made, with one warm-up run per graph after
+    the pass and two without it; a decode and an extend graph of the same (bs, tokens) are
+    two graphs."""
+    from engine.executor import graph_capture, graph_runner
 
     events = []
-
-    class Set:
-        def __init__(self, name):
-            self.name, self.capture_times = name, {"captures": 0.0}
-
-        def run_keys(self):
-            events.append(("run", self.name))
-
-        def capture(self, pool, warmups):
-            events.append(("capture", self.name, pool, warmups))
-            return f"pool after {self.name}"
 
     def ahead(work, active):
         if active:
@@ -207,12 +198,30 @@ def test_capture_all_compiles_every_set_ahead_in_one_round_then_captures_in_orde
             return {"deferred_pass": 0.1, "compile_ahead": 0.2}
         return {}
 
-    monkeypatch.setattr(cuda_graph, "compile_ahead", ahead)
-    decode, extend = Set("decode"), Set("extend")
-    times = cuda_graph.capture_all([decode, extend], precompile=True)
-    assert events == ["defer", ("run", "decode"), ("run", "extend"), "compile",
-                      ("capture", "decode", None, 1), ("capture", "extend", "pool after decode", 1)]
-    assert times["compile_ahead"] == 0.2 and times["Set"] is extend.capture_times
+    def capture_graphs(keys, run, pool=None, prepare=None, warmups=2):
+        events.append(("capture", keys, pool, warmups))
+        return graph_capture.Captured({k: f"graph {k}" for k in keys}, {k: None for k in keys},
+                                      pool or "pool", {"captures": 0.0})
+
+    monkeypatch.setattr(graph_capture, "compile_ahead", ahead)
+    monkeypatch.setattr(graph_runner, "capture_graphs", capture_graphs)
+    monkeypatch.setattr(graph_runner, "run_each",
+                        lambda keys, run, prepare: events.append(("run", keys)))
+    monkeypatch.setattr(graph_runner, "compile_decode_inputs",
+                        lambda padded, r2t, statics: events.append(("inputs", padded)))
+    runner = graph_runner.GraphRunner(None, None, torch.zeros(9, 128, dtype=torch.int32), 16,
+                                      extend=(40, 16))
+    decode = [graph_runner.GraphKey(True, s, s) for s in (16, 8, 4, 2, 1)]
+    extend = [graph_runner.GraphKey(False, bs, t) for bs, t in
+              ((16, 32), (16, 16), (8, 32), (8, 16), (4, 32), (4, 16), (2, 32), (2, 16),
+               (1, 32), (1, 16))]
+    inputs = [("inputs", s) for s in (1, 2, 4, 8, 16)]
+    times = graph_capture.capture_all(runner, precompile=True)
+    assert events == ["defer", ("run", decode), *inputs, ("run", extend), "compile",
+                      ("capture", decode, None, 1), *inputs, ("capture", extend, "pool", 1)]
+    assert times["compile_ahead"] == 0.2 and set(times["extend_graphs"]) == {"captures"}
+    assert set(times["decode_graphs"]) == {"captures", "graph_inputs"}
+    assert set(runner.graphs) == set(decode + extend) and len(runner.graphs) == 15
     events.clear()
-    cuda_graph.capture_all([decode, extend], precompile=False)
-    assert events == [("capture", "decode", None, 2), ("capture", "extend", "pool after decode", 2)]
+    graph_capture.capture_all(runner, precompile=False)
+    assert events == [("capture", decode, "pool", 2), *inputs, ("capture", extend, "pool", 2)]

@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # (imported by the runner only when grouped decode is on)
 
 
 class GroupedGraphs(Protocol):
-    """What this needs of the decode graphs (engine/executor/cuda_graph.py's DecodeGraphs,
+    """What this needs of the CUDA graphs (engine/executor/graph_runner.py's GraphRunner,
     built above this module by the runner)."""
 
     max_bs: int

@@ -78,7 +78,6 @@ class ModelRunner:
         self.prefix_grouper = self._make_prefix_grouper()
         self.graphs = self._make_graphs()
         self.group_metadata = self._make_group_metadata()
-        self.extend_graphs = self._make_extend_graphs()
         self.capture_times = self._capture_graphs()
         self.startup.mark("cuda_graphs")
 
@@ -92,38 +91,34 @@ class ModelRunner:
     def _capture_graphs(self) -> dict:
         """Decode graphs first, then the extend graphs in the same memory pool; the Triton
         kernels of both compiled ahead in parallel (engine/kernels/precompile.py)."""
-        sets = [g for g in (self.graphs, self.extend_graphs) if g is not None]
-        if not sets:
+        if self.graphs is None:
             return {}
-        from engine.executor.cuda_graph import capture_all
+        from engine.executor.graph_capture import capture_all
 
-        return capture_all(sets, self.config.parallel_compile)
+        return capture_all(self.graphs, self.config.parallel_compile)
 
     def _make_graphs(self):
+        """CUDA graphs for decode steps and short prefill/extend steps
+        (engine/executor/graph_runner.py)."""
         if not (self.config.enable_cuda_graph and self.device.type == "cuda"):
             return None
-        from engine.executor.cuda_graph import DecodeGraphs
+        from engine.executor.graph_runner import GraphRunner
 
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
-        return DecodeGraphs(self.model, self.attn_backend, self.req_to_token, max_bs,
-                            grouped=self.prefix_grouper is not None)
+        return GraphRunner(self.model, self.attn_backend, self.req_to_token, max_bs,
+                           extend=self._extend_graph_limits(),
+                           grouped=self.prefix_grouper is not None)
 
-    def _make_extend_graphs(self):
-        """Graphs for short prefill/extend steps (engine/executor/extend_graphs.py)."""
+    def _extend_graph_limits(self) -> tuple[int, int] | None:
+        """(new tokens, requests) the extend graphs may hold; None: no extend graphs."""
         cfg = self.config
-        if not (cfg.enable_cuda_graph and self.device.type == "cuda"
-                and cfg.cuda_graph_max_extend_tokens > 0
+        if not (cfg.cuda_graph_max_extend_tokens > 0
                 and getattr(self.attn_backend, "supports_extend_graphs", True)):
             return None
-        from engine.executor.extend_graphs import TOKEN_BUCKETS, ExtendGraphs
-
         # capture runs one request over the largest bucket: its positions must fit the
         # context (req_to_token's width, the RoPE table)
         max_tokens = min(cfg.cuda_graph_max_extend_tokens, self.max_context)
-        if max_tokens < TOKEN_BUCKETS[0]:
-            return None
-        return ExtendGraphs(self.model, self.attn_backend, self.req_to_token, max_tokens,
-                            min(cfg.cuda_graph_max_extend_bs, cfg.max_running_requests))
+        return max_tokens, min(cfg.cuda_graph_max_extend_bs, cfg.max_running_requests)
 
     def _make_prefix_grouper(self):
         """Radix-grouped decode (engine/core/prefix_groups.py), when the backend runs it."""
@@ -331,16 +326,17 @@ class ModelRunner:
         """The step's forward, the same on every rank: logits of the rows the step needs
         (`logits_indices`: each chunk's last token, every position of a draft), and of the
         prompt rows (None without them). Decode steps and short extends replay CUDA graphs."""
-        if self.graphs is not None and step.is_decode and len(step.seq_lens) <= self.graphs.max_bs \
+        graphs = self.graphs
+        if graphs is not None and step.is_decode and len(step.seq_lens) <= graphs.max_bs \
                 and takes_packed(step.lengths):
             flat = self.uploader.upload(step.flat)
-            return self.graphs.run_packed(flat, step.lengths, pending_tokens), None
+            return graphs.run_packed(flat, step.lengths, pending_tokens), None
         batch, prompt_rows = self._make_batch(step, pending_tokens)
         has_prompt_rows = prompt_rows.numel() > 0  # (decode graphs compute no prompt rows)
-        if self.graphs is not None and not has_prompt_rows and self.graphs.can_run(batch):
-            return self.graphs.run(batch), None
-        if self.extend_graphs is not None and self.extend_graphs.can_run(batch):
-            hidden = self.extend_graphs.run(batch)
+        if graphs is not None and not has_prompt_rows and graphs.fits_decode(batch):
+            return graphs.run_decode(batch), None
+        if graphs is not None and graphs.fits_extend(batch):
+            hidden = graphs.run_extend(batch)
         else:
             self.attn_backend.prepare(batch)
             hidden = self.model(batch)

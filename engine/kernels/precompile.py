@@ -2,8 +2,8 @@
 
 With an empty Triton cache a replica compiles a few dozen kernel specializations while it
 captures its CUDA graphs, one after another on one core: 16-20 s of a 29-40 s start on an
-H200. The compiles do not depend on each other, only on the
-launch keys the capture's forwards reach. So `capture_all` (engine/executor/cuda_graph.py) first runs
+H200. The compiles do not depend on each other, only on the launch keys the capture's
+forwards reach. So `capture_all` (engine/executor/graph_capture.py) first runs
 every graph's forward once inside `deferred_compiles()`: a launch whose binary is not in
 memory yet is recorded (the specialization as Triton serializes it) and skipped. Then
 `compile_deferred` compiles every recorded specialization on a thread pool, and the real

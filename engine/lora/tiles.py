@@ -24,7 +24,7 @@ LONG_ROWS = 33  # an extend step of this many rows or more tiles by LONG_BLOCK_M
 def block_m_for(rows: int, is_decode: bool) -> int:
     """A step's tile height, from its kind and row count only: an extend CUDA graph captured
     for a token bucket must tile as every step it replays, and a step of up to 32 tokens
-    never replays a bucket above 32 (engine/executor/extend_graphs.py's buckets hold 32)."""
+    never replays a bucket above 32 (engine/executor/graph_runner.py's token buckets hold 32)."""
     return LONG_BLOCK_M if not is_decode and rows >= LONG_ROWS else DECODE_BLOCK_M
 
 

@@ -89,7 +89,7 @@ def warm_up(engine, force: bool = False) -> dict:
         # At tp > 1 the other ranks would still compile one by one inside the deferred pass
         # (they follow rank 0's steps, not its hook), and rank 0 waits for them at every
         # all-reduce: the pass would only add its own time. Their graph capture defers on
-        # every rank (engine/cuda_graph.capture_all).
+        # every rank (engine/executor/graph_capture.capture_all).
         defer = (engine.runner.device.type == "cuda" and engine.config.tp_size == 1
                  and engine.config.parallel_compile)
         ahead = precompile.compile_ahead(lambda: _run_waves(engine, waves), defer)
@@ -163,9 +163,9 @@ def warmup_waves(engine) -> list[Wave]:
     # Prompts just past the largest extend graph and twice that: the first eager prefills
     # of a size class were 2.7x their warm TTFT on a fresh H200 replica without them
     # (513 tokens: 43.7 ms cold, 16.4 ms warm; no kernel compiled).
-    graphs = getattr(runner, "extend_graphs", None)
-    if graphs is not None:
-        for n in (graphs.max_tokens + 1, 2 * graphs.max_tokens - 24):
+    extend_tokens = extend_graph_tokens(runner)
+    if extend_tokens:
+        for n in (extend_tokens + 1, 2 * extend_tokens - 24):
             waves.append([(0, prompt(min(n, max_prompt)), greedy(2))])
     waves.append([(0, prompt(min(37, max_prompt)), sampled)])
 
@@ -217,7 +217,7 @@ def warmup_waves(engine) -> list[Wave]:
 
     # Eager mixed steps: `bs` requests decoding when a prompt too long for an extend graph
     # arrives, so the step's decoders take the decode kernel at each launch it can make.
-    arriving = min(max_prompt, graphs.max_tokens + 1 if graphs is not None else 37)
+    arriving = min(max_prompt, extend_tokens + 1 if extend_tokens else 37)
     for bs, seq_len in eager_decode_shapes(engine, mixed=True):
         plen = seq_len - 1
         if bs * (plen + 64) + arriving > runner.kv_pool.num_slots // 2 or plen + 8 > max_prompt:
@@ -227,6 +227,12 @@ def warmup_waves(engine) -> list[Wave]:
         wave = [(0, prompt(plen), greedy(decoding_at + 4)) for _ in range(bs)]
         waves.append(wave + [(decoding_at + 1, prompt(arriving), greedy(1))])
     return waves
+
+
+def extend_graph_tokens(runner) -> int:
+    """The most new tokens an extend graph holds; 0 without extend graphs."""
+    graphs = getattr(runner, "graphs", None)
+    return graphs.max_extend_tokens if graphs is not None else 0
 
 
 def eager_decode_shapes(engine, min_batch: int = 1, mixed: bool = False) -> list[tuple[int, int]]:
@@ -292,5 +298,5 @@ def _reset(engine) -> None:
     runner = engine.runner
     if runner.prefix_grouper is not None:
         runner.prefix_grouper.reset_stats()
-    if getattr(runner, "extend_graphs", None) is not None:
-        runner.extend_graphs.replays = 0
+    if getattr(runner, "graphs", None) is not None:
+        runner.graphs.decode_replays = runner.graphs.extend_replays = 0

@@ -40,8 +40,10 @@ class Speculator:
         self.stats = SpecStats()
         # (requests, tokens) the target's extend graphs cover; None: no graphs (CPU, or
         # graphs off), where every step runs eagerly and drafting always pays.
-        graphs = getattr(target, "extend_graphs", None)
-        self.graph_limits = (graphs.max_bs, graphs.max_tokens) if graphs is not None else None
+        graphs = getattr(target, "graphs", None)
+        self.graph_limits = None
+        if graphs is not None and graphs.max_extend_tokens:
+            self.graph_limits = (graphs.max_extend_bs, graphs.max_extend_tokens)
 
     def _rooms_in_graphs(self, num_running: int) -> int:
         """Draft tokens per request a verify step may carry and still replay a graph: an

@@ -12,8 +12,10 @@ class KVSlots(Protocol):
 
 
 class GraphLimits(Protocol):
-    max_bs: int  # requests
-    max_tokens: int
+    """The extend graphs' limits (0 when there are none)."""
+
+    max_extend_bs: int  # requests
+    max_extend_tokens: int
 
 
 class TargetRunner(Protocol):
@@ -21,4 +23,4 @@ class TargetRunner(Protocol):
     max_context: int
     kv_pool: KVSlots
     load_model: Callable
-    extend_graphs: GraphLimits | None
+    graphs: GraphLimits | None
