@@ -34,6 +34,7 @@ Workloads (`--workload`; explicit --groups/--per-group/--max-total-tokens win):
     python scripts/bench_routing.py --model demo --runs pow2,ours --json out.json
     # W2's shape on one GPU, two engine replicas at half a GPU each. Give the KV pool in
     # tokens: mem_fraction_static counts what the other replica on the card took as used.
+    # (A config-only dummy model directory needs --engine-kwargs '{"load_format": "dummy"}'.)
     python scripts/bench_routing.py --model /models/llama-8b --replicas 2 --replica-gpus 0.5 \\
         --groups 32 --per-group 16 --system-len 2048 --question-len 128 --output-len 256 \\
         --max-total-tokens 150000 --max-running-requests 256 --runs ours,ours_one_ingress
@@ -108,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs per engine replica (0.5: two replicas share one GPU)")
     p.add_argument("--ingress-replicas", type=int, default=None,
                    help="ingress replicas of every run but ours_one_ingress (default: the app's)")
+    p.add_argument("--engine-kwargs", type=json.loads, default={},
+                   help='JSON engine settings for every run, e.g. {"load_format": "dummy"}')
     p.add_argument("--router-kwargs", type=json.loads, default={},
                    help="JSON request_router_kwargs for ours")
     p.add_argument("--ray-router-kwargs", type=json.loads, default={},
@@ -161,7 +164,8 @@ def app_args(run: str, opts: argparse.Namespace, model: str) -> dict[str, Any]:
     else:
         router["request_router_class"] = "prefix"
         router["request_router_kwargs"] = dict(opts.router_kwargs)
-    engine = {"max_running_requests": opts.max_running_requests, "chunked_prefill_size": 512}
+    engine = {"max_running_requests": opts.max_running_requests, "chunked_prefill_size": 512,
+              **opts.engine_kwargs}
     if kv:
         engine["max_total_tokens"] = kv
     actor = {"num_cpus": cpus, **({"num_gpus": gpus} if gpus else {})}
@@ -426,8 +430,11 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     model = resolve_model(opts.model)
+    # The workers' path keeps the driver's: where Ray itself comes from PYTHONPATH (the GPU
+    # machine's --target install), a path of ROOT alone leaves Serve's controller unable to start.
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     ray.init(num_cpus=max(8, int(opts.replicas * opts.replica_cpus) + 2), include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, log_to_driver=False)
+             runtime_env={"env_vars": {"PYTHONPATH": path}}, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     base_url = f"http://127.0.0.1:{port}"
