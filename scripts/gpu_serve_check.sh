@@ -8,8 +8,8 @@
 # fetches them into .whl/c1 and .whl/c2 and prints the procedure). Two device calls:
 #   1: carry [".whl/c1"], command: mkdir -p /tmp/chunks && cp .whl/c1/* /tmp/chunks/
 #   2: carry [".whl/c2"], command: bash scripts/gpu_serve_check.sh
-# Or one call, carrying .whl/one: Ray's wheel without its Java jar, stored and xz-compressed
-# (~30 MB), beside the other wheels of .whl/c2.
+# Or one call, carrying .whl/one (scripts/one_call_wheels.sh packs it from those and .whl/gpu):
+# Ray's wheel without its Java jar, stored and xz-compressed (~30 MB), beside the other wheels.
 # ENGINE_EXTRA adds engine settings to the served config, e.g.
 # ENGINE_EXTRA="quantization: fp8, kv_cache_dtype: fp8_e4m3" (FP8 weights and KV through HTTP;
 # OFFLINE_ARGS="--quantization fp8 --kv-cache-dtype fp8_e4m3" gives the offline rows the same).
