@@ -25,7 +25,9 @@
 # with the engine's step loop in a child process of the replica (engine_process: true); "hproc" runs
 # those two with the engine process under Ray's high-throughput mode ("fast"'s); "admission" measures the bound, request intake
 # and a 10 MB body with the stand-in engine; "fetch" runs scripts/bench_prefix_fetch.py (a returning
-# 8k-token history fetched from another replica, two at 0.5 GPU, against computed). PATH_ARGS overrides the path bench's options; "ceiling"
+# 8k-token history fetched from another replica, two at 0.5 GPU, against computed); "routing" runs
+# scripts/bench_routing.py on W2's shape over two engine replicas at 0.5 GPU each (ROUTING_RUNS,
+# default ours,ours_one_ingress,ray_prefix). PATH_ARGS overrides the path bench's options; "ceiling"
 # runs the path bench's HTTP hop at 512 streams under default Serve and under the high-throughput
 # mode (CEILING_ARGS overrides its options). POISSON_RATES (default "4 16 64") sets "serve"'s sweep.
 # After each part the table so far goes to $OUT/summary.txt and every file written to
@@ -147,7 +149,7 @@ if off and "W2" in off:
     print(f"offline W2 cache_on: {w2.get('cache_on_output_tok_s', 0):.0f} tok/s; "
           f"W3: TTFT {w3.get('ttft_ms', 0):.1f} ms, step {w3.get('step_ms', 0):.2f} ms")
 for name in ("startup_1.txt", "startup_2.txt", "online.txt", "online_table.txt", "path.txt", "ceiling.txt", "admission.txt", "intake.txt",
-             "prefix_fetch.txt"):
+             "prefix_fetch.txt", "routing.txt"):
     path = os.path.join(out, name)
     if os.path.exists(path):
         print(f"\n{name}:\n" + open(path).read().rstrip())
@@ -348,6 +350,18 @@ checkpoint
 if [[ $PARTS == *fetch* ]]; then  # a returning 8k-token history fetched from another replica (2 at 0.5 GPU) vs computed
   python3 scripts/bench_prefix_fetch.py --json "$RES/prefix_fetch.json" > "$RES/prefix_fetch.log" 2>&1
   grep -A2 "^| TTFT" "$RES/prefix_fetch.log" > "$RES/prefix_fetch.txt" || tail -5 "$RES/prefix_fetch.log" > "$RES/prefix_fetch.txt"
+  ray stop --force > /dev/null 2>&1
+fi
+checkpoint
+
+if [[ $PARTS == *routing* ]]; then  # W2's shape over 2 engine replicas at 0.5 GPU each, through HTTP
+  timeout "${ROUTING_S:-420}" python3 scripts/bench_routing.py --model "$MODEL" --replicas 2 --replica-gpus 0.5 \
+    --groups 32 --per-group 16 --system-len 2048 --question-len 128 --output-len 256 \
+    --max-total-tokens 100000 --max-running-requests 256 --replica-cpus 4 \
+    --engine-kwargs '{"load_format": "dummy", "dtype": "bfloat16"}' \
+    --runs "${ROUTING_RUNS:-ours,ours_one_ingress,ray_prefix}" --json "$RES/routing.json" \
+    > "$RES/routing.txt" 2> "$RES/routing.log"
+  grep -E "^\[" "$RES/routing.log" | tail -6; cat "$RES/routing.txt"
   ray stop --force > /dev/null 2>&1
 fi
 checkpoint
