@@ -18,6 +18,7 @@ import asyncio
 import re
 import statistics
 import subprocess
+import threading
 import time
 
 import httpx
@@ -164,10 +165,19 @@ def test_parts_load_on_a_thread_and_a_missing_path_fails_at_once(tmp_path):
     model = resolve_model(None)  # the demo model
     with pytest.raises(FileNotFoundError, match="tokenizer"):
         PartsSource(model, str(tmp_path / "no-such-tokenizer")).check()
-    loader, got = PartsLoader(), []
-    loader.start(PartsSource(model, model, max_model_len=64), got.append)
+    loader, got, threads, release = PartsLoader(), [], [], threading.Event()
+
+    def on_loaded(parts):  # holds the loader's thread until released: `loaded` stays False
+        threads.append(threading.get_ident())
+        assert release.wait(60)
+        got.append(parts)
+
+    loader.start(PartsSource(model, model, max_model_len=64), on_loaded)
     assert not loader.loaded
-    assert wait_until(lambda: loader.loaded, timeout=120, interval=0.05)
+    assert wait_until(lambda: threads, timeout=120, interval=0.05) and not loader.loaded
+    release.set()
+    assert wait_until(lambda: loader.loaded, timeout=60, interval=0.05)
+    assert threads == [threads[0]] and threads[0] != threading.get_ident()
     parts = got[0]
     assert parts.max_context == 64 and parts.vocab_size > 0
     assert parts.tokenizer.decode(parts.tokenizer.encode("hello world")).strip() == "hello world"
