@@ -38,12 +38,9 @@ _CPU_DEFAULT_SLOTS = 16384
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPContext | None = None,
                  reserve: MemoryReserve | None = None, *,
-                 load_model: Callable[..., nn.Module],
-                 before_capture: Callable[[], object] = lambda: None) -> None:
+                 load_model: Callable[..., nn.Module]) -> None:
         """`load_model`: engine/models/__init__.py's, handed in by who builds the runner (the
-        engine, a TP worker), so the executor stands below the model registry.
-        `before_capture`: waits for work the caller runs beside the weight load (the
-        engine's tokenizer), so none of it competes with the capture for the GIL."""
+        engine, a TP worker), so the executor stands below the model registry."""
         self.config = config
         self.load_model = load_model
         self.reserve = reserve or MemoryReserve()
@@ -77,8 +74,6 @@ class ModelRunner:
         self.attn_backend = self._make_attention_backend()
         self.model.set_attention_backend(self.attn_backend)
         self._add_flashinfer_prefill()  # its thread done before the capture's Python-bound work
-        before_capture()
-        self.startup.mark("tokenizer_wait")
         self.uploader = PinnedUploader(self.device)
         self.prefix_grouper = self._make_prefix_grouper()
         self.graphs = self._make_graphs()

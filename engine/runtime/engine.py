@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 
 from engine.core.admission import check_priority
 from engine.config import EngineConfig
@@ -39,20 +37,6 @@ from engine.runtime.warmup import warm_up
 logger = logging.getLogger(__name__)
 
 
-def load_in_background(load: Callable[[str], Tokenizer], path: str) -> Future:
-    """`load(path)` on a thread of its own; the future re-raises its error."""
-    def timed() -> Tokenizer:
-        started = time.perf_counter()
-        loaded = load(path)
-        logger.info("tokenizer loaded in %.2fs (beside the weight load)", time.perf_counter() - started)
-        return loaded
-
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer-load")
-    future = pool.submit(timed)
-    pool.shutdown(wait=False)
-    return future
-
-
 class Engine:
     """Single-threaded core: add requests, call `step()` until they finish."""
 
@@ -60,15 +44,12 @@ class Engine:
         """At tp_size > 1 this is rank 0: `tp` is its context, already joined with the other
         ranks (engine/runtime/tp_worker.py starts them locally, deployments/tp_workers.py on Ray)."""
         self.config = config
-        # The tokenizer's load is mostly transformers' imports (seconds on a GPU machine); it
-        # runs beside the weight load, which waits on disk and the device, and is joined before
-        # the CUDA-graph capture, whose Python-bound work a second thread would slow.
-        tokenizer = load_in_background(Tokenizer, config.tokenizer or config.model)
+        started = time.perf_counter()
+        self.tokenizer = Tokenizer(config.tokenizer or config.model)
+        logger.info("tokenizer loaded in %.2fs", time.perf_counter() - started)
         # A draft model's weights and KV pool share the memory the target's pool is sized from.
         reserve = draft_memory_reserve(config) if config.speculative_algorithm == "draft_model" else None
-        self.runner = ModelRunner(config, tp=tp, reserve=reserve, load_model=load_model,
-                                  before_capture=tokenizer.result)
-        self.tokenizer = tokenizer.result()
+        self.runner = ModelRunner(config, tp=tp, reserve=reserve, load_model=load_model)
         self.max_context = self.runner.max_context
         allocator = self.runner.kv_pool.allocator
         tier = make_host_tier(config, self.runner.kv_pool)
