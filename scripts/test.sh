@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # The test command: the whole CPU suite (GPU tests are selected with `-m gpu` on a GPU box),
-# in one process. TEST_WORKERS=2 spreads it over pytest-xdist workers, each file on one worker
-# (tests/conftest.py groups them). On two cores it does not pay: the Ray files keep both
-# cores busy too (benchmarks/RESULTS.md), and Ray apps of two workers can collide on
-# HAProxy's fixed ports. The 30 slowest tests are
-# listed at the end (where CI's time goes).
+# in one process. TEST_WORKERS=2 spreads files over pytest-xdist workers (tests/conftest.py
+# groups them), which suits the files without Ray only: a file that ends the session's Ray
+# cluster or starts one of its own takes the other worker's cluster down (benchmarks/RESULTS.md).
+# The 30 slowest tests are listed at the end (where CI's time goes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
