@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = resolve_model(opts.model)
     # The workers' path keeps the driver's: where Ray itself comes from PYTHONPATH (the GPU
-    # machine's --target install), a path of ROOT alone leaves Serve's controller unable to start.
+    # machine's --target install), a path of ROOT alone hid it from them and serve.start hung.
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     ray.init(num_cpus=max(8, int(opts.replicas * opts.replica_cpus) + 2), include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": path}}, log_to_driver=False)
