@@ -182,18 +182,38 @@ def run(model: str, rank: int, smoke: bool, stream: bool = True) -> dict:
     return rows
 
 
-def _kernel_case(k: int, parts: tuple[int, ...], rows: int, n_adapters: int, seg: int,
-                 rank: int, pool_rank: int, slots: int = 8, dev: str = "cuda") -> float:
-    """Microseconds of one lora_sgmv call: `rows` rows in segments of `seg`, adapters
-    interleaved over the segments (how a decode step's requests arrive; 0: none)."""
-    import triton
+def gpu_us(fn, iters: int = 20) -> dict[str, float]:
+    """Microseconds of GPU time per call of `fn`, by kernel ("shrink", "expand", "other"),
+    from the profiler: the kernels' own time, without the Python launch cost an eager
+    microbenchmark would add (a CUDA graph pays none)."""
+    from torch.profiler import ProfilerActivity, profile
 
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out = {"shrink": 0.0, "expand": 0.0, "other": 0.0}
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            kind = next((k for k in ("shrink", "expand") if k in event.name), "other")
+            out[kind] += event.time_range.elapsed_us() / iters
+    return out
+
+
+def _kernel_case(k: int, parts: tuple[int, ...], rows: int, n_adapters: int, seg: int,
+                 rank: int, slots: int = 8, dev: str = "cuda") -> dict[str, float]:
+    """GPU microseconds of one lora_sgmv call (shrink, expand), beside the base GEMM and a
+    cuBLAS LoRA of one adapter over all rows (x @ A^T, then y += xa @ B^T per part): `rows`
+    rows in segments of `seg`, adapters interleaved over the segments (how a decode step's
+    requests arrive; 0: none)."""
     from engine.kernels.lora import column_tile, lora_sgmv
     from engine.lora.tiles import TilePlan, block_m_for, split_packed, tile_bound
 
     n = sum(parts)
-    a = torch.randn(slots, len(parts) * pool_rank, k, device=dev, dtype=torch.bfloat16) * 0.02
-    b = torch.randn(slots, n, pool_rank, device=dev, dtype=torch.bfloat16) * 0.02
+    a = torch.randn(slots, len(parts) * rank, k, device=dev, dtype=torch.bfloat16) * 0.02
+    b = torch.randn(slots, n, rank, device=dev, dtype=torch.bfloat16) * 0.02
     ranks = torch.full((slots,), rank, dtype=torch.int32, device=dev)
     x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
     y = torch.zeros(rows, n, device=dev, dtype=torch.bfloat16)
@@ -207,33 +227,44 @@ def _kernel_case(k: int, parts: tuple[int, ...], rows: int, n_adapters: int, seg
     order, tiles = split_packed(plan.pack(rows, tiles_cap).to(dev), rows)
     bounds = [sum(parts[:i + 1]) for i in range(len(parts) - 1)]
     tile_n = column_tile(bounds + [n])
-    return triton.testing.do_bench(lambda: lora_sgmv(
-        x, y, a, b, ranks, order, tiles, num_tiles, plan.block_m, bounds, tile_n)) * 1e3
+    times = gpu_us(lambda: lora_sgmv(x, y, a, b, ranks, order, tiles, num_tiles, plan.block_m,
+                                     bounds, tile_n))
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+    times["base"] = sum(gpu_us(lambda: x @ w.T).values())
+
+    def cublas_lora() -> None:
+        xa = x @ a[0].T
+        for p, (lo, hi) in enumerate(zip([0] + bounds, bounds + [n])):
+            y[:, lo:hi].addmm_(xa[:, p * rank:(p + 1) * rank], b[0, lo:hi].T)
+
+    times["cublas"] = sum(gpu_us(cublas_lora).values())
+    return times
 
 
 def bench_kernels(rank: int) -> None:
-    """lora_sgmv alone on the 8B model's four adapted linears, beside the base GEMM."""
-    import triton
-
+    """lora_sgmv alone on the 8B model's four adapted linears, beside the base GEMM and a
+    cuBLAS LoRA (the bar for one adapter over many rows)."""
     h, inter, kv = 4096, 14336, 1024
     linears = {"qkv": (h, (h, kv, kv)), "o": (h, (h,)), "gate_up": (h, (inter, inter)),
                "down": (inter, (h,))}
     cases = {"decode b1": (1, 1, 1), "decode b32, 4 adapters": (32, 4, 1),
              "decode b32, 8 adapters": (32, 8, 1), "decode b32, no adapter": (32, 0, 1),
-             "prefill 512": (512, 1, 512)}
-    print(f"\nlora_sgmv, rank {rank} (pool rank {rank}), {torch.cuda.get_device_name()}")
-    print(f"{'case':<26}{'linear':<9}{'lora us':>9}{'base us':>9}{'ratio':>7}")
+             "prefill 512": (512, 1, 512), "prefill 2048": (2048, 1, 2048)}
+    print(f"\nlora_sgmv, rank {rank} (pool rank {rank}), {torch.cuda.get_device_name()}; "
+          "GPU us per call")
+    print(f"{'case':<26}{'linear':<9}{'shrink':>8}{'expand':>8}{'lora':>8}{'base':>8}"
+          f"{'ratio':>7}{'cuBLAS':>8}")
     for case, (rows, n_adapters, seg) in cases.items():
-        lora_total = base_total = 0.0
+        total = {"lora": 0.0, "base": 0.0, "cublas": 0.0}
         for name, (k, parts) in linears.items():
-            us = _kernel_case(k, parts, rows, n_adapters, seg, rank, rank)
-            w = torch.randn(sum(parts), k, device="cuda", dtype=torch.bfloat16)
-            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            base = triton.testing.do_bench(lambda x=x, w=w: x @ w.T) * 1e3
-            lora_total, base_total = lora_total + us, base_total + base
-            print(f"{case:<26}{name:<9}{us:>9.1f}{base:>9.1f}{us / base:>7.2f}")
-        print(f"{case:<26}{'layer':<9}{lora_total:>9.1f}{base_total:>9.1f}"
-              f"{lora_total / base_total:>7.2f}")
+            t = _kernel_case(k, parts, rows, n_adapters, seg, rank)
+            lora = t["shrink"] + t["expand"] + t["other"]
+            for key, value in (("lora", lora), ("base", t["base"]), ("cublas", t["cublas"])):
+                total[key] += value
+            print(f"{case:<26}{name:<9}{t['shrink']:>8.1f}{t['expand']:>8.1f}{lora:>8.1f}"
+                  f"{t['base']:>8.1f}{lora / t['base']:>7.2f}{t['cublas']:>8.1f}")
+        print(f"{case:<26}{'layer':<9}{'':>8}{'':>8}{total['lora']:>8.1f}{total['base']:>8.1f}"
+              f"{total['lora'] / total['base']:>7.2f}{total['cublas']:>8.1f}")
 
 
 def print_table(rows: dict, model: str, rank: int) -> None:
