@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=1,
                    help="run every configuration this many times (rotating the order) and "
                         "report medians: on a shared machine, throughput is noisy")
+    p.add_argument("--warm-run", action="store_true",
+                   help="run the first configuration once more before the measured runs and "
+                        "discard it: on a GPU with an empty Triton cache, the first run to meet "
+                        "the workload's shapes pays their kernels' compiles")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None)
     return p
@@ -440,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     base_url = f"http://127.0.0.1:{port}"
     repeats: dict[str, list[dict]] = {run: [] for run in runs}
     try:
+        if opts.warm_run:
+            print(f"[{runs[0]}] warm-up run (discarded)", file=sys.stderr, flush=True)
+            one_run(runs[0], opts, model, base_url)
         for i in range(opts.repeat):
             for run in runs[i % len(runs):] + runs[:i % len(runs)]:
                 print(f"[{run}] starting", file=sys.stderr, flush=True)

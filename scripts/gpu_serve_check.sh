@@ -27,7 +27,7 @@
 # and a 10 MB body with the stand-in engine; "fetch" runs scripts/bench_prefix_fetch.py (a returning
 # 8k-token history fetched from another replica, two at 0.5 GPU, against computed); "routing" runs
 # scripts/bench_routing.py on W2's shape over two engine replicas at 0.5 GPU each (ROUTING_RUNS,
-# default ours,ours_one_ingress,ray_prefix). PATH_ARGS overrides the path bench's options; "ceiling"
+# default ours,ours_one_ingress,ray_prefix; a discarded run first fills the Triton cache). PATH_ARGS overrides the path bench's options; "ceiling"
 # runs the path bench's HTTP hop at 512 streams under default Serve and under the high-throughput
 # mode (CEILING_ARGS overrides its options). POISSON_RATES (default "4 16 64") sets "serve"'s sweep.
 # After each part the table so far goes to $OUT/summary.txt and every file written to
@@ -359,7 +359,7 @@ if [[ $PARTS == *routing* ]]; then  # W2's shape over 2 engine replicas at 0.5 G
     --groups 32 --per-group 16 --system-len 2048 --question-len 128 --output-len 256 \
     --max-total-tokens 100000 --max-running-requests 256 --replica-cpus 4 \
     --engine-kwargs '{"load_format": "dummy", "dtype": "bfloat16"}' \
-    --runs "${ROUTING_RUNS:-ours,ours_one_ingress,ray_prefix}" --json "$RES/routing.json" \
+    --runs "${ROUTING_RUNS:-ours,ours_one_ingress,ray_prefix}" --warm-run --json "$RES/routing.json" \
     > "$RES/routing.txt" 2> "$RES/routing.log"
   grep -E "^\[" "$RES/routing.log" | tail -6; cat "$RES/routing.txt"
   ray stop --force > /dev/null 2>&1
