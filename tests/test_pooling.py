@@ -249,3 +249,25 @@ def test_minilm_on_the_gpu_equals_sentence_transformers():
     assert F.cosine_similarity(ours, ref).min().item() >= 0.9999  # TF32 matmuls on both sides
     bf16 = torch.tensor(LLM(model, task="embed", dtype="bfloat16", device="cuda").embed(SENTENCES))
     assert F.cosine_similarity(bf16, ref).min().item() >= 0.99
+
+
+def test_benchmark_smoke_on_tiny_models(tmp_path):
+    """scripts/bench_embed.py --tiny (the CPU path): the engine and the padded transformers
+    baseline embed every input, and the decoder row pools every input's tokens."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "embed.json"
+    done = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_embed.py"), "--tiny",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (encoder,) = result["encoders"]
+    assert encoder["inputs"] == 64 and encoder["tokens"] > 64
+    assert encoder["engine_emb_per_s"] > 0 and encoder["hf_padded_emb_per_s"] > 0
+    decoder = result["decoder"]
+    assert decoder["inputs"] == 32 and decoder["pooling_tok_per_s"] > 0
+    assert decoder["engine_prefill_tok_per_s"] > 0
