@@ -17,6 +17,7 @@ from deployments.channel import (
     ON_CHANNEL, ChannelOpen, Outbox, end_idle_channels_when_draining, serve_channel,
 )
 from deployments.errors import OVERLOADED_MESSAGE
+from deployments.gc_thread import collect_on_own_thread
 from deployments.local_metrics import process_metrics
 from deployments.lora_registry import RestoredLoads, restore_adapters
 from deployments.prefix_fetch import (
@@ -70,6 +71,7 @@ class EngineReplica:
                  engine_process: bool = False,
                  prefix_fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S) -> None:
         logger.info("engine replica starting, %.1fs after its process started", process_age_s())
+        collect_on_own_thread()  # never inside Serve's context-variable sets (gc_thread.py)
         if gil_switch_interval_ms is not None:
             sys.setswitchinterval(gil_switch_interval_ms / 1e3)
         config = EngineConfig(model=resolve_model(model), enable_cache_events=True, **engine_kwargs)

@@ -18,6 +18,7 @@ from deployments.channel import ChannelHub
 from deployments.engine_replica import EngineCall, resolve_model
 from deployments.ingress_parts import IngressParts, PartsLoader, PartsSource
 from deployments.errors import APIError, as_api_error, install_error_handlers
+from deployments.gc_thread import collect_on_own_thread
 from deployments.lora_api import install_lora_api
 from deployments.readiness import install_readiness
 from deployments.sampling_defaults import model_sampling_defaults, with_defaults
@@ -61,6 +62,7 @@ class OpenAIIngress:
                  admin_api_key: str | None = None, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None,
                  max_calls_in_flight: int | None = None, freeze_gc: bool = True) -> None:
+        collect_on_own_thread()  # never inside Serve's context-variable sets (gc_thread.py)
         auth.configure(api_key, admin_api_key)
         # A request's engine calls (prompts x n) in flight at once: the engine's batch, so a
         # larger request runs through it in turn (deployments/streams.py, merged_stream).

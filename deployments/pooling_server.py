@@ -19,6 +19,7 @@ from ray import serve
 
 from deployments.auth import install_auth
 from deployments.errors import APIError, as_api_error, install_error_handlers
+from deployments.gc_thread import collect_on_own_thread
 from deployments.metrics import install_http_metrics
 from deployments.pooling_metrics import PoolingMetrics
 from deployments.pooling_protocol import (
@@ -48,6 +49,7 @@ class PoolingServer:
     def __init__(self, model: str | None, engine_kwargs: dict[str, Any], served_model_name: str,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
                  admin_api_key: str | None = None) -> None:
+        collect_on_own_thread()  # never inside Serve's context-variable sets (gc_thread.py)
         auth.configure(api_key, admin_api_key)
         if not model:
             raise ValueError("a pooling app (task embed or score) needs `model`")
