@@ -17,7 +17,8 @@ import gc
 import threading
 import time
 
-PERIOD_S = 0.05  # how often the thread looks at the allocation counts
+PERIOD_S = 0.01  # how often the thread looks at the allocation counts (short: a collection
+# of what piles up between looks holds the GIL the longer)
 _started = threading.Event()
 
 
