@@ -74,8 +74,9 @@ def hf_argmax_given(model, prompt: list[int], new_tokens: list[int]
     """transformers' argmax and its logprob at each position of `new_tokens`, given the
     prompt and the tokens before it, in one forward: equal to `new_tokens` exactly when they
     are `model`'s greedy continuation (one forward instead of a decode step per token)."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + new_tokens[:-1]])).logits[0, len(prompt) - 1:]
+    with torch.no_grad():  # the vocabulary projection of the last len(new_tokens) positions only
+        logits = model(torch.tensor([prompt + new_tokens[:-1]]),
+                       logits_to_keep=len(new_tokens)).logits[0]
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     best = logprobs.argmax(dim=-1)
     return best.tolist(), logprobs.gather(1, best[:, None])[:, 0].tolist()
