@@ -23,6 +23,7 @@ def engine_options(args: AppArgs) -> dict[str, Any]:
         "max_queued_requests": args.engine_capacity,
         "ray_actor_options": args.ray_actor_options,
         "graceful_shutdown_timeout_s": args.graceful_shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": args.graceful_shutdown_wait_loop_s,
         "health_check_period_s": args.health_check_period_s,
         "health_check_timeout_s": args.health_check_timeout_s,
     }
@@ -94,6 +95,7 @@ def build_app_with(args: dict[str, Any] | None, replica_class: type = EngineRepl
         # An ingress removed by scale-in drains its streams too (Serve's default is 20 s:
         # longer streams were cut when it went, their channels with it).
         graceful_shutdown_timeout_s=app_args.graceful_shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=app_args.graceful_shutdown_wait_loop_s,
         **app_args.ingress_scaling())
     router_reads_text = app_args.router.request_router_class not in ("prefix", "default")
     return ingress.bind(engine, app_args.model, app_args.model_name(),

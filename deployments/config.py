@@ -74,6 +74,9 @@ class AppArgs(BaseModel):
     # How long a replica removed by scale-in (engine or ingress) may take to finish its
     # streams; keep it above the longest generation you serve.
     graceful_shutdown_timeout_s: float = 30.0
+    # How often a stopping replica looks for its last request to end (Serve's own setting),
+    # and so the least time any replica takes to stop: an idle one goes after one look.
+    graceful_shutdown_wait_loop_s: float = 2.0
     # The engine replica's GIL switch interval (sys.setswitchinterval). Its engine thread
     # shares the GIL with the event loop that streams deltas; a thread that wants the GIL
     # waits up to this long for the holder to let go. None: Python's default (5 ms).
@@ -131,7 +134,8 @@ class AppArgs(BaseModel):
             raise ValueError("tp_bundle needs at least one positive resource, e.g. {'GPU': 1}")
         return value
 
-    @field_validator("health_check_period_s", "health_check_timeout_s", "graceful_shutdown_timeout_s")
+    @field_validator("health_check_period_s", "health_check_timeout_s", "graceful_shutdown_timeout_s",
+                     "graceful_shutdown_wait_loop_s")
     @classmethod
     def _positive_seconds(cls, value: float) -> float:
         if value <= 0:

@@ -42,6 +42,7 @@ ARGS = dict(
         "look_back_period_s": 2.0, "metrics_interval_s": 0.5,
     },
     graceful_shutdown_timeout_s=SHUTDOWN_TIMEOUT_S,
+    graceful_shutdown_wait_loop_s=2.0,  # Serve's: scale-in under load as users run it
     health_check_period_s=2.0,
     engine={"max_total_tokens": 4096, "max_running_requests": 16, "chunked_prefill_size": 256},
     router={"request_router_class": "prefix",
@@ -460,8 +461,13 @@ def test_ingress_autoscales_two_per_engine_replica_and_drains_like_it():
     from deployments.app import build_app
 
     auto = {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8, "downscale_delay_s": 5}
-    ingress = build_app({"autoscaling_config": auto, "graceful_shutdown_timeout_s": 90})._bound_deployment
+    app = build_app({"autoscaling_config": auto, "graceful_shutdown_timeout_s": 90,
+                     "graceful_shutdown_wait_loop_s": 0.5})
+    ingress = app._bound_deployment
     config = ingress._deployment_config
+    [engine] = ingress.init_args[:1]
+    assert engine._bound_deployment._deployment_config.graceful_shutdown_wait_loop_s == 0.5
+    assert config.graceful_shutdown_wait_loop_s == 0.5
     assert ingress.name == "OpenAIIngress"
     assert (config.autoscaling_config.min_replicas, config.autoscaling_config.max_replicas) == (2, 6)
     assert config.autoscaling_config.target_ongoing_requests == 4  # half the engine's

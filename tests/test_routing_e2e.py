@@ -32,6 +32,7 @@ ARGS = {
     "num_replicas": 2,
     "ray_actor_options": {"num_cpus": 0.2},
     "graceful_shutdown_timeout_s": 5.0,
+    "graceful_shutdown_wait_loop_s": 0.2,  # as serve_helpers.serve_config_args
     "engine": {"max_total_tokens": 8192, "max_running_requests": 32, "chunked_prefill_size": 512},
 }
 
