@@ -179,14 +179,14 @@ def bench_jump_forward(model: str) -> list[dict]:
         steps0, gen0 = llm.stats()["steps"], llm.stats()["generated_tokens"]
         timer.reset()
         t = time.perf_counter()
-        outs = llm.generate([p for _, p, _ in cases],
-                            [SamplingParams(max_tokens=200, json_schema=s, **kw) for s, _, kw in cases])
+        params = [SamplingParams(max_tokens=200, json_schema=s, **kw) for s, _, kw in cases]
+        outs = llm.generate([p for _, p, _ in cases], params)
         wall = time.perf_counter() - t
         stats = llm.stats()
-        stopped = check_json(outs, [s for s, _, _ in cases])  # raises on an invalid output
         output_tokens = sum(len(o.token_ids) for o in outs)
-        jumped = llm.engine.num_jump_forward_tokens
         assert output_tokens == stats["generated_tokens"] - gen0
+        stopped = check_json(llm, outs, params, [s for s, _, _ in cases])  # raises on an invalid output
+        jumped = llm.engine.num_jump_forward_tokens
         rows.append({
             "jump_forward": jump, "requests": len(cases), "stopped": stopped,
             "output_tokens": output_tokens, "jump_forward_tokens": jumped,

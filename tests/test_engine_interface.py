@@ -58,6 +58,26 @@ def test_a_wire_batch_pickles_as_columns_and_loads_as_wire_deltas():
     assert pickle.loads(pickle.dumps(WireBatch())) == []
 
 
+def test_wire_delta_benchmark_runs(tmp_path, monkeypatch, capsys):
+    """scripts/bench_wire_delta.py at toy sizes: every form round-trips under each pickler
+    (it asserts so) and the table and JSON come out."""
+    import json
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_wire_delta.py"
+    out = tmp_path / "wire.json"
+    monkeypatch.setattr("sys.argv", [str(script), "--batch", "16", "--repeat", "20", "--json", str(out)])
+    runpy.run_path(str(script), run_name="__main__")
+    rows = {(r["pickler"], r["form"]): r for r in json.loads(out.read_text())}
+    assert {form for _, form in rows} == {"tuple", "WireDelta list", "WireBatch"}
+    assert {pickler for pickler, _ in rows} == {"pickle-5", "cloudpickle"}  # Ray's is installed
+    for pickler in ("pickle-5", "cloudpickle"):
+        assert rows[pickler, "WireBatch"]["bytes"] < rows[pickler, "WireDelta list"]["bytes"]
+    assert all(r["dumps_us"] > 0 and r["loads_us"] > 0 for r in rows.values())
+    assert "16 deltas a batch" in capsys.readouterr().out
+
+
 def test_sampling_params_cross_as_the_object_the_ingress_validated(monkeypatch):
     """An engine call's SamplingParams reach the replica as they were built and validated
     (deployments/ingress.py): unpickling neither validates nor normalizes them again."""

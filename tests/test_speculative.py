@@ -282,3 +282,28 @@ def test_drafts_only_for_steps_a_graph_covers(looping_model):
     assert drafted and all(n <= 2 and t <= 8 for n, t in drafted), steps
     assert not any(d for n, _, d in steps if n == 3), steps
     assert any(n == 3 for n, _, _ in steps)  # (three did run together, undrafted)
+
+
+@pytest.mark.parametrize("drafts", [["--draft-tokens", "2", "--max-tokens", "48"],
+                                    ["--draft-model", "same", "--num-steps", "2", "--max-tokens", "24"]],
+                         ids=["ngram", "draft-model"])
+def test_benchmark_smoke_on_the_demo_model(tmp_path, monkeypatch, capsys, drafts):
+    """scripts/bench_speculative.py at toy sizes, n-gram drafts and a draft model (the target
+    itself, so every draft is kept): fewer target forwards than plain decoding, the same
+    output, and the table and JSON written."""
+    import json
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_speculative.py"
+    out = tmp_path / "spec.json"
+    monkeypatch.setattr("sys.argv", [str(script), "--device", "cpu", "--json", str(out), *drafts])
+    runpy.run_path(str(script), run_name="__main__")
+    plain, spec = json.loads(out.read_text())
+    assert plain["draft_tokens"] == 0 and plain["forwards_per_token"] == 1.0
+    assert spec["draft_tokens"] == 2 and spec["forwards_per_token"] < 1.0 < spec["mean_acceptance_length"]
+    if "same" in drafts:
+        assert spec["acceptance_rate"] == 1.0 and spec["draft_forwards_per_token"] > 0
+    table = capsys.readouterr().out.splitlines()
+    rows = table[table.index(next(line for line in table if "same output" in line)) + 1:]
+    assert [line.split()[-1] for line in rows] == ["True", "True"]

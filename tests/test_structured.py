@@ -267,3 +267,30 @@ def test_add_request_without_validate_waits_for_the_compile(llm):
         engine.step()
     engine.requests.pop("direct-1")
     assert req.finish_reason == "stop" and re.fullmatch(pattern, engine.output_of(req).text)
+
+
+def test_benchmark_smoke_on_the_demo_model(tmp_path, monkeypatch):
+    """scripts/bench_structured.py at toy sizes: the overhead rows for each constraint and
+    batch, and the jump-forward run, whose outputs it validates (it raises on an invalid one)."""
+    import runpy
+    from pathlib import Path
+
+    import torch
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_structured.py"
+    out = tmp_path / "structured.json"
+    monkeypatch.setattr("sys.argv", [str(script), "--tokens", "8", "--repeats", "1",
+                                     "--batch-sizes", "1,2", "--json", str(out)])
+    threads = torch.get_num_threads()  # the script sets its own
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(out.read_text())
+    assert {(r["mode"], r["batch"]) for r in result["overhead"]} == {
+        (mode, batch) for mode in ("unconstrained", "json_schema", "regex") for batch in (1, 2)}
+    assert all(r["wall_ms_per_token"] > 0 and r["tokens_per_request"] == 8 for r in result["overhead"])
+    off, on = result["jump_forward"]
+    assert (off["jump_forward"], on["jump_forward"]) == (False, True)
+    assert off["jump_forward_tokens"] == 0 < on["jump_forward_tokens"]
+    assert on["steps"] < off["steps"] and off["stopped"] == off["requests"] > 0
