@@ -42,7 +42,7 @@ def client(tiny_dirs):
             model=path, served_model_name=family, ingress_replicas=1, engine=TINY_ENGINE))
             for family, path in tiny_dirs.items()]
         deploy_all([("radixserve", "/", serve_config_args(
-            model=MODEL, served_model_name=NAME, engine={
+            model=MODEL, served_model_name=NAME, ingress_replicas=1, engine={
                 "max_total_tokens": 2048, "max_running_requests": 8,
                 "speculative_algorithm": "ngram"}))] + tiny)
         yield openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=300)

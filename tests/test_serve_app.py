@@ -352,6 +352,7 @@ def test_queue_bound_gives_503(server):
     from deployments.app import build_app
 
     serve.run(build_app(serve_config_args(
+        ingress_replicas=1,
         engine={"max_running_requests": 1, "max_queued_requests": 1, "max_total_tokens": 2048})),
         name="tiny-queue", route_prefix="/tiny")
     try:

@@ -30,7 +30,8 @@ def server(tmp_path_factory):
     gen = json.loads((demo / "generation_config.json").read_text())
     (model / "generation_config.json").write_text(json.dumps({**gen, **MODEL_DEFAULTS}))
     start_ray()
-    run_app(serve_config_args(model=str(model), served_model_name="radixserve-demo", engine={"max_running_requests": 16, "chunked_prefill_size": 128,
+    run_app(serve_config_args(model=str(model), served_model_name="radixserve-demo", ingress_replicas=1,
+                              engine={"max_running_requests": 16, "chunked_prefill_size": 128,
                                       "max_total_tokens": 4096, "max_queued_requests": 64}))
     yield
     stop_ray()

@@ -109,7 +109,7 @@ def _add_think_tokens(model_dir, vocab_size: int) -> None:
 @pytest.fixture(scope="module")
 def client(model_dir):
     start_ray()
-    run_app(serve_config_args(model=str(model_dir), served_model_name=MODEL,
+    run_app(serve_config_args(model=str(model_dir), served_model_name=MODEL, ingress_replicas=1,
                               engine={"max_running_requests": 32, "max_total_tokens": 8192}))
     yield openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=120)
     stop_ray()
