@@ -3,25 +3,16 @@ tiny demo model, so they keep running between GPU sessions: one run of the scrip
 row at toy sizes, then the JSON it wrote and the table it printed."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
-ROOT = os.path.join(os.path.dirname(__file__), "..")
+from bench_scripts import run_script
 
 
 def test_latency_rows_on_demo_model(tmp_path):
-    out = tmp_path / "bench.json"
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_offline.py"), "--model", "demo",
-           "--ttft-sweep", "--ttft-lengths", "1,16", "--ttft-reps", "1",
-           "--cold-start", "--cold-batch", "3,2",
-           "--long-prefill", "--long-shape", "2x40",
-           "--w4", "--w4-shape", "2,2,16,3,5", "--json", str(out)]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the CPU path, even on a GPU machine
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r, stdout = run_script("bench_offline.py", "--model", "demo",
+                           "--ttft-sweep", "--ttft-lengths", "1,16", "--ttft-reps", "1",
+                           "--cold-start", "--cold-batch", "3,2",
+                           "--long-prefill", "--long-shape", "2x40",
+                           "--w4", "--w4-shape", "2,2,16,3,5", json_path=tmp_path / "bench.json",
+                           timeout=600)
 
     assert set(r["ttft"]) == {"1", "16"} and all(t["ttft_ms"] > 0 for t in r["ttft"].values())
     assert set(r["engine_start"]["phases"]) >= {"load", "kv_pool", "cuda_graphs", "warmup"}
@@ -52,20 +43,15 @@ def test_latency_rows_on_demo_model(tmp_path):
     assert max(g["ms"] for g in gaps["longest"]) == round(longest, 2)
 
     for heading in ("TTFT, batch 1, warm", "cold start, warmup", "long prefill 2 x 40", "W4: 2"):
-        assert heading in proc.stdout
+        assert heading in stdout
 
 
 def test_fp8_flags_reach_the_engine(tmp_path):
     """--quantization / --kv-cache-dtype (the FP8 rows) build FP8 engines: the TTFT sweep
     runs on the demo model with both, and the JSON records what the engines were given."""
-    out = tmp_path / "bench.json"
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_offline.py"), "--model", "demo",
-           "--ttft-sweep", "--ttft-lengths", "1,16", "--ttft-reps", "1", "--quantization", "fp8",
-           "--kv-cache-dtype", "fp8_e4m3", "--json", str(out)]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r, _ = run_script("bench_offline.py", "--model", "demo", "--ttft-sweep", "--ttft-lengths", "1,16",
+                      "--ttft-reps", "1", "--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3",
+                      json_path=tmp_path / "bench.json")
     assert r["engine_overrides"] == {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}
     assert set(r["ttft"]) == {"1", "16"} and all(t["ttft_ms"] > 0 for t in r["ttft"].values())
 
@@ -73,17 +59,13 @@ def test_fp8_flags_reach_the_engine(tmp_path):
 def test_decode_step_at_a_fixed_batch(tmp_path):
     """--decode-batch (the MoE batch-256 row): only steps that ran the whole batch count,
     against a floor of weights + K/V that grows with the context."""
-    out = tmp_path / "bench.json"
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_offline.py"), "--model", "demo",
-           "--decode-batch", "4,24,6", "--json", str(out)]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    d = json.loads(out.read_text())["decode_batch"]
+    result, stdout = run_script("bench_offline.py", "--model", "demo", "--decode-batch", "4,24,6",
+                                json_path=tmp_path / "bench.json")
+    d = result["decode_batch"]
     assert d["batch"] == 4 and d["prompt"] == 24
     assert d["steps"] == 5  # 6 output tokens: the first comes from the prefill
     assert d["floor_ms"] > 0 and d["step_ms"] > 0 and d["ratio"] == d["step_ms"] / d["floor_ms"]
-    assert "decode step ms at batch 4" in proc.stdout
+    assert "decode step ms at batch 4" in stdout
 
 
 def test_scheduler_bench_runs(tmp_path):
@@ -91,16 +73,7 @@ def test_scheduler_bench_runs(tmp_path):
     its forward stand-in must keep the runner's return types (it once returned a list where
     the step resolves prompt logprobs, and the script died at its first step)."""
     out = tmp_path / "sched.json"
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_scheduler.py"),
-           "--batch-sizes", "1,4", "--steps", "5", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(out.read_text())
+    rows, _ = run_script("bench_scheduler.py", "--batch-sizes", "1,4", "--steps", "5", json_path=out)
     assert [r["batch"] for r in rows] == [1, 4] and all(r["mean_ms"] > 0 for r in rows)
-    cmd[2:] = ["--w1", "12", "--json", str(out)]  # W1's shapes, 12 requests
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res, _ = run_script("bench_scheduler.py", "--w1", "12", json_path=out)  # W1's shapes, 12 requests
     assert res["mixed"]["steps"] >= 1 and res["decode"]["steps"] >= 31

@@ -163,17 +163,9 @@ def test_kv_bytes_benchmark_reads_the_latent_pool(tmp_path):
     """scripts/bench_mla.py --rows kv sizes the DeepSeek-V2-Lite-shaped pool's rows from the
     engine's own pool: one 576-wide latent (512 + 64 RoPE dims) per token and layer, 27
     layers in bf16, against 16 heads of K and V at 192 / 128 dims."""
-    import os
-    import subprocess
-    import sys
+    from bench_scripts import run_script
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = tmp_path / "mla.json"
-    done = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_mla.py"), "--rows",
-                           "kv", "--json", str(out)], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
-    assert done.returncode == 0, done.stderr[-3000:]
-    kv = json.loads(out.read_text())["kv"]
+    kv = run_script("bench_mla.py", "--rows", "kv", json_path=tmp_path / "mla.json")[0]["kv"]
     assert kv["mla_bytes_per_token"] == 27 * 576 * 2
     assert kv["tokens"] == 64 * 4096
     assert kv["mla_over_gqa8"] == pytest.approx(576 / (2 * 8 * 128))

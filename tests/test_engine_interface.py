@@ -61,15 +61,11 @@ def test_a_wire_batch_pickles_as_columns_and_loads_as_wire_deltas():
 def test_wire_delta_benchmark_runs(tmp_path, monkeypatch, capsys):
     """scripts/bench_wire_delta.py at toy sizes: every form round-trips under each pickler
     (it asserts so) and the table and JSON come out."""
-    import json
-    import runpy
-    from pathlib import Path
+    from bench_scripts import run_script_here
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_wire_delta.py"
-    out = tmp_path / "wire.json"
-    monkeypatch.setattr("sys.argv", [str(script), "--batch", "16", "--repeat", "20", "--json", str(out)])
-    runpy.run_path(str(script), run_name="__main__")
-    rows = {(r["pickler"], r["form"]): r for r in json.loads(out.read_text())}
+    result = run_script_here("bench_wire_delta.py", "--batch", "16", "--repeat", "20",
+                             json_path=tmp_path / "wire.json", monkeypatch=monkeypatch)
+    rows = {(r["pickler"], r["form"]): r for r in result}
     assert {form for _, form in rows} == {"tuple", "WireDelta list", "WireBatch"}
     assert {pickler for pickler, _ in rows} == {"pickle-5", "cloudpickle"}  # Ray's is installed
     for pickler in ("pickle-5", "cloudpickle"):

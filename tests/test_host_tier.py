@@ -223,21 +223,13 @@ def test_host_tier_settings_are_checked(kwargs, message):
 def test_benchmark_smoke_on_the_demo_model(tmp_path):
     """scripts/bench_host_tier.py at a tiny size: its table and JSON, the tier's hit rate
     equal to an unlimited pool's, and a host load faster than recomputing."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from bench_scripts import run_script
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = tmp_path / "bench.json"
-    done = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_host_tier.py"),
-                           "--model", "demo", "--conversations", "4", "--first", "40",
-                           "--answer", "2", "--user", "8", "--turns", "2", "--ttft-tokens", "200",
-                           "--reps", "1", "--chunk", "64", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=root)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "| prefix hit rate |" in done.stdout
-    rows = json.loads(out.read_text())
+    rows, stdout = run_script("bench_host_tier.py", "--model", "demo", "--conversations", "4",
+                              "--first", "40", "--answer", "2", "--user", "8", "--turns", "2",
+                              "--ttft-tokens", "200", "--reps", "1", "--chunk", "64",
+                              json_path=tmp_path / "bench.json", timeout=600)
+    assert "| prefix hit rate |" in stdout
     assert rows["rows"]["host tier off"]["hit_rate"] == 0.0
     assert rows["rows"]["host tier on"]["hit_rate"] == rows["rows"]["unlimited pool"]["hit_rate"] > 0
     assert rows["reached_gb_s"]["h2d"] > 0 and rows["peak_gb_s"]["h2d"] > 0

@@ -293,21 +293,13 @@ def test_smollm2_adapter_matches_peft(tmp_path):
 def test_benchmark_smoke_on_the_demo_model(tmp_path):
     """scripts/bench_lora.py's rows on the demo model (the CPU path): every row measured, and
     the 64-adapter stream through 8 slots loads adapters into slots and finds them there."""
-    import os
-    import subprocess
-    import sys
+    from bench_scripts import run_script
 
-    root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "lora.json"
-    done = subprocess.run([sys.executable, str(root / "scripts" / "bench_lora.py"), "--model", "demo",
-                           "--json", str(out)], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(out.read_text())
+    rows, stdout = run_script("bench_lora.py", "--model", "demo", json_path=tmp_path / "lora.json")
     for key in ("decode_b32_base_ms", "decode_b32_4_adapters_ms", "decode_b1_adapter_ms",
                 "ttft_512_adapter_ms", "stream_base_tok_s", "stream_64_adapters_tok_s"):
         assert rows[key] > 0, key
     pool = rows["lora_stats"]
     assert pool["lora_adapters"] == 64 and pool["lora_slots_used"] == 8
     assert pool["lora_slot_loads"] >= 8 and pool["lora_slot_hits"] > 0
-    assert "TTFT, 512-token prompt" in done.stdout
+    assert "TTFT, 512-token prompt" in stdout

@@ -254,17 +254,9 @@ def test_minilm_on_the_gpu_equals_sentence_transformers():
 def test_benchmark_smoke_on_tiny_models(tmp_path):
     """scripts/bench_embed.py --tiny (the CPU path): the engine and the padded transformers
     baseline embed every input, and the decoder row pools every input's tokens."""
-    import json
-    import subprocess
-    import sys
+    from bench_scripts import run_script
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = tmp_path / "embed.json"
-    done = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_embed.py"), "--tiny",
-                           "--json", str(out)], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = run_script("bench_embed.py", "--tiny", json_path=tmp_path / "embed.json")[0]
     (encoder,) = result["encoders"]
     assert encoder["inputs"] == 64 and encoder["tokens"] > 64
     assert encoder["engine_emb_per_s"] > 0 and encoder["hf_padded_emb_per_s"] > 0

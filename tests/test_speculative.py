@@ -291,15 +291,10 @@ def test_benchmark_smoke_on_the_demo_model(tmp_path, monkeypatch, capsys, drafts
     """scripts/bench_speculative.py at toy sizes, n-gram drafts and a draft model (the target
     itself, so every draft is kept): fewer target forwards than plain decoding, the same
     output, and the table and JSON written."""
-    import json
-    import runpy
-    from pathlib import Path
+    from bench_scripts import run_script_here
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_speculative.py"
-    out = tmp_path / "spec.json"
-    monkeypatch.setattr("sys.argv", [str(script), "--device", "cpu", "--json", str(out), *drafts])
-    runpy.run_path(str(script), run_name="__main__")
-    plain, spec = json.loads(out.read_text())
+    plain, spec = run_script_here("bench_speculative.py", "--device", "cpu", *drafts,
+                                  json_path=tmp_path / "spec.json", monkeypatch=monkeypatch)
     assert plain["draft_tokens"] == 0 and plain["forwards_per_token"] == 1.0
     assert spec["draft_tokens"] == 2 and spec["forwards_per_token"] < 1.0 < spec["mean_acceptance_length"]
     if "same" in drafts:

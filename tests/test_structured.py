@@ -272,21 +272,11 @@ def test_add_request_without_validate_waits_for_the_compile(llm):
 def test_benchmark_smoke_on_the_demo_model(tmp_path, monkeypatch):
     """scripts/bench_structured.py at toy sizes: the overhead rows for each constraint and
     batch, and the jump-forward run, whose outputs it validates (it raises on an invalid one)."""
-    import runpy
-    from pathlib import Path
+    from bench_scripts import run_script_here
 
-    import torch
-
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_structured.py"
-    out = tmp_path / "structured.json"
-    monkeypatch.setattr("sys.argv", [str(script), "--tokens", "8", "--repeats", "1",
-                                     "--batch-sizes", "1,2", "--json", str(out)])
-    threads = torch.get_num_threads()  # the script sets its own
-    try:
-        runpy.run_path(str(script), run_name="__main__")
-    finally:
-        torch.set_num_threads(threads)
-    result = json.loads(out.read_text())
+    result = run_script_here("bench_structured.py", "--tokens", "8", "--repeats", "1",
+                             "--batch-sizes", "1,2", json_path=tmp_path / "structured.json",
+                             monkeypatch=monkeypatch)
     assert {(r["mode"], r["batch"]) for r in result["overhead"]} == {
         (mode, batch) for mode in ("unconstrained", "json_schema", "regex") for batch in (1, 2)}
     assert all(r["wall_ms_per_token"] > 0 and r["tokens_per_request"] == 8 for r in result["overhead"])
