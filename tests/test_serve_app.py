@@ -393,6 +393,9 @@ def test_bad_app_args_fail_clearly():
         build_app({"engine": {"enable_cuda_graph": "false"}})
     with pytest.raises(ValueError, match="num_replicas"):
         build_app({"num_replicas": 0})
+    for nonsense in (0, -1, "soon"):
+        with pytest.raises(ValueError, match="graceful_shutdown_wait_loop_s"):
+            build_app({"graceful_shutdown_wait_loop_s": nonsense})
     # the kernel settings, `engine: {kernels: {...}}`, checked the same way
     with pytest.raises(ValueError, match="unknown kernel setting"):
         build_app({"engine": {"kernels": {"pdl_off": True}}})
