@@ -10,9 +10,10 @@ batch as one object.
 
 Each request still has its own handle call: it is what the request router routes, what a
 client disconnect cancels (aborting the request), and where errors come back. On a channel
-it yields nothing else but one `ON_CHANNEL` marker. A request that reaches a replica before its ingress has a channel
-there streams its deltas on its own call, led by an `{"open_channel": replica_id}` item
-telling the ingress to open one.
+it yields nothing else but one `ON_CHANNEL` marker. An ingress opens a channel to each engine
+replica as its router learns of the replica (`ChannelHub.keep_open`); a request that reaches a
+replica before that streams its deltas on its own call, led by an `{"open_channel": replica_id}`
+item telling the ingress to open one now.
 
 Each batch also carries the replica's streams in flight (after the batch: its finishing
 streams are not counted) and capacity: the load report the ingress's admission gate reads
@@ -30,7 +31,7 @@ import asyncio
 import contextvars
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from engine import WireBatch, WireDelta
@@ -39,6 +40,7 @@ from router import ray_adapter
 logger = logging.getLogger(__name__)
 
 CHANNEL_OPEN_TIMEOUT_S = 10.0
+KEEP_OPEN_PERIOD_S = 1.0  # how often an ingress looks for engine replicas it has no channel to
 DRAIN_CHECK_PERIOD_S = 0.5  # how often a replica with channels asks whether it is draining
 
 # The one item a request streaming on a channel yields on its own call, first. A Serve call
@@ -113,7 +115,23 @@ class ChannelHub:
         self._handle = stream_handle
         self._listeners: dict[str, Callable[[WireDelta], None]] = {}
         self._channels: dict[str, asyncio.Task] = {}
+        self._ended: set[str] = set()  # replicas that ended our channel themselves (draining)
         self.loads = loads
+
+    def keep_open(self, replicas: Callable[[], Iterable[str] | None]) -> None:
+        """Open a channel to each engine replica in `replicas()` (None: not known yet) as it
+        appears. A burst that arrives before its ingress has a channel on a replica would
+        stream each of its requests on its own call, one Ray object per request per step,
+        for as long as those requests run."""
+        self._keeper = asyncio.ensure_future(self._keep_open(replicas))
+
+    async def _keep_open(self, replicas: Callable[[], Iterable[str] | None]) -> None:
+        while True:
+            known = set(replicas() or ())
+            self._ended &= known
+            for replica_id in known - self._ended:
+                self._start(replica_id)
+            await asyncio.sleep(KEEP_OPEN_PERIOD_S)
 
     def listen(self, request_id: str, on_delta: Callable[[WireDelta], None]) -> None:
         self._listeners[request_id] = on_delta
@@ -122,7 +140,11 @@ class ChannelHub:
         self._listeners.pop(request_id, None)
 
     def open(self, replica_id: str) -> None:
-        """Open a channel to `replica_id` unless one is open or opening."""
+        """Open a channel to `replica_id` (it asked for one) unless one is open or opening."""
+        self._ended.discard(replica_id)
+        self._start(replica_id)
+
+    def _start(self, replica_id: str) -> None:
         if replica_id not in self._channels:
             # In a fresh context: called while serving one HTTP request, a task would inherit
             # that request's Ray task context, so the channel call became a child of that
@@ -134,8 +156,8 @@ class ChannelHub:
     async def _pump(self, replica_id: str) -> None:
         stream = submit(self._handle.channel, ChannelOpen(self.ingress_id, replica_id))
         try:
-            # The router waits for that replica; if it is gone, give up (the next request
-            # that lands on a replica without our channel asks again).
+            # The router waits for that replica; if it is gone, give up (`keep_open` tries
+            # again while the router lists it).
             await asyncio.wait_for(stream.__anext__(), CHANNEL_OPEN_TIMEOUT_S)
             async for batch, in_flight, capacity in stream:
                 for delta in batch:
@@ -144,6 +166,7 @@ class ChannelHub:
                         listener(delta)
                 if self.loads is not None:  # after the deltas: it counts their ends
                     self.loads.report(replica_id, in_flight, capacity)
+            self._ended.add(replica_id)  # a draining replica: reopening would delay its stop
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - its requests fail on their own calls

@@ -313,6 +313,8 @@ def one_run(run: str, opts: argparse.Namespace, model: str, base_url: str) -> di
             "prompt_tokens": a["prompt_tokens"] - b.get("prompt_tokens", 0),
             "cached_tokens": a["cached_tokens"] - b.get("cached_tokens", 0),
             "cpu_s": a["cpu_s"] - b.get("cpu_s", 0.0),
+            # without a delta channel: one Ray object per request per step (deployments/channel.py)
+            "on_own_stream": a.get("requests_on_own_stream", 0) - b.get("requests_on_own_stream", 0),
         })
     prompt = sum(p["prompt_tokens"] for p in per_replica)
     cached = sum(p["cached_tokens"] for p in per_replica)
@@ -453,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = one_run(run, opts, model, base_url)
                 repeats[run].append(r)
                 print(f"[{run}] hit {r['hit_rate']:.1%}, {r['output_tok_s']:.1f} out tok/s, "
-                      f"engine cpu {r['engine_cpu_s']:.1f}s, per replica {r['requests_per_replica']} "
+                      f"engine cpu {r['engine_cpu_s']:.1f}s, per replica {r['requests_per_replica']}, "
+                      f"{sum(p['on_own_stream'] for p in r['per_replica'])} without a channel "
                       f"(startup {r['startup_s']:.0f}s, run {r['duration_s']:.1f}s)",
                       file=sys.stderr, flush=True)
     finally:

@@ -79,6 +79,19 @@ def _stats(base: str) -> dict:
     return httpx.get(f"{base}/v1/stats", timeout=30).json()  # summed over replicas
 
 
+def test_each_ingress_opens_its_channel_before_its_first_request(server):
+    # No request has reached the app yet: a burst arriving now must find every channel open,
+    # or its requests would each stream on their own call while they run.
+    assert wait_until(lambda: _stats(BASE)["open_channels"] == 2, timeout=30), _stats(BASE)
+    before = _stats(BASE)
+    assert before["requests_on_channel"] + before["requests_on_own_stream"] == 0, before
+    for _ in range(3):
+        for _ in range(2):  # both ingress replicas, even where a balancer takes turns
+            httpx.post(f"{BASE}/v1/completions", json={"prompt": "warm", "max_tokens": 2}, timeout=60)
+    after = _stats(BASE)
+    assert after["requests_on_channel"] == 6 and after["requests_on_own_stream"] == 0, after
+
+
 def test_300_concurrent_streams_equal_non_streamed(server):
     prompts = [f"Story {i}: the traveller reached a quiet town where" for i in range(30)]
     bodies = []
@@ -88,15 +101,7 @@ def test_300_concurrent_streams_equal_non_streamed(server):
         if i % 3 == 0:
             body["stop"] = ["e", " th"]  # common in the demo model's text: stops mid-stream
         bodies.append(body)
-    # Each ingress replica opens its channel when its first request reaches the replica
-    # on its own call; after that, every request streams through the channel.
-    for _ in range(60):
-        # Two at a time: a balancer that takes turns (HAProxy, RAY_SERVE_ENABLE_HA_PROXY=1)
-        # would otherwise send every warm-up to one ingress and every stats call to the other.
-        for _ in range(2):
-            httpx.post(f"{BASE}/v1/completions", json={"prompt": "warm", "max_tokens": 2}, timeout=60)
-        if _stats(BASE)["open_channels"] == 2:
-            break
+    assert wait_until(lambda: _stats(BASE)["open_channels"] == 2, timeout=30), _stats(BASE)
     before = _stats(BASE)
 
     async def run():
