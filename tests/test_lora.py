@@ -212,8 +212,8 @@ def test_lora_kernels_compile_for_hopper():
                              dict(BLOCK_M=tiling.block_m, BLOCK_R=block_r,
                                   BLOCK_K=tiling.block_k, F32_DOT=f32_dot))
             compile_for_sm90(_expand_kernel, dict(B="*bf16", Y="*bf16", **ints),
-                             dict(BLOCK_M=tiling.block_m, BLOCK_N=tiling.max_n, BLOCK_K=16,
-                                  SPLITS=tiling.max_splits, F32_DOT=f32_dot))
+                             dict(BLOCK_M=tiling.block_m, BLOCK_N=tiling.max_n,
+                                  BLOCK_R=64, COLS=tiling.max_cols, F32_DOT=f32_dot))
 
 
 @pytest.mark.gpu

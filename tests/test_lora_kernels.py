@@ -167,6 +167,23 @@ def test_long_segments_with_split_k():
     _run(torch.bfloat16, [70, 9, 66], [2, -1, 0], (96, 96), k=1100)
 
 
+def test_expand_programs_stay_inside_one_part():
+    from engine.kernels.lora import DECODE, LONG, columns_per_program
+
+    assert columns_per_program([0, 4096], 256, LONG) == 8  # o_proj: eight tiles a program
+    assert columns_per_program([0, 4096, 5120, 6144], 256, LONG) == 4  # q 16 tiles, k and v 4
+    assert columns_per_program([0, 2048, 2560], 256, LONG) == 2
+    assert columns_per_program([0, 48], 16, LONG) == 1  # three tiles: no power of two divides
+    assert columns_per_program([0, 4096], 256, DECODE) == 1  # decode keeps its programs
+
+
+@needs_gpu
+def test_long_segments_walk_several_column_tiles():
+    """Prefill's expand programs walk four 256-column tiles of one part each (q 2,048
+    wide, k and v 1,024 each), the rows' input summed once for all four."""
+    _run(torch.float32, [40, 30], [1, 2], (2048, 1024, 1024), k=64)
+
+
 @needs_gpu
 @pytest.mark.parametrize("graph_grid", [False, True])
 def test_empty_steps(graph_grid):

@@ -6,10 +6,12 @@ entry of `Order`. Two launches per adapted linear:
 - shrink: x[rows] @ A[slot]^T, with K split across programs (a long sequential K loop
   is latency-bound: a decode step has a handful of tiles), each split writing its fp32
   partial sums [splits, entries, parts * R];
-- expand: y[rows, part cols] += (sum of the partials)[:, part's R] @ B[slot]^T, the splits
-  summed in a fixed order as they load (deterministic, no reduction launch).
+- expand: y[rows, part cols] += (sum of the partials)[:, part's R] @ B[slot]^T. A program
+  sums its rows' partials once, in a fixed order (deterministic, no reduction launch), then
+  walks up to `max_cols` column tiles of one part: loading and summing them per column tile
+  cost a prefill 5x what cuBLAS takes for the same product.
 A slot's rank bounds the work (the pool pads every adapter to R): shrink skips rank tiles
-past it, expand loops K up to it. The grid depends only on the row count, the linear's
+past it, expand masks the columns past it. The grid depends only on the row count, the linear's
 shape and the tiling (`Tiling`), so a CUDA graph captured for a batch size replays any mix
 of adapters staged into its static `Order` and `Tiles`.
 """
@@ -34,11 +36,12 @@ class Tiling:
     block_k: int
     max_n: int  # the expand's widest column tile
     max_splits: int
+    max_cols: int = 1  # column tiles one expand program walks (its input loaded once for all)
     split_min: int = 512  # K per shrink program, at least
 
 
 DECODE = Tiling(block_m=16, block_k=128, max_n=256, max_splits=16)
-LONG = Tiling(block_m=64, block_k=64, max_n=128, max_splits=4)
+LONG = Tiling(block_m=64, block_k=64, max_n=256, max_splits=4, max_cols=8)
 
 
 def tiling_for(block_m: int) -> Tiling:
@@ -109,35 +112,37 @@ def _shrink_kernel(X, A, Part, Order, Tiles, Ranks, tile_cap, k_dim, k_split, r_
 @triton.jit(do_not_specialize=["tile_cap", "splits", "stride_ps"])
 def _expand_kernel(Part, B, Y, Order, Tiles, Ranks, tile_cap, n_dim, r_pool, splits, bound1,
                    bound2, stride_ps, stride_pt, stride_bs, stride_bn, stride_y,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLITS: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr = False):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                   COLS: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr = False):
     pdl_prologue(PDL)
     slot = tl.load(Tiles + tl.program_id(0))
     if slot >= 0:
         entries, mask_m, rows = _tile(Order, Tiles, tile_cap, BLOCK_M)
         rank = tl.load(Ranks + slot)
-        n0 = tl.program_id(1) * BLOCK_N
-        # the fused linear's part this column tile belongs to (tiles never straddle parts)
-        part = (n0 >= bound1).to(tl.int32) + (n0 >= bound2).to(tl.int32)
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < n_dim
-        offs_s = tl.arange(0, SPLITS).to(tl.int64)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, rank, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            mk = kk < rank
-            # every split's partial of this [rows, rank] tile in one load, summed in order
-            ptrs = (Part + offs_s[:, None, None] * stride_ps + entries[None, :, None] * stride_pt
-                    + (part * r_pool + kk)[None, None, :])
-            mask = (offs_s < splits)[:, None, None] & mask_m[None, :, None] & mk[None, None, :]
-            xa = tl.sum(tl.load(ptrs, mask=mask, other=0.0), axis=0)
-            b = tl.load(B + slot.to(tl.int64) * stride_bs + offs_n[None, :] * stride_bn
-                        + kk[:, None], mask=mk[:, None] & mask_n[None, :], other=0.0)
-            acc += _dot(xa.to(B.dtype.element_ty), b, F32_DOT)
-        ptrs = Y + rows[:, None] * stride_y + offs_n[None, :]
-        mask = mask_m[:, None] & mask_n[None, :]
-        y = tl.load(ptrs, mask=mask, other=0.0)
-        tl.store(ptrs, (y.to(tl.float32) + acc).to(Y.dtype.element_ty), mask=mask)
+        n_first = tl.program_id(1) * (BLOCK_N * COLS)
+        # the fused linear's part these COLS column tiles belong to (they never straddle parts)
+        part = (n_first >= bound1).to(tl.int32) + (n_first >= bound2).to(tl.int32)
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < rank
+        # the rows' [BLOCK_M, rank] input, the splits' partials summed in order, once for
+        # all COLS column tiles
+        ptrs = Part + entries[:, None] * stride_pt + (part * r_pool + offs_r)[None, :]
+        mask = mask_m[:, None] & mask_r[None, :]
+        xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for s in range(splits):
+            xa += tl.load(ptrs + s * stride_ps, mask=mask, other=0.0)
+        xa = xa.to(B.dtype.element_ty)
+        b_base = B + slot.to(tl.int64) * stride_bs + offs_r[:, None]
+        for c in range(COLS):
+            offs_n = n_first + c * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < n_dim
+            b = tl.load(b_base + offs_n[None, :] * stride_bn,
+                        mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+            y_ptrs = Y + rows[:, None] * stride_y + offs_n[None, :]
+            y_mask = mask_m[:, None] & mask_n[None, :]
+            y = tl.load(y_ptrs, mask=y_mask, other=0.0)
+            y = y.to(tl.float32) + _dot(xa, b, F32_DOT)
+            tl.store(y_ptrs, y.to(Y.dtype.element_ty), mask=y_mask)
 
 
 def column_tile(bounds: list[int]) -> int | None:
@@ -147,6 +152,16 @@ def column_tile(bounds: list[int]) -> int | None:
         if all(b % tile == 0 for b in bounds):
             return tile
     return None
+
+
+def columns_per_program(edges: list[int], block_n: int, tiling: Tiling) -> int:
+    """How many column tiles one expand program walks: the most, up to max_cols, that keeps
+    it inside one part of the fused linear (`edges`: 0, the part boundaries, the width)."""
+    tiles = [(hi - lo) // block_n for lo, hi in zip(edges, edges[1:])]
+    cols = tiling.max_cols
+    while cols > 1 and any(t % cols for t in tiles):
+        cols //= 2
+    return cols
 
 
 def rank_tile(r_pool: int, tiling: Tiling) -> int:
@@ -184,8 +199,9 @@ def lora_sgmv(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     b1 = bounds[0] if bounds else big
     b2 = bounds[1] if len(bounds) > 1 else big
     block_n = min(tile_n, tiling.max_n)
-    _expand_kernel[(num_tiles, triton.cdiv(n, block_n))](
+    cols = columns_per_program([0, *bounds, n], block_n, tiling)
+    _expand_kernel[(num_tiles, triton.cdiv(n, block_n * cols))](
         part, b, y, order, tiles, ranks, tile_cap, n, r, splits, b1, b2, part.stride(0),
         part.stride(1), b.stride(0), b.stride(1), y.stride(0), BLOCK_M=tiling.block_m,
-        BLOCK_N=block_n, BLOCK_K=16, SPLITS=triton.next_power_of_2(most_splits(k, tiling)),
+        BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(r)), COLS=cols,
         F32_DOT=f32_dot, **pdl_launch(x.device))
