@@ -82,16 +82,17 @@ class AdmissionGate:
         return all(self._full_since.get(r, -1e300) >= oldest for r in replicas)
 
 
-def engine_replica_ids(handle) -> list[str] | None:
-    """The ids of the replicas a deployment handle's router can send to now, or None when
-    its router cannot be read (not yet built, or a Ray that moved it: router/ray_adapter.py)."""
-    router = handle_request_router(handle)
-    if router is None:
-        return None
-    try:
-        return [replica_id.unique_id for replica_id in list(router.curr_replicas)]
-    except Exception:  # noqa: BLE001 - a router without the public base class's state
-        return None
+def engine_replica_ids(*handles) -> list[str] | None:
+    """The ids of the replicas the first of the deployment `handles` whose router can be read
+    can send to now, or None when none can (not yet built, or a Ray that moved it:
+    router/ray_adapter.py)."""
+    for handle in handles:
+        router = handle_request_router(handle)
+        try:
+            return [replica_id.unique_id for replica_id in list(router.curr_replicas)]
+        except Exception:  # noqa: BLE001 - None, or a router without the base class's state
+            continue
+    return None
 
 
 class AdmissionMiddleware:

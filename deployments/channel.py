@@ -11,7 +11,7 @@ batch as one object.
 Each request still has its own handle call: it is what the request router routes, what a
 client disconnect cancels (aborting the request), and where errors come back. On a channel
 it yields nothing else but one `ON_CHANNEL` marker. An ingress opens a channel to each engine
-replica as its router learns of the replica (`ChannelHub.keep_open`); a request that reaches a
+replica as its router learns of the replica (`ChannelHub._keep_open`); a request that reaches a
 replica before that streams its deltas on its own call, led by an `{"open_channel": replica_id}`
 item telling the ingress to open one now.
 
@@ -110,22 +110,22 @@ class ChannelHub:
     deltas. `loads` (deployments/admission.py's AdmissionGate, or None) hears the replicas'
     load reports and every engine call's end."""
 
-    def __init__(self, stream_handle, loads=None) -> None:
+    def __init__(self, stream_handle, loads=None,
+                 replicas: Callable[[], Iterable[str] | None] | None = None) -> None:
         self.ingress_id = uuid.uuid4().hex
         self._handle = stream_handle
         self._listeners: dict[str, Callable[[WireDelta], None]] = {}
         self._channels: dict[str, asyncio.Task] = {}
         self._ended: set[str] = set()  # replicas that ended our channel themselves (draining)
         self.loads = loads
+        if replicas is not None:
+            self._keeper = asyncio.ensure_future(self._keep_open(replicas))
 
-    def keep_open(self, replicas: Callable[[], Iterable[str] | None]) -> None:
+    async def _keep_open(self, replicas: Callable[[], Iterable[str] | None]) -> None:
         """Open a channel to each engine replica in `replicas()` (None: not known yet) as it
         appears. A burst that arrives before its ingress has a channel on a replica would
         stream each of its requests on its own call, one Ray object per request per step,
         for as long as those requests run."""
-        self._keeper = asyncio.ensure_future(self._keep_open(replicas))
-
-    async def _keep_open(self, replicas: Callable[[], Iterable[str] | None]) -> None:
         while True:
             known = set(replicas() or ())
             self._ended &= known
@@ -156,7 +156,7 @@ class ChannelHub:
     async def _pump(self, replica_id: str) -> None:
         stream = submit(self._handle.channel, ChannelOpen(self.ingress_id, replica_id))
         try:
-            # The router waits for that replica; if it is gone, give up (`keep_open` tries
+            # The router waits for that replica; if it is gone, give up (`_keep_open` tries
             # again while the router lists it).
             await asyncio.wait_for(stream.__anext__(), CHANNEL_OPEN_TIMEOUT_S)
             async for batch, in_flight, capacity in stream:

@@ -78,9 +78,8 @@ class OpenAIIngress:
         # An engine in this process (deployments/colocated.py): deltas on each call's own iterator,
         # no channel, no hop for 503s (read off the type: a handle answers any attribute).
         in_process = getattr(type(engine_handle), "in_process", False)
-        self.hub = None if in_process else ChannelHub(self.engine, loads=admission)
-        if self.hub is not None:  # the stream handle's router exists after its first call
-            self.hub.keep_open(lambda: engine_replica_ids(self.engine) or engine_replica_ids(self.control))
+        self.hub = None if in_process else ChannelHub(  # (the stream handle routes from its first call)
+            self.engine, loads=admission, replicas=lambda: engine_replica_ids(self.engine, self.control))
         if in_process:  # its engine is built before Serve lets this replica take requests
             readiness.answered = True
         else:
