@@ -88,9 +88,11 @@ def engine_replica_ids(*handles) -> list[str] | None:
     router/ray_adapter.py)."""
     for handle in handles:
         router = handle_request_router(handle)
+        if router is None:
+            continue
         try:
             return [replica_id.unique_id for replica_id in list(router.curr_replicas)]
-        except Exception:  # noqa: BLE001 - None, or a router without the base class's state
+        except Exception:  # noqa: BLE001 - a router without the public base class's state
             continue
     return None
 

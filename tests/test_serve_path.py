@@ -82,7 +82,7 @@ def _stats(base: str) -> dict:
 def test_each_ingress_opens_its_channel_before_its_first_request(server):
     # No request has reached the app yet: a burst arriving now must find every channel open,
     # or its requests would each stream on their own call while they run.
-    assert wait_until(lambda: _stats(BASE)["open_channels"] == 2, timeout=30), _stats(BASE)
+    assert wait_until(lambda: _stats(BASE)["open_channels"] == 2, timeout=60), _stats(BASE)
     before = _stats(BASE)
     assert before["requests_on_channel"] + before["requests_on_own_stream"] == 0, before
     for _ in range(3):
@@ -101,7 +101,7 @@ def test_300_concurrent_streams_equal_non_streamed(server):
         if i % 3 == 0:
             body["stop"] = ["e", " th"]  # common in the demo model's text: stops mid-stream
         bodies.append(body)
-    assert wait_until(lambda: _stats(BASE)["open_channels"] == 2, timeout=30), _stats(BASE)
+    assert wait_until(lambda: _stats(BASE)["open_channels"] == 2, timeout=60), _stats(BASE)
     before = _stats(BASE)
 
     async def run():
