@@ -248,8 +248,9 @@ def finished_by_replica() -> dict[str, int]:
 
 @pytest.mark.slow
 def test_client_leaving_the_request_that_opened_a_channel_does_not_close_it(base):
-    """The first request an ingress sends to a replica asks it to open the delta channel.
-    When that request's client leaves, the channel must stay: other requests stream on it."""
+    """A request streaming while its ingress's delta channel opens (or just opened: the
+    ingress opens one as its router lists the replica) leaves: the channel must stay, other
+    requests stream on it."""
     rng = random.Random(5)
     body = {"model": MODEL, "max_tokens": 120, "temperature": 0, "ignore_eos": True, "stream": True}
 
@@ -262,11 +263,10 @@ def test_client_leaving_the_request_that_opened_a_channel_does_not_close_it(base
         with httpx.Client(base_url=base, timeout=120) as first_client, \
                 httpx.Client(base_url=base, timeout=120) as second_client:
             before = call_each(list_replicas(APP, DEPLOYMENT), "stats")
-            opened_before = sum(s["open_channels"] for s in before.values())
             opening = first_client.stream("POST", "/v1/completions", json={**body, "prompt": prompt()})
             next(opening.__enter__().iter_lines())  # streaming: the channel is being opened
             assert wait_until(lambda: sum(s["open_channels"] for s in call_each(
-                list_replicas(APP, DEPLOYMENT), "stats").values()) > opened_before, timeout=20), (
+                list_replicas(APP, DEPLOYMENT), "stats").values()) > 0, timeout=20), (
                 before, call_each(list_replicas(APP, DEPLOYMENT), "stats"))
             on_channel_before = sum(s["requests_on_channel"] for s in before.values())
             result: list[Result] = []
