@@ -163,5 +163,5 @@ class PoolingServer:
     def __del__(self) -> None:
         pooling = getattr(self, "pooling", None)
         if pooling is not None:
-            pooling.shutdown()
+            pooling.shutdown(timeout=0)
 

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from engine.config import EngineConfig
 from engine.runtime.engine import Engine
+from engine.runtime.exit_stop import stop_at_exit
 from engine.runtime.engine_client import SHUTDOWN_TIMEOUT_S, DeltaSink, capacity_of, refuse_when_full
 from engine.runtime.loop_handoff import deliver, set_exception, set_result
 from engine.runtime.prefix_exchange import ExportedPrefix
@@ -65,6 +66,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, args=(make, built),
                                         name="engine-loop", daemon=True)
         self._thread.start()
+        stop_at_exit(self)
         built.result()  # waits for the build; its error is re-raised here
         self.config = self.engine.config
 

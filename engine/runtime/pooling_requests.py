@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from engine.runtime.exit_stop import EXIT_WAIT_S, stop_at_exit
 from engine.runtime.pooling_input import PoolInput
 
 if TYPE_CHECKING:
@@ -140,6 +141,7 @@ class AsyncPooling:
         self._pending: list[_Job] = []
         self._thread = threading.Thread(target=self._loop, name="pooling", daemon=True)
         self._thread.start()
+        stop_at_exit(self)
 
     @property
     def waiting(self) -> int:
@@ -155,8 +157,9 @@ class AsyncPooling:
         self._jobs.put(job)
         return await job.future
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = EXIT_WAIT_S) -> None:
         self._jobs.put(None)
+        self._thread.join(timeout)
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
