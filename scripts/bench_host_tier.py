@@ -10,7 +10,8 @@ without it, on the Llama-3-8B-shaped dummy model (or the demo model: a CPU smoke
    answer (`first` tokens at turn 1) and gets `answer` tokens back; users come in waves
    that fit the pool, so every returning conversation finds its history evicted from the
    GPU. Rows: host tier off, on, and an unlimited pool (the hit rate to compare with:
-   everything but the new message cached). Turn throughput and prefix hit rate.
+   everything but the new message cached). Turn throughput and prefix hit rate, and where
+   each run's time went: prefill and decode forwards, the host's share, the tier's copies.
 2. TTFT of a returning conversation with a `ttft_tokens` history: loaded from the host
    (the GPU's cache evicted to the host, as other conversations would push it out)
    against recomputed (cache flushed); the median of `--reps`.
@@ -33,7 +34,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_offline import DEMO, LONG_MAX_POSITIONS, model_config, model_dir, random_prompt  # noqa: E402
+from bench_offline import (  # noqa: E402
+    DEMO, LONG_MAX_POSITIONS, StepPhases, model_config, model_dir, random_prompt)
 
 import torch  # noqa: E402
 
@@ -58,6 +60,7 @@ def conversation_workload(args, llm: LLM) -> dict:
     history = [random_prompt(rng, vocab, args.first) for _ in range(args.conversations)]
     params = SamplingParams(max_tokens=args.answer, temperature=0.0, ignore_eos=True)
     before = llm.stats()
+    phases = StepPhases(llm.engine)
     began, turns = time.perf_counter(), 0
     for turn in range(args.turns):
         for w in range(0, args.conversations, args.wave):
@@ -66,12 +69,19 @@ def conversation_workload(args, llm: LLM) -> dict:
                 history[i] = history[i] + out.token_ids + random_prompt(rng, vocab, args.user)
             turns += len(outs)
     wall = time.perf_counter() - began
+    split = phases.summary(wall)
+    phases.close()
     after = llm.stats()
     prompt = after["prompt_tokens"] - before["prompt_tokens"]
     cached = after["cached_tokens"] - before["cached_tokens"]
     return {"wall_s": wall, "turns_per_s": turns / wall, "hit_rate": cached / prompt,
             "host_hit_tokens": after["host_cached_tokens"] - before["host_cached_tokens"],
-            "final_history_tokens": sum(map(len, history))}
+            "final_history_tokens": sum(map(len, history)),
+            "decode_s": split["decode"]["gpu_s"], "prefill_s": split["prefill_or_mixed"]["gpu_s"],
+            "prefill_tokens": split["prefill_or_mixed"]["tokens"], "other_s": split["other_s"],
+            "host_load_s": after.get("host_load_seconds", 0.0) - before.get("host_load_seconds", 0.0),
+            "host_write_back_s": (after.get("host_write_back_seconds", 0.0)
+                                  - before.get("host_write_back_seconds", 0.0))}
 
 
 def history_tokens(args) -> int:
@@ -183,6 +193,15 @@ def main() -> None:
     print("|---|---|---|---|")
     print(f"| turns/s | {off['turns_per_s']:.2f} | {on['turns_per_s']:.2f} | {full['turns_per_s']:.2f} |")
     print(f"| prefix hit rate | {off['hit_rate']:.3f} | {on['hit_rate']:.3f} | {full['hit_rate']:.3f} |")
+    # Where each run's wall time went: forward passes (device time) by kind, the rest on the
+    # host (scheduling, sampling, waits), and the tier's copy time on its own stream.
+    for key, label in (("wall_s", "wall s"), ("prefill_s", "prefill/mixed forwards s"),
+                       ("prefill_tokens", "tokens in those forwards"), ("decode_s", "decode forwards s"),
+                       ("other_s", "outside forwards s"), ("host_load_s", "host->device copies s"),
+                       ("host_write_back_s", "device->host copies s")):
+        cells = " | ".join(f"{row[key]:.2f}" if key != "prefill_tokens" else f"{row[key]:,}"
+                           for row in (off, on, full))
+        print(f"| {label} | {cells} |")
     print(f"\ntier on / off turn throughput: {on['turns_per_s'] / off['turns_per_s']:.2f}x; "
           f"hit rate vs unlimited: {on['hit_rate'] / full['hit_rate']:.3f}")
     print(f"TTFT of a {args.ttft_tokens}-token returning conversation: host {ttft['ttft_host_s'] * 1e3:.1f} ms, "

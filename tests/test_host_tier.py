@@ -229,7 +229,11 @@ def test_benchmark_smoke_on_the_demo_model(tmp_path):
                               "--first", "40", "--answer", "2", "--user", "8", "--turns", "2",
                               "--ttft-tokens", "200", "--reps", "1", "--chunk", "64",
                               json_path=tmp_path / "bench.json", timeout=600)
-    assert "| prefix hit rate |" in stdout
+    assert "| prefix hit rate |" in stdout and "| prefill/mixed forwards s |" in stdout
+    on = rows["rows"]["host tier on"]
+    # Cached tokens skip the forwards: fewer prefill tokens with the tier than without it.
+    assert 0 < on["prefill_tokens"] < rows["rows"]["host tier off"]["prefill_tokens"]
+    assert on["host_load_s"] > 0 and on["prefill_s"] + on["decode_s"] <= on["wall_s"]
     assert rows["rows"]["host tier off"]["hit_rate"] == 0.0
     assert rows["rows"]["host tier on"]["hit_rate"] == rows["rows"]["unlimited pool"]["hit_rate"] > 0
     assert rows["reached_gb_s"]["h2d"] > 0 and rows["peak_gb_s"]["h2d"] > 0
