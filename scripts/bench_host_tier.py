@@ -7,9 +7,10 @@ without it, on the Llama-3-8B-shaped dummy model (or the demo model: a CPU smoke
 
 1. Multi-turn chat whose live history is `--history-over-pool` (4) times the KV pool:
    `conversations` users, each turn every user sends `user` more tokens after the last
-   answer (`first` tokens at turn 1) and gets `answer` tokens back; users come in waves
-   that fit the pool, so every returning conversation finds its history evicted from the
-   GPU. Rows: host tier off, on, and an unlimited pool (the hit rate to compare with:
+   answer (`first` tokens at turn 1) and gets `answer` tokens back. As in W4, each turn is
+   one batch of every conversation; the scheduler admits what the pool holds, so most
+   returning conversations find their history evicted from the GPU (`--wave N`: batches
+   of N users instead, a decode-bound shape at small N). Rows: host tier off, on, and an unlimited pool (the hit rate to compare with:
    everything but the new message cached). Turn throughput and prefix hit rate, and where
    each run's time went: prefill and decode forwards, the host's share, the tier's copies.
 2. TTFT of a returning conversation with a `ttft_tokens` history: loaded from the host
@@ -54,7 +55,7 @@ def make_llm(args, pool: int, host_gb: float) -> LLM:
 
 
 def conversation_workload(args, llm: LLM) -> dict:
-    """All turns of all conversations, in waves of `args.wave` users."""
+    """All turns of all conversations, `args.wave` users a batch (0: all of them)."""
     rng = random.Random(4)
     vocab = llm.engine.runner.vocab_size
     history = [random_prompt(rng, vocab, args.first) for _ in range(args.conversations)]
@@ -63,8 +64,9 @@ def conversation_workload(args, llm: LLM) -> dict:
     phases = StepPhases(llm.engine)
     began, turns = time.perf_counter(), 0
     for turn in range(args.turns):
-        for w in range(0, args.conversations, args.wave):
-            outs = llm.generate(history[w:w + args.wave], params)
+        wave = args.wave or args.conversations
+        for w in range(0, args.conversations, wave):
+            outs = llm.generate(history[w:w + wave], params)
             for i, out in enumerate(outs, start=w):
                 history[i] = history[i] + out.token_ids + random_prompt(rng, vocab, args.user)
             turns += len(outs)
@@ -151,6 +153,8 @@ def main() -> None:
     ap.add_argument("--answer", type=int, default=64)
     ap.add_argument("--user", type=int, default=256)
     ap.add_argument("--history-over-pool", type=float, default=4.0)
+    ap.add_argument("--wave", type=int, default=0,
+                    help="conversations per batch within a turn (default: all of them)")
     ap.add_argument("--chunk", type=int, default=8192, help="chunked_prefill_size")
     ap.add_argument("--host-gb", type=float, default=None,
                     help="host_kv_cache_gb (default: twice the history's KV)")
@@ -161,13 +165,12 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     pool = int(history_tokens(args) / args.history_over_pool)
-    per_user = args.first + args.turns * (args.answer + args.user)
-    args.wave = max(1, min(args.conversations, pool // (2 * per_user)))
     cfg = model_config(model_dir(args.model))
     kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     token_bytes = 2 * cfg["num_hidden_layers"] * kv_heads * cfg["head_dim"] * (2 if GPU else 4)
     host_gb = args.host_gb or 2 * history_tokens(args) * token_bytes / 2**30
-    print(f"history {history_tokens(args)} tokens, pool {pool}, waves of {args.wave}, "
+    print(f"history {history_tokens(args)} tokens, pool {pool}, "
+          f"batches of {args.wave or args.conversations} conversations, "
           f"host tier {host_gb:.2f} GiB", flush=True)
     rows = {}
     for name, size, gb in (("host tier off", pool, 0.0), ("host tier on", pool, host_gb),
