@@ -10,16 +10,19 @@ streams on a 2-core box, replicas died with SIGSEGV in `hamt_node_bitmap_assoc` 
 Serve's request wrapper. A thread that does nothing but collect is never inside a set when
 its own collection runs, and a collection elsewhere cannot start while automatic collection
 is off. The thread applies the collector's own thresholds, so collections come as often.
+At exit it stops and automatic collection resumes, so that no finalizer runs on a daemon
+thread while the interpreter (and Ray's driver state) is being torn down.
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import threading
-import time
 
 PERIOD_S = 0.01  # how often the thread looks at the allocation counts (short: a collection
 # of what piles up between looks holds the GIL the longer)
 _started = threading.Event()
+_stopping = threading.Event()
 
 
 def collect_due(thresholds: tuple[int, int, int]) -> int | None:
@@ -43,8 +46,15 @@ def collect_on_own_thread(period_s: float = PERIOD_S) -> None:
     gc.disable()
 
     def run() -> None:
-        while True:
-            time.sleep(period_s)
+        while not _stopping.wait(period_s):
             collect_due(thresholds)
 
-    threading.Thread(target=run, name="radixserve-gc", daemon=True).start()
+    thread = threading.Thread(target=run, name="radixserve-gc", daemon=True)
+    thread.start()
+    atexit.register(_stop_collecting, thread)
+
+
+def _stop_collecting(thread: threading.Thread) -> None:
+    _stopping.set()
+    thread.join(1.0)
+    gc.enable()

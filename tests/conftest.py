@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random HF models, built once per test session into a temp dir."""
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Callable
@@ -149,6 +150,15 @@ def tiny_qwen3(tiny_model_factory) -> str:
 def tiny_model_any(request, tiny_model_factory) -> tuple[str, str]:
     """(arch, path) for every demo architecture: a test using it runs once per arch."""
     return request.param, tiny_model_factory(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _automatic_collection_stays_on():
+    """A test that builds a Serve replica's class in this process must not leave it
+    collecting garbage on the replica's thread (deployments/gc_thread.py): every later
+    test's finalizers, Ray's included, would run on that thread, and at exit too."""
+    yield
+    assert gc.isenabled(), "automatic garbage collection was left off in the test process"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -354,7 +354,7 @@ def test_stats_flush_cache_and_step_listener(client):
     assert max(r.stats["steps"] for r in reports if r.stats) <= stats["steps"]
 
 
-def test_an_engine_replica_over_it(client, tiny_llama, offline):
+def test_an_engine_replica_over_it(client, tiny_llama, offline, monkeypatch):
     """EngineReplica (outside Serve) over this client: its own-stream path yields
     WireDeltas that add up to the offline output, bad input is a 400 item, its step
     listener feeds the routing stats, and a dead engine fails its health check. (Last:
@@ -362,6 +362,9 @@ def test_an_engine_replica_over_it(client, tiny_llama, offline):
     from deployments.engine_replica import EngineCall, EngineReplica
 
     in_child = isinstance(client, ProcessAsyncEngine)
+    # A replica hands its process's garbage collection to a thread for good
+    # (deployments/gc_thread.py); this process is the test session's.
+    monkeypatch.setattr("deployments.engine_replica.collect_on_own_thread", lambda: None)
 
     class Replica(EngineReplica):
         def _start_engine(self, config: EngineConfig) -> EngineClient:

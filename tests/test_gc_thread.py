@@ -31,6 +31,7 @@ def test_collects_the_oldest_generation_past_its_threshold():
 
 
 def test_a_replica_process_collects_on_its_thread_with_automatic_collection_off():
+    """...until it exits: then the thread stops and automatic collection resumes."""
     code = """
 import gc, threading, time, weakref
 from deployments.gc_thread import collect_on_own_thread
@@ -49,6 +50,9 @@ deadline = time.monotonic() + 5
 while any(r() is not None for r in refs) and time.monotonic() < deadline:
     time.sleep(0.01)
 print(sum(r() is not None for r in refs))
+import atexit
+atexit._run_exitfuncs()  # what the interpreter runs first as it exits
+assert gc.isenabled() and "radixserve-gc" not in [t.name for t in threading.enumerate()]
 """
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
