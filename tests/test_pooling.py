@@ -231,6 +231,35 @@ def test_concurrent_requests_share_forwards_and_a_left_one_is_dropped(minilm):
         pooling.shutdown()
 
 
+def test_shutdown_fails_the_jobs_still_waiting(minilm):
+    """The worker stops after its round in progress (so a process can exit while it
+    works: engine/runtime/exit_stop.py); every job still queued fails instead of hanging."""
+    import asyncio
+
+    from engine import AsyncPooling, embedding_inputs
+
+    engine = minilm.pooling.engine
+    pooling = AsyncPooling(engine)
+
+    async def main():
+        # Alternate Matryoshka cuts: a round takes jobs of one cut, so each is a round.
+        jobs = [asyncio.ensure_future(pooling.run(embedding_inputs(engine, s), (None, 128)[i % 2]))
+                for i, s in enumerate(SENTENCES * 20)]
+        await asyncio.sleep(0.05)  # queued, the first round under way
+        pooling.shutdown(timeout=30)
+        outcomes = await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), 30)
+        with pytest.raises(RuntimeError, match="stopped"):
+            await asyncio.wait_for(pooling.run(embedding_inputs(engine, "late")), 30)
+        return outcomes
+
+    outcomes = asyncio.run(main())
+    assert not pooling.is_alive()
+    failed = [o for o in outcomes if isinstance(o, BaseException)]
+    assert failed and all(isinstance(o, RuntimeError) and "stopped" in str(o) for o in failed)
+    done = [o for o in outcomes if not isinstance(o, BaseException)]
+    assert done and len(done) + len(failed) == len(outcomes)  # the rounds before the stop ran
+
+
 @pytest.mark.gpu
 def test_minilm_on_the_gpu_equals_sentence_transformers():
     from sentence_transformers import SentenceTransformer

@@ -4,6 +4,7 @@ on one worker thread so the event loop never runs a forward)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from collections.abc import Sequence
@@ -139,6 +140,7 @@ class AsyncPooling:
         self.engine = engine
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._pending: list[_Job] = []
+        self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="pooling", daemon=True)
         self._thread.start()
         stop_at_exit(self)
@@ -149,6 +151,8 @@ class AsyncPooling:
 
     async def run(self, items: list[PoolInput], dimensions: int | None = None) -> list:
         """Vectors (task embed) or scores (task score) for checked `items`."""
+        if self._stopping:
+            raise RuntimeError("the pooling worker has stopped")
         limit = self.engine.config.max_queued_requests
         if limit and self.waiting >= limit:
             raise PoolingQueueFull(f"{self.waiting} pooling requests are waiting (limit {limit})")
@@ -158,6 +162,8 @@ class AsyncPooling:
         return await job.future
 
     def shutdown(self, timeout: float = EXIT_WAIT_S) -> None:
+        """Stop after the round in progress; the jobs still waiting fail."""
+        self._stopping = True
         self._jobs.put(None)
         self._thread.join(timeout)
 
@@ -165,10 +171,10 @@ class AsyncPooling:
         return self._thread.is_alive()
 
     def _loop(self) -> None:
-        while True:
+        while not self._stopping:
             first = self._pending.pop(0) if self._pending else self._jobs.get()
             if first is None:
-                return
+                break
             round_ = self._gather(first)
             try:
                 results = self._compute(round_)
@@ -178,6 +184,16 @@ class AsyncPooling:
                 continue
             for job, result in zip(round_, results):
                 job.loop.call_soon_threadsafe(_set, job.future, result, None)
+        self._fail_waiting(RuntimeError("the pooling worker has stopped"))
+
+    def _fail_waiting(self, error: BaseException) -> None:
+        waiting = self._pending
+        while not self._jobs.empty():
+            waiting.append(self._jobs.get_nowait())
+        for job in filter(None, waiting):
+            with contextlib.suppress(RuntimeError):  # its loop has closed: nobody waits
+                job.loop.call_soon_threadsafe(_set, job.future, None, error)
+        self._pending = []
 
     def _gather(self, first: _Job) -> list[_Job]:
         budget = max(self.engine.config.max_prefill_tokens, self.engine.max_context)
