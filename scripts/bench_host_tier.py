@@ -10,8 +10,8 @@ without it, on the Llama-3-8B-shaped dummy model (or the demo model: a CPU smoke
    answer (`first` tokens at turn 1) and gets `answer` tokens back. As in W4, each turn is
    one batch of every conversation; the scheduler admits what the pool holds, so most
    returning conversations find their history evicted from the GPU (`--wave N`: batches
-   of N users instead, a decode-bound shape at small N). Rows: host tier off, on, and an unlimited pool (the hit rate to compare with:
-   everything but the new message cached). Turn throughput and prefix hit rate, and where
+   of N users instead, a decode-bound shape at small N). Rows: host tier off, on, and an
+   unlimited pool (the hit rate to compare with: everything but the new message cached). Turn throughput and prefix hit rate, and where
    each run's time went: prefill and decode forwards, the host's share, the tier's copies.
 2. TTFT of a returning conversation with a `ttft_tokens` history: loaded from the host
    (the GPU's cache evicted to the host, as other conversations would push it out)

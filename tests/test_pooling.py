@@ -232,8 +232,8 @@ def test_concurrent_requests_share_forwards_and_a_left_one_is_dropped(minilm):
 
 
 def test_shutdown_fails_the_jobs_still_waiting(minilm):
-    """The worker stops after its round in progress (so a process can exit while it
-    works: engine/runtime/exit_stop.py); every job still queued fails instead of hanging."""
+    """The worker stops after its round in progress; every job still queued fails instead
+    of hanging, and so does a job sent after the stop."""
     import asyncio
 
     from engine import AsyncPooling, embedding_inputs
@@ -245,7 +245,9 @@ def test_shutdown_fails_the_jobs_still_waiting(minilm):
         # Alternate Matryoshka cuts: a round takes jobs of one cut, so each is a round.
         jobs = [asyncio.ensure_future(pooling.run(embedding_inputs(engine, s), (None, 128)[i % 2]))
                 for i, s in enumerate(SENTENCES * 20)]
-        await asyncio.sleep(0.05)  # queued, the first round under way
+        started = engine.stats.forwards
+        while engine.stats.forwards == started:  # queued, and a first round has run
+            await asyncio.sleep(0.005)
         pooling.shutdown(timeout=30)
         outcomes = await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), 30)
         with pytest.raises(RuntimeError, match="stopped"):

@@ -184,9 +184,10 @@ class AsyncPooling:
                 continue
             for job, result in zip(round_, results):
                 job.loop.call_soon_threadsafe(_set, job.future, result, None)
-        self._fail_waiting(RuntimeError("the pooling worker has stopped"))
+        self._fail_waiting()
 
-    def _fail_waiting(self, error: BaseException) -> None:
+    def _fail_waiting(self) -> None:
+        error = RuntimeError("the pooling worker has stopped")
         waiting = self._pending
         while not self._jobs.empty():
             waiting.append(self._jobs.get_nowait())
